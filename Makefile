@@ -1,0 +1,33 @@
+# One command sets everything up and runs the demo, one sets up and runs the tests.
+# torch is installed first with an exact pin: on a CPU-only machine an open torch
+# requirement would otherwise resolve to a multi-GB CUDA build. Elsewhere, point
+# TORCH_INDEX at PyTorch's CPU wheel index to get the CPU build of the same release.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: setup demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/witness demo
+
+test: setup
+	$(VENV)/bin/ruff check witness tests bench
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) witness-demo .pytest_cache

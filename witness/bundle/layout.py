@@ -1,0 +1,33 @@
+"""Names, version and size limits of the bundle format."""
+
+from __future__ import annotations
+
+import re
+
+from ..commit.hashing import canonical_json
+
+FORMAT = "witness-bundle"
+VERSION = 1
+MARKER = "bundle.json"
+LOG = "log.jsonl"
+HEADS = "heads.jsonl"
+CHECKPOINTS = "checkpoints"
+
+MAX_LOG_BYTES = 512 * 1024 * 1024
+MAX_RECORD_BYTES = 4 * 1024 * 1024
+MAX_HEADS_BYTES = 64 * 1024 * 1024
+MAX_CHECKPOINT_BYTES = 8 * 1024 * 1024 * 1024
+MAX_SAFETENSORS_HEADER = 16 * 1024 * 1024
+MAX_FILES = 1_000_000
+
+CHECKPOINT_RE = re.compile(r"^checkpoints/([0-9]{8,12})\.safetensors$")
+
+
+def marker_bytes(version: int = VERSION) -> bytes:
+    """The exact content of ``bundle.json``."""
+    return canonical_json({"format": FORMAT, "version": version}) + b"\n"
+
+
+def checkpoint_name(step: int) -> str:
+    """Relative path of the checkpoint holding the state after ``step`` updates."""
+    return f"{CHECKPOINTS}/{step:08d}.safetensors"

@@ -1,0 +1,234 @@
+"""The strict bundle reader: bounded sizes, no links, no unknown files, only the signed prefix."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..commit.hashing import parse_canonical_json
+from ..commit.log import RunLog
+from ..commit.merkle import verify_consistency
+from ..commit.signing import SignedTreeHead, public_key_from_hex
+from ..errors import MalformedInput, VerificationError
+from .layout import (
+    CHECKPOINT_RE,
+    CHECKPOINTS,
+    HEADS,
+    LOG,
+    MARKER,
+    MAX_FILES,
+    MAX_HEADS_BYTES,
+    MAX_LOG_BYTES,
+    MAX_RECORD_BYTES,
+    marker_bytes,
+)
+from .schema import EndRecord, Manifest, StepRecord
+
+PICKLE_SUFFIXES = {".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt"}
+
+
+@dataclass
+class Bundle:
+    """A parsed bundle: everything here is covered by the last signed tree head."""
+
+    root: Path
+    manifest: Manifest
+    steps: list[StepRecord]
+    end: EndRecord | None
+    log: RunLog
+    heads: list[SignedTreeHead]
+    checkpoints: dict[int, Path]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run finished (its end record is signed)."""
+        return self.end is not None
+
+    @property
+    def final_head(self) -> SignedTreeHead:
+        """The last signed tree head."""
+        return self.heads[-1]
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps with a committed checkpoint (state after that many updates), ascending."""
+        return sorted(self.checkpoints)
+
+    def committed_checkpoint(self, step: int) -> tuple[bytes, bytes] | None:
+        """(state hash, file SHA-256) the log commits for the state after ``step`` updates, if any."""
+        if step == 0:
+            return self.manifest.init_state_hash, self.manifest.init_checkpoint_sha256
+        rec = self.steps[step - 1]
+        if rec.state_hash is None or rec.checkpoint_sha256 is None:
+            return None
+        return rec.state_hash, rec.checkpoint_sha256
+
+
+def _looks_like_pickle(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def _scan(root: Path) -> tuple[set[str], list[str]]:
+    """Every regular file under ``root`` (relative names); links and devices are refused."""
+    files: set[str] = set()
+    temps: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                raise MalformedInput(f"{rel} is a link; a bundle may not point outside itself")
+            if stat.S_ISDIR(st.st_mode):
+                if rel != CHECKPOINTS:
+                    raise MalformedInput(f"unexpected folder {rel} in the bundle")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise MalformedInput(f"{rel} is not a regular file")
+            if Path(name).suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(full):
+                raise MalformedInput(f"{rel} looks like a pickle; witness never unpickles anything")
+            if rel.startswith(f"{CHECKPOINTS}/") and rel.endswith(".safetensors.tmp"):
+                temps.append(rel)
+                continue
+            if rel not in (MARKER, LOG, HEADS) and not CHECKPOINT_RE.match(rel):
+                raise MalformedInput(f"unexpected file {rel} in the bundle")
+            files.add(rel)
+            if len(files) > MAX_FILES:
+                raise MalformedInput("too many files in the bundle")
+    return files, temps
+
+
+def _read_bounded(path: Path, limit: int, what: str) -> bytes:
+    size = path.stat().st_size
+    if size > limit:
+        raise MalformedInput(f"{what} is {size} bytes, over the {limit}-byte limit")
+    return path.read_bytes()
+
+
+def _lines(data: bytes, what: str) -> tuple[list[bytes], bool]:
+    """Complete lines, and whether a torn (unterminated) last line was dropped."""
+    parts = data.split(b"\n")
+    torn = parts[-1] != b""
+    lines = parts[:-1]
+    for i, line in enumerate(lines):
+        if len(line) > MAX_RECORD_BYTES:
+            raise MalformedInput(f"{what} line {i} is over {MAX_RECORD_BYTES} bytes")
+    return lines, torn
+
+
+def _json(line: bytes, where: str) -> object:
+    try:
+        return parse_canonical_json(line)
+    except ValueError as e:
+        raise MalformedInput(f"{where}: {e}") from None
+
+
+def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundle:
+    """Read and authenticate a bundle; returns only what the last signed tree head covers.
+
+    ``public_key`` pins the signer; without it the manifest's key is used (and reported).
+    """
+    root = Path(path)
+    if not root.exists():
+        raise MalformedInput(f"{root} does not exist")
+    if root.is_symlink() or not root.is_dir():
+        raise MalformedInput(f"{root} is not a bundle folder")
+    files, temps = _scan(root)
+    for need in (MARKER, LOG, HEADS):
+        if need not in files:
+            raise MalformedInput(f"the bundle has no {need}")
+    marker = _read_bounded(root / MARKER, 4096, MARKER)
+    if marker != marker_bytes():
+        raise MalformedInput(f"{MARKER} is not a witness bundle marker of a supported version")
+
+    lines, torn_log = _lines(_read_bounded(root / LOG, MAX_LOG_BYTES, LOG), LOG)
+    head_lines, torn_heads = _lines(_read_bounded(root / HEADS, MAX_HEADS_BYTES, HEADS), HEADS)
+    if not lines:
+        raise MalformedInput("the log is empty")
+    heads = [SignedTreeHead.from_json(_json(h, f"{HEADS} line {i}")) for i, h in enumerate(head_lines)]
+    if not heads:
+        raise MalformedInput("the bundle has no signed tree head; nothing in it is signed")
+
+    manifest = Manifest.parse(_json(lines[0], "log record 0"))
+    if public_key is not None and public_key != manifest.public_key:
+        raise VerificationError(
+            f"the run is signed by {manifest.public_key[:16]}…, not by the pinned key {public_key[:16]}…",
+            check="signature",
+        )
+    pub = public_key_from_hex(manifest.public_key)
+
+    log = RunLog(lines)
+    prev: SignedTreeHead | None = None
+    for i, h in enumerate(heads):
+        if h.size < 1 or h.size > len(lines):
+            raise VerificationError(
+                f"tree head {i} covers {h.size} records but the log holds {len(lines)}: records were dropped",
+                check="log",
+            )
+        h.verify(pub)
+        if h.root != log.root(h.size):
+            raise VerificationError(
+                f"the log's first {h.size} records do not hash to signed tree head {i}: "
+                "a record was edited, dropped, inserted or reordered",
+                check="log",
+            )
+        if prev is not None:
+            if h.size < prev.size or h.timestamp_ms < prev.timestamp_ms:
+                raise VerificationError(f"tree head {i} goes back in size or time", check="log")
+            verify_consistency(prev.size, h.size, prev.root, h.root, log.tree.consistency_proof(prev.size, h.size))
+        prev = h
+
+    signed = heads[-1].size
+    notes: list[str] = []
+    steps: list[StepRecord] = []
+    end: EndRecord | None = None
+    for i in range(1, signed):
+        obj = _json(lines[i], f"log record {i}")
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        if kind == "end":
+            if i != signed - 1:
+                raise VerificationError(f"log record {i} ends the run but records follow it", check="log")
+            end = EndRecord.parse(obj, f"log record {i}")
+            continue
+        rec = StepRecord.parse(obj, f"log record {i}")
+        if rec.step != i - 1:
+            raise VerificationError(
+                f"log record {i} is step {rec.step}, expected step {i - 1}: steps were dropped or reordered",
+                step=i - 1,
+                check="log",
+            )
+        steps.append(rec)
+    tail = len(lines) - signed
+    if end is not None and (tail or torn_log or torn_heads or temps):
+        raise MalformedInput("a finished bundle holds records or files after its final signed tree head")
+    if tail or torn_log:
+        notes.append(f"ignored {tail} unsigned trailing record(s){' and a torn line' if torn_log else ''}")
+    if end is not None and end.steps != len(steps):
+        raise VerificationError(f"the end record claims {end.steps} steps; the log holds {len(steps)}", check="log")
+
+    committed = {0}
+    for rec in steps:
+        if rec.state_hash is not None:
+            committed.add(rec.step + 1)
+    checkpoints: dict[int, Path] = {}
+    for rel in sorted(files):
+        m = CHECKPOINT_RE.match(rel)
+        if not m:
+            continue
+        step = int(m.group(1))
+        if step in committed:
+            checkpoints[step] = root / rel
+        elif end is not None:
+            raise MalformedInput(f"{rel} is not committed by any signed record")
+        else:
+            notes.append(f"ignored {rel}, which no signed record commits")
+    missing = sorted(committed - set(checkpoints))
+    if missing:
+        raise VerificationError(f"the checkpoint after step {missing[0]} is committed but missing", check="checkpoint")
+    if not steps:
+        raise VerificationError("the signed log holds no training step", check="log")
+    return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes)

@@ -1,0 +1,200 @@
+"""Strict schemas of the log records: the manifest, one record per step, and the end record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..commit.hashing import from_hex
+from ..errors import MalformedInput
+
+MANIFEST_VERSION = 1
+NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _fail(where: str, msg: str) -> MalformedInput:
+    return MalformedInput(f"{where}: {msg}")
+
+
+def _keys(obj: Any, required: set[str], optional: set[str], where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise _fail(where, "must be a JSON object")
+    missing = required - set(obj)
+    extra = set(obj) - required - optional
+    if missing:
+        raise _fail(where, f"missing fields {sorted(missing)}")
+    if extra:
+        raise _fail(where, f"unexpected fields {sorted(extra)}")
+    return obj
+
+
+def _int(v: Any, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(where, f"must be an integer in [{lo}, {hi}]")
+    return v
+
+
+def _float(v: Any, where: str) -> float:
+    if type(v) is float or type(v) is int:
+        return float(v)
+    if isinstance(v, str) and v in NONFINITE:
+        return NONFINITE[v]
+    raise _fail(where, "must be a number")
+
+
+def _floats(v: Any, where: str, max_len: int = 4096) -> tuple[float, ...]:
+    if not isinstance(v, list) or len(v) > max_len:
+        raise _fail(where, f"must be a list of at most {max_len} numbers")
+    return tuple(_float(x, where) for x in v)
+
+
+def _hex(v: Any, where: str, size: int = 32) -> bytes:
+    try:
+        return from_hex(v, where, size)
+    except ValueError as e:
+        raise _fail(where, str(e)) from None
+
+
+def _str(v: Any, where: str, max_len: int = 256) -> str:
+    if not isinstance(v, str) or len(v) > max_len:
+        raise _fail(where, f"must be a string of at most {max_len} characters")
+    return v
+
+
+def _dict(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise _fail(where, "must be an object")
+    return v
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The recipe and every seed, signed before step 0 (the log's first record)."""
+
+    raw: dict
+    task: str
+    task_config: dict
+    r: bytes
+    r_source: str
+    run_seed: bytes
+    data_root: bytes
+    dataset_size: int
+    probe_hash: bytes
+    checkpoint_every: int
+    steps_planned: int
+    world_size: int
+    threads: int
+    public_key: str
+    init_state_hash: bytes
+    init_checkpoint_sha256: bytes
+
+    FIELDS = {
+        "type", "format_version", "task", "task_config", "code_version", "r", "r_source", "run_seed",
+        "data_root", "dataset_size", "probe_hash", "fingerprint_spec", "checkpoint_every",
+        "steps_planned", "world_size", "parallelism", "threads", "determinism", "versions",
+        "public_key", "init_state_hash", "init_checkpoint_sha256", "created_ms",
+    }
+
+    @classmethod
+    def parse(cls, obj: Any) -> Manifest:
+        """Strictly parse the manifest record."""
+        w = "manifest"
+        _keys(obj, cls.FIELDS, set(), w)
+        if obj["type"] != "manifest":
+            raise _fail(w, "the log's first record must be the manifest")
+        if obj["format_version"] != MANIFEST_VERSION:
+            raise _fail(w, f"unsupported manifest version {obj['format_version']!r}")
+        for k in ("code_version", "parallelism"):
+            _str(obj[k], f"{w}.{k}")
+        for k in ("fingerprint_spec", "determinism", "versions"):
+            _dict(obj[k], f"{w}.{k}")
+        _int(obj["created_ms"], f"{w}.created_ms")
+        if obj["r_source"] not in ("trainer", "ticket"):
+            raise _fail(w, "r_source must be trainer or ticket")
+        return cls(
+            raw=obj,
+            task=_str(obj["task"], f"{w}.task", 64),
+            task_config=_dict(obj["task_config"], f"{w}.task_config"),
+            r=_hex(obj["r"], f"{w}.r"),
+            r_source=obj["r_source"],
+            run_seed=_hex(obj["run_seed"], f"{w}.run_seed"),
+            data_root=_hex(obj["data_root"], f"{w}.data_root"),
+            dataset_size=_int(obj["dataset_size"], f"{w}.dataset_size", 1),
+            probe_hash=_hex(obj["probe_hash"], f"{w}.probe_hash"),
+            checkpoint_every=_int(obj["checkpoint_every"], f"{w}.checkpoint_every", 1),
+            steps_planned=_int(obj["steps_planned"], f"{w}.steps_planned", 1),
+            world_size=_int(obj["world_size"], f"{w}.world_size", 1, 1 << 20),
+            threads=_int(obj["threads"], f"{w}.threads", 1, 4096),
+            public_key=_str(obj["public_key"], f"{w}.public_key", 64),
+            init_state_hash=_hex(obj["init_state_hash"], f"{w}.init_state_hash"),
+            init_checkpoint_sha256=_hex(obj["init_checkpoint_sha256"], f"{w}.init_checkpoint_sha256"),
+        )
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step: its batch, loss, lr, gradient norm, and the fingerprint after it."""
+
+    raw: dict
+    step: int
+    batch: tuple[int, ...]
+    batch_root: bytes
+    loss: float
+    lr: float
+    grad_norm: float
+    probe_loss: tuple[float, ...]
+    projection: tuple[float, ...]
+    digest: bytes
+    sketch: tuple[float, ...]
+    state_hash: bytes | None
+    checkpoint_sha256: bytes | None
+
+    @property
+    def fingerprint_vector(self) -> list[float]:
+        """Numeric part of the fingerprint."""
+        return [*self.probe_loss, *self.projection]
+
+    @classmethod
+    def parse(cls, obj: Any, where: str) -> StepRecord:
+        """Strictly parse a step record."""
+        req = {"type", "step", "batch", "batch_root", "loss", "lr", "grad_norm", "fingerprint", "sketch"}
+        _keys(obj, req, {"state_hash", "checkpoint_sha256"}, where)
+        if obj["type"] != "step":
+            raise _fail(where, f"expected a step record, found {obj['type']!r}")
+        if ("state_hash" in obj) != ("checkpoint_sha256" in obj):
+            raise _fail(where, "state_hash and checkpoint_sha256 come together")
+        batch = obj["batch"]
+        if not isinstance(batch, list) or not 1 <= len(batch) <= 1 << 20:
+            raise _fail(where, "batch must be a non-empty list of sample indices")
+        fp = _keys(obj["fingerprint"], {"probe_loss", "projection", "digest"}, set(), f"{where}.fingerprint")
+        return cls(
+            raw=obj,
+            step=_int(obj["step"], f"{where}.step"),
+            batch=tuple(_int(i, f"{where}.batch") for i in batch),
+            batch_root=_hex(obj["batch_root"], f"{where}.batch_root"),
+            loss=_float(obj["loss"], f"{where}.loss"),
+            lr=_float(obj["lr"], f"{where}.lr"),
+            grad_norm=_float(obj["grad_norm"], f"{where}.grad_norm"),
+            probe_loss=_floats(fp["probe_loss"], f"{where}.fingerprint.probe_loss"),
+            projection=_floats(fp["projection"], f"{where}.fingerprint.projection"),
+            digest=_hex(fp["digest"], f"{where}.fingerprint.digest"),
+            sketch=_floats(obj["sketch"], f"{where}.sketch", 1024),
+            state_hash=_hex(obj["state_hash"], f"{where}.state_hash") if "state_hash" in obj else None,
+            checkpoint_sha256=_hex(obj["checkpoint_sha256"], f"{where}.checkpoint_sha256")
+            if "checkpoint_sha256" in obj
+            else None,
+        )
+
+
+@dataclass(frozen=True)
+class EndRecord:
+    """The run's last record: how many steps, and the final state."""
+
+    steps: int
+    final_state_hash: bytes
+
+    @classmethod
+    def parse(cls, obj: Any, where: str) -> EndRecord:
+        """Strictly parse the end record."""
+        _keys(obj, {"type", "steps", "final_state_hash"}, set(), where)
+        return cls(_int(obj["steps"], f"{where}.steps", 1), _hex(obj["final_state_hash"], f"{where}.final_state_hash"))

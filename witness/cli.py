@@ -1,0 +1,315 @@
+"""The ``witness`` command line.
+
+Exit codes of ``verify``: 0 accepted, 1 rejected, 2 unusable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .errors import MalformedInput, RunRejected, VerificationError
+
+DEFAULT_KEY = Path(os.environ.get("WITNESS_KEY", Path.home() / ".witness" / "signing_key.pem"))
+
+
+def _hex(value: str) -> bytes:
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not hex") from None
+
+
+def _fraction(value: str) -> float:
+    v = float(value)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError("must lie strictly between 0 and 1")
+    return v
+
+
+def _positive(value: str) -> int:
+    v = int(value)
+    if v < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return v
+
+
+def _config_value(text: str):
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError("use KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _trainer_r(seed: str | None) -> bytes:
+    from .commit.hashing import tagged_hash
+
+    return os.urandom(32) if seed is None else tagged_hash("witness/trainer-seed/v1", seed.encode())
+
+
+def _challenge_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--challenges", type=_positive, help="number of replay challenges q")
+    g.add_argument("--confidence", type=_fraction, help="choose q so that detection >= C (default 0.99)")
+    p.add_argument("--bad-fraction", type=_fraction, default=None, help="fraction f of bad steps to detect (default 0.05)")
+    p.add_argument("--length", type=_positive, default=1, help="steps replayed per challenge (default 1)")
+    p.add_argument("--nonce", type=_hex, help="the verifier's nonce (hex); random by default")
+
+
+def _q(args: argparse.Namespace) -> int:
+    from .verify.audit import DEFAULT_BAD_FRACTION, DEFAULT_CONFIDENCE
+    from .verify.challenges import challenges_needed
+
+    if args.challenges:
+        return args.challenges
+    return challenges_needed(args.confidence or DEFAULT_CONFIDENCE, args.bad_fraction or DEFAULT_BAD_FRACTION)
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """Create a signing key."""
+    from .commit.signing import generate_key, key_fingerprint, public_hex, save_key
+
+    path = Path(args.out)
+    if path.exists() and not args.force:
+        print(f"{path} exists (use --force to replace it)", file=sys.stderr)
+        return 2
+    key = generate_key()
+    pub = save_key(key, path)
+    print(f"wrote {path} (private, mode 0600) and {pub}")
+    print(f"public key {public_hex(key.public_key())} (fingerprint {key_fingerprint(public_hex(key.public_key()))})")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a registered task with the recorder."""
+    from .commit.signing import load_or_create_key
+    from .record import Recorder
+    from .task import build_task
+
+    key = load_or_create_key(Path(args.key))
+    if args.resume:
+        rec = Recorder.resume(args.out, key, threads=args.threads)
+        print(f"resuming {args.out} at step {rec.start_step}", file=sys.stderr)
+    else:
+        config = dict(args.config or [])
+        if args.steps is not None:
+            config["steps"] = args.steps
+        task = build_task(args.task, config)
+        rec = Recorder.create(task, args.out, key, r=_trainer_r(args.seed), checkpoint_every=args.checkpoint_every,
+                              threads=args.threads)
+    head = rec.train(progress=not args.quiet)
+    print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
+    return 0
+
+
+def _print_verdict(verdict, args, failures: list[str] | None = None) -> None:
+    if args.json:
+        out = verdict.to_json() if verdict is not None else {}
+        out.setdefault("accepted", False)
+        if failures is not None:
+            out["failures"] = failures
+        for k in ("challenges", "mode", "exact", "bad_fraction", "detection_probability"):
+            out.setdefault(k, None)
+        print(json.dumps(out, indent=None if args.json else 2))
+    elif verdict is not None:
+        print(verdict.summary())
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Audit a bundle."""
+    from .verify.audit import default_response_dir, verify_bundle
+
+    response = args.response
+    if args.mode == "interactive" and response is None:
+        response = default_response_dir(args.bundle)
+    thresholds = {"fingerprint": args.rtol} if args.rtol is not None else None
+    try:
+        verdict = verify_bundle(
+            args.bundle, challenges=_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
+            response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
+            threads=args.threads, public_key=args.signer, progress=not args.json,
+        )
+    except RunRejected as e:
+        _print_verdict(e.verdict, args, e.failures)
+        if not args.json:
+            print(f"REJECTED: {e}", file=sys.stderr)
+        return 1
+    except VerificationError as e:
+        if args.json:
+            _print_verdict(None, args, [str(e)])
+        print(f"{'UNUSABLE INPUT' if isinstance(e, MalformedInput) else 'REJECTED'}: {e}", file=sys.stderr)
+        return e.exit_code
+    _print_verdict(verdict, args)
+    return 0
+
+
+def cmd_respond(args: argparse.Namespace) -> int:
+    """Answer a verifier's challenges (the trainer's side of interactive mode)."""
+    from .verify.audit import default_response_dir
+    from .verify.respond import respond
+
+    if args.nonce is None:
+        print("respond needs the verifier's --nonce", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else default_response_dir(args.bundle)
+    respond(args.bundle, out, nonce=args.nonce, challenges=_q(args), length=args.length, progress=True)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print a readable summary of a bundle."""
+    from .bundle.reader import open_bundle
+    from .commit.signing import key_fingerprint
+
+    b = open_bundle(args.bundle)
+    m = b.manifest
+    info = {
+        "task": m.task,
+        "steps_signed": len(b.steps),
+        "steps_planned": m.steps_planned,
+        "complete": b.complete,
+        "signer": key_fingerprint(m.public_key),
+        "public_key": m.public_key,
+        "final_tree_head": b.final_head.to_json(),
+        "tree_heads": len(b.heads),
+        "data_root": m.data_root.hex(),
+        "dataset_size": m.dataset_size,
+        "run_seed": m.run_seed.hex(),
+        "r_source": m.r_source,
+        "checkpoints": b.checkpoint_steps(),
+        "checkpoint_every": m.checkpoint_every,
+        "threads": m.threads,
+        "first_loss": b.steps[0].loss,
+        "last_loss": b.steps[-1].loss,
+        "task_config": m.task_config,
+        "notes": b.notes,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{m.task} run, {len(b.steps)}/{m.steps_planned} steps signed ({'complete' if b.complete else 'incomplete'})")
+    print(f"  signer        {info['signer']} ({m.public_key})")
+    print(f"  final head    size {b.final_head.size}, root {b.final_head.root.hex()}")
+    print(f"  signed at     {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(b.final_head.timestamp_ms / 1000))} UTC ({len(b.heads)} heads)")
+    print(f"  data root     {m.data_root.hex()} ({m.dataset_size} samples)")
+    print(f"  run seed      {m.run_seed.hex()} (r from the {m.r_source})")
+    print(f"  checkpoints   {', '.join(map(str, b.checkpoint_steps()))} (every {m.checkpoint_every})")
+    print(f"  loss          {b.steps[0].loss:.4f} -> {b.steps[-1].loss:.4f}")
+    print(f"  recipe        {json.dumps(m.task_config, sort_keys=True)}")
+    for n in b.notes:
+        print(f"  note          {n}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train tinygpt with the recorder, verify it, write a report."""
+    from .bundle.reader import open_bundle
+    from .commit.signing import load_or_create_key
+    from .record import Recorder
+    from .report import write_report
+    from .task import build_task
+    from .verify.audit import verify_bundle
+
+    out = Path(args.out)
+    bundle_dir = out / "bundle"
+    if bundle_dir.exists():
+        if not (bundle_dir / "bundle.json").exists():
+            print(f"{bundle_dir} exists and is not a bundle; choose another --out", file=sys.stderr)
+            return 2
+        shutil.rmtree(bundle_dir)
+    key = load_or_create_key(out / "demo_key.pem")
+    task = build_task("tinygpt", {"steps": args.steps})
+    t0 = time.perf_counter()
+    Recorder.create(task, bundle_dir, key, r=_trainer_r(None), checkpoint_every=50).train()
+    train_s = time.perf_counter() - t0
+    print(f"trained {args.steps} steps in {train_s:.1f} s; now auditing with random replay challenges", file=sys.stderr)
+    try:
+        verdict = verify_bundle(bundle_dir, challenges=args.challenges, progress=True)
+        text = verdict.summary()
+        code = 0
+    except VerificationError as e:
+        text, code = f"REJECTED: {e}", e.exit_code
+    print(text)
+    report = write_report(open_bundle(bundle_dir), out / "report", text)
+    print(f"bundle: {bundle_dir}\nreport: {report / 'report.md'} (plots: loss.png, fingerprints.png)")
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="witness", description="Certify neural-network training runs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("keygen", help="create an Ed25519 signing key")
+    k.add_argument("--out", default=str(DEFAULT_KEY))
+    k.add_argument("--force", action="store_true")
+    k.set_defaults(func=cmd_keygen)
+
+    t = sub.add_parser("train", help="train a registered task and write a witness bundle")
+    t.add_argument("--task", default="tinygpt")
+    t.add_argument("--steps", type=_positive)
+    t.add_argument("--out", required=True)
+    t.add_argument("--checkpoint-every", type=_positive, default=50)
+    t.add_argument("--seed", help="the trainer's r (any string); random by default")
+    t.add_argument("--key", default=str(DEFAULT_KEY), help="signing key (created if missing)")
+    t.add_argument("--threads", type=_positive)
+    t.add_argument("--config", type=_config_value, action="append", help="recipe field KEY=VALUE")
+    t.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+    v = sub.add_parser("verify", help="audit a bundle (exit 0 accepted, 1 rejected, 2 unusable input)")
+    v.add_argument("bundle")
+    _challenge_args(v)
+    v.add_argument("--mode", choices=["offline", "interactive"], default="offline")
+    v.add_argument("--response", help="the trainer's response folder (interactive mode)")
+    v.add_argument("--tolerance", action="store_true", help="compare within calibrated thresholds, not bit-exactly")
+    v.add_argument("--rtol", type=float, help="fingerprint threshold in tolerance mode")
+    v.add_argument("--threads", type=_positive)
+    v.add_argument("--signer", help="pin the signer's public key (hex)")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+    r = sub.add_parser("respond", help="answer a verifier's challenges with states and samples")
+    r.add_argument("bundle")
+    _challenge_args(r)
+    r.add_argument("--out")
+    r.set_defaults(func=cmd_respond)
+
+    i = sub.add_parser("inspect", help="a readable summary of a bundle")
+    i.add_argument("bundle")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+    d = sub.add_parser("demo", help="train tinygpt, verify it, and write a report")
+    d.add_argument("--out", default="witness-demo")
+    d.add_argument("--steps", type=_positive, default=300)
+    d.add_argument("--challenges", type=_positive, default=90)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except VerificationError as e:
+        print(f"{'UNUSABLE INPUT' if isinstance(e, MalformedInput) else 'REJECTED'}: {e}", file=sys.stderr)
+        return e.exit_code
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Commitments: hashing, Merkle trees and proofs, the run log, signatures (no torch)."""

@@ -1,0 +1,100 @@
+"""SHA-256 with domain separation, and the canonical JSON that everything signed uses."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from typing import Any
+
+LEAF_PREFIX = b"\x00"
+NODE_PREFIX = b"\x01"
+HASH_SIZE = 32
+
+
+def sha256(data: bytes) -> bytes:
+    """SHA-256 digest of ``data``."""
+    return hashlib.sha256(data).digest()
+
+
+def tagged_hash(tag: str, *parts: bytes) -> bytes:
+    """SHA-256 of an ASCII tag, a NUL, then length-prefixed parts (no ambiguity between parts)."""
+    h = hashlib.sha256(tag.encode("ascii") + b"\x00")
+    for p in parts:
+        h.update(len(p).to_bytes(8, "big"))
+        h.update(p)
+    return h.digest()
+
+
+def leaf_hash(data: bytes) -> bytes:
+    """RFC 6962 leaf hash: SHA-256(0x00 || data)."""
+    return hashlib.sha256(LEAF_PREFIX + data).digest()
+
+
+def node_hash(left: bytes, right: bytes) -> bytes:
+    """RFC 6962 interior node hash: SHA-256(0x01 || left || right)."""
+    return hashlib.sha256(NODE_PREFIX + left + right).digest()
+
+
+def same(a: bytes, b: bytes) -> bool:
+    """Constant-time equality of two digests."""
+    return hmac.compare_digest(a, b)
+
+
+def from_hex(value: object, what: str, size: int = HASH_SIZE) -> bytes:
+    """Parse a lowercase hex digest of exactly ``size`` bytes, or raise ValueError."""
+    if not isinstance(value, str) or len(value) != 2 * size:
+        raise ValueError(f"{what} must be {2 * size} hex characters")
+    if value != value.lower():
+        raise ValueError(f"{what} must be lowercase hex")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(f"{what} is not hex") from None
+
+
+def _clean(obj: Any) -> Any:
+    # Non-finite floats are not JSON; a diverged loss must still be recordable.
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one byte form of a JSON value: sorted keys, no spaces, UTF-8, shortest floats."""
+    return json.dumps(
+        _clean(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def parse_canonical_json(data: bytes) -> Any:
+    """Parse JSON and insist that ``data`` is exactly its canonical form."""
+    try:
+        obj = json.loads(
+            data.decode("utf-8"),
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constants,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if canonical_json(obj) != data:
+        raise ValueError("JSON is not in canonical form")
+    return obj

@@ -1,0 +1,126 @@
+"""Ed25519 keys and signed tree heads (through ``cryptography``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from ..errors import MalformedInput, VerificationError
+from .hashing import canonical_json, from_hex, sha256
+
+STH_CONTEXT = "witness/signed-tree-head/v1"
+
+
+def generate_key() -> Ed25519PrivateKey:
+    """A fresh Ed25519 signing key."""
+    return Ed25519PrivateKey.generate()
+
+
+def save_key(key: Ed25519PrivateKey, path: Path) -> Path:
+    """Write the private key as unencrypted PKCS#8 PEM (mode 0600) and the public key beside it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    pub = path.with_suffix(".pub")
+    pub.write_text(public_hex(key.public_key()) + "\n")
+    return pub
+
+
+def load_key(path: Path) -> Ed25519PrivateKey:
+    """Load an Ed25519 private key from a PEM file."""
+    data = Path(path).read_bytes()
+    key = serialization.load_pem_private_key(data, password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} is not an Ed25519 private key")
+    return key
+
+
+def load_or_create_key(path: Path) -> Ed25519PrivateKey:
+    """Load the key at ``path``, creating one there first if it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        save_key(generate_key(), path)
+    return load_key(path)
+
+
+def public_hex(key: Ed25519PublicKey) -> str:
+    """The raw 32-byte public key as hex."""
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+
+
+def public_key_from_hex(value: object) -> Ed25519PublicKey:
+    """Parse a raw hex Ed25519 public key."""
+    try:
+        return Ed25519PublicKey.from_public_bytes(from_hex(value, "public key"))
+    except ValueError as e:
+        raise MalformedInput(f"bad public key: {e}") from None
+
+
+def key_fingerprint(public: str) -> str:
+    """A short, stable name for a public key (first 16 hex of its SHA-256)."""
+    return sha256(bytes.fromhex(public)).hex()[:16]
+
+
+@dataclass(frozen=True)
+class SignedTreeHead:
+    """A log's size and root at a moment, signed by the trainer's key."""
+
+    size: int
+    root: bytes
+    timestamp_ms: int
+    signature: bytes
+
+    @staticmethod
+    def message(size: int, root: bytes, timestamp_ms: int) -> bytes:
+        """The exact bytes that are signed."""
+        return canonical_json(
+            {"context": STH_CONTEXT, "size": size, "root": root.hex(), "timestamp_ms": timestamp_ms}
+        )
+
+    @classmethod
+    def sign(cls, key: Ed25519PrivateKey, size: int, root: bytes, timestamp_ms: int | None = None) -> SignedTreeHead:
+        """Sign a tree head now (or at ``timestamp_ms``)."""
+        ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        return cls(size, root, ts, key.sign(cls.message(size, root, ts)))
+
+    def verify(self, public: Ed25519PublicKey) -> None:
+        """Raise unless the signature is valid for ``public``."""
+        try:
+            public.verify(self.signature, self.message(self.size, self.root, self.timestamp_ms))
+        except InvalidSignature:
+            raise VerificationError(
+                f"signature on the tree head of size {self.size} is invalid", check="signature"
+            ) from None
+
+    def to_json(self) -> dict:
+        """JSON form."""
+        return {
+            "size": self.size,
+            "root": self.root.hex(),
+            "timestamp_ms": self.timestamp_ms,
+            "signature": self.signature.hex(),
+        }
+
+    @classmethod
+    def from_json(cls, obj: object) -> SignedTreeHead:
+        """Strictly parse the JSON form."""
+        if not isinstance(obj, dict) or set(obj) != {"size", "root", "timestamp_ms", "signature"}:
+            raise MalformedInput("a signed tree head must have exactly size, root, timestamp_ms, signature")
+        size, ts = obj["size"], obj["timestamp_ms"]
+        if type(size) is not int or type(ts) is not int or size < 0 or ts < 0:
+            raise MalformedInput("tree head size and timestamp must be non-negative integers")
+        try:
+            return cls(size, from_hex(obj["root"], "root"), ts, from_hex(obj["signature"], "signature", 64))
+        except ValueError as e:
+            raise MalformedInput(f"bad tree head: {e}") from None

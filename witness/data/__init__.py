@@ -1,0 +1,1 @@
+"""Sample canonicalisation, dataset commitments and the seed-derived data order (no torch)."""

@@ -1,0 +1,1 @@
+"""Behavioral fingerprints (outputs on committed probes) and linear parameter sketches."""

@@ -1,0 +1,236 @@
+"""The recorder: wraps the trainer's own loop and writes a signed witness bundle.
+
+Usage, in the trainer's loop::
+
+    rec = Recorder.create(task, "run/", key, r=os.urandom(32), checkpoint_every=50)
+    for t in range(rec.start_step, task.config.steps):
+        batch = rec.batch(t)
+        out = task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
+        rec.log_step(t, out)
+    rec.finish()
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from .. import __version__
+from ..bundle.checkpoint import (
+    file_sha256,
+    load_state,
+    read_checkpoint,
+    save_checkpoint,
+    state_tensors,
+)
+from ..bundle.layout import CHECKPOINTS, HEADS, LOG, checkpoint_name
+from ..bundle.schema import MANIFEST_VERSION
+from ..bundle.writer import BundleWriter, head_sizes, read_lines, truncate_lines
+from ..commit.hashing import parse_canonical_json
+from ..commit.log import RunLog
+from ..commit.signing import SignedTreeHead, public_hex
+from ..data.order import derive_run_seed
+from ..task.base import StepOutput, Task
+from ..task.registry import build_task
+from .session import TrainingSession, environment
+
+HeadCallback = Callable[[SignedTreeHead, RunLog], None]
+
+
+class Recorder:
+    """Writes the manifest before step 0, one record per step, checkpoints every K steps."""
+
+    def __init__(self, task: Task, out: Path, key: Ed25519PrivateKey, session: TrainingSession,
+                 writer: BundleWriter, log: RunLog, manifest: dict, start_step: int,
+                 on_head: HeadCallback | None):
+        self.task, self.out, self.key = task, Path(out), key
+        self.session, self.writer, self.log, self.manifest = session, writer, log, manifest
+        self.start_step = self.next_step = start_step
+        self.checkpoint_every = manifest["checkpoint_every"]
+        self.on_head = on_head
+        self._pending: tuple[int, list[int], bytes] | None = None
+        self._last_sketch: list[float] | None = None
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def create(cls, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, *, r: bytes,
+               r_source: str = "trainer", checkpoint_every: int = 50, threads: int | None = None,
+               on_head: HeadCallback | None = None) -> Recorder:
+        """Start a new run: derive the seed, build the initial state, sign the manifest."""
+        if len(r) != 32:
+            raise ValueError("r must be 32 bytes")
+        if threads:
+            torch.set_num_threads(threads)
+        dataset = task.dataset()
+        run_seed = derive_run_seed(dataset.root, r)
+        session = TrainingSession(task, run_seed, len(dataset))
+        writer = BundleWriter(Path(out), create=True)
+        init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), state_tensors(session.model, session.optimizer), 0)
+        env = environment()
+        manifest = {
+            "type": "manifest",
+            "format_version": MANIFEST_VERSION,
+            "task": task.name,
+            "task_config": task.config_json(),
+            "code_version": __version__,
+            "r": r.hex(),
+            "r_source": r_source,
+            "run_seed": run_seed.hex(),
+            "data_root": dataset.root.hex(),
+            "dataset_size": len(dataset),
+            "probe_hash": task.probe_hash().hex(),
+            "fingerprint_spec": task.fingerprint_spec(),
+            "checkpoint_every": checkpoint_every,
+            "steps_planned": task.config.steps,
+            "world_size": 1,
+            "parallelism": "none",
+            "threads": torch.get_num_threads(),
+            "determinism": env["determinism"],
+            "versions": env["versions"],
+            "public_key": public_hex(key.public_key()),
+            "init_state_hash": init_hash.hex(),
+            "init_checkpoint_sha256": init_file.hex(),
+            "created_ms": int(time.time() * 1000),
+        }
+        log = RunLog()
+        writer.append_record(log.append(manifest))
+        rec = cls(task, Path(out), key, session, writer, log, manifest, 0, on_head)
+        rec._publish_head()  # the manifest is signed before step 0
+        return rec
+
+    @classmethod
+    def resume(cls, out: str | os.PathLike, key: Ed25519PrivateKey, *, threads: int | None = None,
+               on_head: HeadCallback | None = None) -> Recorder:
+        """Continue a killed run from its last intact checkpoint, keeping every signed head valid."""
+        out = Path(out)
+        lines = read_lines(out / LOG)
+        if not lines:
+            raise ValueError(f"{out} holds no run to resume")
+        manifest = parse_canonical_json(lines[0])
+        if manifest["public_key"] != public_hex(key.public_key()):
+            raise ValueError("the run was signed with another key")
+        task = build_task(manifest["task"], manifest["task_config"])
+        torch.set_num_threads(threads or manifest["threads"])
+        records = [parse_canonical_json(line) for line in lines[1:]]
+        if records and records[-1]["type"] == "end":
+            raise ValueError(f"the run in {out} is already complete")
+        resume_at = 0
+        for i, rec in enumerate(records):
+            if rec.get("type") != "step" or rec.get("step") != i:
+                break
+            if "state_hash" in rec:
+                path = out / checkpoint_name(i + 1)
+                if path.exists() and file_sha256(path).hex() == rec["checkpoint_sha256"]:
+                    resume_at = i + 1
+        keep = resume_at + 1
+        if any(size > keep for size in head_sizes(out / HEADS)):
+            raise ValueError("a signed head covers records past the last intact checkpoint; cannot resume")
+        truncate_lines(out / LOG, keep)
+        truncate_lines(out / HEADS, len(head_sizes(out / HEADS)))
+        for f in (out / CHECKPOINTS).iterdir():
+            if f.name.endswith(".tmp") or int(f.name.split(".")[0]) > resume_at:
+                f.unlink()
+        session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"])
+        load_state(session.model, session.optimizer, read_checkpoint(out / checkpoint_name(resume_at)))
+        log = RunLog(lines[:keep])
+        return cls(task, out, key, session, BundleWriter(out, create=False), log, manifest, resume_at, on_head)
+
+    # --- what the trainer's loop calls --------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being trained."""
+        return self.session.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """Its optimizer."""
+        return self.session.optimizer
+
+    def lr(self, step: int) -> float:
+        """The committed schedule's learning rate."""
+        return self.session.lr(step)
+
+    def step_seed(self, step: int) -> int:
+        """The committed seed of the randomness inside ``step``."""
+        return self.session.step_seed(step)
+
+    def batch_indices(self, step: int) -> list[int]:
+        """Dataset indices of the committed batch of ``step``."""
+        return self.session.batch_indices(step)
+
+    def batch(self, step: int) -> Any:
+        """The committed batch of ``step``, collated into tensors."""
+        if step != self.next_step:
+            raise ValueError(f"expected step {self.next_step}, got {step}")
+        ds = self.task.dataset()
+        idx = self.batch_indices(step)
+        self._pending = (step, idx, ds.batch_root(idx))
+        return self.task.collate([ds.sample_bytes(i) for i in idx])
+
+    def log_step(self, step: int, out: StepOutput) -> None:
+        """Append the record of ``step`` (call right after the optimizer stepped)."""
+        if self._pending is None or self._pending[0] != step:
+            raise ValueError(f"log_step({step}) without batch({step}) first")
+        _, idx, root = self._pending
+        self._pending = None
+        fp = self.session.fingerprint()
+        record: dict[str, Any] = {
+            "type": "step",
+            "step": step,
+            "batch": idx,
+            "batch_root": root.hex(),
+            "loss": out.loss,
+            "lr": out.lr,
+            "grad_norm": out.grad_norm,
+            "fingerprint": fp.to_json(),
+            "sketch": self.session.sketch(),
+        }
+        done = step + 1
+        checkpoint = done % self.checkpoint_every == 0 or done == self.task.config.steps
+        if checkpoint:
+            sh, fh = save_checkpoint(
+                self.out / checkpoint_name(done), state_tensors(self.model, self.optimizer), done
+            )
+            record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
+            self.final_state_hash = sh
+        self.writer.append_record(self.log.append(record))
+        self.next_step = done
+        if checkpoint:
+            self._publish_head()
+
+    def finish(self) -> SignedTreeHead:
+        """Append the end record and sign the final tree head."""
+        if self.next_step != self.task.config.steps:
+            raise ValueError(f"the recipe has {self.task.config.steps} steps; {self.next_step} were logged")
+        last = parse_canonical_json(self.log.lines[-1])
+        self.writer.append_record(
+            self.log.append({"type": "end", "steps": self.next_step, "final_state_hash": last["state_hash"]})
+        )
+        head = self._publish_head()
+        self.writer.close()
+        return head
+
+    def train(self, progress: bool = True) -> SignedTreeHead:
+        """The honest loop, for runs that need nothing custom."""
+        from tqdm import tqdm
+
+        bar = tqdm(range(self.start_step, self.task.config.steps), desc=f"training {self.task.name}",
+                   unit="step", disable=not progress, initial=self.start_step, total=self.task.config.steps)
+        for t in bar:
+            out = self.task.train_step(self.model, self.optimizer, self.batch(t), self.lr(t), self.step_seed(t))
+            self.log_step(t, out)
+            bar.set_postfix(loss=f"{out.loss:.3f}")
+        return self.finish()
+
+    def _publish_head(self) -> SignedTreeHead:
+        head = self.log.sign_head(self.key)
+        self.writer.append_head(head)
+        if self.on_head is not None:
+            self.on_head(head, self.log)
+        return head

@@ -1,0 +1,69 @@
+"""A small human-readable report of a bundle: plots of loss and probe fingerprints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .bundle.reader import Bundle
+
+
+def write_report(bundle: Bundle, out: str | os.PathLike, verdict_text: str = "") -> Path:
+    """Write ``loss.png``, ``fingerprints.png`` and ``report.md`` into ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r.step for r in bundle.steps]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, [r.loss for r in bundle.steps], lw=1, label="training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ckpts = [c for c in bundle.checkpoint_steps() if c > 0]
+    for c in ckpts:
+        ax.axvline(c, color="grey", lw=0.5, ls=":")
+    ax.set_title(f"{bundle.manifest.task}: loss (dotted lines: committed checkpoints)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    n_probes = len(bundle.steps[0].probe_loss)
+    for p in range(n_probes):
+        a1.plot(steps, [r.probe_loss[p] for r in bundle.steps], lw=1, label=f"probe {p}")
+    a1.set_title("behavioral fingerprint: loss on each probe")
+    a1.set_xlabel("step")
+    a1.legend(fontsize=7)
+    dims = len(bundle.steps[0].projection)
+    for d in range(min(dims, 8)):
+        a2.plot(steps, [r.projection[d] for r in bundle.steps], lw=1)
+    a2.set_title("behavioral fingerprint: projected outputs")
+    a2.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "fingerprints.png", dpi=110)
+    plt.close(fig)
+
+    m = bundle.manifest
+    text = [
+        f"# Witness report: {m.task}",
+        "",
+        f"* steps signed: {len(bundle.steps)} of {m.steps_planned} ({'complete' if bundle.complete else 'incomplete'})",
+        f"* final tree head: size {bundle.final_head.size}, root `{bundle.final_head.root.hex()}`",
+        f"* data root: `{m.data_root.hex()}` ({m.dataset_size} samples)",
+        f"* run seed: `{m.run_seed.hex()}` = H(data root ‖ r), r from the {m.r_source}",
+        f"* checkpoints: {', '.join(str(c) for c in bundle.checkpoint_steps())}",
+        f"* final loss: {bundle.steps[-1].loss:.4f}",
+        "",
+        "![loss](loss.png)",
+        "",
+        "![fingerprints](fingerprints.png)",
+        "",
+    ]
+    if verdict_text:
+        text += ["## Verdict", "", "```", verdict_text, "```", ""]
+    (out / "report.md").write_text("\n".join(text))
+    return out

@@ -1,0 +1,196 @@
+"""The Task protocol: everything a verifier needs to re-run a step of a recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..commit.hashing import canonical_json, sha256, tagged_hash
+from ..data.dataset import Dataset
+from ..fingerprint.probes import Fingerprint, fingerprint_from_outputs, projection_matrix
+
+MAX_CONFIG_NUMBER = 10_000_000
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one optimizer step reports: the loss before the update, the lr used, the gradient norm."""
+
+    loss: float
+    lr: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Linear warm-up, then cosine decay to ``min_ratio * lr`` at ``total`` steps."""
+
+    lr: float
+    warmup: int
+    total: int
+    min_ratio: float = 0.1
+
+    def at(self, step: int) -> float:
+        """The learning rate of ``step`` (pure Python arithmetic: identical everywhere)."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        return self.lr * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def seed_int(seed: bytes, tag: str) -> int:
+    """A 63-bit torch seed derived from a byte seed."""
+    return int.from_bytes(tagged_hash(tag, seed)[:8], "big") >> 1
+
+
+class Task:
+    """A registered recipe. Subclasses set ``Config`` and implement the model-specific parts.
+
+    The step function here is the one the recorder runs and the verifier replays.
+    """
+
+    name: ClassVar[str]
+    Config: ClassVar[type]
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.schedule = Schedule(config.lr, config.warmup, config.steps, config.min_lr_ratio)
+        self._proj: torch.Tensor | None = None
+        self._probes: Any = None
+
+    # --- recipe -------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, obj: dict) -> Task:
+        """Build from a config dict, refusing unknown or ill-typed fields."""
+        fields = {f.name: f for f in dataclasses.fields(cls.Config)}
+        unknown = set(obj) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown config fields for task {cls.name}: {sorted(unknown)}")
+        defaults = cls.Config()
+        values = {}
+        for k, v in obj.items():
+            want = type(getattr(defaults, k))
+            if want is float and type(v) is int:
+                v = float(v)
+            if type(v) is not want:
+                raise ValueError(f"config field {k} of task {cls.name} must be {want.__name__}")
+            if want in (int, float) and not 0 <= v <= MAX_CONFIG_NUMBER:
+                raise ValueError(f"config field {k} of task {cls.name} is out of range")
+            values[k] = v
+        task = cls(dataclasses.replace(defaults, **values))
+        task.check_limits()
+        return task
+
+    def check_limits(self) -> None:
+        """Refuse recipes too large for a verifier to build (a manifest may come from a liar)."""
+        c = self.config
+        if c.steps < 1 or c.batch_size < 1:
+            raise ValueError("a recipe needs at least one step and one sample per batch")
+
+    def config_json(self) -> dict:
+        """The recipe as JSON."""
+        return dataclasses.asdict(self.config)
+
+    def dataset(self) -> Dataset:
+        """The training dataset in its own order."""
+        raise NotImplementedError
+
+    def build_model(self, seed: bytes) -> nn.Module:
+        """The model with initial weights that are a function of ``seed`` only."""
+        raise NotImplementedError
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """AdamW with the recipe's hyper-parameters (single-tensor loop: same kernels everywhere)."""
+        c = self.config
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        other = [p for n, p in model.named_parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": other, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), foreach=False)
+
+    def collate(self, samples: list[bytes]) -> Any:
+        """Canonical sample bytes -> batch tensors."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Any, generator: torch.Generator | None) -> torch.Tensor:
+        """Mean training loss of a batch; ``generator`` drives dropout."""
+        raise NotImplementedError
+
+    # --- the step -----------------------------------------------------------------------
+    def train_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, lr: float, seed: int
+    ) -> StepOutput:
+        """One optimizer step: set lr, forward, backward, clip, update."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        model.train()
+        generator = torch.Generator().manual_seed(seed)
+        loss = self.loss(model, batch, generator)
+        loss.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        clip = self.config.grad_clip
+        gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=False)
+        optimizer.step()
+        return StepOutput(float(loss.detach()), lr, float(gn))
+
+    # --- probes -------------------------------------------------------------------------
+    def probe_bytes(self) -> list[bytes]:
+        """The committed probe inputs, as canonical bytes."""
+        raise NotImplementedError
+
+    def probe_tensors(self) -> Any:
+        """The probe set as model inputs."""
+        return self.collate(self.probe_bytes())
+
+    def probe_hash(self) -> bytes:
+        """Commitment to the probe set."""
+        return sha256(canonical_json([p.hex() for p in self.probe_bytes()]))
+
+    def probe_forward(self, model: nn.Module, probes: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs ``[P, ..., width]`` and per-probe losses ``[P]`` on the probe set."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def fingerprint(self, model: nn.Module) -> Fingerprint:
+        """The behavioral fingerprint of ``model`` (eval mode, no dropout)."""
+        if self._probes is None:
+            self._probes = self.probe_tensors()
+        was_training = model.training
+        model.eval()
+        outputs, losses = self.probe_forward(model, self._probes)
+        model.train(was_training)
+        if self._proj is None:
+            self._proj = projection_matrix(self.probe_hash(), outputs.shape[-1], self.config.fingerprint_dims)
+        return fingerprint_from_outputs(outputs, losses, self._proj)
+
+    def fingerprint_spec(self) -> dict:
+        """What the fingerprint contains, for the manifest."""
+        return {
+            "probes": len(self.probe_bytes()),
+            "projection_dims": self.config.fingerprint_dims,
+            "sketch_dims": self.config.sketch_dims,
+            "digest": "sha256(float32 probe outputs)",
+        }
+
+    def flops_per_step(self) -> float:
+        """Approximate training FLOPs of one step (6 * params * tokens), for cost reports."""
+        raise NotImplementedError
+
+
+def init_parameters(model: nn.Module, seed: bytes, std: float = 0.02) -> None:
+    """Deterministic init in name order: normal weights, ones for norm gains, zeros for biases."""
+    g = torch.Generator().manual_seed(seed_int(seed, "witness/init/v1"))
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("gain"):
+                p.fill_(1.0)
+            elif p.dim() < 2:
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=g)

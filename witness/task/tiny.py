@@ -1,0 +1,100 @@
+"""``tiny``: a small MLP classifier on synthetic data; milliseconds per step, for fast tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.synthetic import SyntheticClassification
+from .base import Task, init_parameters
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Recipe of the ``tiny`` task."""
+
+    steps: int = 60
+    batch_size: int = 16
+    dataset_size: int = 1024
+    features: int = 8
+    hidden: int = 32
+    classes: int = 4
+    dropout: float = 0.1
+    lr: float = 0.01
+    warmup: int = 5
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    fingerprint_dims: int = 4
+    sketch_dims: int = 8
+
+
+class MLP(nn.Module):
+    """Two-layer perceptron with dropout driven by an explicit generator."""
+
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(c.features, c.hidden)
+        self.fc2 = nn.Linear(c.hidden, c.classes)
+        self.p = c.dropout
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Logits."""
+        h = F.gelu(self.fc1(x))
+        if self.training and self.p > 0 and generator is not None:
+            h = h * (torch.rand(h.shape, generator=generator) >= self.p) / (1 - self.p)
+        return self.fc2(h)
+
+
+class TinyTask(Task):
+    """MLP on ``SyntheticClassification``."""
+
+    name = "tiny"
+    Config = TinyConfig
+
+    @cached_property
+    def _dataset(self) -> SyntheticClassification:
+        c = self.config
+        return SyntheticClassification(c.dataset_size, c.features, c.classes)
+
+    def dataset(self) -> SyntheticClassification:
+        """The synthetic training set."""
+        return self._dataset
+
+    def build_model(self, seed: bytes) -> nn.Module:
+        """MLP with seed-derived weights."""
+        model = MLP(self.config)
+        init_parameters(model, seed, std=0.3)
+        return model
+
+    def collate(self, samples: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features scaled to about [-2, 2], and labels."""
+        f = self.config.features
+        raw = torch.tensor([list(s[:f]) for s in samples], dtype=torch.uint8).view(torch.int8)
+        return raw.to(torch.float32) / 64.0, torch.tensor([s[f] for s in samples], dtype=torch.long)
+
+    def loss(self, model, batch, generator):
+        """Cross-entropy."""
+        x, y = batch
+        return F.cross_entropy(model(x, generator), y)
+
+    def probe_bytes(self) -> list[bytes]:
+        """Eight fixed probe points (labels are part of the bytes but only used for the loss)."""
+        f = self.config.features
+        return [bytes(((i * 37 + j * 11) % 256) for j in range(f)) + bytes([i % self.config.classes]) for i in range(8)]
+
+    def probe_forward(self, model, probes):
+        """Logits and per-probe cross-entropy."""
+        x, y = probes
+        logits = model(x)
+        return logits, F.cross_entropy(logits, y, reduction="none")
+
+    def flops_per_step(self) -> float:
+        """6 * params * samples."""
+        c = self.config
+        params = c.features * c.hidden + c.hidden + c.hidden * c.classes + c.classes
+        return 6.0 * params * c.batch_size

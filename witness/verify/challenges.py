@@ -1,0 +1,58 @@
+"""Replay challenges drawn from H(tree head || verifier nonce), and the detection bound."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..commit.hashing import canonical_json, tagged_hash
+from ..commit.signing import SignedTreeHead
+
+
+@dataclass(frozen=True, order=True)
+class ReplayChallenge:
+    """Re-run steps ``step .. step + length - 1`` and compare with their records."""
+
+    step: int
+    length: int
+
+
+def challenge_seed(head: SignedTreeHead, nonce: bytes) -> bytes:
+    """The challenge randomness: fixed only once the head is signed and the nonce is known."""
+    return tagged_hash("witness/challenge/v1", canonical_json(head.to_json()), nonce)
+
+
+def _uniform(seed: bytes, counter: int, bound: int) -> int:
+    """An unbiased integer in [0, bound) from SHA-256 in counter mode (rejection sampling)."""
+    limit = (1 << 256) - (1 << 256) % bound
+    j = 0
+    while True:
+        x = int.from_bytes(tagged_hash("witness/challenge-draw/v1", seed, counter.to_bytes(8, "big"), j.to_bytes(4, "big")), "big")
+        if x < limit:
+            return x % bound
+        j += 1
+
+
+def draw_challenges(head: SignedTreeHead, nonce: bytes, steps: int, count: int, length: int = 1) -> list[ReplayChallenge]:
+    """``count`` distinct challenge steps, uniform over the run (all steps if count >= steps)."""
+    if steps < 1 or count < 1 or length < 1:
+        raise ValueError("need at least one step, one challenge and a positive length")
+    seed = challenge_seed(head, nonce)
+    pool = list(range(steps))
+    k = min(count, steps)
+    for i in range(k):  # partial Fisher-Yates: sampling without replacement
+        j = i + _uniform(seed, i, steps - i)
+        pool[i], pool[j] = pool[j], pool[i]
+    return sorted(ReplayChallenge(t, min(length, steps - t)) for t in pool[:k])
+
+
+def detection_probability(bad_fraction: float, challenges: int) -> float:
+    """Lower bound 1 - (1 - f)^q on catching a run with a fraction f of bad steps."""
+    return 1.0 - (1.0 - bad_fraction) ** challenges
+
+
+def challenges_needed(confidence: float, bad_fraction: float) -> int:
+    """The smallest q with 1 - (1 - f)^q >= confidence."""
+    if not 0 < confidence < 1 or not 0 < bad_fraction < 1:
+        raise ValueError("confidence and bad fraction must lie strictly between 0 and 1")
+    return max(1, math.ceil(math.log(1 - confidence) / math.log(1 - bad_fraction) - 1e-12))

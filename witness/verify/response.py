@@ -1,0 +1,129 @@
+"""Interactive responses: the trainer supplies the state at each challenged step and the samples.
+
+Layout of a response folder::
+
+    response.json                       versioned, canonical JSON
+    states/<step:08d>.safetensors       the state before each challenged step
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..bundle.checkpoint import read_checkpoint
+from ..commit.hashing import from_hex, leaf_hash, parse_canonical_json, same
+from ..commit.merkle import verify_inclusion
+from ..data.dataset import batch_root, sample_hash
+from ..errors import MalformedInput, VerificationError
+
+FORMAT = "witness-response"
+VERSION = 1
+STATE_RE = re.compile(r"^states/([0-9]{8,12})\.safetensors$")
+MAX_RESPONSE_JSON = 256 * 1024 * 1024
+MAX_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass
+class ResponseStep:
+    """Samples of one step, each with its inclusion proof in the dataset commitment."""
+
+    indices: list[int]
+    samples: list[bytes]
+    proofs: list[list[bytes]]
+
+
+def safe_child(root: Path, rel: object) -> Path:
+    """Resolve a relative name inside ``root``; refuse anything that could leave it."""
+    if not isinstance(rel, str) or not STATE_RE.match(rel):
+        raise MalformedInput(f"response names a file {rel!r} outside its states/ folder")
+    path = root / rel
+    st = os.lstat(path) if os.path.lexists(path) else None
+    if st is None:
+        raise MalformedInput(f"response is missing {rel}")
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode) or stat.S_ISLNK(os.lstat(path.parent).st_mode):
+        raise MalformedInput(f"{rel} is a link or not a regular file")
+    return path
+
+
+class Response:
+    """A parsed response folder."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        path = self.root / "response.json"
+        if not path.is_file() or path.is_symlink():
+            raise MalformedInput(f"{self.root} holds no response.json")
+        if path.stat().st_size > MAX_RESPONSE_JSON:
+            raise MalformedInput("response.json is too large")
+        try:
+            obj = parse_canonical_json(path.read_bytes())
+        except ValueError as e:
+            raise MalformedInput(f"response.json: {e}") from None
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT or obj.get("version") != VERSION:
+            raise MalformedInput("response.json is not a witness response of a supported version")
+        if set(obj) != {"format", "version", "head_root", "head_size", "nonce", "states", "steps"}:
+            raise MalformedInput("response.json has missing or unexpected fields")
+        try:
+            self.head_root = from_hex(obj["head_root"], "head_root")
+            self.nonce = bytes.fromhex(obj["nonce"]) if isinstance(obj["nonce"], str) else None
+        except ValueError as e:
+            raise MalformedInput(f"response.json: {e}") from None
+        self.head_size = obj["head_size"]
+        if not isinstance(obj["states"], dict) or not isinstance(obj["steps"], dict):
+            raise MalformedInput("response.json: states and steps must be objects")
+        self.state_files = {int(k): v for k, v in obj["states"].items() if k.isdigit()}
+        if len(self.state_files) != len(obj["states"]):
+            raise MalformedInput("response.json: state keys must be step numbers")
+        self.steps: dict[int, ResponseStep] = {}
+        for k, v in obj["steps"].items():
+            if not k.isdigit() or not isinstance(v, dict) or set(v) != {"indices", "samples", "proofs"}:
+                raise MalformedInput(f"response.json: bad entry for step {k!r}")
+            try:
+                samples = [bytes.fromhex(s) for s in v["samples"]]
+                proofs = [[from_hex(h, "proof node") for h in p] for p in v["proofs"]]
+            except (ValueError, TypeError) as e:
+                raise MalformedInput(f"response.json step {k}: {e}") from None
+            if any(len(s) > MAX_SAMPLE_BYTES for s in samples):
+                raise MalformedInput(f"response.json step {k}: a sample is too large")
+            if not all(type(i) is int for i in v["indices"]):
+                raise MalformedInput(f"response.json step {k}: indices must be integers")
+            self.steps[int(k)] = ResponseStep(list(v["indices"]), samples, proofs)
+
+    def state(self, step: int) -> dict[str, torch.Tensor]:
+        """The supplied state before ``step``."""
+        if step not in self.state_files:
+            raise VerificationError("the response supplies no state for this challenge", step=step, check="response")
+        return read_checkpoint(safe_child(self.root, self.state_files[step]))
+
+
+class ResponseSamples:
+    """Samples from a response, each checked by an inclusion proof against the data root."""
+
+    def __init__(self, response: Response, data_root: bytes, dataset_size: int):
+        self.response, self.data_root, self.n = response, data_root, dataset_size
+
+    def samples(self, step: int, indices: Sequence[int], root: bytes) -> list[bytes]:
+        """The batch of ``step``, every sample proven to sit at its index in the committed dataset."""
+        got = self.response.steps.get(step)
+        if got is None:
+            raise VerificationError("the response supplies no samples for this step", step=step, check="response")
+        if list(indices) != got.indices or len(got.samples) != len(indices) or len(got.proofs) != len(indices):
+            raise VerificationError("the response's samples are not the committed batch", step=step, check="data")
+        hashes = []
+        for i, s, p in zip(indices, got.samples, got.proofs, strict=True):
+            h = sample_hash(s)
+            try:
+                verify_inclusion(leaf_hash(h), i, self.n, p, self.data_root)
+            except VerificationError:
+                raise VerificationError(f"sample {i} is not in the committed dataset", step=step, check="data") from None
+            hashes.append(h)
+        if not same(batch_root(hashes), root):
+            raise VerificationError("the samples do not hash to the committed batch root", step=step, check="data")
+        return got.samples

@@ -1,0 +1,75 @@
+"""The verdict of an audit: what was checked, every distance against its threshold, and the bound."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ChallengeResult:
+    """Outcome of one replay challenge."""
+
+    step: int
+    length: int
+    passed: bool
+    replayed_steps: int
+    distances: dict[str, float] = field(default_factory=dict)
+    failure: str | None = None
+
+
+@dataclass
+class Verdict:
+    """Accepted or rejected, and why."""
+
+    accepted: bool
+    mode: str
+    exact: bool
+    task: str
+    steps: int
+    complete: bool
+    signer: str
+    challenges: int
+    bad_fraction: float
+    detection_probability: float
+    nonce: str
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
+    thresholds: dict[str, float] = field(default_factory=dict)
+    results: list[ChallengeResult] = field(default_factory=list)
+    replayed_steps: int = 0
+    verify_seconds: float = 0.0
+    replay_flops: float = 0.0
+    training_flops: float = 0.0
+
+    @property
+    def cost_fraction(self) -> float:
+        """Replay compute as a fraction of the training compute."""
+        return self.replay_flops / self.training_flops if self.training_flops else 0.0
+
+    def to_json(self) -> dict:
+        """The ``--json`` form."""
+        out = asdict(self)
+        out["cost_fraction"] = self.cost_fraction
+        return out
+
+    def summary(self) -> str:
+        """A few readable lines."""
+        head = "ACCEPTED" if self.accepted else "REJECTED"
+        lines = [
+            f"{head}: {self.task} run of {self.steps} steps ({'complete' if self.complete else 'incomplete'}), signed by {self.signer}",
+            f"  mode {self.mode}, {'exact' if self.exact else 'tolerance'} comparison, {self.challenges} challenge(s), "
+            f"{self.replayed_steps} step(s) replayed = {100 * self.cost_fraction:.2f}% of the training compute",
+            f"  bound: had >= {100 * self.bad_fraction:g}% of the steps been bad, this audit would have caught it "
+            f"with probability >= {100 * self.detection_probability:.2f}% (1-(1-f)^q)",
+        ]
+        if self.thresholds:
+            worst: dict[str, float] = {}
+            for r in self.results:
+                for k, v in r.distances.items():
+                    worst[k] = max(worst.get(k, 0.0), v)
+            for k, thr in self.thresholds.items():
+                lines.append(f"  {k}: max distance {worst.get(k, 0.0):.3g} against threshold {thr:.3g}")
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  FAILED: {f}" for f in self.failures]
+        return "\n".join(lines)
