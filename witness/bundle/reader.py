@@ -149,6 +149,9 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     head_lines, torn_heads = _lines(_read_bounded(root / HEADS, MAX_HEADS_BYTES, HEADS), HEADS)
     if not lines:
         raise MalformedInput("the log is empty")
+    if torn_heads:
+        # Heads are written whole and fsynced; a torn one means the file was cut, not killed.
+        raise MalformedInput(f"{HEADS} is truncated: its last line is not complete JSON")
     heads = [SignedTreeHead.from_json(_json(h, f"{HEADS} line {i}")) for i, h in enumerate(head_lines)]
     if not heads:
         raise MalformedInput("the bundle has no signed tree head; nothing in it is signed")
@@ -164,6 +167,9 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     log = RunLog(lines)
     prev: SignedTreeHead | None = None
     for i, h in enumerate(heads):
+        if h.size > len(lines) and torn_log:
+            raise MalformedInput(f"{LOG} is truncated: it ends inside record {len(lines)}, "
+                                 f"and tree head {i} covers {h.size} records")
         if h.size < 1 or h.size > len(lines):
             raise VerificationError(
                 f"tree head {i} covers {h.size} records but the log holds {len(lines)}: records were dropped",
@@ -203,7 +209,7 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
             )
         steps.append(rec)
     tail = len(lines) - signed
-    if end is not None and (tail or torn_log or torn_heads or temps):
+    if end is not None and (tail or torn_log or temps):
         raise MalformedInput("a finished bundle holds records or files after its final signed tree head")
     if tail or torn_log:
         notes.append(f"ignored {tail} unsigned trailing record(s){' and a torn line' if torn_log else ''}")

@@ -1,0 +1,246 @@
+"""Every way a dishonest trainer (or anyone after the fact) changes a run is rejected, precisely."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from helpers import train_tiny
+
+from witness.bundle.layout import LOG
+from witness.commit.hashing import canonical_json, parse_canonical_json
+from witness.commit.log import RunLog
+from witness.errors import MalformedInput, RunRejected, VerificationError
+from witness.task.base import StepOutput
+from witness.verify import verify_bundle
+
+ALL = 10_000  # challenge every step: the attack must be caught wherever it sits
+
+
+def _lines(bundle):
+    return (bundle / LOG).read_bytes().split(b"\n")[:-1]
+
+
+def _write(bundle, lines):
+    (bundle / LOG).write_bytes(b"".join(line + b"\n" for line in lines))
+
+
+def _resign(bundle, key, lines):
+    """What a trainer holding its own key can do: rewrite the log and sign it all again."""
+    _write(bundle, lines)
+    log = RunLog()
+    heads = []
+    for line in lines:
+        log.append_line(line)
+        rec = parse_canonical_json(line)
+        if rec["type"] == "manifest" or "state_hash" in rec or rec["type"] == "end":
+            heads.append(canonical_json(log.sign_head(key).to_json()))
+    (bundle / "heads.jsonl").write_bytes(b"".join(h + b"\n" for h in heads))
+
+
+def _edit(line: bytes, **changes) -> bytes:
+    rec = parse_canonical_json(line)
+    rec.update(changes)
+    return canonical_json(rec)
+
+
+def test_honest_run_is_accepted(honest_bundle):
+    v = verify_bundle(honest_bundle, challenges=ALL, nonce=b"x")
+    assert v.accepted and v.exact and v.challenges == 40 and v.complete
+
+
+def test_edited_record_breaks_the_signed_root(bundle_copy):
+    lines = _lines(bundle_copy)
+    lines[8] = _edit(lines[8], loss=0.001)
+    _write(bundle_copy, lines)
+    with pytest.raises(VerificationError, match="do not hash to signed tree head"):
+        verify_bundle(bundle_copy, challenges=1)
+
+
+def test_edited_and_resigned_record_fails_replay(bundle_copy, signing_key):
+    lines = _lines(bundle_copy)
+    lines[8] = _edit(lines[8], loss=0.001)
+    _resign(bundle_copy, signing_key, lines)
+    with pytest.raises(RunRejected, match=r"step 7: replay: replayed loss .* differs from the recorded 0.001"):
+        verify_bundle(bundle_copy, challenges=ALL)
+
+
+def test_edited_fingerprint_resigned_fails_replay(bundle_copy, signing_key):
+    lines = _lines(bundle_copy)
+    rec = parse_canonical_json(lines[5])
+    rec["fingerprint"]["probe_loss"][0] += 1e-6
+    _resign(bundle_copy, signing_key, lines[:5] + [canonical_json(rec)] + lines[6:])
+    with pytest.raises(RunRejected, match="step 4: replay: replayed behavioral fingerprint differs"):
+        verify_bundle(bundle_copy, challenges=ALL)
+
+
+@pytest.mark.parametrize("resign", [False, True])
+def test_dropped_record_is_rejected(bundle_copy, signing_key, resign):
+    lines = _lines(bundle_copy)
+    del lines[5]
+    if resign:
+        _resign(bundle_copy, signing_key, lines)
+        with pytest.raises(VerificationError, match="is step 5, expected step 4: steps were dropped or reordered"):
+            verify_bundle(bundle_copy, challenges=1)
+    else:
+        _write(bundle_copy, lines)
+        with pytest.raises(VerificationError, match="edited, dropped, inserted or reordered"):
+            verify_bundle(bundle_copy, challenges=1)
+
+
+@pytest.mark.parametrize("resign", [False, True])
+def test_reordered_records_are_rejected(bundle_copy, signing_key, resign):
+    lines = _lines(bundle_copy)
+    lines[3], lines[4] = lines[4], lines[3]
+    if resign:
+        _resign(bundle_copy, signing_key, lines)
+        with pytest.raises(VerificationError, match="expected step 2"):
+            verify_bundle(bundle_copy, challenges=1)
+    else:
+        _write(bundle_copy, lines)
+        with pytest.raises(VerificationError, match="reordered"):
+            verify_bundle(bundle_copy, challenges=1)
+
+
+def test_every_byte_flip_in_every_file_is_rejected(bundle_copy, tmp_path):
+    files = sorted(p for p in bundle_copy.rglob("*") if p.is_file())
+    assert len(files) >= 8
+    for path in files:
+        data = path.read_bytes()
+        for pos in sorted({0, len(data) // 3, len(data) // 2, len(data) - 2, len(data) - 1}):
+            work = tmp_path / "flip"
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(bundle_copy, work)
+            target = work / path.relative_to(bundle_copy)
+            flipped = bytearray(data)
+            flipped[pos] ^= 0x01
+            target.write_bytes(bytes(flipped))
+            with pytest.raises(VerificationError) as info:
+                verify_bundle(work, challenges=1, nonce=b"n")
+            assert str(info.value), f"{path.name}@{pos}"
+
+
+def test_checkpoint_swapped_with_another_runs(bundle_copy, tmp_path, signing_key):
+    other = train_tiny(tmp_path / "other", signing_key, r=b"\x09" * 32)
+    shutil.copy(other / "checkpoints/00000020.safetensors", bundle_copy / "checkpoints/00000020.safetensors")
+    with pytest.raises(VerificationError, match=r"step 20: checkpoint: 00000020.safetensors is not the committed checkpoint file"):
+        verify_bundle(bundle_copy, challenges=1)
+
+
+def test_learning_rate_changed_and_recorded(tmp_path):
+    def cheat(rec, t, batch):
+        if 20 <= t < 25:
+            out = rec.task.train_step(rec.model, rec.optimizer, batch, rec.lr(t) * 3, rec.step_seed(t))
+            return out
+        return None
+
+    bundle = train_tiny(tmp_path / "b", cheat=cheat)
+    with pytest.raises(VerificationError, match=r"step 20: schedule: learning rate .* is not the schedule's"):
+        verify_bundle(bundle, challenges=1)
+
+
+def test_learning_rate_changed_but_schedule_recorded(tmp_path):
+    def cheat(rec, t, batch):
+        if t == 23:
+            out = rec.task.train_step(rec.model, rec.optimizer, batch, rec.lr(t) * 3, rec.step_seed(t))
+            return StepOutput(out.loss, rec.lr(t), out.grad_norm)  # lie about the lr used
+        return None
+
+    bundle = train_tiny(tmp_path / "b", cheat=cheat)
+    with pytest.raises(RunRejected) as info:
+        verify_bundle(bundle, challenges=ALL)
+    assert info.value.failures == ["step 23: replay: replayed behavioral fingerprint differs from the record "
+                                   + info.value.failures[0].split("from the record ", 1)[1]]
+
+
+def test_steps_logged_without_the_optimizer_stepping(tmp_path):
+    def cheat(rec, t, batch):
+        if t >= 30:  # claim ten more steps of training than were done
+            return StepOutput(1.0, rec.lr(t), 1.0)
+        return None
+
+    bundle = train_tiny(tmp_path / "b", cheat=cheat)
+    with pytest.raises(VerificationError, match="step 30: record: the parameters did not change"):
+        verify_bundle(bundle, challenges=1)
+
+
+def test_fabricated_steps_with_forged_updates_fail_replay(tmp_path):
+    import torch
+
+    def cheat(rec, t, batch):
+        if t >= 30:  # nudge the weights instead of training: the records look alive
+            with torch.no_grad():
+                for p in rec.model.parameters():
+                    p.add_(1e-4)
+            return StepOutput(0.5, rec.lr(t), 1.0)
+        return None
+
+    bundle = train_tiny(tmp_path / "b", cheat=cheat)
+    with pytest.raises(RunRejected) as info:
+        verify_bundle(bundle, challenges=ALL)
+    assert info.value.failures[0].startswith("step 30: replay:")
+    failed = [r.step for r in info.value.verdict.results if not r.passed]
+    assert failed == list(range(30, 40))  # each later challenge must replay through step 30
+
+
+def test_training_on_uncommitted_batches_fails_replay(tmp_path):
+    bad = {12, 27}
+
+    def cheat(rec, t, batch):
+        if t in bad:  # e.g. the test set, or any data it did not commit
+            ds = rec.task.dataset()
+            other = rec.task.collate([ds.sample_bytes((i * 7 + 3) % len(ds)) for i in rec.batch_indices(t)])
+            return rec.task.train_step(rec.model, rec.optimizer, other, rec.lr(t), rec.step_seed(t))
+        return None
+
+    bundle = train_tiny(tmp_path / "b", cheat=cheat)
+    with pytest.raises(RunRejected) as info:
+        verify_bundle(bundle, challenges=ALL)
+    assert [f.split(":")[0] for f in info.value.failures] == ["step 12", "step 27"]
+    assert all("replayed loss" in f for f in info.value.failures)
+    # Interactive mode catches it too: the trainer's own response cannot hide it.
+    from witness.verify.respond import respond
+
+    respond(bundle, tmp_path / "resp", nonce=b"n", challenges=ALL)
+    with pytest.raises(RunRejected, match="step 12"):
+        verify_bundle(bundle, challenges=ALL, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+
+
+def test_batch_order_not_derived_from_the_seed_is_rejected(bundle_copy, signing_key):
+    lines = _lines(bundle_copy)
+    rec = parse_canonical_json(lines[3])
+    rec["batch"] = list(reversed(rec["batch"]))
+    _resign(bundle_copy, signing_key, lines[:3] + [canonical_json(rec)] + lines[4:])
+    with pytest.raises(VerificationError, match="step 2: data order"):
+        verify_bundle(bundle_copy, challenges=1)
+
+
+def test_run_seed_not_bound_to_the_data_is_rejected(bundle_copy, signing_key):
+    lines = _lines(bundle_copy)
+    lines[0] = _edit(lines[0], run_seed="00" * 32)
+    _resign(bundle_copy, signing_key, lines)
+    with pytest.raises(VerificationError, match="run seed is not H"):
+        verify_bundle(bundle_copy, challenges=1)
+
+
+def test_pinned_signer_rejects_another_key(honest_bundle):
+    with pytest.raises(VerificationError, match="not by the pinned key"):
+        verify_bundle(honest_bundle, challenges=1, public_key="ab" * 32)
+
+
+def test_unregistered_task_is_rejected(bundle_copy, signing_key):
+    lines = _lines(bundle_copy)
+    lines[0] = _edit(lines[0], task="my_own_code")
+    _resign(bundle_copy, signing_key, lines)
+    with pytest.raises(VerificationError, match="not a registered one"):
+        verify_bundle(bundle_copy, challenges=1)
+
+
+def test_offline_needs_the_committed_dataset(bundle_copy, signing_key):
+    lines = _lines(bundle_copy)
+    m = json.loads(lines[0])
+    m["task_config"]["dataset_size"] = 999  # recipe now names a dataset the records were not made from
+    _resign(bundle_copy, signing_key, [canonical_json(m)] + lines[1:])
+    with pytest.raises(MalformedInput, match="committed dataset"):
+        verify_bundle(bundle_copy, challenges=1)
