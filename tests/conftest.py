@@ -10,6 +10,7 @@ from helpers import train_tiny
 
 from witness.commit.signing import generate_key
 
+
 @pytest.fixture(scope="session")
 def signing_key():
     """One key for the session's honest runs."""

@@ -148,7 +148,7 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     lines, torn_log = _lines(_read_bounded(root / LOG, MAX_LOG_BYTES, LOG), LOG)
     head_lines, torn_heads = _lines(_read_bounded(root / HEADS, MAX_HEADS_BYTES, HEADS), HEADS)
     if not lines:
-        raise MalformedInput("the log is empty")
+        raise MalformedInput(f"{LOG} is {'truncated inside its first record' if torn_log else 'empty'}")
     if torn_heads:
         # Heads are written whole and fsynced; a torn one means the file was cut, not killed.
         raise MalformedInput(f"{HEADS} is truncated: its last line is not complete JSON")

@@ -1,36 +1,69 @@
-"""A seeded linear sketch of the parameters: linear, so sketches of shards sum to the whole."""
+"""A seeded linear sketch of the parameters: linear, so sketches of shards sum to the whole.
+
+The sketch is ``R @ theta[S]``: a fixed seeded set ``S`` of coordinates (spread over every
+tensor in proportion to its size) projected by a Gaussian ``k x |S|`` matrix. It is linear in
+the parameters, costs O(|S|) rather than O(parameters) per step, and each shard of a sharded
+tensor contributes the part of ``S`` it holds.
+
+A plain matrix-vector product splits its reduction across threads, so its last bits depend on
+the thread count. Here each fixed-size chunk is reduced in a fixed order and the chunk sums are
+added with ``math.fsum`` (exactly rounded, order-free): the same state gives the same bits at any
+thread count.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..commit.hashing import tagged_hash
 
+CHUNK = 256
+DEFAULT_COORDS = 16384
+
+
+def _seed(*parts: bytes) -> int:
+    return int.from_bytes(tagged_hash("witness/sketch/v2", *parts)[:8], "big") >> 1
+
 
 class ParameterSketch:
-    """``k`` Gaussian projections of every parameter tensor, accumulated in float64."""
+    """``k`` Gaussian projections of a seeded sample of the parameter coordinates."""
 
-    def __init__(self, seed: bytes, k: int = 8):
-        self.seed, self.k = seed, k
-        self._rows: dict[str, torch.Tensor] = {}
+    def __init__(self, seed: bytes, k: int = 8, coords: int = DEFAULT_COORDS):
+        self.seed, self.k, self.coords = seed, k, coords
+        self._plan: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._shape: tuple[tuple[str, int], ...] | None = None
 
-    def rows(self, name: str, numel: int) -> torch.Tensor:
-        """The (k x numel) projection for one named tensor; drawn once, then cached."""
-        r = self._rows.get(name)
-        if r is None or r.shape[1] != numel:
-            s = int.from_bytes(tagged_hash("witness/sketch/v1", self.seed, name.encode())[:8], "big") >> 1
-            g = torch.Generator().manual_seed(s)
-            r = torch.randn(self.k, numel, generator=g, dtype=torch.float32).to(torch.float64)
-            self._rows[name] = r
-        return r
+    def plan(self, sizes: dict[str, int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per tensor: the sampled flat positions, and the (k, chunks, CHUNK) projection, zero-padded."""
+        shape = tuple(sorted(sizes.items()))
+        if shape == self._shape:
+            return self._plan
+        total = sum(sizes.values()) or 1
+        plan = {}
+        for name, n in shape:
+            count = min(n, max(1, math.ceil(self.coords * n / total)))
+            g = torch.Generator().manual_seed(_seed(self.seed, name.encode(), n.to_bytes(8, "big")))
+            pos = torch.randperm(n, generator=g)[:count].sort().values
+            chunks = -(-count // CHUNK)
+            r = torch.zeros(self.k, chunks * CHUNK, dtype=torch.float64)
+            r[:, :count] = torch.randn(self.k, count, generator=g, dtype=torch.float32).to(torch.float64)
+            plan[name] = (pos, r.view(self.k, chunks, CHUNK))
+        self._plan, self._shape = plan, shape
+        return plan
 
     @torch.no_grad()
     def __call__(self, named_tensors: dict[str, torch.Tensor]) -> list[float]:
         """The sketch of a state, as ``k`` floats."""
-        acc = torch.zeros(self.k, dtype=torch.float64)
-        for name in sorted(named_tensors):
-            t = named_tensors[name].detach().reshape(-1)
-            if not t.is_floating_point():
-                continue
-            acc += self.rows(name, t.numel()) @ t.to(torch.float64)
-        return [float(x) for x in acc.tolist()]
+        tensors = {n: t for n, t in named_tensors.items() if t.is_floating_point()}
+        plan = self.plan({n: t.numel() for n, t in tensors.items()})
+        partials = []
+        for name in sorted(tensors):
+            pos, r = plan[name]
+            x = torch.zeros(r.shape[1] * CHUNK, dtype=torch.float64)
+            x[: pos.numel()] = tensors[name].detach().reshape(-1)[pos].to(torch.float64)
+            partials.append((r * x.view(1, -1, CHUNK)).sum(dim=2))
+        if not partials:
+            return [0.0] * self.k
+        return [math.fsum(row) for row in torch.cat(partials, dim=1).tolist()]

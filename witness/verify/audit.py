@@ -180,6 +180,8 @@ def verify_bundle(
         before = replayer.steps_run
         try:
             run(replayer, bundle, ch, result)
+        except MalformedInput:
+            raise
         except VerificationError as e:
             result.passed = False
             result.failure = str(e)

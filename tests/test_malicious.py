@@ -1,0 +1,123 @@
+"""Malicious bundles and responses: a clear error and exit code 2, never a crash or an unpickle."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from witness.bundle.layout import MAX_LOG_BYTES
+from witness.cli import main
+from witness.errors import MalformedInput
+from witness.verify import verify_bundle
+from witness.verify.respond import respond
+
+
+class Boom:
+    """Unpickling this would run code."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/witness-pwned",))
+
+
+def _exit(bundle, *extra) -> int:
+    return main(["verify", str(bundle), "--challenges", "1", "--json", *extra])
+
+
+def test_pickle_file_in_the_bundle(bundle_copy, capsys):
+    (bundle_copy / "checkpoints" / "optimizer.pt").write_bytes(pickle.dumps(Boom()))
+    assert _exit(bundle_copy) == 2
+    assert "pickle" in capsys.readouterr().err
+    assert not os.path.exists("/tmp/witness-pwned")
+
+
+def test_pickle_disguised_as_a_checkpoint(bundle_copy, capsys):
+    (bundle_copy / "checkpoints" / "00000020.safetensors").write_bytes(pickle.dumps(Boom()))
+    assert _exit(bundle_copy) == 2
+    assert "looks like a pickle" in capsys.readouterr().err
+    assert not os.path.exists("/tmp/witness-pwned")
+
+
+def test_link_that_leaves_the_bundle(bundle_copy, capsys):
+    target = bundle_copy / "checkpoints" / "00000020.safetensors"
+    target.unlink()
+    target.symlink_to("/etc/passwd")
+    assert _exit(bundle_copy) == 2
+    assert "a bundle may not point outside itself" in capsys.readouterr().err
+
+
+def test_unknown_file_and_folder(bundle_copy, capsys):
+    (bundle_copy / "notes.txt").write_text("hi")
+    assert _exit(bundle_copy) == 2
+    assert "unexpected file notes.txt" in capsys.readouterr().err
+    (bundle_copy / "notes.txt").unlink()
+    (bundle_copy / "..hidden").mkdir()
+    assert _exit(bundle_copy) == 2
+
+
+def test_oversized_log(bundle_copy, capsys):
+    with open(bundle_copy / "log.jsonl", "r+b") as f:
+        f.truncate(MAX_LOG_BYTES + 1)  # sparse: costs no disk, and must be refused before reading
+    assert _exit(bundle_copy) == 2
+    assert "over the" in capsys.readouterr().err
+
+
+def test_oversized_safetensors_header(bundle_copy, capsys):
+    path = bundle_copy / "checkpoints" / "00000020.safetensors"
+    data = bytearray(path.read_bytes())
+    data[:8] = (1 << 40).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    assert _exit(bundle_copy) in (1, 2)
+    err = capsys.readouterr().err
+    assert "00000020.safetensors" in err
+
+
+@pytest.mark.parametrize("name,cut", [("bundle.json", 10), ("heads.jsonl", -30), ("log.jsonl", 300)])
+def test_truncated_json(bundle_copy, capsys, name, cut):
+    path = bundle_copy / name
+    data = path.read_bytes()
+    path.write_bytes(data[:cut])
+    assert _exit(bundle_copy) == 2
+    err = capsys.readouterr().err
+    assert "UNUSABLE INPUT" in err and (name in err or "manifest" in err or "truncated" in err)
+
+
+def test_missing_bundle_is_unusable(tmp_path, capsys):
+    assert _exit(tmp_path / "nope") == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_response_naming_a_path_outside(honest_bundle, tmp_path):
+    resp = tmp_path / "resp"
+    respond(honest_bundle, resp, nonce=b"n", challenges=2)
+    doc = (resp / "response.json").read_text()
+    first = doc.split('"states":{"', 1)[1].split('"', 1)[0]
+    evil = doc.replace(f'"states/{int(first):08d}.safetensors"', '"../../../../etc/passwd"')
+    (resp / "response.json").write_text(evil)
+    with pytest.raises(MalformedInput, match="outside its states/ folder"):
+        verify_bundle(honest_bundle, challenges=2, nonce=b"n", mode="interactive", response=resp)
+
+
+def test_response_with_a_linked_state(honest_bundle, tmp_path):
+    resp = tmp_path / "resp"
+    respond(honest_bundle, resp, nonce=b"n", challenges=1)
+    state = next((resp / "states").iterdir())
+    state.unlink()
+    state.symlink_to(honest_bundle / "checkpoints" / "00000010.safetensors")
+    with pytest.raises(MalformedInput, match="link"):
+        verify_bundle(honest_bundle, challenges=1, nonce=b"n", mode="interactive", response=resp)
+
+
+def test_cli_exit_codes_in_a_fresh_process(honest_bundle, tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "witness.cli", "verify", str(honest_bundle), "--challenges", "2"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = tmp_path / "b"
+    shutil.copytree(honest_bundle, bad)
+    (bad / "checkpoints" / "x.pkl").write_bytes(b"\x80\x04.")
+    res = subprocess.run([sys.executable, "-m", "witness.cli", "verify", str(bad)], capture_output=True, text=True)
+    assert res.returncode == 2 and "pickle" in res.stderr

@@ -1,0 +1,75 @@
+"""Detection rate over repeated audits matches the bound 1-(1-f)^q (fixed seeds, real audits)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers import train_tiny
+
+from witness.errors import RunRejected
+from witness.verify import verify_bundle
+from witness.verify.challenges import challenges_needed, detection_probability, draw_challenges
+
+STEPS, BAD = 20, {2, 9, 13, 17}  # f = 0.2
+
+
+@pytest.fixture(scope="module")
+def bad_run(tmp_path_factory):
+    def cheat(rec, t, batch):
+        if t in BAD:
+            ds = rec.task.dataset()
+            other = rec.task.collate([ds.sample_bytes((i + 1) % len(ds)) for i in rec.batch_indices(t)])
+            return rec.task.train_step(rec.model, rec.optimizer, other, rec.lr(t), rec.step_seed(t))
+        return None
+
+    # A checkpoint at every step: each challenge replays exactly its own step.
+    return train_tiny(tmp_path_factory.mktemp("bad") / "b", config={"steps": STEPS}, checkpoint_every=1, cheat=cheat)
+
+
+def _hypergeometric_detection(n: int, bad: int, q: int) -> float:
+    """Exact detection probability when q distinct steps are drawn from n (without replacement)."""
+    return 1 - math.comb(n - bad, q) / math.comb(n, q)
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_detection_rate_matches_the_bound(bad_run, q):
+    audits = 150
+    caught = 0
+    for seed in range(audits):
+        try:
+            verify_bundle(bad_run, challenges=q, nonce=seed.to_bytes(4, "big"))
+        except RunRejected as e:
+            assert all(int(f.split(":")[0].split()[1]) in BAD for f in e.failures)
+            caught += 1
+    f = len(BAD) / STEPS
+    rate = caught / audits
+    exact = _hypergeometric_detection(STEPS, len(BAD), q)
+    bound = detection_probability(f, q)
+    sigma = math.sqrt(exact * (1 - exact) / audits)
+    # Drawing without replacement is never worse than the bound; the rate sits on the exact value.
+    assert exact >= bound - 1e-12
+    assert abs(rate - exact) <= 4 * sigma, (rate, exact, bound)
+    assert rate >= bound - 4 * sigma
+
+
+def test_challenges_are_uniform_and_depend_on_head_and_nonce(honest_bundle):
+    from witness.bundle.reader import open_bundle
+
+    head = open_bundle(honest_bundle).final_head
+    counts = [0] * 40
+    for seed in range(2000):
+        for ch in draw_challenges(head, seed.to_bytes(4, "big"), 40, 2):
+            counts[ch.step] += 1
+    expected = 2000 * 2 / 40
+    chi2 = sum((c - expected) ** 2 / expected for c in counts)
+    assert chi2 < 80  # 39 degrees of freedom: p < 1e-4 only if the draw is biased
+    a = draw_challenges(head, b"a", 40, 5)
+    assert a == draw_challenges(head, b"a", 40, 5)
+    assert a != draw_challenges(head, b"b", 40, 5)
+
+
+def test_challenges_needed():
+    assert challenges_needed(0.99, 0.05) == 90
+    assert detection_probability(0.05, 90) >= 0.99 > detection_probability(0.05, 89)
+    assert challenges_needed(0.5, 0.5) == 1
