@@ -67,9 +67,11 @@ def _clean(obj: Any) -> Any:
 
 def canonical_json(obj: Any) -> bytes:
     """The one byte form of a JSON value: sorted keys, no spaces, UTF-8, shortest floats."""
-    return json.dumps(
-        _clean(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    try:
+        text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:  # only then walk the value to spell out non-finite floats
+        text = json.dumps(_clean(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8")
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

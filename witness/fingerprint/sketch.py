@@ -32,38 +32,40 @@ class ParameterSketch:
 
     def __init__(self, seed: bytes, k: int = 8, coords: int = DEFAULT_COORDS):
         self.seed, self.k, self.coords = seed, k, coords
-        self._plan: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan: tuple[dict[str, tuple[torch.Tensor, int]], torch.Tensor] = ({}, torch.zeros(0))
         self._shape: tuple[tuple[str, int], ...] | None = None
 
-    def plan(self, sizes: dict[str, int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per tensor: the sampled flat positions, and the (k, chunks, CHUNK) projection, zero-padded."""
+    def plan(self, sizes: dict[str, int]) -> tuple[dict[str, tuple[torch.Tensor, int]], torch.Tensor]:
+        """Per tensor: its sampled flat positions and offset in the gather buffer; and the (k, chunks, CHUNK) projection."""
         shape = tuple(sorted(sizes.items()))
         if shape == self._shape:
             return self._plan
         total = sum(sizes.values()) or 1
-        plan = {}
+        positions: dict[str, tuple[torch.Tensor, int]] = {}
+        blocks = []
+        offset = 0
         for name, n in shape:
             count = min(n, max(1, math.ceil(self.coords * n / total)))
             g = torch.Generator().manual_seed(_seed(self.seed, name.encode(), n.to_bytes(8, "big")))
             pos = torch.randperm(n, generator=g)[:count].sort().values
-            chunks = -(-count // CHUNK)
-            r = torch.zeros(self.k, chunks * CHUNK, dtype=torch.float64)
+            padded = -(-count // CHUNK) * CHUNK  # chunks never straddle two tensors: shards stay separable
+            r = torch.zeros(self.k, padded, dtype=torch.float64)
             r[:, :count] = torch.randn(self.k, count, generator=g, dtype=torch.float32).to(torch.float64)
-            plan[name] = (pos, r.view(self.k, chunks, CHUNK))
-        self._plan, self._shape = plan, shape
-        return plan
+            blocks.append(r)
+            positions[name] = (pos, offset)
+            offset += padded
+        proj = torch.cat(blocks, dim=1).view(self.k, -1, CHUNK) if blocks else torch.zeros(self.k, 0, CHUNK, dtype=torch.float64)
+        self._plan, self._shape = (positions, proj), shape
+        return self._plan
 
     @torch.no_grad()
     def __call__(self, named_tensors: dict[str, torch.Tensor]) -> list[float]:
         """The sketch of a state, as ``k`` floats."""
         tensors = {n: t for n, t in named_tensors.items() if t.is_floating_point()}
-        plan = self.plan({n: t.numel() for n, t in tensors.items()})
-        partials = []
-        for name in sorted(tensors):
-            pos, r = plan[name]
-            x = torch.zeros(r.shape[1] * CHUNK, dtype=torch.float64)
-            x[: pos.numel()] = tensors[name].detach().reshape(-1)[pos].to(torch.float64)
-            partials.append((r * x.view(1, -1, CHUNK)).sum(dim=2))
-        if not partials:
-            return [0.0] * self.k
-        return [math.fsum(row) for row in torch.cat(partials, dim=1).tolist()]
+        positions, proj = self.plan({n: t.numel() for n, t in tensors.items()})
+        x = torch.zeros(proj.shape[1] * CHUNK, dtype=torch.float64)
+        for name, t in tensors.items():
+            pos, offset = positions[name]
+            x[offset : offset + pos.numel()] = t.detach().reshape(-1).index_select(0, pos)
+        partial = (proj * x.view(1, -1, CHUNK)).sum(dim=2)
+        return [math.fsum(row) for row in partial.tolist()]

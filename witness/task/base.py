@@ -158,13 +158,14 @@ class Task:
 
     @torch.no_grad()
     def fingerprint(self, model: nn.Module) -> Fingerprint:
-        """The behavioral fingerprint of ``model`` (eval mode, no dropout)."""
+        """The behavioral fingerprint of ``model``.
+
+        ``probe_forward`` passes no generator, and the reference models draw dropout only from
+        one, so probes are deterministic without walking the module tree to switch modes.
+        """
         if self._probes is None:
             self._probes = self.probe_tensors()
-        was_training = model.training
-        model.eval()
         outputs, losses = self.probe_forward(model, self._probes)
-        model.train(was_training)
         if self._proj is None:
             self._proj = projection_matrix(self.probe_hash(), outputs.shape[-1], self.config.fingerprint_dims)
         return fingerprint_from_outputs(outputs, losses, self._proj)

@@ -45,7 +45,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Logits."""
         h = F.gelu(self.fc1(x))
-        if self.training and self.p > 0 and generator is not None:
+        if self.p > 0 and generator is not None:
             h = h * (torch.rand(h.shape, generator=generator) >= self.p) / (1 - self.p)
         return self.fc2(h)
 

@@ -117,7 +117,7 @@ class GPT(nn.Module):
         """Logits over the next byte."""
         T = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(T))
-        gen = generator if self.training else None
+        gen = generator  # dropout only with the step's generator: probes pass none
         x = dropout(x, self.p, gen)
         for b in self.blocks:
             x = b(x, gen)
