@@ -34,8 +34,11 @@ def _resign(bundle, key, lines):
     for line in lines:
         log.append_line(line)
         rec = parse_canonical_json(line)
-        if rec["type"] == "manifest" or "state_hash" in rec or rec["type"] == "end":
+        if rec["type"] == "manifest" or "state_hash" in rec:
             heads.append(canonical_json(log.sign_head(key).to_json()))
+        elif rec["type"] == "end":
+            ext = {k: rec[k] for k in ("document_rule", "used_documents", "used_samples")}
+            heads.append(canonical_json(log.sign_head(key, extensions=ext).to_json()))
     (bundle / "heads.jsonl").write_bytes(b"".join(h + b"\n" for h in heads))
 
 

@@ -244,6 +244,78 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _write_proof(doc: dict, out: Path, final_state_hash: str, key_path: str) -> None:
+    from .commit.dsse import envelope, statement
+    from .commit.hashing import canonical_json
+    from .commit.signing import load_or_create_key
+
+    out.write_bytes(canonical_json(doc) + b"\n")
+    stmt = statement("witness-final-state", final_state_hash, f"data-{doc['kind']}/v1", doc)
+    env_path = out.with_name(out.name + ".dsse.json")
+    env_path.write_bytes(canonical_json(envelope(stmt, load_or_create_key(Path(key_path)))) + b"\n")
+    print(f"wrote {out} ({out.stat().st_size} bytes) and {env_path}")
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """Data inclusion and exclusion proofs."""
+    from .data.proofs import check_proof, prove_exclusion, prove_inclusion
+    from .verify.data_queries import query_document, run_commitments
+
+    if args.data_command == "check":
+        return _check_data_proof(args, check_proof)
+    run, task = run_commitments(args.bundle)
+    document = query_document(task, args.file, args.text)
+    if args.data_command == "include":
+        if document not in run.usage.documents:
+            print(f"document {document.hex()} was never used by this run (try: witness data exclude)", file=sys.stderr)
+            return 1
+        doc = prove_inclusion(run, document)
+        print(f"document {document.hex()} was used in {len(doc['uses'])} step(s)")
+    else:
+        if document in run.usage.documents:
+            print(f"document {document.hex()} WAS used by this run (try: witness data include)", file=sys.stderr)
+            return 1
+        doc = prove_exclusion(run, document)
+        print(f"document {document.hex()} was never used by this run")
+    _write_proof(doc, Path(args.out), run.end["final_state_hash"], args.key)
+    return 0
+
+
+def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
+    from .bundle.reader import open_bundle
+    from .commit.dsse import open_envelope
+    from .commit.signing import SignedTreeHead
+
+    path = Path(args.proof)
+    if not path.is_file() or path.stat().st_size > 64 * 1024 * 1024:
+        print(f"UNUSABLE INPUT: {path} is not a proof file of a sane size", file=sys.stderr)
+        return 2
+    try:
+        obj = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        print(f"UNUSABLE INPUT: {path} is not JSON", file=sys.stderr)
+        return 2
+    head, key = None, None
+    try:
+        if args.bundle:
+            b = open_bundle(args.bundle)
+            head, key = b.final_head, b.manifest.public_key
+        elif args.tree_head:
+            pinned = json.loads(Path(args.tree_head).read_bytes())
+            head = SignedTreeHead.from_json(pinned.get("tree_head", pinned) if isinstance(pinned, dict) else pinned)
+            key = pinned.get("public_key") if isinstance(pinned, dict) else None
+        if isinstance(obj, dict) and "payloadType" in obj:
+            obj = open_envelope(obj)["predicate"]
+        summary = check_proof(obj, head=head, public_key=key)
+    except VerificationError as e:
+        print(f"{'UNUSABLE INPUT' if isinstance(e, MalformedInput) else 'INVALID'}: {e}", file=sys.stderr)
+        return e.exit_code
+    if head is None:
+        summary["note"] = "checked against the proof's own signed head; pin one with --bundle or --tree-head"
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="witness", description="Certify neural-network training runs.")
@@ -289,6 +361,25 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("bundle")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
+
+    dq = sub.add_parser("data", help="exact data inclusion and exclusion proofs")
+    dsub = dq.add_subparsers(dest="data_command", required=True)
+    for name, what in (("include", "prove a document was used (exit 1 if it was not)"),
+                       ("exclude", "prove a document was never used (exit 1 if it was)")):
+        q = dsub.add_parser(name, help=what)
+        q.add_argument("bundle")
+        g = q.add_mutually_exclusive_group(required=True)
+        g.add_argument("--file")
+        g.add_argument("--text")
+        q.add_argument("--out", required=True)
+        q.add_argument("--key", default=str(DEFAULT_KEY), help="key that signs the DSSE envelope")
+        q.set_defaults(func=cmd_data)
+    c = dsub.add_parser("check", help="check a proof against the public commitments (0 valid, 1 invalid, 2 unusable)")
+    c.add_argument("proof")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--bundle")
+    g.add_argument("--tree-head", help="a published signed tree head (JSON, with public_key)")
+    c.set_defaults(func=cmd_data)
 
     d = sub.add_parser("demo", help="train tinygpt, verify it, and write a report")
     d.add_argument("--out", default="witness-demo")

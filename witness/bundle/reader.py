@@ -213,6 +213,12 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
         raise MalformedInput("a finished bundle holds records or files after its final signed tree head")
     if tail or torn_log:
         notes.append(f"ignored {tail} unsigned trailing record(s){' and a torn line' if torn_log else ''}")
+    for i, h in enumerate(heads):
+        wanted = None
+        if end is not None and i == len(heads) - 1:
+            wanted = {k: end.raw[k] for k in ("document_rule", "used_documents", "used_samples")}
+        if h.extensions != wanted:
+            raise VerificationError(f"tree head {i}'s extensions are not the run's used-data commitments", check="log")
     if end is not None and end.steps != len(steps):
         raise VerificationError(f"the end record claims {end.steps} steps; the log holds {len(steps)}", check="log")
 

@@ -187,14 +187,37 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class EndRecord:
-    """The run's last record: how many steps, and the final state."""
+class TreeCommitment:
+    """Root and size of a sorted tree."""
 
+    root: bytes
+    size: int
+
+
+@dataclass(frozen=True)
+class EndRecord:
+    """The run's last record: how many steps, the final state, and what data the run used."""
+
+    raw: dict
     steps: int
     final_state_hash: bytes
+    document_rule: str
+    used_documents: TreeCommitment
+    used_samples: TreeCommitment
 
     @classmethod
     def parse(cls, obj: Any, where: str) -> EndRecord:
         """Strictly parse the end record."""
-        _keys(obj, {"type", "steps", "final_state_hash"}, set(), where)
-        return cls(_int(obj["steps"], f"{where}.steps", 1), _hex(obj["final_state_hash"], f"{where}.final_state_hash"))
+        _keys(obj, {"type", "steps", "final_state_hash", "document_rule", "used_documents", "used_samples"}, set(), where)
+        if obj["type"] != "end":
+            raise _fail(where, "expected the end record")
+        if obj["document_rule"] not in ("self", "prefix32"):
+            raise _fail(where, "unknown document rule")
+
+        def tree(key: str) -> TreeCommitment:
+            t = _keys(obj[key], {"root", "size"}, set(), f"{where}.{key}")
+            return TreeCommitment(_hex(t["root"], f"{where}.{key}.root"), _int(t["size"], f"{where}.{key}.size"))
+
+        return cls(obj, _int(obj["steps"], f"{where}.steps", 1),
+                   _hex(obj["final_state_hash"], f"{where}.final_state_hash"),
+                   obj["document_rule"], tree("used_documents"), tree("used_samples"))

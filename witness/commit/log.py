@@ -38,6 +38,7 @@ class RunLog:
         """Root of the log's first ``size`` records."""
         return self.tree.root(size)
 
-    def sign_head(self, key: Ed25519PrivateKey, timestamp_ms: int | None = None) -> SignedTreeHead:
+    def sign_head(self, key: Ed25519PrivateKey, timestamp_ms: int | None = None,
+                  extensions: dict | None = None) -> SignedTreeHead:
         """Sign the current head."""
-        return SignedTreeHead.sign(key, len(self), self.root(), timestamp_ms)
+        return SignedTreeHead.sign(key, len(self), self.root(), timestamp_ms, extensions)

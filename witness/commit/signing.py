@@ -80,24 +80,29 @@ class SignedTreeHead:
     root: bytes
     timestamp_ms: int
     signature: bytes
+    # Signed extra facts, as RFC 9162 tree heads carry extensions; the final head of a run
+    # states its used-data commitments here, so a data proof needs no log path to them.
+    extensions: dict | None = None
 
     @staticmethod
-    def message(size: int, root: bytes, timestamp_ms: int) -> bytes:
+    def message(size: int, root: bytes, timestamp_ms: int, extensions: dict | None = None) -> bytes:
         """The exact bytes that are signed."""
-        return canonical_json(
-            {"context": STH_CONTEXT, "size": size, "root": root.hex(), "timestamp_ms": timestamp_ms}
-        )
+        body = {"context": STH_CONTEXT, "size": size, "root": root.hex(), "timestamp_ms": timestamp_ms}
+        if extensions is not None:
+            body["extensions"] = extensions
+        return canonical_json(body)
 
     @classmethod
-    def sign(cls, key: Ed25519PrivateKey, size: int, root: bytes, timestamp_ms: int | None = None) -> SignedTreeHead:
+    def sign(cls, key: Ed25519PrivateKey, size: int, root: bytes, timestamp_ms: int | None = None,
+             extensions: dict | None = None) -> SignedTreeHead:
         """Sign a tree head now (or at ``timestamp_ms``)."""
         ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-        return cls(size, root, ts, key.sign(cls.message(size, root, ts)))
+        return cls(size, root, ts, key.sign(cls.message(size, root, ts, extensions)), extensions)
 
     def verify(self, public: Ed25519PublicKey) -> None:
         """Raise unless the signature is valid for ``public``."""
         try:
-            public.verify(self.signature, self.message(self.size, self.root, self.timestamp_ms))
+            public.verify(self.signature, self.message(self.size, self.root, self.timestamp_ms, self.extensions))
         except InvalidSignature:
             raise VerificationError(
                 f"signature on the tree head of size {self.size} is invalid", check="signature"
@@ -105,22 +110,29 @@ class SignedTreeHead:
 
     def to_json(self) -> dict:
         """JSON form."""
-        return {
+        out = {
             "size": self.size,
             "root": self.root.hex(),
             "timestamp_ms": self.timestamp_ms,
             "signature": self.signature.hex(),
         }
+        if self.extensions is not None:
+            out["extensions"] = self.extensions
+        return out
 
     @classmethod
     def from_json(cls, obj: object) -> SignedTreeHead:
         """Strictly parse the JSON form."""
-        if not isinstance(obj, dict) or set(obj) != {"size", "root", "timestamp_ms", "signature"}:
-            raise MalformedInput("a signed tree head must have exactly size, root, timestamp_ms, signature")
+        fields = {"size", "root", "timestamp_ms", "signature"}
+        if not isinstance(obj, dict) or not fields <= set(obj) <= fields | {"extensions"}:
+            raise MalformedInput("a signed tree head has size, root, timestamp_ms, signature and optional extensions")
+        ext = obj.get("extensions")
+        if ext is not None and not isinstance(ext, dict):
+            raise MalformedInput("tree head extensions must be an object")
         size, ts = obj["size"], obj["timestamp_ms"]
         if type(size) is not int or type(ts) is not int or size < 0 or ts < 0:
             raise MalformedInput("tree head size and timestamp must be non-negative integers")
         try:
-            return cls(size, from_hex(obj["root"], "root"), ts, from_hex(obj["signature"], "signature", 64))
+            return cls(size, from_hex(obj["root"], "root"), ts, from_hex(obj["signature"], "signature", 64), ext)
         except ValueError as e:
             raise MalformedInput(f"bad tree head: {e}") from None

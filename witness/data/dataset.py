@@ -59,3 +59,27 @@ class Dataset:
     def batch_root(self, indices: Sequence[int]) -> bytes:
         """Batch root for the given sample indices."""
         return batch_root([self.hashes[i] for i in indices])
+
+    # A sample belongs to a document. By default a sample is its own document; datasets whose
+    # samples are windows into documents say so with DOCUMENT_RULE = "prefix32" and put the
+    # document's hash in the first 32 bytes of every sample.
+    DOCUMENT_RULE = "self"
+
+    def document_of(self, canonical: bytes) -> bytes:
+        """Hash of the document a sample (canonical bytes) belongs to."""
+        return document_of(self.DOCUMENT_RULE, canonical)
+
+    def document_hash(self, content: bytes) -> bytes:
+        """Hash of a document given as raw bytes (what a query names with --file or --text)."""
+        return sample_hash(content)
+
+
+def document_of(rule: str, canonical: bytes) -> bytes:
+    """The document hash of a sample under a committed document rule."""
+    if rule == "self":
+        return sample_hash(canonical)
+    if rule == "prefix32":
+        if len(canonical) < 32:
+            raise ValueError("sample too short to name its document")
+        return canonical[:32]
+    raise ValueError(f"unknown document rule {rule!r}")

@@ -54,6 +54,7 @@ class StdlibWindows(Dataset):
     """
 
     name = "stdlib-windows"
+    DOCUMENT_RULE = "prefix32"
 
     def __init__(self, block: int, split: str = "train", max_bytes: int | None = None, root: Path | None = None):
         if split not in ("train", "eval"):
@@ -84,6 +85,11 @@ class StdlibWindows(Dataset):
         d, off = self.windows[index]
         data = self.documents[d][1]
         return self.document_hashes[d] + off.to_bytes(8, "big") + data[off : off + self.block + 1]
+
+
+    def document_hash(self, content: bytes) -> bytes:
+        """Hash of a source file's bytes."""
+        return document_hash(content)
 
 
 def window_tokens(canonical: bytes) -> bytes:

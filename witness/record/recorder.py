@@ -36,6 +36,7 @@ from ..commit.hashing import parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
 from ..data.order import derive_run_seed
+from ..data.usage import UsageCommitment
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task
 from .session import TrainingSession, environment
@@ -208,11 +209,11 @@ class Recorder:
         """Append the end record and sign the final tree head."""
         if self.next_step != self.task.config.steps:
             raise ValueError(f"the recipe has {self.task.config.steps} steps; {self.next_step} were logged")
-        last = parse_canonical_json(self.log.lines[-1])
-        self.writer.append_record(
-            self.log.append({"type": "end", "steps": self.next_step, "final_state_hash": last["state_hash"]})
-        )
-        head = self._publish_head()
+        records = [parse_canonical_json(line) for line in self.log.lines[1:]]
+        usage = UsageCommitment.from_batches(self.task.dataset(), (r["batch"] for r in records))
+        end = {"type": "end", "steps": self.next_step, "final_state_hash": records[-1]["state_hash"]}
+        self.writer.append_record(self.log.append(end | usage.to_json()))
+        head = self._publish_head(extensions=usage.to_json())
         self.writer.close()
         return head
 
@@ -228,8 +229,8 @@ class Recorder:
             bar.set_postfix(loss=f"{out.loss:.3f}")
         return self.finish()
 
-    def _publish_head(self) -> SignedTreeHead:
-        head = self.log.sign_head(self.key)
+    def _publish_head(self, extensions: dict | None = None) -> SignedTreeHead:
+        head = self.log.sign_head(self.key, extensions=extensions)
         self.writer.append_head(head)
         if self.on_head is not None:
             self.on_head(head, self.log)

@@ -13,6 +13,7 @@ from ..bundle.reader import Bundle, open_bundle
 from ..commit.hashing import same
 from ..commit.signing import key_fingerprint
 from ..data.order import derive_run_seed
+from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..record.session import TrainingSession
 from ..task.base import Task
@@ -77,6 +78,18 @@ def check_records(bundle: Bundle, task: Task, session: TrainingSession, local: L
             raise VerificationError(f"the run ended after {bundle.end.steps} of {m.steps_planned} planned steps", check="end")
         if last.state_hash is None or not same(last.state_hash, bundle.end.final_state_hash):
             raise VerificationError("the final state hash is not the last checkpoint's", check="end")
+        if local is not None:
+            usage = UsageCommitment.from_batches(local.dataset, (r.batch for r in bundle.steps))
+            end = bundle.end
+            if end.document_rule != usage.document_rule:
+                raise VerificationError("the end record's document rule is not the dataset's", check="data usage")
+            for name, tree, committed in (("sample", usage.samples, end.used_samples),
+                                          ("document", usage.documents, end.used_documents)):
+                if tree.size != committed.size or not same(tree.root, committed.root):
+                    raise VerificationError(
+                        f"the committed used-{name} tree is not the one the logged batches give "
+                        f"({committed.size} committed, {tree.size} used)", check="data usage")
+            checks.append(f"used-sample and used-document trees recomputed from all {len(bundle.steps)} batches")
     return checks
 
 
@@ -158,6 +171,8 @@ def verify_bundle(
         notes=list(bundle.notes), checks=checks,
         thresholds={} if exact else dict(DEFAULT_THRESHOLDS, **(thresholds or {})),
     )
+    if local is None and bundle.complete:
+        verdict.notes.append("used-data trees not recomputed: interactive mode has no local copy of the dataset")
     if not bundle.complete:
         verdict.notes.append(f"incomplete run: {n} of {m.steps_planned} planned steps are signed; verified as a {n}-step run")
 

@@ -1,0 +1,209 @@
+"""Exact data inclusion and exclusion proofs: the CLI, tampering, and the binding to replay."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import pytest
+from helpers import train_tiny
+
+from witness.cli import main
+from witness.commit.hashing import canonical_json, parse_canonical_json
+from witness.commit.signing import generate_key
+from witness.data.dataset import sample_hash
+from witness.data.proofs import check_proof
+from witness.errors import MalformedInput, RunRejected, VerificationError
+from witness.record import Recorder
+from witness.task import build_task
+from witness.verify import verify_bundle
+
+SMALL = {"steps": 12, "n_layer": 1, "d_model": 32, "n_head": 2, "batch_size": 8,
+         "corpus_max_bytes": 300_000, "warmup": 2}
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt") / "run"
+    task = build_task("tinygpt", SMALL)
+    Recorder.create(task, out, generate_key(), r=b"\x05" * 32, checkpoint_every=6).train(progress=False)
+    ds = task.dataset()
+    used_docs = set()
+    for line in (out / "log.jsonl").read_bytes().split(b"\n")[1:-2]:
+        for i in parse_canonical_json(line)["batch"]:
+            used_docs.add(ds.windows[i][0])
+    used = sorted(used_docs)[0]
+    unused = next(d for d in range(len(ds.documents)) if d not in used_docs)
+    from witness.data.stdlib import stdlib_root
+
+    root = stdlib_root()
+    return out, root / ds.documents[used][0], root / ds.documents[unused][0], task
+
+
+def _run(*args) -> int:
+    return main(list(map(str, args)))
+
+
+def test_include_exclude_and_check(gpt, tmp_path, capsys):
+    out, used, unused, task = gpt
+    key = tmp_path / "k.pem"
+    assert _run("data", "include", out, "--file", used, "--out", tmp_path / "inc.json", "--key", key) == 0
+    assert _run("data", "exclude", out, "--file", unused, "--out", tmp_path / "exc.json", "--key", key) == 0
+    assert _run("data", "include", out, "--file", unused, "--out", tmp_path / "x.json", "--key", key) == 1
+    assert "never used" in capsys.readouterr().err
+    assert _run("data", "exclude", out, "--file", used, "--out", tmp_path / "x.json", "--key", key) == 1
+    assert "WAS used" in capsys.readouterr().err
+    for proof in ("inc.json", "exc.json", "inc.json.dsse.json", "exc.json.dsse.json"):
+        assert _run("data", "check", tmp_path / proof, "--bundle", out) == 0, proof
+        assert _run("data", "check", tmp_path / proof) == 0
+    inc = json.loads((tmp_path / "inc.json").read_text())
+    # Every step that used the document is listed, and no other.
+    ds = task.dataset()
+    doc = ds.document_hash(used.read_bytes())
+    want = [t for t, line in enumerate((out / "log.jsonl").read_bytes().split(b"\n")[1:-2])
+            if any(ds.document_of(ds.sample_bytes(i)) == doc for i in parse_canonical_json(line)["batch"])]
+    assert [u["step"] for u in inc["uses"]] == want and want
+    assert (tmp_path / "exc.json").stat().st_size < 2048
+    env = json.loads((tmp_path / "exc.json.dsse.json").read_text())
+    stmt = json.loads(base64.b64decode(env["payload"]))
+    assert stmt["_type"] == "https://in-toto.io/Statement/v1"
+    assert stmt["subject"][0]["digest"]["sha256"] == parse_canonical_json(
+        (out / "log.jsonl").read_bytes().split(b"\n")[-2])["final_state_hash"]
+
+
+def _proof(gpt, tmp_path, kind):
+    out, used, unused, _ = gpt
+    path = tmp_path / f"{kind}.json"
+    assert _run("data", "include" if kind == "inc" else "exclude", out, "--file",
+                used if kind == "inc" else unused, "--out", path, "--key", tmp_path / "k.pem") == 0
+    return json.loads(path.read_text())
+
+
+def _flip_b64(value: str, byte: int = 0) -> str:
+    raw = bytearray(base64.b64decode(value))
+    raw[byte] ^= 1
+    return base64.b64encode(bytes(raw)).decode()
+
+
+def test_tampered_exclusion_proofs_are_invalid(gpt, tmp_path):
+    good = _proof(gpt, tmp_path, "exc")
+    check_proof(good)
+    a = good["absence"]
+    bad = {
+        "changed sibling": {**good, "absence": {**a, "path": _flip_b64(a["path"], 5)}},
+        "changed index": {**good, "absence": {**a, "lo": a["lo"] + 1}},
+        "changed neighbour": {**good, "absence": {**a, "neighbours": _flip_b64(a["neighbours"], 31)}},
+        "other document": {**good, "document": gpt[3].dataset().document_hash(gpt[1].read_bytes()).hex()},
+        "forged head": {**good, "tree_head": {**good["tree_head"], "size": good["tree_head"]["size"] + 1}},
+    }
+    for name, proof in bad.items():
+        with pytest.raises(VerificationError):
+            check_proof(proof)
+        assert name
+
+
+def test_non_adjacent_pair_is_invalid(gpt, tmp_path):
+    from witness.commit.sorted_tree import range_proof
+    from witness.data.proofs import pack
+    from witness.verify.data_queries import run_commitments
+
+    good = _proof(gpt, tmp_path, "exc")
+    run, _ = run_commitments(gpt[0])
+    lo = good["absence"]["lo"]
+    tree = run.usage.documents
+    if lo + 2 >= tree.size:
+        lo -= 1
+    # Leaves lo and lo+2 both exist, but they are not adjacent: 'lo+1' is hidden between them.
+    forged = {**good, "absence": {"lo": lo, "neighbours": pack([tree.values[lo], tree.values[lo + 2]]),
+                                  "path": pack(range_proof(tree.tree, lo, lo + 2))}}
+    with pytest.raises(VerificationError):
+        check_proof(forged)
+
+
+def test_tampered_inclusion_proofs_are_invalid(gpt, tmp_path):
+    good = _proof(gpt, tmp_path, "inc")
+    check_proof(good)
+    use = good["uses"][0]
+    rec = dict(use["record"], loss=use["record"]["loss"] + 1)
+    bad = {
+        "changed member path": {**good, "member": {**good["member"], "path": _flip_b64(good["member"]["path"])}},
+        "changed member index": {**good, "member": {**good["member"], "index": good["member"]["index"] + 1}},
+        "edited record": {**good, "uses": [{**use, "record": rec}] + good["uses"][1:]},
+        "wrong position": {**good, "uses": [{**use, "position": (use["position"] + 1) % 8}] + good["uses"][1:]},
+        "other sample": {**good, "uses": [{**use, "sample": "00" * 60}] + good["uses"][1:]},
+        "changed log path": {**good, "uses": [{**use, "log_proof": _flip_b64(use["log_proof"])}] + good["uses"][1:]},
+    }
+    for name, proof in bad.items():
+        with pytest.raises(VerificationError):
+            check_proof(proof)
+        assert name
+
+
+def test_proof_against_the_wrong_root_and_unusable_input(gpt, tmp_path, capsys):
+    good = _proof(gpt, tmp_path, "exc")
+    other = train_tiny(tmp_path / "other")
+    (tmp_path / "p.json").write_text(json.dumps(good))
+    assert _run("data", "check", tmp_path / "p.json", "--bundle", other) == 1
+    assert "pinned" in capsys.readouterr().err
+    (tmp_path / "junk.json").write_text("{not json")
+    assert _run("data", "check", tmp_path / "junk.json") == 2
+    (tmp_path / "wrong.json").write_text(json.dumps({"format": "something-else"}))
+    assert _run("data", "check", tmp_path / "wrong.json") == 2
+    with pytest.raises(MalformedInput):
+        check_proof({**good, "absence": {**good["absence"], "path": "!!notbase64"}})
+
+
+def test_tampered_dsse_envelope_is_invalid(gpt, tmp_path, capsys):
+    _proof(gpt, tmp_path, "exc")
+    env = json.loads((tmp_path / "exc.json.dsse.json").read_text())
+    stmt = json.loads(base64.b64decode(env["payload"]))
+    stmt["predicate"]["document"] = "00" * 32
+    env["payload"] = base64.b64encode(canonical_json(stmt)).decode()
+    (tmp_path / "bad.dsse.json").write_text(json.dumps(env))
+    assert _run("data", "check", tmp_path / "bad.dsse.json") == 1
+    assert "DSSE" in capsys.readouterr().err
+
+
+def test_binding_exclusion_proof_exists_but_replay_rejects(tmp_path):
+    """A run trains on a sample it never committed: the commitments say 'never used', replay says no."""
+    hidden = bytes([7, 250, 3, 9, 100, 1, 2, 3, 1])  # 8 features + label, not in the dataset
+
+    def cheat(rec, t, batch):
+        if t == 10:
+            ds = rec.task.dataset()
+            samples = [ds.sample_bytes(i) for i in rec.batch_indices(t)]
+            samples[0] = hidden
+            return rec.task.train_step(rec.model, rec.optimizer, rec.task.collate(samples), rec.lr(t), rec.step_seed(t))
+        return None
+
+    run = train_tiny(tmp_path / "run", cheat=cheat)
+    task = build_task("tiny", {"steps": 40})
+    assert sample_hash(hidden) not in set(task.dataset().hashes)
+    (tmp_path / "hidden.bin").write_bytes(hidden)
+    # Half 1: the commitments alone happily prove the hidden sample was never used.
+    assert _run("data", "exclude", run, "--file", tmp_path / "hidden.bin", "--out", tmp_path / "exc.json",
+                "--key", tmp_path / "k.pem") == 0
+    assert _run("data", "check", tmp_path / "exc.json", "--bundle", run) == 0
+    # Half 2: the run is rejected as soon as a challenge replays step 10.
+    verify_bundle(run, challenges=1, nonce=b"\x00")  # a challenge elsewhere does not see it
+    with pytest.raises(RunRejected, match="step 10: replay"):
+        verify_bundle(run, challenges=40)
+
+
+def test_verifier_rejects_a_false_used_data_commitment(tmp_path):
+    run = train_tiny(tmp_path / "run")
+    shutil.copytree(run, tmp_path / "copy")
+    from test_attacks import _lines, _resign
+
+    key = generate_key()
+    lines = _lines(tmp_path / "copy")
+    end = parse_canonical_json(lines[-1])
+    end["used_documents"]["size"] -= 1
+    manifest = parse_canonical_json(lines[0])
+    from witness.commit.signing import public_hex
+
+    manifest["public_key"] = public_hex(key.public_key())
+    _resign(tmp_path / "copy", key, [canonical_json(manifest)] + lines[1:-1] + [canonical_json(end)])
+    with pytest.raises(VerificationError, match="used-document tree is not the one the logged batches give"):
+        verify_bundle(tmp_path / "copy", challenges=1)

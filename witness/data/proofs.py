@@ -1,0 +1,204 @@
+"""Data-usage proofs: "document x was used, in these steps" and "document x was never used".
+
+A proof is a small versioned JSON file that checks against the run's public commitments alone
+(a signed tree head and the trainer's public key), without the model, the data or the
+checkpoints:
+
+* the run's final signed tree head, whose signed extensions state the root and size of the
+  sorted tree of used documents (the same values the log's end record holds);
+* inclusion: the document's leaf in that tree, and every step that used it — the step record
+  with its log inclusion proof, the sample's canonical bytes (which name the document), and the
+  sample's path to the record's batch root;
+* exclusion: two adjacent leaves of the used-document tree that bracket the document (or the
+  first or last leaf alone), with a range proof to the root.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from ..commit.hashing import canonical_json, from_hex, leaf_hash, same
+from ..commit.log import RunLog
+from ..commit.merkle import MerkleTree, verify_inclusion
+from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
+from ..commit.sorted_tree import Absence, Membership, verify_absent, verify_member
+from ..errors import MalformedInput, VerificationError
+from .dataset import Dataset, document_of, sample_hash
+from .usage import UsageCommitment
+
+FORMAT = "witness-data-proof"
+VERSION = 1
+MAX_PROOF_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class RunCommitments:
+    """What a prover needs from a finished run to answer data queries."""
+
+    public_key: str
+    head: SignedTreeHead
+    log: RunLog
+    end: dict
+    steps: list[dict]
+    dataset: Dataset
+    usage: UsageCommitment
+
+
+def pack(hashes: list[bytes]) -> str:
+    """A list of 32-byte hashes as one base64 string (proofs stay small)."""
+    return base64.b64encode(b"".join(hashes)).decode()
+
+
+def unpack(value: Any, where: str, limit: int = 256) -> list[bytes]:
+    """Strictly decode a packed hash list."""
+    if not isinstance(value, str) or len(value) > limit * 44:
+        raise MalformedInput(f"{where}: must be a base64 string of at most {limit} hashes")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        raise MalformedInput(f"{where}: not base64") from None
+    if len(raw) % 32 or base64.b64encode(raw).decode() != value:
+        raise MalformedInput(f"{where}: not a canonical list of 32-byte hashes")
+    return [raw[i : i + 32] for i in range(0, len(raw), 32)]
+
+
+def _header(run: RunCommitments, kind: str, document: bytes) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": kind,
+        "document": document.hex(),
+        "public_key": run.public_key,
+        "tree_head": run.head.to_json(),
+    }
+
+
+def prove_inclusion(run: RunCommitments, document: bytes) -> dict:
+    """Inclusion proof for a used document; ValueError if the run never used it."""
+    member = run.usage.documents.prove_member(document)
+    uses = []
+    ds = run.dataset
+    for rec in run.steps:
+        batch = rec["batch"]
+        positions = [j for j, i in enumerate(batch) if ds.document_of(ds.sample_bytes(i)) == document]
+        if not positions:
+            continue
+        j = positions[0]  # one sample per step shows the step used the document
+        tree = MerkleTree([leaf_hash(ds.hashes[i]) for i in batch])
+        t = rec["step"]
+        uses.append({
+            "step": t,
+            "record": rec,
+            "log_proof": pack(run.log.tree.inclusion_proof(t + 1, run.head.size)),
+            "position": j,
+            "sample": ds.sample_bytes(batch[j]).hex(),
+            "batch_proof": pack(tree.inclusion_proof(j)),
+        })
+    doc = _header(run, "inclusion", document)
+    doc["member"] = {"index": member.index, "path": pack(member.path)}
+    doc["uses"] = uses
+    return doc
+
+
+def prove_exclusion(run: RunCommitments, document: bytes) -> dict:
+    """Exclusion proof for a document the run never used; ValueError if it was used."""
+    absent = run.usage.documents.prove_absent(document)
+    doc = _header(run, "exclusion", document)
+    doc["absence"] = {"lo": absent.lo, "neighbours": pack(absent.neighbours), "path": pack(absent.path)}
+    return doc
+
+
+# --- checking -----------------------------------------------------------------------------
+
+def _get(obj: Any, key: str, kind: type, where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj or not isinstance(obj[key], kind) or \
+            (kind is int and isinstance(obj[key], bool)):
+        raise MalformedInput(f"{where}: missing or ill-typed field {key!r}")
+    return obj[key]
+
+
+def _h(value: Any, where: str) -> bytes:
+    try:
+        return from_hex(value, where)
+    except ValueError as e:
+        raise MalformedInput(f"{where}: {e}") from None
+
+
+def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: str | None = None) -> dict:
+    """Check a data proof against the public commitments; returns a summary or raises.
+
+    ``head`` and ``public_key`` pin what the checker trusts (a published head, the trainer's
+    key); without them the proof's own head and key are used, and reported.
+    """
+    if not isinstance(proof, dict) or proof.get("format") != FORMAT or proof.get("version") != VERSION:
+        raise MalformedInput("not a witness data proof of a supported version")
+    kind = _get(proof, "kind", str, "proof")
+    allowed = {"format", "version", "kind", "document", "public_key", "tree_head"}
+    allowed |= {"member", "uses"} if kind == "inclusion" else {"absence"} if kind == "exclusion" else set()
+    if kind not in ("inclusion", "exclusion") or set(proof) != allowed:
+        raise MalformedInput("the proof has missing or unexpected fields")
+    document = _h(proof["document"], "document")
+    key_hex = _get(proof, "public_key", str, "proof")
+    if public_key is not None and key_hex != public_key:
+        raise VerificationError("the proof is signed by another key than the pinned one", check="signature")
+    sth = SignedTreeHead.from_json(proof["tree_head"])
+    sth.verify(public_key_from_hex(key_hex))
+    if head is not None and (head.size != sth.size or not same(head.root, sth.root)):
+        raise VerificationError(f"the proof is for the tree head of size {sth.size}, not the pinned one "
+                                f"of size {head.size}", check="tree head")
+
+    ext = sth.extensions
+    if not isinstance(ext, dict) or not isinstance(ext.get("used_documents"), dict):
+        raise VerificationError("the tree head is not a finished run's final head (no used-data commitment)",
+                                check="tree head")
+    used = ext["used_documents"]
+    root, size = _h(used.get("root"), "used_documents.root"), _get(used, "size", int, "used_documents")
+    rule = _get(ext, "document_rule", str, "extensions")
+
+    summary = {"kind": kind, "document": document.hex(), "signer": key_fingerprint(key_hex),
+               "tree_head": sth.to_json(), "used_documents": size}
+    if kind == "exclusion":
+        a = _get(proof, "absence", dict, "proof")
+        absence = Absence(_get(a, "lo", int, "absence"), unpack(a.get("neighbours"), "neighbours", 2), size,
+                          unpack(a.get("path"), "absence.path"))
+        verify_absent(document, absence, root, size)
+        return summary
+
+    m = _get(proof, "member", dict, "proof")
+    verify_member(Membership(document, _get(m, "index", int, "member"), size, unpack(m.get("path"), "member.path")),
+                  root, size)
+    uses = _get(proof, "uses", list, "proof")
+    steps = []
+    for k, use in enumerate(uses):
+        where = f"uses[{k}]"
+        t = _get(use, "step", int, where)
+        rec = _get(use, "record", dict, where)
+        if rec.get("type") != "step" or rec.get("step") != t or not 0 <= t < sth.size - 2:
+            raise VerificationError(f"{where} is not the record of step {t}", check="proof")
+        verify_inclusion(leaf_hash(canonical_json(rec)), t + 1, sth.size, unpack(use.get("log_proof"), where), sth.root)
+        try:
+            sample = bytes.fromhex(_get(use, "sample", str, where))
+        except ValueError:
+            raise MalformedInput(f"{where}: sample is not hex") from None
+        batch = _get(rec, "batch", list, where)
+        j = _get(use, "position", int, where)
+        if not 0 <= j < len(batch):
+            raise VerificationError(f"{where}: position {j} is outside the batch", check="proof")
+        try:
+            verify_inclusion(leaf_hash(sample_hash(sample)), j, len(batch), unpack(use.get("batch_proof"), where),
+                             _h(rec.get("batch_root"), "batch_root"))
+        except VerificationError:
+            raise VerificationError(f"step {t}: the sample is not in the step's batch", check="proof") from None
+        try:
+            owner = document_of(rule, sample)
+        except ValueError as e:
+            raise VerificationError(f"step {t}: {e}", check="proof") from None
+        if not same(owner, document):
+            raise VerificationError(f"step {t}: the sample belongs to another document", check="proof")
+        steps.append(t)
+    if len(set(steps)) != len(steps):
+        raise VerificationError("a step is listed twice", check="proof")
+    summary["steps"] = steps
+    return summary
