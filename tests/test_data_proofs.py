@@ -90,10 +90,11 @@ def test_tampered_exclusion_proofs_are_invalid(gpt, tmp_path):
     good = _proof(gpt, tmp_path, "exc")
     check_proof(good)
     a = good["absence"]
+    flip = "0" + a["upper"][1:] if a["upper"][0] != "0" else "1" + a["upper"][1:]
     bad = {
         "changed sibling": {**good, "absence": {**a, "path": _flip_b64(a["path"], 5)}},
-        "changed index": {**good, "absence": {**a, "lo": a["lo"] + 1}},
-        "changed neighbour": {**good, "absence": {**a, "neighbours": _flip_b64(a["neighbours"], 31)}},
+        "changed index": {**good, "absence": {**a, "index": a["index"] + 1}},
+        "changed neighbour": {**good, "absence": {**a, "upper": flip}},
         "other document": {**good, "document": gpt[3].dataset().document_hash(gpt[1].read_bytes()).hex()},
         "forged head": {**good, "tree_head": {**good["tree_head"], "size": good["tree_head"]["size"] + 1}},
     }
@@ -104,19 +105,22 @@ def test_tampered_exclusion_proofs_are_invalid(gpt, tmp_path):
 
 
 def test_non_adjacent_pair_is_invalid(gpt, tmp_path):
-    from witness.commit.sorted_tree import range_proof
+    from witness.commit.merkle import MerkleTree
+    from witness.commit.sorted_tree import pair_leaf
     from witness.data.proofs import pack
     from witness.verify.data_queries import run_commitments
 
     good = _proof(gpt, tmp_path, "exc")
     run, _ = run_commitments(gpt[0])
-    lo = good["absence"]["lo"]
     tree = run.usage.documents
-    if lo + 2 >= tree.size:
-        lo -= 1
-    # Leaves lo and lo+2 both exist, but they are not adjacent: 'lo+1' is hidden between them.
-    forged = {**good, "absence": {"lo": lo, "neighbours": pack([tree.values[lo], tree.values[lo + 2]]),
-                                  "path": pack(range_proof(tree.tree, lo, lo + 2))}}
+    i = 3
+    hidden = tree.values[i]  # a used document, hidden by pairing its two neighbours
+    leaves = list(tree.tree.levels[0])
+    leaves[i] = pair_leaf(tree.values[i - 1], tree.values[i + 1])
+    path = MerkleTree(leaves).inclusion_proof(i)
+    forged = {**good, "document": hidden.hex(),
+              "absence": {"index": i, "lower": tree.values[i - 1].hex(), "upper": tree.values[i + 1].hex(),
+                          "path": pack(path)}}
     with pytest.raises(VerificationError):
         check_proof(forged)
 

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from witness.commit.merkle import EMPTY_ROOT
+from witness.commit.merkle import MerkleTree
 from witness.commit.sorted_tree import (
-    Absence,
-    Membership,
+    PairProof,
     SortedTree,
+    pair_leaf,
     verify_absent,
     verify_member,
 )
@@ -29,7 +29,7 @@ def test_proof_exists_iff_membership(values, query):
     tree = SortedTree(values)
     for v in values[:5] + [query]:
         if v in set(values):
-            verify_member(tree.prove_member(v), tree.root, tree.size)
+            verify_member(v, tree.prove_member(v), tree.root, tree.size)
             with pytest.raises(ValueError):
                 tree.prove_absent(v)
         else:
@@ -39,23 +39,24 @@ def test_proof_exists_iff_membership(values, query):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(hashes, min_size=1, max_size=40, unique=True), st.data())
-def test_an_absence_proof_never_covers_a_member(values, data):
+@given(st.lists(hashes, min_size=1, max_size=40, unique=True), hashes)
+def test_no_proof_ever_says_both(values, query):
     tree = SortedTree(values)
-    query = data.draw(hashes)
     if query in tree:
         return
-    proof = tree.prove_absent(query)
-    for member in values:
+    absent = tree.prove_absent(query)
+    for member in values:  # an absence proof covers no member, and vouches for no membership
         with pytest.raises(VerificationError):
-            verify_absent(member, proof, tree.root, tree.size)
+            verify_absent(member, absent, tree.root, tree.size)
+    with pytest.raises(VerificationError):
+        verify_member(query, absent, tree.root, tree.size)
 
 
 def test_empty_tree():
     tree = SortedTree([])
-    assert tree.root == EMPTY_ROOT
     proof = tree.prove_absent(h(1))
-    verify_absent(h(1), proof, EMPTY_ROOT, 0)
+    assert (proof.lower, proof.upper, proof.path) == (None, None, [])
+    verify_absent(h(1), proof, tree.root, 0)
     with pytest.raises(VerificationError):
         verify_absent(h(1), proof, SortedTree([h(2)]).root, 0)
 
@@ -63,21 +64,21 @@ def test_empty_tree():
 def test_one_leaf_first_last_and_duplicates():
     one = SortedTree([h(5), h(5), h(5)])
     assert one.size == 1
-    verify_member(one.prove_member(h(5)), one.root, one.size)
+    verify_member(h(5), one.prove_member(h(5)), one.root, 1)
     for q in (b"\x00" * 32, b"\xff" * 32):
-        verify_absent(q, one.prove_absent(q), one.root, one.size)
+        verify_absent(q, one.prove_absent(q), one.root, 1)
     many = SortedTree([h(i) for i in range(10)] * 2)
     assert many.size == 10
     first, last = many.values[0], many.values[-1]
-    verify_member(many.prove_member(first), many.root, many.size)
-    verify_member(many.prove_member(last), many.root, many.size)
+    verify_member(first, many.prove_member(first), many.root, 10)
+    verify_member(last, many.prove_member(last), many.root, 10)
     below, above = b"\x00" * 32, b"\xff" * 32
     pb, pa = many.prove_absent(below), many.prove_absent(above)
-    assert (pb.lo, len(pb.neighbours)) == (0, 1) and (pa.lo, len(pa.neighbours)) == (9, 1)
-    verify_absent(below, pb, many.root, many.size)
-    verify_absent(above, pa, many.root, many.size)
+    assert (pb.index, pb.lower) == (0, None) and (pa.index, pa.upper) == (10, None)
+    verify_absent(below, pb, many.root, 10)
+    verify_absent(above, pa, many.root, 10)
     with pytest.raises(VerificationError):  # the first leaf cannot vouch for a value above it
-        verify_absent(above, Absence(0, [first], 10, pb.path), many.root, many.size)
+        verify_absent(above, pb, many.root, 10)
 
 
 def _middle(tree):
@@ -87,51 +88,58 @@ def _middle(tree):
     return q
 
 
+def _flip(b: bytes) -> bytes:
+    return bytes([b[0] ^ 1]) + b[1:]
+
+
 def test_tampered_absence_proofs_are_rejected():
     tree = SortedTree([h(i) for i in range(37)])
     q = _middle(tree)
-    good = tree.prove_absent(q)
-    verify_absent(q, good, tree.root, tree.size)
-    bad_sibling = [bytes([good.path[0][0] ^ 1]) + good.path[0][1:]] + good.path[1:]
+    g = tree.prove_absent(q)
+    verify_absent(q, g, tree.root, 37)
     cases = {
-        "changed sibling": Absence(good.lo, good.neighbours, good.size, bad_sibling),
-        "changed index": Absence(good.lo + 1, good.neighbours, good.size, good.path),
-        "not adjacent": Absence(2, [tree.values[2], tree.values[4]], 37,
-                                tree.prove_absent(q).path),
-        "wrong size": Absence(good.lo, good.neighbours, 38, good.path),  # not the committed size
-        "short path": Absence(good.lo, good.neighbours, good.size, good.path[:-1]),
-        "long path": Absence(good.lo, good.neighbours, good.size, good.path + [h(0)]),
-        "swapped": Absence(good.lo, good.neighbours[::-1], good.size, good.path),
+        "changed sibling": PairProof(g.index, g.lower, g.upper, g.size, [_flip(g.path[0])] + g.path[1:]),
+        "changed index": PairProof(g.index + 1, g.lower, g.upper, g.size, g.path),
+        "changed neighbour": PairProof(g.index, g.lower, _flip(g.upper), g.size, g.path),
+        "not adjacent": PairProof(g.index, g.lower, tree.values[5], g.size, g.path),
+        "wrong size": PairProof(g.index, g.lower, g.upper, 38, g.path),
+        "short path": PairProof(g.index, g.lower, g.upper, g.size, g.path[:-1]),
+        "long path": PairProof(g.index, g.lower, g.upper, g.size, g.path + [h(0)]),
+        "swapped": PairProof(g.index, g.upper, g.lower, g.size, g.path),
+        "dropped lower": PairProof(g.index, None, g.upper, g.size, g.path),
     }
     for name, proof in cases.items():
         with pytest.raises(VerificationError):
-            verify_absent(q, proof, tree.root, tree.size)
+            verify_absent(q, proof, tree.root, 37)
         assert name
-    with pytest.raises(VerificationError):
-        verify_absent(q, good, SortedTree([h(i) for i in range(36)]).root, 37)
+    with pytest.raises(VerificationError):  # against the wrong root
+        verify_absent(q, g, SortedTree([h(i) for i in range(36)]).root, 37)
 
 
-def test_non_adjacent_pair_with_honest_paths_is_rejected():
-    from witness.commit.sorted_tree import range_proof
-
+def test_a_forged_pair_that_skips_a_member_is_not_in_the_tree():
     tree = SortedTree([h(i) for i in range(16)])
     q = _middle(tree)
-    # Leaves 3 and 5 with a range proof for [3, 6): skipping leaf 4 cannot reach the root.
-    path = range_proof(tree.tree, 3, 6)
+    # A liar pairs v3 with v5, hiding v4, and builds a path from a tree that has such a leaf.
+    forged_leaves = list(tree.tree.levels[0])
+    forged_leaves[4] = pair_leaf(tree.values[3], tree.values[5])
+    path = MerkleTree(forged_leaves).inclusion_proof(4)
     with pytest.raises(VerificationError):
-        verify_absent(q, Absence(3, [tree.values[3], tree.values[5]], 16, path), tree.root, tree.size)
+        verify_absent(tree.values[4], PairProof(4, tree.values[3], tree.values[5], 16, path), tree.root, 16)
+    verify_absent(q, tree.prove_absent(q), tree.root, 16)
 
 
 def test_tampered_membership_is_rejected():
     tree = SortedTree([h(i) for i in range(20)])
-    m = tree.prove_member(tree.values[7])
-    verify_member(m, tree.root, tree.size)
+    v = tree.values[7]
+    m = tree.prove_member(v)
+    verify_member(v, m, tree.root, 20)
     for bad in (
-        Membership(m.value, m.index + 1, m.size, m.path),
-        Membership(h(99), m.index, m.size, m.path),
-        Membership(m.value, m.index, m.size, [m.path[0][::-1]] + m.path[1:]),
+        PairProof(m.index + 1, m.lower, m.upper, 20, m.path),
+        PairProof(m.index, m.lower, m.upper, 20, [m.path[0][::-1]] + m.path[1:]),
     ):
         with pytest.raises(VerificationError):
-            verify_member(bad, tree.root, tree.size)
+            verify_member(v, bad, tree.root, 20)
     with pytest.raises(VerificationError):
-        verify_member(m, SortedTree([h(i) for i in range(21)]).root, 20)
+        verify_member(h(99), m, tree.root, 20)
+    with pytest.raises(VerificationError):
+        verify_member(v, m, SortedTree([h(i) for i in range(21)]).root, 20)

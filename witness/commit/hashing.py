@@ -18,12 +18,16 @@ def sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+_TAG_STATES: dict[str, Any] = {}
+
+
 def tagged_hash(tag: str, *parts: bytes) -> bytes:
     """SHA-256 of an ASCII tag, a NUL, then length-prefixed parts (no ambiguity between parts)."""
-    h = hashlib.sha256(tag.encode("ascii") + b"\x00")
-    for p in parts:
-        h.update(len(p).to_bytes(8, "big"))
-        h.update(p)
+    base = _TAG_STATES.get(tag)
+    if base is None:  # the tag's prefix is hashed once, then its state is copied
+        base = _TAG_STATES[tag] = hashlib.sha256(tag.encode("ascii") + b"\x00")
+    h = base.copy()
+    h.update(b"".join(len(p).to_bytes(8, "big") + p for p in parts))
     return h.digest()
 
 

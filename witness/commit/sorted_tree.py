@@ -1,100 +1,55 @@
-"""A Merkle tree over sorted, distinct hashes: O(log n) proofs of membership and of absence.
+"""A Merkle tree over sorted, distinct hashes, with O(log n) proofs of membership and absence.
 
-Membership is an inclusion proof. Absence is a *range proof* for two adjacent leaves that
-bracket the query (or for the first or last leaf alone when the query lies outside the
-range); a range proof carries the hashes of the subtrees outside the range, in the order the
-RFC 6962 recursion meets them, and the checker recomputes the root from the range's leaves.
+Each leaf holds a pair of *adjacent* values: for sorted distinct values ``v_0 < … < v_{n-1}``,
+leaf ``i`` (``0 <= i <= n``) is ``(v_{i-1}, v_i)``, where the first leaf has no lower value and
+the last no upper one. Membership of ``x`` is the leaf whose upper value is ``x``; absence of
+``x`` is the one leaf whose two values bracket ``x``. Either way a proof is one leaf and one
+RFC 6962 audit path: the two bracketing values can never be shown "adjacent" unless they are,
+since adjacency is committed inside the leaf. (An empty set is one leaf with neither value.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import VerificationError
-from .hashing import HASH_SIZE, leaf_hash, node_hash, same
-from .merkle import EMPTY_ROOT, MerkleTree, _split
+from .hashing import HASH_SIZE, leaf_hash
+from .merkle import MerkleTree, verify_inclusion
 
 
-def range_proof(tree: MerkleTree, lo: int, hi: int) -> list[bytes]:
-    """Hashes of the subtrees outside leaves ``[lo, hi)``, in recursion order."""
-    n = tree.size
-    if not 0 <= lo < hi <= n:
-        raise ValueError(f"no range [{lo}, {hi}) in a tree of {n} leaves")
-    out: list[bytes] = []
-
-    def walk(a: int, b: int) -> None:
-        if b <= lo or a >= hi:
-            out.append(tree._range(a, b))
-        elif not (lo <= a and b <= hi):
-            k = _split(b - a)
-            walk(a, a + k)
-            walk(a + k, b)
-
-    walk(0, n)
-    return out
-
-
-def root_from_range(leaves: Sequence[bytes], lo: int, size: int, proof: Sequence[bytes]) -> bytes:
-    """Recompute the root of a ``size``-leaf tree from leaf hashes at ``lo..`` and a range proof."""
-    hi = lo + len(leaves)
-    if not leaves or not 0 <= lo < hi <= size:
-        raise VerificationError(f"range [{lo}, {hi}) does not fit a tree of {size} leaves")
-    for h in (*leaves, *proof):
-        if not isinstance(h, bytes) or len(h) != HASH_SIZE:
-            raise VerificationError("range proof holds a node that is not a 32-byte hash")
-    nodes = iter(proof)
-
-    def build(a: int, b: int) -> bytes:
-        if b <= lo or a >= hi:
-            node = next(nodes, None)
-            if node is None:
-                raise VerificationError("range proof is too short")
-            return node
-        if b - a == 1:
-            return leaves[a - lo]
-        k = _split(b - a)
-        return node_hash(build(a, a + k), build(a + k, b))
-
-    root = build(0, size)
-    if next(nodes, None) is not None:
-        raise VerificationError("range proof is too long")
-    return root
+def pair_leaf(lower: bytes | None, upper: bytes | None) -> bytes:
+    """Leaf hash of a pair of adjacent values (a flag byte says which ends exist)."""
+    flags = (1 if lower is not None else 0) | (2 if upper is not None else 0)
+    return leaf_hash(bytes([flags]) + (lower or b"") + (upper or b""))
 
 
 @dataclass(frozen=True)
-class Membership:
-    """``value`` is leaf ``index`` of the sorted tree of ``size`` leaves."""
+class PairProof:
+    """Leaf ``index`` of a tree of ``size`` values holds ``(lower, upper)``; ``path`` leads to the root."""
 
-    value: bytes
     index: int
-    size: int
-    path: list[bytes]
-
-
-@dataclass(frozen=True)
-class Absence:
-    """Leaves ``lo`` (and ``lo + 1``) bracket a value the sorted tree does not hold."""
-
-    lo: int
-    neighbours: list[bytes]
+    lower: bytes | None
+    upper: bytes | None
     size: int
     path: list[bytes]
 
 
 class SortedTree:
-    """Distinct 32-byte values, sorted; leaf ``i`` is ``leaf_hash(values[i])``."""
+    """Distinct 32-byte values, sorted, committed as a tree of adjacent pairs."""
 
     def __init__(self, values: Iterable[bytes]):
         self.values = sorted(set(values))
         for v in self.values:
             if len(v) != HASH_SIZE:
                 raise ValueError("sorted-tree values are 32-byte hashes")
-        self.tree = MerkleTree([leaf_hash(v) for v in self.values])
+        bounds: list[bytes | None] = [None, *self.values, None]
+        self.tree = MerkleTree([pair_leaf(bounds[i], bounds[i + 1]) for i in range(len(self.values) + 1)])
 
     @property
     def size(self) -> int:
-        """Number of distinct values."""
+        """Number of distinct values (the tree has one more leaf)."""
         return len(self.values)
 
     @property
@@ -102,78 +57,56 @@ class SortedTree:
         """The commitment."""
         return self.tree.root()
 
-    def _position(self, value: bytes) -> int:
-        import bisect
-
-        return bisect.bisect_left(self.values, value)
-
     def __contains__(self, value: bytes) -> bool:
-        i = self._position(value)
+        i = bisect.bisect_left(self.values, value)
         return i < self.size and self.values[i] == value
 
-    def prove_member(self, value: bytes) -> Membership:
-        """Inclusion proof for a member; ValueError if it is absent."""
-        i = self._position(value)
-        if i >= self.size or self.values[i] != value:
-            raise ValueError("not a member")
-        return Membership(value, i, self.size, self.tree.inclusion_proof(i))
+    def _proof(self, i: int) -> PairProof:
+        lower = self.values[i - 1] if i > 0 else None
+        upper = self.values[i] if i < self.size else None
+        return PairProof(i, lower, upper, self.size, self.tree.inclusion_proof(i))
 
-    def prove_absent(self, value: bytes) -> Absence:
-        """Non-membership proof; ValueError if it is a member."""
+    def prove_member(self, value: bytes) -> PairProof:
+        """The leaf whose upper value is ``value``; ValueError if it is absent."""
+        if value not in self:
+            raise ValueError("not a member")
+        return self._proof(bisect.bisect_left(self.values, value))
+
+    def prove_absent(self, value: bytes) -> PairProof:
+        """The leaf whose values bracket ``value``; ValueError if it is a member."""
         if value in self:
             raise ValueError("is a member")
-        n = self.size
-        if n == 0:
-            return Absence(0, [], 0, [])
-        i = self._position(value)
-        lo, hi = (0, 1) if i == 0 else (n - 1, n) if i == n else (i - 1, i + 1)
-        return Absence(lo, self.values[lo:hi], n, range_proof(self.tree, lo, hi))
+        return self._proof(bisect.bisect_left(self.values, value))
 
 
-def verify_member(proof: Membership, root: bytes, size: int) -> None:
-    """Raise unless ``proof.value`` is in the committed sorted tree (``root`` over ``size`` leaves)."""
-    from .merkle import verify_inclusion
-
+def _check(proof: PairProof, root: bytes, size: int) -> None:
+    # The size must come from the commitment: "the first" or "the last" leaf means nothing
+    # without the true size.
     if proof.size != size:
-        raise VerificationError(f"the proof is for a tree of {proof.size} leaves; the commitment has {size}")
-    verify_inclusion(leaf_hash(proof.value), proof.index, proof.size, proof.path, root)
+        raise VerificationError(f"the proof is for a tree of {proof.size} values; the commitment has {size}")
+    if not 0 <= proof.index <= size:
+        raise VerificationError(f"leaf {proof.index} is outside a tree of {size} values")
+    if (proof.lower is None) != (proof.index == 0) or (proof.upper is None) != (proof.index == size):
+        raise VerificationError("only the first leaf lacks a lower value and only the last an upper one")
+    for v in (proof.lower, proof.upper):
+        if v is not None and len(v) != HASH_SIZE:
+            raise VerificationError("a bracketing value is not a 32-byte hash")
+    if proof.lower is not None and proof.upper is not None and not proof.lower < proof.upper:
+        raise VerificationError("the leaf's values are not in sorted order")
+    verify_inclusion(pair_leaf(proof.lower, proof.upper), proof.index, size + 1, proof.path, root)
 
 
-def verify_absent(value: bytes, proof: Absence, root: bytes, size: int) -> None:
-    """Raise unless the proof shows ``value`` is not in the committed sorted tree (``root``, ``size``).
+def verify_member(value: bytes, proof: PairProof, root: bytes, size: int) -> None:
+    """Raise unless ``value`` is in the committed sorted tree (``root`` over ``size`` values)."""
+    _check(proof, root, size)
+    if proof.upper != value:
+        raise VerificationError("the leaf does not hold the value")
 
-    The size must come from the commitment: a range proof far from the right edge reaches the
-    same root for several sizes, and "the last leaf" only means something for the true size.
-    """
-    if proof.size != size:
-        raise VerificationError(f"the proof is for a tree of {proof.size} leaves; the commitment has {size}")
-    n, lo, nb = proof.size, proof.lo, proof.neighbours
-    if n == 0:
-        if nb or proof.path or not same(root, EMPTY_ROOT):
-            raise VerificationError("the tree is not empty")
-        return
+
+def verify_absent(value: bytes, proof: PairProof, root: bytes, size: int) -> None:
+    """Raise unless the committed sorted tree (``root`` over ``size`` values) does not hold ``value``."""
     if len(value) != HASH_SIZE:
         raise VerificationError("the query is not a 32-byte hash")
-    if n == 1:
-        if len(nb) != 1 or lo != 0:
-            raise VerificationError("a one-leaf tree is bracketed by its only leaf")
-    elif len(nb) == 1:
-        if lo not in (0, n - 1):
-            raise VerificationError("a single bracketing leaf must be the first or the last")
-    elif len(nb) != 2 or not 0 <= lo < n - 1:
-        raise VerificationError("absence needs two adjacent leaves")
-    if len(nb) == 2 and not nb[0] < nb[1]:
-        raise VerificationError("the bracketing leaves are not in sorted order")
-    got = root_from_range([leaf_hash(v) for v in nb], lo, n, proof.path)
-    if not same(got, root):
-        raise VerificationError("the bracketing leaves are not adjacent leaves of the committed tree")
-    if len(nb) == 2:
-        ok = nb[0] < value < nb[1]
-    elif n == 1:
-        ok = value != nb[0]
-    elif lo == 0:
-        ok = value < nb[0]
-    else:  # lo == n - 1
-        ok = value > nb[0]
-    if not ok:
-        raise VerificationError("the query does not lie outside or between the bracketing leaves")
+    _check(proof, root, size)
+    if not ((proof.lower is None or proof.lower < value) and (proof.upper is None or value < proof.upper)):
+        raise VerificationError("the query does not lie strictly between the leaf's adjacent values")

@@ -9,8 +9,8 @@ checkpoints:
 * inclusion: the document's leaf in that tree, and every step that used it — the step record
   with its log inclusion proof, the sample's canonical bytes (which name the document), and the
   sample's path to the record's batch root;
-* exclusion: two adjacent leaves of the used-document tree that bracket the document (or the
-  first or last leaf alone), with a range proof to the root.
+* exclusion: the leaf of the used-document tree whose two adjacent values bracket the document,
+  with its audit path.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..commit.hashing import canonical_json, from_hex, leaf_hash, same
 from ..commit.log import RunLog
 from ..commit.merkle import MerkleTree, verify_inclusion
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
-from ..commit.sorted_tree import Absence, Membership, verify_absent, verify_member
+from ..commit.sorted_tree import PairProof, verify_absent, verify_member
 from ..errors import MalformedInput, VerificationError
 from .dataset import Dataset, document_of, sample_hash
 from .usage import UsageCommitment
@@ -75,6 +75,18 @@ def _header(run: RunCommitments, kind: str, document: bytes) -> dict:
     }
 
 
+def _pair_json(p: PairProof) -> dict:
+    return {"index": p.index, "lower": p.lower.hex() if p.lower else None,
+            "upper": p.upper.hex() if p.upper else None, "path": pack(p.path)}
+
+
+def _pair(obj: Any, size: int, where: str) -> PairProof:
+    if not isinstance(obj, dict) or set(obj) != {"index", "lower", "upper", "path"}:
+        raise MalformedInput(f"{where}: needs exactly index, lower, upper, path")
+    ends = [None if obj[k] is None else _h(obj[k], f"{where}.{k}") for k in ("lower", "upper")]
+    return PairProof(_get(obj, "index", int, where), ends[0], ends[1], size, unpack(obj["path"], f"{where}.path"))
+
+
 def prove_inclusion(run: RunCommitments, document: bytes) -> dict:
     """Inclusion proof for a used document; ValueError if the run never used it."""
     member = run.usage.documents.prove_member(document)
@@ -97,7 +109,7 @@ def prove_inclusion(run: RunCommitments, document: bytes) -> dict:
             "batch_proof": pack(tree.inclusion_proof(j)),
         })
     doc = _header(run, "inclusion", document)
-    doc["member"] = {"index": member.index, "path": pack(member.path)}
+    doc["member"] = _pair_json(member)
     doc["uses"] = uses
     return doc
 
@@ -106,7 +118,7 @@ def prove_exclusion(run: RunCommitments, document: bytes) -> dict:
     """Exclusion proof for a document the run never used; ValueError if it was used."""
     absent = run.usage.documents.prove_absent(document)
     doc = _header(run, "exclusion", document)
-    doc["absence"] = {"lo": absent.lo, "neighbours": pack(absent.neighbours), "path": pack(absent.path)}
+    doc["absence"] = _pair_json(absent)
     return doc
 
 
@@ -160,15 +172,10 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
     summary = {"kind": kind, "document": document.hex(), "signer": key_fingerprint(key_hex),
                "tree_head": sth.to_json(), "used_documents": size}
     if kind == "exclusion":
-        a = _get(proof, "absence", dict, "proof")
-        absence = Absence(_get(a, "lo", int, "absence"), unpack(a.get("neighbours"), "neighbours", 2), size,
-                          unpack(a.get("path"), "absence.path"))
-        verify_absent(document, absence, root, size)
+        verify_absent(document, _pair(proof["absence"], size, "absence"), root, size)
         return summary
 
-    m = _get(proof, "member", dict, "proof")
-    verify_member(Membership(document, _get(m, "index", int, "member"), size, unpack(m.get("path"), "member.path")),
-                  root, size)
+    verify_member(document, _pair(proof["member"], size, "member"), root, size)
     uses = _get(proof, "uses", list, "proof")
     steps = []
     for k, use in enumerate(uses):
