@@ -1,0 +1,25 @@
+"""Run every benchmark and write their figures to bench/results/ (see docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+BENCHES = ["overhead.py", "verifier_cost.py", "data_commit.py"]
+
+
+def main() -> int:
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    for name in BENCHES:
+        print(f"== {name}", flush=True)
+        rc = subprocess.call([sys.executable, str(HERE / name), "--json", str(out / name.replace(".py", ".json"))])
+        if rc:
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
