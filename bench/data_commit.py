@@ -9,7 +9,6 @@ check it, and hashing throughput against plain ``hashlib.sha256`` on the same by
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -17,7 +16,8 @@ import resource
 import statistics
 import time
 import tracemalloc
-from pathlib import Path
+
+from common import parser, report
 
 from witness.commit.hashing import canonical_json, leaf_hash
 from witness.commit.log import RunLog
@@ -29,10 +29,9 @@ from witness.data.proofs import check_proof, pack
 
 
 def main() -> dict:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--sample-bytes", type=int, default=105)  # a tinygpt window: 40 + 65 bytes
-    ap.add_argument("--json")
     args = ap.parse_args()
     n = args.samples
     blob = os.urandom(n * args.sample_bytes)
@@ -106,10 +105,7 @@ def main() -> dict:
         "check_ms_p95": 1000 * sorted(query_times)[int(0.95 * len(query_times))],
         "dataset_root": dataset_root.hex(),
     }
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return out
+    return report(out, args.json)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ the trainer does anyway, are left out (no checkpoint falls inside the measured s
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -18,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import parser, report
 
 from witness.commit.signing import generate_key
 from witness.record import Recorder
@@ -28,11 +27,10 @@ CONFIG = {"steps": 100_000, "batch_size": 64, "block": 128, "n_layer": 4, "d_mod
 
 
 def main() -> dict:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--block-steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     task = build_task("tinygpt", CONFIG)
@@ -111,10 +109,7 @@ def main() -> dict:
         "log_bytes_per_step": log_bytes / (records + 1),
         "threads": args.threads,
     }
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return out
+    return report(out, args.json)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ the checkpoint before each challenge.
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import parser, report
 
 from witness.commit.signing import generate_key
 from witness.record import Recorder
@@ -29,11 +28,10 @@ CONFIG = {"n_layer": 1, "d_model": 64, "n_head": 4, "batch_size": 8, "block": 32
 
 
 def main() -> dict:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--checkpoint-every", type=int, default=500)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     q = challenges_needed(0.99, 0.05)
@@ -70,10 +68,7 @@ def main() -> dict:
         "proof_of_learning_default_compute_fraction": 0.5,
         "log_bytes_per_step": log_bytes / args.steps,
     }
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return out
+    return report(out, args.json)
 
 
 if __name__ == "__main__":
