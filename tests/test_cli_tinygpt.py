@@ -68,6 +68,9 @@ def test_tolerance_mode_reports_every_threshold(gpt_run):
     assert all(set(r["distances"]) >= {"loss", "fingerprint", "sketch"} for r in v["results"])
     text = _cli("verify", str(gpt_run), "--challenges", "3", "--tolerance").stdout
     assert "fingerprint: max distance" in text and "against threshold" in text
+    res = _cli("verify", str(gpt_run), "--challenges", "1", "--tolerance", "--threshold", "sketch=0.5", "--json")
+    assert json.loads(res.stdout)["thresholds"]["sketch"] == 0.5
+    assert _cli("verify", str(gpt_run), "--tolerance", "--threshold", "bogus=1").returncode == 2
 
 
 def test_confidence_chooses_q_and_inspect_summarises(gpt_run):

@@ -190,7 +190,13 @@ def test_binding_exclusion_proof_exists_but_replay_rejects(tmp_path):
                 "--key", tmp_path / "k.pem") == 0
     assert _run("data", "check", tmp_path / "exc.json", "--bundle", run) == 0
     # Half 2: the run is rejected as soon as a challenge replays step 10.
-    verify_bundle(run, challenges=1, nonce=b"\x00")  # a challenge elsewhere does not see it
+    from witness.bundle.reader import open_bundle
+    from witness.verify.challenges import draw_challenges
+
+    head = open_bundle(run).final_head
+    elsewhere = next(n.to_bytes(2, "big") for n in range(1000)
+                     if not 10 <= draw_challenges(head, n.to_bytes(2, "big"), 40, 1)[0].step < 20)
+    verify_bundle(run, challenges=1, nonce=elsewhere)  # a challenge outside [10, 20) does not see it
     with pytest.raises(RunRejected, match="step 10: replay"):
         verify_bundle(run, challenges=40)
 

@@ -130,7 +130,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     response = args.response
     if args.mode == "interactive" and response is None:
         response = default_response_dir(args.bundle)
-    thresholds = {"fingerprint": args.rtol} if args.rtol is not None else None
+    from .verify.replay import DEFAULT_THRESHOLDS
+
+    thresholds = dict(args.threshold or [])
+    if args.rtol is not None:
+        thresholds["fingerprint"] = args.rtol
+    unknown = set(thresholds) - set(DEFAULT_THRESHOLDS)
+    if unknown or not all(isinstance(v, (int, float)) and v >= 0 for v in thresholds.values()):
+        print(f"thresholds are non-negative numbers for {', '.join(DEFAULT_THRESHOLDS)}", file=sys.stderr)
+        return 2
     try:
         verdict = verify_bundle(
             args.bundle, challenges=_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
@@ -232,14 +240,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     Recorder.create(task, bundle_dir, key, r=_trainer_r(None), checkpoint_every=50).train()
     train_s = time.perf_counter() - t0
     print(f"trained {args.steps} steps in {train_s:.1f} s; now auditing with random replay challenges", file=sys.stderr)
+    results = []
     try:
         verdict = verify_bundle(bundle_dir, challenges=args.challenges, progress=True)
-        text = verdict.summary()
-        code = 0
+        text, code, results = verdict.summary(), 0, verdict.results
+    except RunRejected as e:
+        text, code = f"REJECTED: {e}", e.exit_code
+        results = getattr(e.verdict, "results", [])
     except VerificationError as e:
         text, code = f"REJECTED: {e}", e.exit_code
     print(text)
-    report = write_report(open_bundle(bundle_dir), out / "report", text)
+    report = write_report(open_bundle(bundle_dir), out / "report", text, [(r.step, r.passed) for r in results])
     print(f"bundle: {bundle_dir}\nreport: {report / 'report.md'} (plots: loss.png, fingerprints.png)")
     return code
 
@@ -346,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--response", help="the trainer's response folder (interactive mode)")
     v.add_argument("--tolerance", action="store_true", help="compare within calibrated thresholds, not bit-exactly")
     v.add_argument("--rtol", type=float, help="fingerprint threshold in tolerance mode")
+    v.add_argument("--threshold", type=_config_value, action="append",
+                   help="tolerance-mode threshold NAME=VALUE (loss, fingerprint, sketch, update)")
     v.add_argument("--threads", type=_positive)
     v.add_argument("--signer", help="pin the signer's public key (hex)")
     v.add_argument("--json", action="store_true")

@@ -8,7 +8,8 @@ from pathlib import Path
 from .bundle.reader import Bundle
 
 
-def write_report(bundle: Bundle, out: str | os.PathLike, verdict_text: str = "") -> Path:
+def write_report(bundle: Bundle, out: str | os.PathLike, verdict_text: str = "",
+                 challenged: list[tuple[int, bool]] | None = None) -> Path:
     """Write ``loss.png``, ``fingerprints.png`` and ``report.md`` into ``out``."""
     import matplotlib
 
@@ -25,6 +26,14 @@ def write_report(bundle: Bundle, out: str | os.PathLike, verdict_text: str = "")
     ckpts = [c for c in bundle.checkpoint_steps() if c > 0]
     for c in ckpts:
         ax.axvline(c, color="grey", lw=0.5, ls=":")
+    if challenged:
+        by_step = {r.step: r.loss for r in bundle.steps}
+        ok = [(t, by_step[t]) for t, passed in challenged if passed and t in by_step]
+        bad = [(t, by_step[t]) for t, passed in challenged if not passed and t in by_step]
+        if ok:
+            ax.scatter(*zip(*ok, strict=True), s=12, color="tab:green", zorder=3, label="replayed: matched")
+        if bad:
+            ax.scatter(*zip(*bad, strict=True), s=24, color="tab:red", marker="x", zorder=3, label="replayed: MISMATCH")
     ax.set_title(f"{bundle.manifest.task}: loss (dotted lines: committed checkpoints)")
     ax.legend()
     fig.tight_layout()
