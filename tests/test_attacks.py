@@ -9,6 +9,7 @@ import pytest
 from helpers import train_tiny
 
 from witness.bundle.layout import LOG
+from witness.bundle.schema import HEAD_EXTENSION_FIELDS
 from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.log import RunLog
 from witness.errors import MalformedInput, RunRejected, VerificationError
@@ -37,7 +38,7 @@ def _resign(bundle, key, lines):
         if rec["type"] == "manifest" or "state_hash" in rec:
             heads.append(canonical_json(log.sign_head(key).to_json()))
         elif rec["type"] == "end":
-            ext = {k: rec[k] for k in ("document_rule", "used_documents", "used_samples")}
+            ext = {k: rec[k] for k in HEAD_EXTENSION_FIELDS}
             heads.append(canonical_json(log.sign_head(key, extensions=ext).to_json()))
     (bundle / "heads.jsonl").write_bytes(b"".join(h + b"\n" for h in heads))
 

@@ -42,6 +42,11 @@ def state_hash(tensors: dict[str, torch.Tensor]) -> bytes:
     return merkle_root([tensor_leaf(n, tensors[n]) for n in sorted(tensors)])
 
 
+def model_hash(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Hash of the model part of a state (what a released weights file holds)."""
+    return state_hash({k: v for k, v in tensors.items() if k.startswith("model.")})
+
+
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
     """A training state as flat named tensors: ``model.*`` and ``optim.<param>.<key>``."""
     out = {f"model.{k}": v.detach() for k, v in model.state_dict().items()}

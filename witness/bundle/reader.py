@@ -24,7 +24,7 @@ from .layout import (
     MAX_RECORD_BYTES,
     marker_bytes,
 )
-from .schema import EndRecord, Manifest, StepRecord
+from .schema import HEAD_EXTENSION_FIELDS, EndRecord, Manifest, StepRecord
 
 PICKLE_SUFFIXES = {".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt"}
 
@@ -216,7 +216,7 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     for i, h in enumerate(heads):
         wanted = None
         if end is not None and i == len(heads) - 1:
-            wanted = {k: end.raw[k] for k in ("document_rule", "used_documents", "used_samples")}
+            wanted = {k: end.raw[k] for k in HEAD_EXTENSION_FIELDS}
         if h.extensions != wanted:
             raise VerificationError(f"tree head {i}'s extensions are not the run's used-data commitments", check="log")
     if end is not None and end.steps != len(steps):

@@ -186,6 +186,11 @@ class StepRecord:
         )
 
 
+# The end record's fields that the final tree head also signs as extensions, so certificates
+# and data proofs can bind to the head alone.
+HEAD_EXTENSION_FIELDS = ("document_rule", "used_documents", "used_samples", "final_state_hash", "final_model_hash")
+
+
 @dataclass(frozen=True)
 class TreeCommitment:
     """Root and size of a sorted tree."""
@@ -201,6 +206,7 @@ class EndRecord:
     raw: dict
     steps: int
     final_state_hash: bytes
+    final_model_hash: bytes
     document_rule: str
     used_documents: TreeCommitment
     used_samples: TreeCommitment
@@ -208,7 +214,7 @@ class EndRecord:
     @classmethod
     def parse(cls, obj: Any, where: str) -> EndRecord:
         """Strictly parse the end record."""
-        _keys(obj, {"type", "steps", "final_state_hash", "document_rule", "used_documents", "used_samples"}, set(), where)
+        _keys(obj, {"type", "steps", *HEAD_EXTENSION_FIELDS}, set(), where)
         if obj["type"] != "end":
             raise _fail(where, "expected the end record")
         if obj["document_rule"] not in ("self", "prefix32"):
@@ -220,4 +226,5 @@ class EndRecord:
 
         return cls(obj, _int(obj["steps"], f"{where}.steps", 1),
                    _hex(obj["final_state_hash"], f"{where}.final_state_hash"),
+                   _hex(obj["final_model_hash"], f"{where}.final_model_hash"),
                    obj["document_rule"], tree("used_documents"), tree("used_samples"))

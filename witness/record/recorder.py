@@ -25,6 +25,7 @@ from .. import __version__
 from ..bundle.checkpoint import (
     file_sha256,
     load_state,
+    model_hash,
     read_checkpoint,
     save_checkpoint,
     state_tensors,
@@ -211,9 +212,11 @@ class Recorder:
             raise ValueError(f"the recipe has {self.task.config.steps} steps; {self.next_step} were logged")
         records = [parse_canonical_json(line) for line in self.log.lines[1:]]
         usage = UsageCommitment.from_batches(self.task.dataset(), (r["batch"] for r in records))
-        end = {"type": "end", "steps": self.next_step, "final_state_hash": records[-1]["state_hash"]}
-        self.writer.append_record(self.log.append(end | usage.to_json()))
-        head = self._publish_head(extensions=usage.to_json())
+        final = {"final_state_hash": records[-1]["state_hash"],
+                 "final_model_hash": model_hash(state_tensors(self.model, None)).hex()}
+        ext = usage.to_json() | final
+        self.writer.append_record(self.log.append({"type": "end", "steps": self.next_step} | ext))
+        head = self._publish_head(extensions=ext)
         self.writer.close()
         return head
 

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import torch
 
-from ..bundle.checkpoint import file_sha256, load_state, read_checkpoint, state_hash, state_tensors
+from ..bundle.checkpoint import (
+    file_sha256,
+    load_state,
+    model_hash,
+    read_checkpoint,
+    state_hash,
+    state_tensors,
+)
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.hashing import same
 from ..commit.signing import key_fingerprint
@@ -78,6 +85,9 @@ def check_records(bundle: Bundle, task: Task, session: TrainingSession, local: L
             raise VerificationError(f"the run ended after {bundle.end.steps} of {m.steps_planned} planned steps", check="end")
         if last.state_hash is None or not same(last.state_hash, bundle.end.final_state_hash):
             raise VerificationError("the final state hash is not the last checkpoint's", check="end")
+        final = read_checkpoint(bundle.checkpoints[len(bundle.steps)])
+        if not same(model_hash(final), bundle.end.final_model_hash):
+            raise VerificationError("the final model hash is not that of the final checkpoint's model", check="end")
         if local is not None:
             usage = UsageCommitment.from_batches(local.dataset, (r.batch for r in bundle.steps))
             end = bundle.end
