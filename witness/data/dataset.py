@@ -73,6 +73,10 @@ class Dataset:
         """Hash of a document given as raw bytes (what a query names with --file or --text)."""
         return sample_hash(content)
 
+    def documents_list(self) -> list[tuple[str, bytes, bytes]]:
+        """Every document of the dataset: (name, hash, content). By default each sample is one."""
+        return [(f"sample {i}", self.document_of(self.sample_bytes(i)), self.sample_bytes(i)) for i in range(len(self))]
+
 
 def document_of(rule: str, canonical: bytes) -> bytes:
     """The document hash of a sample under a committed document rule."""

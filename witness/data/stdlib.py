@@ -91,6 +91,10 @@ class StdlibWindows(Dataset):
         """Hash of a source file's bytes."""
         return document_hash(content)
 
+    def documents_list(self) -> list[tuple[str, bytes, bytes]]:
+        """Every source file of this split: (relative path, hash, content)."""
+        return [(rel, h, data) for (rel, data), h in zip(self.documents, self.document_hashes, strict=True)]
+
 
 def window_tokens(canonical: bytes) -> bytes:
     """The text bytes of a window's canonical form."""

@@ -146,15 +146,51 @@ class Task:
 
     def probe_tensors(self) -> Any:
         """The probe set as model inputs."""
-        return self.collate(self.probe_bytes())
+        return self.collate_probes(self.probe_bytes())
+
+    def collate_probes(self, probes: list[bytes]) -> Any:
+        """Probe inputs (canonical bytes) as model inputs."""
+        return self.collate(probes)
 
     def probe_hash(self) -> bytes:
         """Commitment to the probe set."""
         return sha256(canonical_json([p.hex() for p in self.probe_bytes()]))
 
-    def probe_forward(self, model: nn.Module, probes: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Outputs ``[P, ..., width]`` and per-probe losses ``[P]`` on the probe set."""
+    def probe_outputs(self, model: nn.Module, probes: Any) -> torch.Tensor:
+        """The model's outputs ``[P, ..., width]`` on the probe inputs."""
         raise NotImplementedError
+
+    def probe_losses(self, outputs: torch.Tensor, probes: Any) -> torch.Tensor:
+        """Per-probe losses ``[P]`` computed from the outputs alone (so a black box can be scored)."""
+        raise NotImplementedError
+
+    def fingerprint_of_outputs(self, outputs: torch.Tensor) -> Fingerprint:
+        """The fingerprint of probe outputs, however they were obtained (a model, or an endpoint)."""
+        if self._probes is None:
+            self._probes = self.probe_tensors()
+        if self._proj is None:
+            self._proj = projection_matrix(self.probe_hash(), outputs.shape[-1], self.config.fingerprint_dims)
+        return fingerprint_from_outputs(outputs, self.probe_losses(outputs, self._probes), self._proj)
+
+    # --- evaluation ---------------------------------------------------------------------
+    def eval_dataset(self) -> Dataset:
+        """The committed evaluation split (never in the training order)."""
+        raise NotImplementedError
+
+    def eval_example(self, model: nn.Module, sample: bytes) -> dict:
+        """Per-example result: ``loss``, and for classifiers ``prediction`` and ``correct``."""
+        raise NotImplementedError
+
+    def aggregates(self, examples: list[dict]) -> dict:
+        """Aggregate metrics, recomputable exactly from the per-example results."""
+        import math
+
+        n = len(examples)
+        mean = math.fsum(e["loss"] for e in examples) / n if n else 0.0
+        out = {"examples": n, "mean_loss": mean}
+        if examples and "correct" in examples[0]:
+            out["accuracy"] = sum(1 for e in examples if e["correct"]) / n
+        return out
 
     @torch.no_grad()
     def fingerprint(self, model: nn.Module) -> Fingerprint:
@@ -165,10 +201,7 @@ class Task:
         """
         if self._probes is None:
             self._probes = self.probe_tensors()
-        outputs, losses = self.probe_forward(model, self._probes)
-        if self._proj is None:
-            self._proj = projection_matrix(self.probe_hash(), outputs.shape[-1], self.config.fingerprint_dims)
-        return fingerprint_from_outputs(outputs, losses, self._proj)
+        return self.fingerprint_of_outputs(self.probe_outputs(model, self._probes))
 
     def fingerprint_spec(self) -> dict:
         """What the fingerprint contains, for the manifest."""

@@ -87,11 +87,30 @@ class TinyTask(Task):
         f = self.config.features
         return [bytes(((i * 37 + j * 11) % 256) for j in range(f)) + bytes([i % self.config.classes]) for i in range(8)]
 
-    def probe_forward(self, model, probes):
-        """Logits and per-probe cross-entropy."""
-        x, y = probes
+    def probe_outputs(self, model, probes):
+        """Logits on the probe points."""
+        return model(probes[0])
+
+    def probe_losses(self, outputs, probes):
+        """Per-probe cross-entropy."""
+        return F.cross_entropy(outputs, probes[1], reduction="none")
+
+    @cached_property
+    def _eval(self) -> SyntheticClassification:
+        c = self.config
+        return SyntheticClassification(256, c.features, c.classes, seed=b"tiny", split=b"eval")
+
+    def eval_dataset(self) -> SyntheticClassification:
+        """256 held-out points of the same teacher, drawn from a separate stream."""
+        return self._eval
+
+    @torch.no_grad()
+    def eval_example(self, model, sample: bytes) -> dict:
+        """Loss, predicted class, correctness."""
+        x, y = self.collate([sample])
         logits = model(x)
-        return logits, F.cross_entropy(logits, y, reduction="none")
+        pred = int(logits.argmax(dim=-1))
+        return {"loss": float(F.cross_entropy(logits, y)), "prediction": pred, "correct": pred == int(y)}
 
     def flops_per_step(self) -> float:
         """6 * params * samples."""

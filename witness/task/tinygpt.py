@@ -150,10 +150,14 @@ class TinyGPTTask(Task):
         """Stdlib training windows."""
         return self._dataset
 
-    def eval_dataset(self) -> StdlibWindows:
-        """Held-out stdlib files (never in the training order)."""
+    @cached_property
+    def _eval(self) -> StdlibWindows:
         c = self.config
         return StdlibWindows(c.block, "eval", c.corpus_max_bytes or None)
+
+    def eval_dataset(self) -> StdlibWindows:
+        """Held-out stdlib files (never in the training order)."""
+        return self._eval
 
     def build_model(self, seed: bytes) -> nn.Module:
         """GPT with seed-derived weights."""
@@ -165,9 +169,9 @@ class TinyGPTTask(Task):
         """Windows of ``block + 1`` bytes -> a [B, block + 1] token tensor."""
         return torch.tensor([list(window_tokens(s)) for s in samples], dtype=torch.long)
 
-    def probe_tensors(self) -> torch.Tensor:
+    def collate_probes(self, probes: list[bytes]) -> torch.Tensor:
         """Probe texts as a [P, probe_len + 1] token tensor."""
-        return torch.tensor([list(p) for p in self.probe_bytes()], dtype=torch.long)
+        return torch.tensor([list(p) for p in probes], dtype=torch.long)
 
     def loss(self, model, batch, generator):
         """Next-byte cross-entropy."""
@@ -179,11 +183,28 @@ class TinyGPTTask(Task):
         n = self.config.probe_len + 1
         return [t.encode().ljust(n)[:n] for t in PROBE_TEXTS[: self.config.probes]]
 
-    def probe_forward(self, model, probes):
-        """Logits and per-probe mean next-byte loss."""
-        logits = model(probes[:, :-1])
-        losses = F.cross_entropy(logits.transpose(1, 2), probes[:, 1:], reduction="none").mean(dim=1)
-        return logits, losses
+    def probe_outputs(self, model, probes):
+        """Next-byte logits on the probe texts."""
+        return model(probes[:, :-1])
+
+    def probe_losses(self, outputs, probes):
+        """Per-probe mean next-byte loss."""
+        return F.cross_entropy(outputs.transpose(1, 2), probes[:, 1:], reduction="none").mean(dim=1)
+
+    @torch.no_grad()
+    def eval_example(self, model, sample: bytes) -> dict:
+        """Mean next-byte loss of one held-out window (evaluated alone: same bits every time)."""
+        tokens = self.collate([sample])
+        logits = model(tokens[:, :-1])
+        return {"loss": float(F.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)))}
+
+    def aggregates(self, examples: list[dict]) -> dict:
+        """Mean loss and bits per byte."""
+        import math
+
+        out = super().aggregates(examples)
+        out["bits_per_byte"] = out["mean_loss"] / math.log(2)
+        return out
 
     def parameter_count(self) -> int:
         """Number of parameters."""

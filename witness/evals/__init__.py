@@ -1,0 +1,1 @@
+"""Evaluation and contamination certificates, and the identity of a released model."""

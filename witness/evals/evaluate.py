@@ -1,0 +1,170 @@
+"""Run the certified final model on the committed evaluation split, and spot-check certificates."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from tqdm import tqdm
+
+from ..bundle.checkpoint import load_state, read_checkpoint, state_hash
+from ..bundle.reader import Bundle, open_bundle
+from ..commit.hashing import canonical_json, same, tagged_hash
+from ..errors import MalformedInput, RunRejected, VerificationError
+from ..task.base import Task
+from ..verify.audit import task_of
+from ..verify.challenges import _uniform
+from ..verify.data_queries import run_commitments
+from .certificate import build_body, check_certificate, sign_certificate, spot_probability
+from .contamination import contaminated, near_duplicates
+
+
+def final_model(bundle: Bundle, task: Task) -> torch.nn.Module:
+    """The run's final model, from its final checkpoint (whose hash the log commits)."""
+    if bundle.end is None:
+        raise MalformedInput("evaluation needs a finished run")
+    tensors = read_checkpoint(bundle.checkpoints[len(bundle.steps)])
+    if not same(state_hash(tensors), bundle.end.final_state_hash):
+        raise VerificationError("the final checkpoint is not the committed final state", check="checkpoint")
+    model = task.build_model(bundle.manifest.run_seed)
+    load_state(model, None, {k: v for k, v in tensors.items() if k.startswith("model.")})
+    model.eval()
+    return model
+
+
+def evaluate(bundle_dir: str | os.PathLike, key: Ed25519PrivateKey, progress: bool = True) -> dict:
+    """Evaluate the final model on every example of the evaluation split; return a signed certificate."""
+    run, task = run_commitments(bundle_dir)
+    bundle = open_bundle(bundle_dir)
+    eval_set = task.eval_dataset()
+    docs = eval_set.documents_list()
+    dirty = contaminated([(n, h) for n, h, _ in docs], run.usage.documents)
+    if dirty:
+        raise VerificationError(f"the run trained on {len(dirty)} evaluation document(s), e.g. {dirty[0]!r}; "
+                                "no clean certificate exists", check="contamination")
+    absences = [(n, h, run.usage.documents.prove_absent(h)) for n, h, _ in docs]
+    used = run.usage.documents
+    train_docs = [data for _, h, data in task.dataset().documents_list() if h in used]
+    near = near_duplicates([(n, data) for n, _, data in docs], train_docs)
+
+    model = final_model(bundle, task)
+    examples = []
+    for i in tqdm(range(len(eval_set)), desc="evaluating", unit="example", disable=not progress):
+        sample = eval_set.sample_bytes(i)
+        examples.append({"index": i, "sample": eval_set.hashes[i].hex(), **task.eval_example(model, sample)})
+    body = build_body(task.name, bundle.final_head, bundle.manifest.public_key, eval_set.root, len(eval_set),
+                      examples, task.aggregates(examples), absences, near)
+    return sign_certificate(body, key)
+
+
+@dataclass
+class EvalVerdict:
+    """Outcome of ``verify-eval``."""
+
+    accepted: bool
+    mode: str
+    exact: bool
+    challenges: int
+    bad_fraction: float
+    detection_probability: float
+    aggregates: dict
+    contamination_clean: bool
+    eval_documents: int
+    evaluator: str
+    nonce: str
+    failures: list[str] = field(default_factory=list)
+    spot_checked: list[int] = field(default_factory=list)
+    near_duplicates: dict = field(default_factory=dict)
+    verify_seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        """The ``--json`` form."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """Readable lines."""
+        lines = [f"{'ACCEPTED' if self.accepted else 'REJECTED'}: evaluation certificate signed by {self.evaluator}",
+                 f"  aggregates (recomputed exactly): {canonical_json(self.aggregates).decode()}",
+                 f"  contamination: all {self.eval_documents} evaluation documents proven absent from the training data",
+                 f"  spot checks: {self.challenges} example(s) re-run; had >= {100 * self.bad_fraction:g}% of the "
+                 f"results been forged, this catches it with probability >= {100 * self.detection_probability:.2f}%",
+                 f"  near-duplicates (information only): {self.near_duplicates.get('shared_fraction', 0):.4f} of "
+                 "long evaluation n-grams also occur in used training documents"]
+        lines += [f"  FAILED: {f}" for f in self.failures]
+        return "\n".join(lines)
+
+
+def draw_spots(signature: str, nonce: bytes, n: int, m: int) -> list[int]:
+    """M distinct example indices from H(certificate signature || nonce)."""
+    seed = tagged_hash("witness/spot/v1", bytes.fromhex(signature), nonce)
+    pool = list(range(n))
+    for i in range(min(m, n)):
+        j = i + _uniform(seed, i, n - i)
+        pool[i], pool[j] = pool[j], pool[i]
+    return sorted(pool[: min(m, n)])
+
+
+def verify_eval(cert: dict, bundle_dir: str | os.PathLike, *, spots: int = 100, forged_fraction: float = 0.05,
+                nonce: bytes | None = None, exact: bool = True, rtol: float = 1e-4) -> EvalVerdict:
+    """Check a certificate in full against its bundle, then re-run M random examples."""
+    started = time.perf_counter()
+    bundle = open_bundle(bundle_dir)
+    task = task_of(bundle)
+    c = check_certificate(cert, task.aggregates, head=bundle.final_head, public_key=bundle.manifest.public_key)
+    eval_set = task.eval_dataset()
+    if not same(c["eval_root"], eval_set.root) or c["eval_size"] != len(eval_set):
+        raise VerificationError("the certificate's evaluation set is not the task's committed split", check="eval set")
+    if len(c["examples"]) != len(eval_set):
+        raise VerificationError("the certificate leaves out evaluation examples", check="eval set")
+    for e, h in zip(c["examples"], eval_set.hashes, strict=True):
+        if e["sample"] != h.hex():
+            raise VerificationError(f"example {e['index']} is not the evaluation set's sample", check="eval set")
+    if [h for _, h, _ in eval_set.documents_list()] != c["documents"]:
+        raise VerificationError("the contamination proofs do not cover exactly the evaluation documents",
+                                check="contamination")
+    nonce = os.urandom(16) if nonce is None else nonce
+    picked = draw_spots(cert["signature"], nonce, len(eval_set), spots)
+    verdict = EvalVerdict(False, "spot-check", exact, len(picked), forged_fraction,
+                          spot_probability(forged_fraction, len(picked)), c["aggregates"], True,
+                          len(c["documents"]), c["evaluator"], nonce.hex(), spot_checked=picked,
+                          near_duplicates={k: v for k, v in cert["near_duplicates"].items()
+                                           if k != "documents_mostly_shared"} if isinstance(cert["near_duplicates"], dict) else {})
+    model = final_model(bundle, task)
+    for i in picked:
+        got = task.eval_example(model, eval_set.sample_bytes(i))
+        claimed = {k: v for k, v in c["examples"][i].items() if k not in ("index", "sample")}
+        if exact:
+            ok = got == claimed
+        else:
+            ok = abs(got["loss"] - claimed["loss"]) <= rtol * max(abs(claimed["loss"]), 1e-12) and \
+                all(got[k] == claimed.get(k) for k in got if k != "loss")
+        if not ok:
+            verdict.failures.append(f"example {i}: spot check: the model gives {canonical_json(got).decode()}, "
+                                    f"the certificate claims {canonical_json(claimed).decode()}")
+    verdict.verify_seconds = time.perf_counter() - started
+    verdict.accepted = not verdict.failures
+    if verdict.failures:
+        raise RunRejected(verdict.failures, verdict)
+    return verdict
+
+
+def load_certificate(path: str | os.PathLike) -> dict:
+    """Read a certificate file (plain JSON or its DSSE envelope), bounded in size."""
+    import json
+
+    from ..commit.dsse import open_envelope
+
+    p = Path(path)
+    if not p.is_file() or p.stat().st_size > 256 * 1024 * 1024:
+        raise MalformedInput(f"{p} is not a certificate file of a sane size")
+    try:
+        obj = json.loads(p.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        raise MalformedInput(f"{p} is not JSON") from None
+    if isinstance(obj, dict) and "payloadType" in obj:
+        obj = open_envelope(obj)["predicate"]
+    return obj

@@ -1,0 +1,144 @@
+"""Is a released model the one a run produced? By its weights, or by its answers to the probes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..bundle.checkpoint import model_hash, read_checkpoint
+from ..bundle.reader import Bundle, open_bundle
+from ..commit.hashing import same
+from ..errors import MalformedInput, VerificationError
+from ..verify.audit import task_of
+
+MAX_RESPONSE = 64 * 1024 * 1024
+
+
+@dataclass
+class Identity:
+    """The answer of ``witness identify``."""
+
+    same: bool
+    method: str
+    detail: str
+    distance: float = 0.0
+    threshold: float = 0.0
+    exact: bool = True
+
+    def to_json(self) -> dict:
+        """JSON form."""
+        return asdict(self)
+
+
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A weights file as ``model.*`` tensors: a witness checkpoint, or a plain model state dict."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise MalformedInput(f"{p} is not a file")
+    try:
+        return {k: v for k, v in read_checkpoint(p).items() if k.startswith("model.")}
+    except MalformedInput:
+        pass
+    if p.stat().st_size > 8 * 1024**3:
+        raise MalformedInput(f"{p} is too large")
+    try:
+        return {f"model.{k}": v for k, v in load_file(str(p)).items()}
+    except (SafetensorError, ValueError, OSError) as e:
+        raise MalformedInput(f"{p} is not a safetensors weights file: {e}") from None
+
+
+def identify_weights(bundle: Bundle, path: str | os.PathLike) -> Identity:
+    """Same model iff the weights hash to the run's final model hash."""
+    got = model_hash(read_weights(path))
+    ok = bundle.end is not None and same(got, bundle.end.final_model_hash)
+    return Identity(ok, "weights", f"model hash {got.hex()[:16]}… "
+                    f"{'equals' if ok else 'differs from'} the run's final model hash "
+                    f"{bundle.end.final_model_hash.hex()[:16] if bundle.end else '?'}…")
+
+
+def calibrated_threshold(bundle: Bundle) -> float:
+    """A tenth of the median fingerprint change per step over the run's last ten steps.
+
+    A model that is not the final one but one or more training steps away from it moves the
+    fingerprint by about one such step; numerical noise of other hardware is far below it.
+    """
+    recs = bundle.steps[-11:]
+    moves = []
+    for a, b in zip(recs, recs[1:], strict=False):
+        va, vb = a.fingerprint_vector, b.fingerprint_vector
+        num = math.sqrt(sum((x - y) ** 2 for x, y in zip(va, vb, strict=True)))
+        den = math.sqrt(sum(y * y for y in vb)) or 1.0
+        moves.append(num / den)
+    return 0.1 * statistics.median(moves) if moves else 1e-6
+
+
+def query_endpoint(url: str, probes: list[bytes], timeout: float = 30.0) -> torch.Tensor:
+    """POST the probe inputs to ``url``/v1/outputs and read the outputs back."""
+    req = urllib.request.Request(url.rstrip("/") + "/v1/outputs",
+                                 data=json.dumps({"inputs": [p.hex() for p in probes]}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (the user names the URL)
+            body = resp.read(MAX_RESPONSE + 1)
+    except OSError as e:
+        raise MalformedInput(f"the endpoint did not answer: {e}") from None
+    if len(body) > MAX_RESPONSE:
+        raise MalformedInput("the endpoint's answer is too large")
+    try:
+        obj = json.loads(body)
+        out = torch.tensor(obj["outputs"], dtype=torch.float32)
+        if list(out.shape) != obj["shape"]:
+            raise ValueError("shape mismatch")
+    except (ValueError, KeyError, TypeError) as e:
+        raise MalformedInput(f"the endpoint's answer is not a witness outputs document: {e}") from None
+    return out
+
+
+def identify_endpoint(bundle: Bundle, url: str, exact: bool = True) -> Identity:
+    """Same model iff the endpoint's probe outputs give the run's last behavioral fingerprint."""
+    task = task_of(bundle)
+    outputs = query_endpoint(url, task.probe_bytes())
+    try:
+        fp = task.fingerprint_of_outputs(outputs)
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise MalformedInput(f"the endpoint's outputs do not fit the task's probes: {e}") from None
+    last = bundle.steps[-1]
+    want = last.fingerprint_vector
+    got = fp.vector()
+    num = math.sqrt(sum((x - y) ** 2 for x, y in zip(got, want, strict=False))) if len(got) == len(want) else math.inf
+    distance = num / (math.sqrt(sum(y * y for y in want)) or 1.0)
+    threshold = calibrated_threshold(bundle)
+    digest_equal = fp.digest == last.digest.hex()
+    ok = digest_equal if exact else distance <= threshold
+    detail = (f"probe outputs {'match' if digest_equal else 'do not match'} the final fingerprint bit for bit; "
+              f"distance {distance:.3g} against the calibrated threshold {threshold:.3g}")
+    return Identity(ok, "endpoint", detail, distance, threshold, exact)
+
+
+def identify(bundle_dir: str | os.PathLike, *, weights: str | None = None, endpoint: str | None = None,
+             exact: bool = True) -> Identity:
+    """Identify a released model against a finished run."""
+    bundle = open_bundle(bundle_dir)
+    if bundle.end is None:
+        raise MalformedInput("identification needs a finished run")
+    if (weights is None) == (endpoint is None):
+        raise MalformedInput("give exactly one of --weights or --endpoint")
+    if weights is not None:
+        return identify_weights(bundle, weights)
+    return identify_endpoint(bundle, endpoint, exact)  # type: ignore[arg-type]
+
+
+def ensure_same(result: Identity) -> None:
+    """Raise when the model is not the run's (for callers that want an exception)."""
+    if not result.same:
+        raise VerificationError(result.detail, check="identity")
