@@ -15,9 +15,10 @@ class SyntheticClassification(Dataset):
     name = "synthetic-classification"
 
     def __init__(self, size: int = 2048, features: int = 8, classes: int = 4, seed: bytes = b"tiny",
-                 split: bytes = b""):
+                 split: bytes = b"", leak: SyntheticClassification | None = None, leak_count: int = 0):
         self.size, self.features, self.classes, self.seed = size, features, classes, seed
         self.split = split  # another split draws from another stream of the same teacher
+        self.leak, self.leak_count = leak, leak_count
         t = tagged_hash("witness/synthetic/teacher", seed)
         self.teacher = [[(t[(c * features + f) % 32] % 7) - 3 for f in range(features)] for c in range(classes)]
 
@@ -26,6 +27,8 @@ class SyntheticClassification(Dataset):
 
     def sample_bytes(self, index: int) -> bytes:
         """Features then label, deterministically derived from the seed and the index."""
+        if self.leak is not None and index >= self.size - self.leak_count:
+            return self.leak.sample_bytes(index - (self.size - self.leak_count))
         raw = tagged_hash("witness/synthetic/sample", self.seed + self.split, index.to_bytes(8, "big"))
         feats = [b - 256 if b > 127 else b for b in raw[: self.features]]
         scores = [sum(w * x for w, x in zip(row, feats, strict=True)) for row in self.teacher]

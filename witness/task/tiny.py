@@ -29,6 +29,9 @@ class TinyConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    # A contaminated recipe, for tests and demonstrations: the last `leak_eval` training samples
+    # are evaluation samples.
+    leak_eval: int = 0
     fingerprint_dims: int = 4
     sketch_dims: int = 8
 
@@ -59,11 +62,18 @@ class TinyTask(Task):
     @cached_property
     def _dataset(self) -> SyntheticClassification:
         c = self.config
-        return SyntheticClassification(c.dataset_size, c.features, c.classes)
+        return SyntheticClassification(c.dataset_size, c.features, c.classes, leak=self._eval if c.leak_eval else None,
+                                       leak_count=c.leak_eval)
 
     def dataset(self) -> SyntheticClassification:
         """The synthetic training set."""
         return self._dataset
+
+    def check_limits(self) -> None:
+        """Leaked samples must fit in both sets."""
+        super().check_limits()
+        if not 0 <= self.config.leak_eval <= min(self.config.dataset_size, 256):
+            raise ValueError("leak_eval is out of range")
 
     def build_model(self, seed: bytes) -> nn.Module:
         """MLP with seed-derived weights."""

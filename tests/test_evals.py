@@ -1,0 +1,207 @@
+"""Evaluation certificates, contamination certificates, and the identity of a released model."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import pytest
+import torch
+from helpers import train_tiny
+from safetensors.torch import save_file
+
+from witness.bundle.checkpoint import read_checkpoint
+from witness.bundle.reader import open_bundle
+from witness.cli import main
+from witness.commit.signing import generate_key
+from witness.errors import RunRejected, VerificationError
+from witness.evals.certificate import check_certificate, results_root, sign_certificate
+from witness.evals.evaluate import evaluate, verify_eval
+from witness.evals.identity import identify
+from witness.evals.serve import make_server
+from witness.task import build_task
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eval")
+    trainer = generate_key()
+    bundle = train_tiny(d / "run", trainer)
+    key = generate_key()
+    return bundle, evaluate(bundle, key, progress=False), key, trainer
+
+
+def _resign(cert: dict, key) -> dict:
+    body = {k: v for k, v in cert.items() if k not in ("signature", "evaluator")}
+    return sign_certificate(body, key)
+
+
+def test_honest_certificate_verifies(run, tmp_path, capsys):
+    bundle, cert, _, _ = run
+    v = verify_eval(cert, bundle, spots=30, nonce=b"x")
+    assert v.accepted and v.challenges == 30 and v.contamination_clean
+    assert v.detection_probability == pytest.approx(1 - 0.95**30)
+    assert cert["aggregates"]["examples"] == 256 and 0 < cert["aggregates"]["accuracy"] <= 1
+    path = tmp_path / "cert.json"
+    path.write_text(json.dumps(cert))
+    assert main(["verify-eval", str(path), "--bundle", str(bundle), "--spot", "10", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["accepted"] and out["challenges"] == 10 and out["failures"] == []
+
+
+def test_edited_aggregate_is_rejected(run):
+    bundle, cert, key, trainer = run
+    forged = _resign(dict(cert, aggregates=dict(cert["aggregates"], accuracy=0.99)), key)
+    with pytest.raises(VerificationError, match="aggregate.s. accuracy are not those of the per-example results"):
+        verify_eval(forged, bundle, spots=1)
+
+
+def test_unsigned_edit_is_rejected(run):
+    bundle, cert, _, _ = run
+    with pytest.raises(VerificationError, match="signature"):
+        verify_eval(dict(cert, aggregates=dict(cert["aggregates"], accuracy=0.99)), bundle, spots=1)
+
+
+def test_certificate_bound_to_another_run_is_rejected(run, tmp_path):
+    bundle, cert, key, trainer = run
+    other = train_tiny(tmp_path / "other", trainer, r=b"\x0b" * 32)
+    with pytest.raises(VerificationError, match="bound to another run or checkpoint"):
+        verify_eval(cert, other, spots=1)
+    # Swapping in the other run's head, re-signed by the evaluator, breaks against the first bundle.
+    head = open_bundle(other).final_head.to_json()
+    forged = _resign(dict(cert, run={"public_key": cert["run"]["public_key"], "tree_head": head}), key)
+    with pytest.raises(VerificationError):
+        verify_eval(forged, bundle, spots=1)
+
+
+def _forge(cert: dict, key, indices: set[int]) -> dict:
+    examples = [dict(e, loss=e["loss"] / 2, correct=True) if e["index"] in indices else e
+                for e in cert["results"]["examples"]]
+    task = build_task("tiny", {"steps": 40})
+    results = {"root": results_root(examples).hex(), "count": len(examples), "examples": examples}
+    return _resign(dict(cert, results=results, aggregates=task.aggregates(examples)), key)
+
+
+def test_one_forged_result_is_caught_when_spot_checked(run):
+    bundle, cert, key, trainer = run
+    forged = _forge(cert, key, {17})
+    check_certificate(forged, build_task("tiny").aggregates)  # consistent on its face
+    with pytest.raises(RunRejected, match="example 17: spot check"):
+        verify_eval(forged, bundle, spots=256)
+
+
+def test_spot_check_detection_rate_matches_the_bound(run):
+    bundle, cert, key, trainer = run
+    n, forged_n, m, audits = 256, 26, 5, 120
+    forged = _forge(cert, key, set(range(0, 10 * forged_n, 10)))
+    caught = 0
+    for seed in range(audits):
+        try:
+            verify_eval(forged, bundle, spots=m, nonce=seed.to_bytes(4, "big"))
+        except RunRejected:
+            caught += 1
+    g = forged_n / n
+    exact = 1 - math.comb(n - forged_n, m) / math.comb(n, m)
+    sigma = math.sqrt(exact * (1 - exact) / audits)
+    assert exact >= 1 - (1 - g) ** m
+    assert abs(caught / audits - exact) <= 4 * sigma, (caught / audits, exact)
+
+
+def test_contaminated_run_gets_no_clean_certificate(tmp_path, capsys):
+    bundle = train_tiny(tmp_path / "leaky", config={"leak_eval": 200})
+    with pytest.raises(VerificationError, match="trained on .* evaluation document.*'sample "):
+        evaluate(bundle, generate_key(), progress=False)
+    assert main(["eval", str(bundle), "--out", str(tmp_path / "c.json"), "--key", str(tmp_path / "k.pem"),
+                 "--quiet"]) == 1
+    assert "evaluation document" in capsys.readouterr().err
+
+
+def test_contamination_proofs_must_cover_every_eval_document(run):
+    bundle, cert, key, trainer = run
+    cont = dict(cert["contamination"], documents=cert["contamination"]["documents"][1:])
+    with pytest.raises(VerificationError, match="do not cover exactly the evaluation documents"):
+        verify_eval(_resign(dict(cert, contamination=cont), key), bundle, spots=1)
+
+
+# --- identity ------------------------------------------------------------------------------
+
+def _final_weights(bundle) -> dict[str, torch.Tensor]:
+    b = open_bundle(bundle)
+    t = read_checkpoint(b.checkpoints[len(b.steps)])
+    return {k[6:]: v for k, v in t.items() if k.startswith("model.")}
+
+
+@pytest.fixture(scope="module")
+def variants(run, tmp_path_factory):
+    bundle = run[0]
+    d = tmp_path_factory.mktemp("weights")
+    task = build_task("tiny", {"steps": 40})
+    final = _final_weights(bundle)
+    save_file(final, str(d / "same.safetensors"))
+    # A few more fine-tuning steps.
+    model = task.build_model(b"\x00" * 32)
+    model.load_state_dict(final)
+    opt = task.build_optimizer(model)
+    ds = task.dataset()
+    for t in range(3):
+        task.train_step(model, opt, task.collate([ds.sample_bytes(i) for i in range(t * 16, t * 16 + 16)]), 1e-3, t)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "finetuned.safetensors"))
+    other = train_tiny(d / "other", r=b"\x0c" * 32)
+    save_file(_final_weights(other), str(d / "otherseed.safetensors"))
+    perturbed = {k: v.clone() for k, v in final.items()}
+    perturbed["fc1.weight"] += 1e-3
+    save_file(perturbed, str(d / "perturbed.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("name,same", [("same", True), ("finetuned", False), ("otherseed", False),
+                                       ("perturbed", False)])
+def test_identify_by_weights_and_by_endpoint(run, variants, name, same):
+    bundle = run[0]
+    weights = str(variants / f"{name}.safetensors")
+    assert identify(bundle, weights=weights).same is same
+    server = make_server(bundle, "127.0.0.1", 0, weights)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = identify(bundle, endpoint=url)
+        assert result.same is same, result.detail
+        assert result.threshold > 0
+        if not same:
+            # Each difference is also far outside the calibrated tolerance, not just a changed bit.
+            assert result.distance > result.threshold
+        assert main(["identify", str(bundle), "--endpoint", url]) == (0 if same else 1)
+        assert main(["identify", str(bundle), "--weights", weights]) == (0 if same else 1)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_identify_unusable_inputs(run, tmp_path):
+    bundle = run[0]
+    (tmp_path / "x.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["identify", str(bundle), "--weights", str(tmp_path / "x.safetensors")]) == 2
+    assert main(["identify", str(bundle), "--endpoint", "http://127.0.0.1:9"]) == 2
+
+
+def test_serve_rejects_bad_requests(run):
+    import urllib.error
+    import urllib.request
+
+    server = make_server(run[0], "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        info = json.loads(urllib.request.urlopen(url + "/v1/info").read())
+        assert info["served_model_hash"] == info["final_model_hash"]
+        for body in (b"{}", b"not json", json.dumps({"inputs": ["zz"]}).encode(),
+                     json.dumps({"inputs": ["00" * 3]}).encode()):
+            req = urllib.request.Request(url + "/v1/outputs", data=body, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req)
+            assert err.value.code == 400
+    finally:
+        server.shutdown()
+        server.server_close()
