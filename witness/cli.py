@@ -142,7 +142,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         verdict = verify_bundle(
             args.bundle, challenges=_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
-            response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
+            response=response, exact=False if args.tolerance else (True if args.exact else None),
+            thresholds=thresholds, length=args.length,
             threads=args.threads, public_key=args.signer, progress=not args.json,
         )
     except RunRejected as e:
@@ -425,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     _challenge_args(v)
     v.add_argument("--mode", choices=["offline", "interactive"], default="offline")
     v.add_argument("--response", help="the trainer's response folder (interactive mode)")
-    v.add_argument("--tolerance", action="store_true", help="compare within calibrated thresholds, not bit-exactly")
+    tol = v.add_mutually_exclusive_group()
+    tol.add_argument("--tolerance", action="store_true", help="compare within calibrated thresholds, not bit-exactly")
+    tol.add_argument("--exact", action="store_true", help="insist on bit-exact replay (the default except for FSDP runs)")
     v.add_argument("--rtol", type=float, help="fingerprint threshold in tolerance mode")
     v.add_argument("--threshold", type=_config_value, action="append",
                    help="tolerance-mode threshold NAME=VALUE (loss, fingerprint, sketch, update)")

@@ -31,6 +31,11 @@ def derive_run_seed(data_root: bytes, r: bytes) -> bytes:
     return tagged_hash("witness/run-seed/v1", data_root, r)
 
 
-def step_seed(run_seed: bytes, step: int) -> int:
-    """A 63-bit seed for the randomness inside one step (dropout), so any step replays alone."""
-    return int.from_bytes(tagged_hash("witness/step-seed/v1", run_seed, step.to_bytes(8, "big"))[:8], "big") >> 1
+def step_seed(run_seed: bytes, step: int, micro: int = 0) -> int:
+    """A 63-bit seed for the randomness inside one step (dropout), so any step replays alone.
+
+    Micro-batch ``r`` of a distributed step (rank ``r``'s share) has its own seed; micro-batch 0
+    has the single-process seed.
+    """
+    parts = [run_seed, step.to_bytes(8, "big")] + ([micro.to_bytes(8, "big")] if micro else [])
+    return int.from_bytes(tagged_hash("witness/step-seed/v1", *parts)[:8], "big") >> 1

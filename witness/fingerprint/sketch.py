@@ -61,11 +61,31 @@ class ParameterSketch:
     @torch.no_grad()
     def __call__(self, named_tensors: dict[str, torch.Tensor]) -> list[float]:
         """The sketch of a state, as ``k`` floats."""
-        tensors = {n: t for n, t in named_tensors.items() if t.is_floating_point()}
-        positions, proj = self.plan({n: t.numel() for n, t in tensors.items()})
+        return self.project(self.gather({n: (t, 0, t.numel()) for n, t in named_tensors.items()}))
+
+    @torch.no_grad()
+    def gather(self, pieces: dict[str, tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+        """The sampled coordinates as one float64 vector, from (tensor or shard, flat offset, full size).
+
+        A shard fills the coordinates it holds and leaves zeros elsewhere, so the ranks' vectors
+        add up (exactly: every coordinate comes from one rank) to the full one.
+        """
+        floating = {n: v for n, v in pieces.items() if v[0].is_floating_point()}
+        positions, proj = self.plan({n: full for n, (_, _, full) in floating.items()})
         x = torch.zeros(proj.shape[1] * CHUNK, dtype=torch.float64)
-        for name, t in tensors.items():
+        for name, (t, lo, full) in floating.items():
             pos, offset = positions[name]
-            x[offset : offset + pos.numel()] = t.detach().reshape(-1).index_select(0, pos)
+            flat = t.detach().reshape(-1)
+            if lo == 0 and flat.numel() == full:  # the whole tensor: no masking needed
+                x[offset : offset + pos.numel()] = flat.index_select(0, pos)
+                continue
+            mine = (pos >= lo) & (pos < lo + flat.numel())
+            idx = torch.nonzero(mine).reshape(-1)
+            x[offset + idx] = flat.index_select(0, pos[idx] - lo).to(torch.float64)
+        return x
+
+    def project(self, x: torch.Tensor) -> list[float]:
+        """Project gathered coordinates; exactly rounded, so independent of the thread count."""
+        proj = self._plan[1]
         partial = (proj * x.view(1, -1, CHUNK)).sum(dim=2)
         return [math.fsum(row) for row in partial.tolist()]

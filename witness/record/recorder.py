@@ -63,17 +63,27 @@ class Recorder:
     @classmethod
     def create(cls, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, *, r: bytes,
                r_source: str = "trainer", checkpoint_every: int = 50, threads: int | None = None,
-               on_head: HeadCallback | None = None) -> Recorder:
-        """Start a new run: derive the seed, build the initial state, sign the manifest."""
+               on_head: HeadCallback | None = None, session: TrainingSession | None = None,
+               init_state: dict | None = None, parallelism: str = "none") -> Recorder:
+        """Start a new run: derive the seed, build the initial state, sign the manifest.
+
+        A distributed run passes its own ``session`` (wrapped model) and the ``init_state`` taken
+        before wrapping; everything else is the same.
+        """
         if len(r) != 32:
             raise ValueError("r must be 32 bytes")
         if threads:
             torch.set_num_threads(threads)
         dataset = task.dataset()
         run_seed = derive_run_seed(dataset.root, r)
-        session = TrainingSession(task, run_seed, len(dataset))
+        if session is None:
+            session = TrainingSession(task, run_seed, len(dataset))
+        elif session.run_seed != run_seed:
+            raise ValueError("the session was built from another run seed")
         writer = BundleWriter(Path(out), create=True)
-        init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), state_tensors(session.model, session.optimizer), 0)
+        if init_state is None:
+            init_state = state_tensors(session.model, session.optimizer)
+        init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), init_state, 0)
         env = environment()
         manifest = {
             "type": "manifest",
@@ -90,8 +100,8 @@ class Recorder:
             "fingerprint_spec": task.fingerprint_spec(),
             "checkpoint_every": checkpoint_every,
             "steps_planned": task.config.steps,
-            "world_size": 1,
-            "parallelism": "none",
+            "world_size": session.world_size,
+            "parallelism": parallelism,
             "threads": torch.get_num_threads(),
             "determinism": env["determinism"],
             "versions": env["versions"],
@@ -168,20 +178,34 @@ class Recorder:
 
     def batch(self, step: int) -> Any:
         """The committed batch of ``step``, collated into tensors."""
-        if step != self.next_step:
-            raise ValueError(f"expected step {self.next_step}, got {step}")
         ds = self.task.dataset()
         idx = self.batch_indices(step)
-        self._pending = (step, idx, ds.batch_root(idx))
+        self.expect(step, idx, ds.batch_root(idx))
         return self.task.collate([ds.sample_bytes(i) for i in idx])
 
-    def log_step(self, step: int, out: StepOutput) -> None:
-        """Append the record of ``step`` (call right after the optimizer stepped)."""
+    def expect(self, step: int, indices: list[int], root: bytes) -> None:
+        """Note the committed batch that the next ``log_step`` records."""
+        if step != self.next_step:
+            raise ValueError(f"expected step {self.next_step}, got {step}")
+        self._pending = (step, indices, root)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the state after ``step`` is a checkpoint."""
+        done = step + 1
+        return done % self.checkpoint_every == 0 or done == self.task.config.steps
+
+    def log_step(self, step: int, out: StepOutput, *, fingerprint: Any = None, sketch: list[float] | None = None,
+                 state: dict | None = None) -> None:
+        """Append the record of ``step`` (call right after the optimizer stepped).
+
+        A distributed run computes the fingerprint, sketch and (at checkpoints) full state with
+        collectives on every rank and hands them in; a single process lets the recorder do it.
+        """
         if self._pending is None or self._pending[0] != step:
             raise ValueError(f"log_step({step}) without batch({step}) first")
         _, idx, root = self._pending
         self._pending = None
-        fp = self.session.fingerprint()
+        fp = fingerprint if fingerprint is not None else self.session.fingerprint()
         record: dict[str, Any] = {
             "type": "step",
             "step": step,
@@ -191,14 +215,14 @@ class Recorder:
             "lr": out.lr,
             "grad_norm": out.grad_norm,
             "fingerprint": fp.to_json(),
-            "sketch": self.session.sketch(),
+            "sketch": sketch if sketch is not None else self.session.sketch(),
         }
         done = step + 1
-        checkpoint = done % self.checkpoint_every == 0 or done == self.task.config.steps
+        checkpoint = self.checkpoint_due(step)
         if checkpoint:
-            sh, fh = save_checkpoint(
-                self.out / checkpoint_name(done), state_tensors(self.model, self.optimizer), done
-            )
+            if state is None:
+                state = state_tensors(self.model, self.optimizer)
+            sh, fh = save_checkpoint(self.out / checkpoint_name(done), state, done)
             record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
             self.final_state_hash = sh
         self.writer.append_record(self.log.append(record))
@@ -212,8 +236,8 @@ class Recorder:
             raise ValueError(f"the recipe has {self.task.config.steps} steps; {self.next_step} were logged")
         records = [parse_canonical_json(line) for line in self.log.lines[1:]]
         usage = UsageCommitment.from_batches(self.task.dataset(), (r["batch"] for r in records))
-        final = {"final_state_hash": records[-1]["state_hash"],
-                 "final_model_hash": model_hash(state_tensors(self.model, None)).hex()}
+        final_state = read_checkpoint(self.out / checkpoint_name(self.next_step))
+        final = {"final_state_hash": records[-1]["state_hash"], "final_model_hash": model_hash(final_state).hex()}
         ext = usage.to_json() | final
         self.writer.append_record(self.log.append({"type": "end", "steps": self.next_step} | ext))
         head = self._publish_head(extensions=ext)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-from typing import Any
 
 import torch
 
@@ -14,12 +13,20 @@ from ..task.base import StepOutput, Task
 
 
 class TrainingSession:
-    """A model, its optimizer, and the seed-bound data order of one run."""
+    """A model, its optimizer, and the seed-bound data order of one run.
 
-    def __init__(self, task: Task, run_seed: bytes, dataset_size: int):
+    ``world_size`` > 1 replays a data-parallel run on one process: the global batch is split
+    into the ranks' micro-batches in rank order, their gradients are accumulated in that order
+    and divided by the world size, as DDP's all-reduce does.
+    """
+
+    def __init__(self, task: Task, run_seed: bytes, dataset_size: int, world_size: int = 1):
         self.task = task
         self.run_seed = run_seed
         self.dataset_size = dataset_size
+        self.world_size = world_size
+        if task.config.batch_size % world_size:
+            raise ValueError(f"the global batch of {task.config.batch_size} does not split over {world_size} ranks")
         self.model = task.build_model(run_seed)
         self.optimizer = task.build_optimizer(self.model)
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
@@ -28,17 +35,27 @@ class TrainingSession:
         """The committed batch of ``step``: a function of the run seed only."""
         return batch_indices(self.run_seed, step, self.task.config.batch_size, self.dataset_size)
 
-    def step_seed(self, step: int) -> int:
-        """Seed of the randomness inside ``step``."""
-        return step_seed(self.run_seed, step)
+    def step_seed(self, step: int, micro: int = 0) -> int:
+        """Seed of the randomness inside ``step`` (of micro-batch ``micro``)."""
+        return step_seed(self.run_seed, step, micro)
+
+    def micro_batches(self, samples: list[bytes]) -> list[list[bytes]]:
+        """The global batch split into the ranks' micro-batches, in rank order."""
+        b = len(samples) // self.world_size
+        return [samples[r * b : (r + 1) * b] for r in range(self.world_size)]
 
     def lr(self, step: int) -> float:
         """The schedule's learning rate at ``step``."""
         return self.task.schedule.at(step)
 
-    def step(self, step: int, batch: Any) -> StepOutput:
-        """Run the task's step function exactly as recorded runs do."""
-        return self.task.train_step(self.model, self.optimizer, batch, self.lr(step), self.step_seed(step))
+    def step(self, step: int, samples: list[bytes]) -> StepOutput:
+        """Run the committed step on the batch's canonical samples, exactly as recorded runs do."""
+        if self.world_size == 1:
+            batch = self.task.collate(samples)
+            return self.task.train_step(self.model, self.optimizer, batch, self.lr(step), self.step_seed(step))
+        micro = [self.task.collate(m) for m in self.micro_batches(samples)]
+        seeds = [self.step_seed(step, r) for r in range(self.world_size)]
+        return self.task.accumulated_step(self.model, self.optimizer, micro, self.lr(step), seeds)
 
     def fingerprint(self) -> Fingerprint:
         """Behavioral fingerprint of the current model."""

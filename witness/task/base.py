@@ -44,6 +44,14 @@ class Schedule:
         return self.lr * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def mean_of_ranks(losses: list[float]) -> float:
+    """The step loss of a data-parallel step: the ranks' losses summed in rank order, divided."""
+    total = 0.0
+    for v in losses:
+        total += v
+    return total / len(losses)
+
+
 def seed_int(seed: bytes, tag: str) -> int:
     """A 63-bit torch seed derived from a byte seed."""
     return int.from_bytes(tagged_hash(tag, seed)[:8], "big") >> 1
@@ -137,7 +145,34 @@ class Task:
         clip = self.config.grad_clip
         gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=False)
         optimizer.step()
+        if hasattr(gn, "full_tensor"):  # sharded (FSDP2) gradients give a distributed norm
+            gn = gn.full_tensor()
         return StepOutput(float(loss.detach()), lr, float(gn))
+
+    def accumulated_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[Any], lr: float,
+                         seeds: list[int]) -> StepOutput:
+        """One step over the ranks' micro-batches on one process: what a data-parallel step computes.
+
+        Gradients accumulate in rank order and are divided by the world size (DDP's all-reduce
+        of the ranks' mean-loss gradients); the reported loss is the mean of the ranks' losses.
+        """
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        model.train()
+        losses = []
+        for batch, seed in zip(micro, seeds, strict=True):
+            loss = self.loss(model, batch, torch.Generator().manual_seed(seed))
+            loss.backward()
+            losses.append(float(loss.detach()))
+        params = [p for p in model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            for p in params:
+                p.grad.div_(len(micro))
+        clip = self.config.grad_clip
+        gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=False)
+        optimizer.step()
+        return StepOutput(mean_of_ranks(losses), lr, float(gn))
 
     # --- probes -------------------------------------------------------------------------
     def probe_bytes(self) -> list[bytes]:

@@ -33,7 +33,7 @@ def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: byt
     if out.exists():
         shutil.rmtree(out)
     (out / "states").mkdir(parents=True)
-    session = TrainingSession(task, m.run_seed, m.dataset_size)
+    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size)
     position: int | None = None
     states: dict[str, str] = {}
     steps: dict[str, dict] = {}
@@ -44,7 +44,7 @@ def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: byt
             position = start
         while position < ch.step:
             rec = bundle.steps[position]
-            session.step(position, task.collate([dataset.sample_bytes(i) for i in rec.batch]))
+            session.step(position, [dataset.sample_bytes(i) for i in rec.batch])
             position += 1
         name = f"states/{ch.step:08d}.safetensors"
         save_checkpoint(out / name, state_tensors(session.model, session.optimizer), ch.step)

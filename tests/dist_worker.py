@@ -1,0 +1,40 @@
+"""Worker for the torchrun tests: a witnessed DDP or FSDP2 run of the tiny task, optionally dishonest."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from witness.commit.signing import load_key
+from witness.dist import DistRecorder
+from witness.task import build_task
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parallelism", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--key", required=True)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--cheat-step", type=int, default=-1, help="at this step rank 1 trains on another batch")
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})
+    key = load_key(args.key) if dist.get_rank() == 0 else None
+    rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32, checkpoint_every=4, parallelism=args.parallelism)
+    ds = task.dataset()
+    for t in range(args.steps):
+        batch = rec.batch(t)
+        if t == args.cheat_step and dist.get_rank() == 1:
+            batch = task.collate([ds.sample_bytes(i) for i in range(100, 108)])
+        rec.log_step(t, rec.train_step(t, batch))
+    rec.finish()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""DDP and FSDP2 runs under `torchrun --nproc_per_node=2` (gloo, CPU), verified by one process."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from witness.bundle.reader import open_bundle
+from witness.commit.signing import generate_key, save_key
+from witness.errors import RunRejected
+from witness.record.session import TrainingSession
+from witness.task import build_task
+from witness.verify import verify_bundle
+from witness.verify.challenges import draw_challenges
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(out: Path, key: Path, parallelism: str, *extra: str) -> Path:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(WORKER), "--parallelism", parallelism, "--out", str(out),
+           "--key", str(key), *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist")
+    key = d / "key.pem"
+    save_key(generate_key(), key)
+    return {
+        "ddp": torchrun(d / "ddp", key, "ddp"),
+        "fsdp": torchrun(d / "fsdp", key, "fsdp"),
+        "ddp_noclip": torchrun(d / "ddp_noclip", key, "ddp", "--grad-clip", "0"),
+        "fsdp_noclip": torchrun(d / "fsdp_noclip", key, "fsdp", "--grad-clip", "0"),
+        "key": key,
+        "dir": d,
+    }
+
+
+def test_ddp_run_replays_bit_exactly_on_one_process(runs):
+    b = open_bundle(runs["ddp"])
+    assert (b.manifest.world_size, b.manifest.raw["parallelism"]) == (2, "ddp")
+    v = verify_bundle(runs["ddp"], challenges=100)
+    assert v.accepted and v.exact and v.replayed_steps == 12
+
+
+def test_fsdp_run_is_accepted_by_one_process(runs):
+    v = verify_bundle(runs["fsdp"], challenges=100)
+    assert v.accepted and not v.exact  # clipping on sharded norms: tolerance mode, chosen and reported
+    assert any("FSDP" in n for n in v.notes)
+    worst = max(r.distances["fingerprint"] for r in v.results)
+    assert 0 <= worst < v.thresholds["fingerprint"] / 100  # far inside the threshold
+    v = verify_bundle(runs["fsdp_noclip"], challenges=100)
+    assert v.accepted and v.exact
+
+
+def test_state_hash_and_sketch_agree_across_single_process_ddp_and_fsdp(runs):
+    ddp, fsdp = open_bundle(runs["ddp_noclip"]), open_bundle(runs["fsdp_noclip"])
+    assert ddp.manifest.init_state_hash == fsdp.manifest.init_state_hash
+    assert [r.sketch for r in ddp.steps] == [r.sketch for r in fsdp.steps]
+    assert [r.digest for r in ddp.steps] == [r.digest for r in fsdp.steps]
+    assert [r.state_hash for r in ddp.steps] == [r.state_hash for r in fsdp.steps]
+    assert ddp.end.final_state_hash == fsdp.end.final_state_hash
+    # One process accumulating the two micro-batches reaches the same state and sketch.
+    m = ddp.manifest
+    task = build_task("tiny", m.task_config)
+    session = TrainingSession(task, m.run_seed, m.dataset_size, world_size=2)
+    ds = task.dataset()
+    for rec in ddp.steps:
+        session.step(rec.step, [ds.sample_bytes(i) for i in rec.batch])
+        assert session.sketch() == list(rec.sketch)
+    from witness.bundle.checkpoint import state_hash, state_tensors
+
+    assert state_hash(state_tensors(session.model, session.optimizer)) == ddp.end.final_state_hash
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_rank_training_on_another_batch_is_rejected(runs, parallelism):
+    out = torchrun(runs["dir"] / f"cheat_{parallelism}", runs["key"], parallelism, "--cheat-step", "6")
+    with pytest.raises(RunRejected, match="step 6: replay"):
+        verify_bundle(out, challenges=100)
+    head = open_bundle(out).final_head
+    early = next(n.to_bytes(2, "big") for n in range(999)
+                 if all(c.step < 4 for c in draw_challenges(head, n.to_bytes(2, "big"), 12, 2)))
+    verify_bundle(out, challenges=2, nonce=early)  # challenges before the checkpoint at 4 do not see step 6
