@@ -77,11 +77,12 @@ class ParameterSketch:
             pos, offset = positions[name]
             flat = t.detach().reshape(-1)
             if lo == 0 and flat.numel() == full:  # the whole tensor: no masking needed
-                x[offset : offset + pos.numel()] = flat.index_select(0, pos)
+                x[offset : offset + pos.numel()] = flat.index_select(0, pos.to(flat.device)).cpu().to(torch.float64)
                 continue
             mine = (pos >= lo) & (pos < lo + flat.numel())
             idx = torch.nonzero(mine).reshape(-1)
-            x[offset + idx] = flat.index_select(0, pos[idx] - lo).to(torch.float64)
+            values = flat.index_select(0, (pos[idx] - lo).to(flat.device))
+            x[offset + idx] = values.cpu().to(torch.float64)
         return x
 
     def project(self, x: torch.Tensor) -> list[float]:

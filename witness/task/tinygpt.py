@@ -95,7 +95,7 @@ class Block(nn.Module):
         h = self.n_head
         q, k, v = (t.view(B, T, h, C // h).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / (C // h) ** 0.5)
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, C)
         x = x + dropout(self.proj(y), self.p, generator)
@@ -116,7 +116,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Logits over the next byte."""
         T = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(T))
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
         gen = generator  # dropout only with the step's generator: probes pass none
         x = dropout(x, self.p, gen)
         for b in self.blocks:
