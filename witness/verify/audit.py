@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..bundle.checkpoint import (
     file_sha256,
@@ -191,7 +192,7 @@ def verify_bundle(
         signer=key_fingerprint(m.public_key), challenges=len(drawn), bad_fraction=f,
         detection_probability=detection_probability(f, len(drawn)), nonce=nonce.hex(),
         notes=list(bundle.notes), checks=checks,
-        thresholds={} if exact else dict(DEFAULT_THRESHOLDS, **(thresholds or {})),
+        thresholds={} if exact else limits,
     )
     if auto_tolerance:
         verdict.notes.append("FSDP run with gradient clipping: the sharded gradient-norm reduction is not "
@@ -204,8 +205,9 @@ def verify_bundle(
     if not bundle.complete:
         verdict.notes.append(f"incomplete run: {n} of {m.steps_planned} planned steps are signed; verified as a {n}-step run")
 
+    norm_rtol = 1e-6 if fsdp else 0.0
     if mode == "offline":
-        replayer = Replayer(bundle, task, local, exact, thresholds, norm_rtol=1e-6 if fsdp else 0.0)  # type: ignore[arg-type]
+        replayer = Replayer(bundle, task, local, exact, thresholds, norm_rtol)  # type: ignore[arg-type]
         run = _offline
     else:
         if response is None:
@@ -213,11 +215,9 @@ def verify_bundle(
         resp = Response(response)
         if resp.head_root != bundle.final_head.root or resp.head_size != bundle.final_head.size:
             raise MalformedInput("the response was made for another tree head")
-        replayer = Replayer(bundle, task, ResponseSamples(resp, m.data_root, m.dataset_size), exact, thresholds,
-                            norm_rtol=1e-6 if fsdp else 0.0)
+        samples = ResponseSamples(resp, m.data_root, m.dataset_size)
+        replayer = Replayer(bundle, task, samples, exact, thresholds, norm_rtol)
         run = _interactive(resp)
-
-    from tqdm import tqdm
 
     for ch in tqdm(drawn, desc="replay challenges", unit="challenge", disable=not progress):
         result = ChallengeResult(ch.step, ch.length, passed=True, replayed_steps=0)
