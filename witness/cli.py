@@ -139,13 +139,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if unknown or not all(isinstance(v, (int, float)) and v >= 0 for v in thresholds.values()):
         print(f"thresholds are non-negative numbers for {', '.join(DEFAULT_THRESHOLDS)}", file=sys.stderr)
         return 2
+    return _report_verdict(args, lambda: verify_bundle(
+        args.bundle, challenges=_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
+        response=response, exact=False if args.tolerance else (True if args.exact else None),
+        thresholds=thresholds, length=args.length, threads=args.threads, public_key=args.signer,
+        progress=not args.json,
+    ))
+
+
+def _report_verdict(args: argparse.Namespace, audit) -> int:
+    """Run an audit and report it: exit 0 accepted, 1 rejected, 2 unusable input."""
     try:
-        verdict = verify_bundle(
-            args.bundle, challenges=_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
-            response=response, exact=False if args.tolerance else (True if args.exact else None),
-            thresholds=thresholds, length=args.length,
-            threads=args.threads, public_key=args.signer, progress=not args.json,
-        )
+        verdict = audit()
     except RunRejected as e:
         _print_verdict(e.verdict, args, e.failures)
         if not args.json:
@@ -352,22 +357,10 @@ def cmd_verify_eval(args: argparse.Namespace) -> int:
     """Check an evaluation certificate against its bundle, with spot checks."""
     from .evals.evaluate import load_certificate, verify_eval
 
-    try:
-        cert = load_certificate(args.cert)
-        verdict = verify_eval(cert, args.bundle, spots=args.spot, forged_fraction=args.forged_fraction,
-                              nonce=args.nonce, exact=not args.tolerance)
-    except RunRejected as e:
-        _print_verdict(e.verdict, args, e.failures)
-        if not args.json:
-            print(f"REJECTED: {e}", file=sys.stderr)
-        return 1
-    except VerificationError as e:
-        if args.json:
-            _print_verdict(None, args, [str(e)])
-        print(f"{'UNUSABLE INPUT' if isinstance(e, MalformedInput) else 'REJECTED'}: {e}", file=sys.stderr)
-        return e.exit_code
-    _print_verdict(verdict, args)
-    return 0
+    return _report_verdict(args, lambda: verify_eval(
+        load_certificate(args.cert), args.bundle, spots=args.spot, forged_fraction=args.forged_fraction,
+        nonce=args.nonce, exact=not args.tolerance,
+    ))
 
 
 def cmd_identify(args: argparse.Namespace) -> int:
