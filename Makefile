@@ -23,7 +23,7 @@ demo: setup
 	$(VENV)/bin/witness demo
 
 test: setup
-	$(VENV)/bin/ruff check witness tests bench
+	$(VENV)/bin/ruff check witness tests bench examples
 	$(PY) -m pytest
 
 bench: setup

@@ -61,10 +61,6 @@ class MerkleTree:
         """Number of leaves."""
         return len(self.levels[0])
 
-    def leaf(self, index: int) -> bytes:
-        """The leaf hash at ``index``."""
-        return self.levels[0][index]
-
     def root(self, size: int | None = None) -> bytes:
         """Root of the first ``size`` leaves (all by default)."""
         n = self.size if size is None else size

@@ -24,6 +24,9 @@ class DistSession(TrainingSession):
         self.task, self.run_seed, self.dataset_size = task, run_seed, dataset_size
         self.parallelism = parallelism
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        if dist.get_backend() != "gloo":
+            # The reference tasks build models, batches and dropout generators on the CPU.
+            raise NotImplementedError("DistRecorder records CPU runs on gloo; GPU (nccl) recording is not built yet")
         if task.config.batch_size % self.world_size:
             raise ValueError(f"the global batch of {task.config.batch_size} does not split over {self.world_size} ranks")
         base = task.build_model(run_seed)  # identical on every rank: a function of the seed

@@ -9,7 +9,6 @@ the results tree and checks every proof; spot checks (``spot.py``) then re-run t
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -174,7 +173,3 @@ def spot_probability(forged_fraction: float, spots: int) -> float:
     """Lower bound 1 - (1 - g)^M on catching a fraction g of forged examples with M spot checks."""
     return 1.0 - (1.0 - forged_fraction) ** spots
 
-
-def mean(values: list[float]) -> float:
-    """Exactly rounded mean."""
-    return math.fsum(values) / len(values) if values else 0.0

@@ -15,7 +15,7 @@ import torch
 from ..bundle.checkpoint import model_hash, read_checkpoint
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.hashing import same
-from ..errors import MalformedInput, VerificationError
+from ..errors import MalformedInput
 from ..verify.audit import task_of
 
 MAX_RESPONSE = 64 * 1024 * 1024
@@ -137,8 +137,3 @@ def identify(bundle_dir: str | os.PathLike, *, weights: str | None = None, endpo
         return identify_weights(bundle, weights)
     return identify_endpoint(bundle, endpoint, exact)  # type: ignore[arg-type]
 
-
-def ensure_same(result: Identity) -> None:
-    """Raise when the model is not the run's (for callers that want an exception)."""
-    if not result.same:
-        raise VerificationError(result.detail, check="identity")
