@@ -57,14 +57,14 @@ def test_ddp_run_replays_bit_exactly_on_one_process(runs):
     assert v.accepted and v.exact and v.replayed_steps == 12
 
 
-def test_fsdp_run_is_accepted_by_one_process(runs):
-    v = verify_bundle(runs["fsdp"], challenges=100)
-    assert v.accepted and not v.exact  # clipping on sharded norms: tolerance mode, chosen and reported
-    assert any("FSDP" in n for n in v.notes)
-    worst = max(r.distances["fingerprint"] for r in v.results)
-    assert 0 <= worst < v.thresholds["fingerprint"] / 100  # far inside the threshold
-    v = verify_bundle(runs["fsdp_noclip"], challenges=100)
-    assert v.accepted and v.exact
+def test_fsdp_run_replays_bit_exactly_on_one_process(runs):
+    # Clipping uses FSDP2's shard-by-shard gradient norm; replay reduces it the same way.
+    for name in ("fsdp", "fsdp_noclip"):
+        v = verify_bundle(runs[name], challenges=100)
+        assert v.accepted and v.exact and v.replayed_steps == 12, name
+    # Tolerance mode, when asked for, reports every distance (all zero here) against its threshold.
+    v = verify_bundle(runs["fsdp"], challenges=100, exact=False)
+    assert v.accepted and max(r.distances["fingerprint"] for r in v.results) == 0.0
 
 
 def test_state_hash_and_sketch_agree_across_single_process_ddp_and_fsdp(runs):

@@ -20,8 +20,10 @@ class TrainingSession:
     and divided by the world size, as DDP's all-reduce does.
     """
 
-    def __init__(self, task: Task, run_seed: bytes, dataset_size: int, world_size: int = 1):
+    def __init__(self, task: Task, run_seed: bytes, dataset_size: int, world_size: int = 1,
+                 parallelism: str = "none"):
         self.task = task
+        self.parallelism = parallelism
         self.run_seed = run_seed
         self.dataset_size = dataset_size
         self.world_size = world_size
@@ -55,7 +57,8 @@ class TrainingSession:
             return self.task.train_step(self.model, self.optimizer, batch, self.lr(step), self.step_seed(step))
         micro = [self.task.collate(m) for m in self.micro_batches(samples)]
         seeds = [self.step_seed(step, r) for r in range(self.world_size)]
-        return self.task.accumulated_step(self.model, self.optimizer, micro, self.lr(step), seeds)
+        return self.task.accumulated_step(self.model, self.optimizer, micro, self.lr(step), seeds,
+                                          sharded_norm=self.parallelism == "fsdp")
 
     def fingerprint(self) -> Fingerprint:
         """Behavioral fingerprint of the current model."""

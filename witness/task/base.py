@@ -44,6 +44,30 @@ class Schedule:
         return self.lr * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+@torch.no_grad()
+def clip_like_fsdp(params: list[torch.Tensor], max_norm: float, shards: int) -> torch.Tensor:
+    """Clip gradients by their total 2-norm, reducing it as FSDP2 does over dim-0 shards.
+
+    FSDP2 takes each shard's norm, sums the squares across ranks and takes the root; this gives
+    the same bits on one process (measured bit-exact for 2 ranks), where a whole-tensor norm
+    would differ in the last bits and so change the clipping coefficient.
+    """
+    norms = []
+    for p in params:
+        g = p.grad
+        parts = torch.chunk(g, shards, dim=0) if g.dim() else (g,)
+        total = None
+        for part in parts:
+            sq = torch.linalg.vector_norm(part, 2) ** 2
+            total = sq if total is None else total + sq
+        norms.append(total ** 0.5)
+    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2)
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef)
+    return total_norm
+
+
 def mean_of_ranks(losses: list[float]) -> float:
     """The step loss of a data-parallel step: the ranks' losses summed in rank order, divided."""
     total = 0.0
@@ -150,11 +174,12 @@ class Task:
         return StepOutput(float(loss.detach()), lr, float(gn))
 
     def accumulated_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[Any], lr: float,
-                         seeds: list[int]) -> StepOutput:
+                         seeds: list[int], sharded_norm: bool = False) -> StepOutput:
         """One step over the ranks' micro-batches on one process: what a data-parallel step computes.
 
         Gradients accumulate in rank order and are divided by the world size (DDP's all-reduce
         of the ranks' mean-loss gradients); the reported loss is the mean of the ranks' losses.
+        ``sharded_norm`` computes the gradient norm for clipping as FSDP2 does, shard by shard.
         """
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -170,7 +195,10 @@ class Task:
             for p in params:
                 p.grad.div_(len(micro))
         clip = self.config.grad_clip
-        gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=False)
+        if sharded_norm:
+            gn = clip_like_fsdp(params, clip if clip > 0 else float("inf"), len(micro))
+        else:
+            gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=False)
         optimizer.step()
         return StepOutput(mean_of_ranks(losses), lr, float(gn))
 

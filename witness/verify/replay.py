@@ -78,7 +78,7 @@ class Replayer:
         m = bundle.manifest
         self.bundle, self.task, self.source, self.exact = bundle, task, source, exact
         self.thresholds = dict(DEFAULT_THRESHOLDS, **(thresholds or {}))
-        self.session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size)
+        self.session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.raw["parallelism"])
         self.position: int | None = None
         self.steps_run = 0
         self.norm_rtol = norm_rtol

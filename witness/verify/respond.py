@@ -33,7 +33,7 @@ def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: byt
     if out.exists():
         shutil.rmtree(out)
     (out / "states").mkdir(parents=True)
-    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size)
+    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.raw["parallelism"])
     position: int | None = None
     states: dict[str, str] = {}
     steps: dict[str, dict] = {}
