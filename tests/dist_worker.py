@@ -20,12 +20,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--cheat-step", type=int, default=-1, help="at this step rank 1 trains on another batch")
     ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--checkpoint-every", type=int, default=4)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})
+    task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})  # 16 splits over 1, 2, 4 ranks
     key = load_key(args.key) if dist.get_rank() == 0 else None
-    rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32, checkpoint_every=4, parallelism=args.parallelism)
+    rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32, checkpoint_every=args.checkpoint_every,
+                       parallelism=args.parallelism)
     ds = task.dataset()
     for t in range(args.steps):
         batch = rec.batch(t)

@@ -96,3 +96,18 @@ def test_a_rank_training_on_another_batch_is_rejected(runs, parallelism):
     early = next(n.to_bytes(2, "big") for n in range(999)
                  if all(c.step < 4 for c in draw_challenges(head, n.to_bytes(2, "big"), 12, 2)))
     verify_bundle(out, challenges=2, nonce=early)  # challenges before the checkpoint at 4 do not see step 6
+
+
+def test_four_ranks_replay_within_calibrated_thresholds(runs):
+    # With more than 2 ranks the collectives add in their own order: tolerance mode, chosen and
+    # reported, with thresholds calibrated for summation-order noise (far tighter than the defaults).
+    cmd_dir = runs["dir"] / "ddp4"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+                          "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER),
+                          "--parallelism", "ddp", "--out", str(cmd_dir), "--key", str(runs["key"]),
+                          "--steps", "16", "--checkpoint-every", "8"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    v = verify_bundle(cmd_dir, challenges=100)
+    assert v.accepted and not v.exact and v.thresholds["update"] == 1e-4
+    assert any("over 4 ranks" in n for n in v.notes)
+    assert all(0 <= r.distances.get("update", 0.0) < v.thresholds["update"] for r in v.results)

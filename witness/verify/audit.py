@@ -27,7 +27,7 @@ from ..record.session import TrainingSession
 from ..task.base import Task
 from ..task.registry import build_task
 from .challenges import ReplayChallenge, challenges_needed, detection_probability, draw_challenges
-from .replay import DEFAULT_THRESHOLDS, LocalSamples, Replayer, check_state
+from .replay import DEFAULT_THRESHOLDS, SUM_ORDER_THRESHOLDS, LocalSamples, Replayer, check_state
 from .response import Response, ResponseSamples
 from .verdict import ChallengeResult, Verdict
 
@@ -162,12 +162,12 @@ def verify_bundle(
     bundle = open_bundle(path, public_key)
     m = bundle.manifest
     task = task_of(bundle)
-    # FSDP2 reduces the gradient norm shard by shard. Replay reduces it the same way, which is
-    # bit-exact for 2 ranks; with more, the order of the cross-rank sum is the collective's, so
-    # runs that clip on that norm replay in tolerance mode, and the reported norm is compared
-    # within 1e-6.
+    # One process sums the ranks' gradients in rank order. For 2 ranks that is the collective's
+    # sum (a + b = b + a), so replay is bit-exact, for DDP and (with the shard-wise norm) FSDP2.
+    # With more ranks the collectives add chunk by chunk in their own orders: the last bits
+    # differ, so such runs replay in tolerance mode, and the verdict says so.
     fsdp = m.raw["parallelism"] == "fsdp" and m.world_size > 2
-    auto_tolerance = exact is None and fsdp and task.config.grad_clip > 0
+    auto_tolerance = exact is None and m.world_size > 2
     exact = not auto_tolerance if exact is None else exact
     if not same(derive_run_seed(m.data_root, m.r), m.run_seed):
         raise VerificationError("the run seed is not H(data root || r)", check="seed")
@@ -184,7 +184,8 @@ def verify_bundle(
         local = LocalSamples(dataset)
     session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.raw["parallelism"])
     checks += check_records(bundle, task, session, local)
-    limits = dict(DEFAULT_THRESHOLDS, **(thresholds or {}))
+    base = SUM_ORDER_THRESHOLDS if auto_tolerance else DEFAULT_THRESHOLDS
+    limits = dict(base, **(thresholds or {}))
     checks += check_checkpoints(bundle, session, exact, limits)
 
     n = len(bundle.steps)
@@ -197,8 +198,8 @@ def verify_bundle(
         thresholds={} if exact else limits,
     )
     if auto_tolerance:
-        verdict.notes.append(f"FSDP run over {m.world_size} ranks with gradient clipping: the cross-rank "
-                             "gradient-norm sum is not bit-reproducible on one process, so replay compares "
+        verdict.notes.append(f"{m.raw['parallelism'].upper()} run over {m.world_size} ranks: the collectives' "
+                             "cross-rank sums are not bit-reproducible on one process, so replay compares "
                              "within the thresholds below")
     elif fsdp and exact:
         verdict.notes.append("FSDP run: the reported gradient norm is compared within 1e-6 (its cross-rank "
@@ -210,7 +211,7 @@ def verify_bundle(
 
     norm_rtol = 1e-6 if fsdp else 0.0
     if mode == "offline":
-        replayer = Replayer(bundle, task, local, exact, thresholds, norm_rtol)  # type: ignore[arg-type]
+        replayer = Replayer(bundle, task, local, exact, limits, norm_rtol)  # type: ignore[arg-type]
         run = _offline
     else:
         if response is None:
@@ -219,7 +220,7 @@ def verify_bundle(
         if resp.head_root != bundle.final_head.root or resp.head_size != bundle.final_head.size:
             raise MalformedInput("the response was made for another tree head")
         samples = ResponseSamples(resp, m.data_root, m.dataset_size)
-        replayer = Replayer(bundle, task, samples, exact, thresholds, norm_rtol)
+        replayer = Replayer(bundle, task, samples, exact, limits, norm_rtol)
         run = _interactive(resp)
 
     for ch in tqdm(drawn, desc="replay challenges", unit="challenge", disable=not progress):
