@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,11 +27,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(out: Path, key: Path, parallelism: str, *extra: str) -> Path:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(WORKER), "--parallelism", parallelism, "--out", str(out),
-           "--key", str(key), *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def torchrun(out: Path, key: Path, parallelism: str, *extra: str, ranks: int = 2) -> Path:
+    for attempt in range(2):  # a free port can be taken between choosing and binding it: retry once
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), "--parallelism",
+               parallelism, "--out", str(out), "--key", str(key), *extra]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if res.returncode == 0 or "address already in use" not in res.stderr.lower() or attempt:
+            break
+        shutil.rmtree(out, ignore_errors=True)
     assert res.returncode == 0, res.stderr[-3000:]
     return out
 
@@ -101,13 +106,8 @@ def test_a_rank_training_on_another_batch_is_rejected(runs, parallelism):
 def test_four_ranks_replay_within_calibrated_thresholds(runs):
     # With more than 2 ranks the collectives add in their own order: tolerance mode, chosen and
     # reported, with thresholds calibrated for summation-order noise (far tighter than the defaults).
-    cmd_dir = runs["dir"] / "ddp4"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-                          "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER),
-                          "--parallelism", "ddp", "--out", str(cmd_dir), "--key", str(runs["key"]),
-                          "--steps", "16", "--checkpoint-every", "8"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    v = verify_bundle(cmd_dir, challenges=100)
+    out = torchrun(runs["dir"] / "ddp4", runs["key"], "ddp", "--steps", "16", "--checkpoint-every", "8", ranks=4)
+    v = verify_bundle(out, challenges=100)
     assert v.accepted and not v.exact and v.thresholds["update"] == 1e-4
     assert any("over 4 ranks" in n for n in v.notes)
     assert all(0 <= r.distances.get("update", 0.0) < v.thresholds["update"] for r in v.results)
