@@ -57,7 +57,6 @@ class Recorder:
         self.checkpoint_every = manifest["checkpoint_every"]
         self.on_head = on_head
         self._pending: tuple[int, list[int], bytes] | None = None
-        self._last_sketch: list[float] | None = None
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -127,6 +126,8 @@ class Recorder:
         manifest = parse_canonical_json(lines[0])
         if manifest["public_key"] != public_hex(key.public_key()):
             raise ValueError("the run was signed with another key")
+        if manifest["world_size"] != 1:
+            raise ValueError("resuming a distributed run is not supported yet")
         task = build_task(manifest["task"], manifest["task_config"])
         torch.set_num_threads(threads or manifest["threads"])
         records = [parse_canonical_json(line) for line in lines[1:]]
