@@ -25,7 +25,7 @@ from witness.commit.merkle import MerkleTree
 from witness.commit.signing import generate_key
 from witness.commit.sorted_tree import SortedTree
 from witness.data.dataset import sample_hash
-from witness.data.proofs import check_proof, pack
+from witness.data.proofs import check_proof, pair_to_json
 
 
 def main() -> dict:
@@ -81,8 +81,7 @@ def main() -> dict:
         absent = used.prove_absent(query)
         proof = {"format": "witness-data-proof", "version": 1, "kind": "exclusion", "document": query.hex(),
                  "public_key": public_hex(key.public_key()), "tree_head": head.to_json(),
-                 "absence": {"index": absent.index, "lower": absent.lower.hex() if absent.lower else None,
-                             "upper": absent.upper.hex() if absent.upper else None, "path": pack(absent.path)}}
+                 "absence": pair_to_json(absent)}
         data = canonical_json(proof)
         sizes.append(len(data))
         parsed = json.loads(data)

@@ -75,12 +75,14 @@ def _header(run: RunCommitments, kind: str, document: bytes) -> dict:
     }
 
 
-def _pair_json(p: PairProof) -> dict:
+def pair_to_json(p: PairProof) -> dict:
+    """The JSON form of a sorted-tree leaf proof."""
     return {"index": p.index, "lower": p.lower.hex() if p.lower else None,
             "upper": p.upper.hex() if p.upper else None, "path": pack(p.path)}
 
 
-def _pair(obj: Any, size: int, where: str) -> PairProof:
+def pair_from_json(obj: Any, size: int, where: str) -> PairProof:
+    """Strictly parse a sorted-tree leaf proof for a tree of ``size`` committed values."""
     if not isinstance(obj, dict) or set(obj) != {"index", "lower", "upper", "path"}:
         raise MalformedInput(f"{where}: needs exactly index, lower, upper, path")
     ends = [None if obj[k] is None else _h(obj[k], f"{where}.{k}") for k in ("lower", "upper")]
@@ -109,7 +111,7 @@ def prove_inclusion(run: RunCommitments, document: bytes) -> dict:
             "batch_proof": pack(tree.inclusion_proof(j)),
         })
     doc = _header(run, "inclusion", document)
-    doc["member"] = _pair_json(member)
+    doc["member"] = pair_to_json(member)
     doc["uses"] = uses
     return doc
 
@@ -118,7 +120,7 @@ def prove_exclusion(run: RunCommitments, document: bytes) -> dict:
     """Exclusion proof for a document the run never used; ValueError if it was used."""
     absent = run.usage.documents.prove_absent(document)
     doc = _header(run, "exclusion", document)
-    doc["absence"] = _pair_json(absent)
+    doc["absence"] = pair_to_json(absent)
     return doc
 
 
@@ -172,10 +174,10 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
     summary = {"kind": kind, "document": document.hex(), "signer": key_fingerprint(key_hex),
                "tree_head": sth.to_json(), "used_documents": size}
     if kind == "exclusion":
-        verify_absent(document, _pair(proof["absence"], size, "absence"), root, size)
+        verify_absent(document, pair_from_json(proof["absence"], size, "absence"), root, size)
         return summary
 
-    verify_member(document, _pair(proof["member"], size, "member"), root, size)
+    verify_member(document, pair_from_json(proof["member"], size, "member"), root, size)
     uses = _get(proof, "uses", list, "proof")
     steps = []
     for k, use in enumerate(uses):

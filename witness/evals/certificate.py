@@ -17,7 +17,7 @@ from ..commit.hashing import canonical_json, from_hex, leaf_hash, same
 from ..commit.merkle import merkle_root
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_hex, public_key_from_hex
 from ..commit.sorted_tree import PairProof, verify_absent
-from ..data.proofs import pack, unpack
+from ..data.proofs import pair_from_json, pair_to_json
 from ..errors import MalformedInput, VerificationError
 
 FORMAT = "witness-eval-certificate"
@@ -36,11 +36,6 @@ def sign_certificate(body: dict, key: Ed25519PrivateKey) -> dict:
     return body | {"signature": key.sign(canonical_json(body)).hex()}
 
 
-def _pair_json(p: PairProof) -> dict:
-    return {"index": p.index, "lower": p.lower.hex() if p.lower else None,
-            "upper": p.upper.hex() if p.upper else None, "path": pack(p.path)}
-
-
 def build_body(task_name: str, head: SignedTreeHead, public_key: str, eval_root: bytes, eval_size: int,
                examples: list[dict], aggregates: dict, absences: list[tuple[str, bytes, PairProof]],
                near: dict) -> dict:
@@ -55,7 +50,7 @@ def build_body(task_name: str, head: SignedTreeHead, public_key: str, eval_root:
         "results": {"root": results_root(examples).hex(), "count": len(examples), "examples": examples},
         "contamination": {
             "clean": True,
-            "documents": [{"name": n, "document": h.hex(), "absence": _pair_json(p)} for n, h, p in absences],
+            "documents": [{"name": n, "document": h.hex(), "absence": pair_to_json(p)} for n, h, p in absences],
         },
         "near_duplicates": near,
     }
@@ -146,13 +141,8 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
     for k, d in enumerate(cont["documents"]):
         if not isinstance(d, dict) or set(d) != {"name", "document", "absence"}:
             raise MalformedInput(f"contamination document {k} is malformed")
-        a = d["absence"]
-        if not isinstance(a, dict) or set(a) != {"index", "lower", "upper", "path"}:
-            raise MalformedInput(f"contamination document {k}: bad absence proof")
         doc = from_hex(d["document"], "document")
-        proof = PairProof(a["index"], None if a["lower"] is None else from_hex(a["lower"], "lower"),
-                          None if a["upper"] is None else from_hex(a["upper"], "upper"), size,
-                          unpack(a["path"], "path"))
+        proof = pair_from_json(d["absence"], size, f"contamination document {k}")
         try:
             verify_absent(doc, proof, root, size)
         except VerificationError as e:

@@ -17,7 +17,7 @@ from ..commit.hashing import canonical_json, same, tagged_hash
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..task.base import Task
 from ..verify.audit import task_of
-from ..verify.challenges import _uniform
+from ..verify.challenges import sample_indices
 from ..verify.data_queries import run_commitments
 from .certificate import build_body, check_certificate, sign_certificate, spot_probability
 from .contamination import contaminated, near_duplicates
@@ -100,12 +100,7 @@ class EvalVerdict:
 
 def draw_spots(signature: str, nonce: bytes, n: int, m: int) -> list[int]:
     """M distinct example indices from H(certificate signature || nonce)."""
-    seed = tagged_hash("witness/spot/v1", bytes.fromhex(signature), nonce)
-    pool = list(range(n))
-    for i in range(min(m, n)):
-        j = i + _uniform(seed, i, n - i)
-        pool[i], pool[j] = pool[j], pool[i]
-    return sorted(pool[: min(m, n)])
+    return sample_indices(tagged_hash("witness/spot/v1", bytes.fromhex(signature), nonce), n, m)
 
 
 def verify_eval(cert: dict, bundle_dir: str | os.PathLike, *, spots: int = 100, forged_fraction: float = 0.05,

@@ -33,17 +33,22 @@ def _uniform(seed: bytes, counter: int, bound: int) -> int:
         j += 1
 
 
+def sample_indices(seed: bytes, n: int, count: int) -> list[int]:
+    """``count`` distinct indices of ``range(n)``, uniform, sorted (all of them if count >= n)."""
+    pool = list(range(n))
+    k = min(count, n)
+    for i in range(k):  # partial Fisher-Yates: sampling without replacement
+        j = i + _uniform(seed, i, n - i)
+        pool[i], pool[j] = pool[j], pool[i]
+    return sorted(pool[:k])
+
+
 def draw_challenges(head: SignedTreeHead, nonce: bytes, steps: int, count: int, length: int = 1) -> list[ReplayChallenge]:
     """``count`` distinct challenge steps, uniform over the run (all steps if count >= steps)."""
     if steps < 1 or count < 1 or length < 1:
         raise ValueError("need at least one step, one challenge and a positive length")
-    seed = challenge_seed(head, nonce)
-    pool = list(range(steps))
-    k = min(count, steps)
-    for i in range(k):  # partial Fisher-Yates: sampling without replacement
-        j = i + _uniform(seed, i, steps - i)
-        pool[i], pool[j] = pool[j], pool[i]
-    return sorted(ReplayChallenge(t, min(length, steps - t)) for t in pool[:k])
+    picked = sample_indices(challenge_seed(head, nonce), steps, count)
+    return [ReplayChallenge(t, min(length, steps - t)) for t in picked]
 
 
 def detection_probability(bad_fraction: float, challenges: int) -> float:
