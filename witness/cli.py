@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--response", help="the trainer's response folder (interactive mode)")
     tol = v.add_mutually_exclusive_group()
     tol.add_argument("--tolerance", action="store_true", help="compare within calibrated thresholds, not bit-exactly")
-    tol.add_argument("--exact", action="store_true", help="insist on bit-exact replay (the default except for FSDP runs)")
+    tol.add_argument("--exact", action="store_true", help="insist on bit-exact replay (the default, except for runs over more than 2 ranks)")
     v.add_argument("--rtol", type=float, help="fingerprint threshold in tolerance mode")
     v.add_argument("--threshold", type=_config_value, action="append",
                    help="tolerance-mode threshold NAME=VALUE (loss, fingerprint, sketch, update)")
@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve = sub.add_parser("verify-eval", help="check an evaluation certificate (exit 0 accepted, 1 rejected, 2 unusable)")
     ve.add_argument("cert")
     ve.add_argument("--bundle", required=True)
-    ve.add_argument("--spot", type=int, default=100, help="examples to re-run (M)")
+    ve.add_argument("--spot", type=_positive, default=100, help="examples to re-run (M)")
     ve.add_argument("--forged-fraction", type=_fraction, default=0.05, help="fraction g of forged results to detect")
     ve.add_argument("--nonce", type=_hex)
     ve.add_argument("--tolerance", action="store_true")
