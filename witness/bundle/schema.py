@@ -102,7 +102,7 @@ class Manifest:
         _keys(obj, cls.FIELDS, set(), w)
         if obj["type"] != "manifest":
             raise _fail(w, "the log's first record must be the manifest")
-        if obj["format_version"] != MANIFEST_VERSION:
+        if type(obj["format_version"]) is not int or obj["format_version"] != MANIFEST_VERSION:
             raise _fail(w, f"unsupported manifest version {obj['format_version']!r}")
         for k in ("code_version", "parallelism"):
             _str(obj[k], f"{w}.{k}")

@@ -146,7 +146,8 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
     ``head`` and ``public_key`` pin what the checker trusts (a published head, the trainer's
     key); without them the proof's own head and key are used, and reported.
     """
-    if not isinstance(proof, dict) or proof.get("format") != FORMAT or proof.get("version") != VERSION:
+    if not isinstance(proof, dict) or proof.get("format") != FORMAT or type(proof.get("version")) is not int \
+            or proof["version"] != VERSION:
         raise MalformedInput("not a witness data proof of a supported version")
     kind = _get(proof, "kind", str, "proof")
     allowed = {"format", "version", "kind", "document", "public_key", "tree_head"}
@@ -179,6 +180,8 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
 
     verify_member(document, pair_from_json(proof["member"], size, "member"), root, size)
     uses = _get(proof, "uses", list, "proof")
+    if not uses:
+        raise VerificationError("an inclusion proof must show at least one step that used the document", check="proof")
     steps = []
     for k, use in enumerate(uses):
         where = f"uses[{k}]"

@@ -56,6 +56,25 @@ def build_body(task_name: str, head: SignedTreeHead, public_key: str, eval_root:
     }
 
 
+def _h(value: Any, where: str, size: int = 32) -> bytes:
+    try:
+        return from_hex(value, where, size)
+    except ValueError as e:
+        raise MalformedInput(f"certificate: {e}") from None
+
+
+def _obj(value: Any, keys: set[str], where: str) -> dict:
+    if not isinstance(value, dict) or set(value) != keys:
+        raise MalformedInput(f"certificate: {where} must be an object with exactly {sorted(keys)}")
+    return value
+
+
+def _count(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise MalformedInput(f"certificate: {where} must be a non-negative integer")
+    return value
+
+
 def _float(v: Any, where: str) -> float:
     if type(v) not in (float, int):
         raise MalformedInput(f"{where} must be a number")
@@ -72,7 +91,7 @@ def parse_examples(examples: Any) -> list[dict]:
         if e["index"] != k or type(e["index"]) is not int:
             raise MalformedInput(f"example {k} is out of order")
         _float(e["loss"], f"example {k}.loss")
-        from_hex(e["sample"], f"example {k}.sample")
+        _h(e["sample"], f"example {k}.sample")
         if ("prediction" in e) != ("correct" in e):
             raise MalformedInput(f"example {k}: prediction and correct come together")
         if "correct" in e and (type(e["correct"]) is not bool or type(e["prediction"]) is not int):
@@ -89,24 +108,29 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
     """
     fields = {"format", "version", "task", "run", "eval_set", "aggregates", "results", "contamination",
               "near_duplicates", "evaluator", "signature"}
-    if not isinstance(cert, dict) or cert.get("format") != FORMAT or cert.get("version") != VERSION:
+    if not isinstance(cert, dict) or cert.get("format") != FORMAT or type(cert.get("version")) is not int \
+            or cert["version"] != VERSION:
         raise MalformedInput("not a witness evaluation certificate of a supported version")
     if set(cert) != fields:
         raise MalformedInput("the certificate has missing or unexpected fields")
     body = {k: v for k, v in cert.items() if k != "signature"}
+    sig = _h(cert["signature"], "signature", 64)
     try:
-        sig = from_hex(cert["signature"], "signature", 64)
         public_key_from_hex(cert["evaluator"]).verify(sig, canonical_json(body))
-    except ValueError as e:
-        raise MalformedInput(f"certificate signature: {e}") from None
+    except MalformedInput:
+        raise
     except Exception:
         raise VerificationError("the evaluator's signature on the certificate is invalid", check="signature") from None
     if evaluator is not None and cert["evaluator"] != evaluator:
         raise VerificationError("the certificate is signed by another evaluator", check="signature")
 
-    run = cert["run"]
-    if not isinstance(run, dict) or set(run) != {"public_key", "tree_head"}:
-        raise MalformedInput("run must hold public_key and tree_head")
+    run = _obj(cert["run"], {"public_key", "tree_head"}, "run")
+    es = _obj(cert["eval_set"], {"split", "root", "size"}, "eval_set")
+    res = _obj(cert["results"], {"root", "count", "examples"}, "results")
+    cont = _obj(cert["contamination"], {"clean", "documents"}, "contamination")
+    if not isinstance(cert["aggregates"], dict) or not isinstance(cert["near_duplicates"], dict):
+        raise MalformedInput("certificate: aggregates and near_duplicates must be objects")
+    eval_root, eval_size = _h(es["root"], "eval_set.root"), _count(es["size"], "eval_set.size")
     sth = SignedTreeHead.from_json(run["tree_head"])
     sth.verify(public_key_from_hex(run["public_key"]))
     if public_key is not None and run["public_key"] != public_key:
@@ -115,14 +139,17 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
         raise VerificationError("the certificate is bound to another run or checkpoint (tree head "
                                 f"of size {sth.size}, root {sth.root.hex()[:16]}…)", check="binding")
     ext = sth.extensions
-    if not isinstance(ext, dict) or "final_state_hash" not in ext:
+    if not isinstance(ext, dict) or not isinstance(ext.get("used_documents"), dict):
         raise VerificationError("the certificate's tree head is not a finished run's final head", check="binding")
+    used = _obj(ext["used_documents"], {"root", "size"}, "used_documents")
+    root, size = _h(used["root"], "used_documents.root"), _count(used["size"], "used_documents.size")
+    final_state = _h(ext.get("final_state_hash"), "final_state_hash")
+    final_model = _h(ext.get("final_model_hash"), "final_model_hash")
 
-    examples = parse_examples(cert["results"].get("examples") if isinstance(cert["results"], dict) else None)
-    res = cert["results"]
-    if set(res) != {"root", "count", "examples"} or res["count"] != len(examples):
+    examples = parse_examples(res["examples"])
+    if _count(res["count"], "results.count") != len(examples):
         raise VerificationError("the results' count is not the number of examples", check="results")
-    if not same(results_root(examples), from_hex(res["root"], "results.root")):
+    if not same(results_root(examples), _h(res["root"], "results.root")):
         raise VerificationError("the per-example results do not hash to the certified results root", check="results")
     recomputed = aggregates_of(examples)
     if recomputed != cert["aggregates"]:
@@ -132,16 +159,14 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
                                 f"(recomputed {', '.join(f'{k}={recomputed.get(k)!r}' for k in diff)})",
                                 check="aggregates")
 
-    cont = cert["contamination"]
-    used = ext.get("used_documents")
-    if not isinstance(cont, dict) or cont.get("clean") is not True or not isinstance(cont.get("documents"), list):
+    if cont["clean"] is not True or not isinstance(cont["documents"], list):
         raise VerificationError("the certificate does not claim a clean evaluation set", check="contamination")
-    root, size = from_hex(used["root"], "used_documents.root"), used["size"]
     documents = []
     for k, d in enumerate(cont["documents"]):
-        if not isinstance(d, dict) or set(d) != {"name", "document", "absence"}:
-            raise MalformedInput(f"contamination document {k} is malformed")
-        doc = from_hex(d["document"], "document")
+        d = _obj(d, {"name", "document", "absence"}, f"contamination document {k}")
+        if not isinstance(d["name"], str):
+            raise MalformedInput(f"certificate: contamination document {k} needs a name")
+        doc = _h(d["document"], "document")
         proof = pair_from_json(d["absence"], size, f"contamination document {k}")
         try:
             verify_absent(doc, proof, root, size)
@@ -149,12 +174,12 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
             raise VerificationError(f"evaluation document {d['name']!r} is not proven absent from the "
                                     f"training data: {e}", check="contamination") from None
         documents.append(doc)
-    es = cert["eval_set"]
+    if es["split"] != "eval":
+        raise VerificationError("the certificate is not for the evaluation split", check="eval set")
     return {
         "head": sth, "public_key": run["public_key"], "examples": examples, "aggregates": recomputed,
-        "eval_root": from_hex(es["root"], "eval_set.root"), "eval_size": es["size"], "documents": documents,
-        "final_state_hash": from_hex(ext["final_state_hash"], "final_state_hash"),
-        "final_model_hash": from_hex(ext["final_model_hash"], "final_model_hash"),
+        "eval_root": eval_root, "eval_size": eval_size, "documents": documents,
+        "final_state_hash": final_state, "final_model_hash": final_model,
         "evaluator": key_fingerprint(cert["evaluator"]), "task": cert["task"],
     }
 

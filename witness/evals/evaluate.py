@@ -110,6 +110,8 @@ def verify_eval(cert: dict, bundle_dir: str | os.PathLike, *, spots: int = 100, 
     bundle = open_bundle(bundle_dir)
     task = task_of(bundle)
     c = check_certificate(cert, task.aggregates, head=bundle.final_head, public_key=bundle.manifest.public_key)
+    if c["task"] != task.name:
+        raise VerificationError(f"the certificate names task {c['task']!r}; the run is {task.name!r}", check="binding")
     eval_set = task.eval_dataset()
     if not same(c["eval_root"], eval_set.root) or c["eval_size"] != len(eval_set):
         raise VerificationError("the certificate's evaluation set is not the task's committed split", check="eval set")

@@ -66,7 +66,8 @@ class Response:
             obj = parse_canonical_json(path.read_bytes())
         except ValueError as e:
             raise MalformedInput(f"response.json: {e}") from None
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT or obj.get("version") != VERSION:
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT or type(obj.get("version")) is not int \
+                or obj["version"] != VERSION:
             raise MalformedInput("response.json is not a witness response of a supported version")
         if set(obj) != {"format", "version", "head_root", "head_size", "nonce", "states", "steps"}:
             raise MalformedInput("response.json has missing or unexpected fields")
@@ -76,6 +77,8 @@ class Response:
         except ValueError as e:
             raise MalformedInput(f"response.json: {e}") from None
         self.head_size = obj["head_size"]
+        if type(self.head_size) is not int:
+            raise MalformedInput("response.json: head_size must be an integer")
         if not isinstance(obj["states"], dict) or not isinstance(obj["steps"], dict):
             raise MalformedInput("response.json: states and steps must be objects")
         self.state_files = {int(k): v for k, v in obj["states"].items() if k.isdigit()}
@@ -85,6 +88,9 @@ class Response:
         for k, v in obj["steps"].items():
             if not k.isdigit() or not isinstance(v, dict) or set(v) != {"indices", "samples", "proofs"}:
                 raise MalformedInput(f"response.json: bad entry for step {k!r}")
+            if not all(isinstance(v[f], list) for f in ("indices", "samples", "proofs")) or \
+                    not all(isinstance(p, list) for p in v["proofs"]):
+                raise MalformedInput(f"response.json step {k}: indices, samples and proofs must be lists")
             try:
                 samples = [bytes.fromhex(s) for s in v["samples"]]
                 proofs = [[from_hex(h, "proof node") for h in p] for p in v["proofs"]]
