@@ -248,3 +248,20 @@ def test_offline_needs_the_committed_dataset(bundle_copy, signing_key):
     _resign(bundle_copy, signing_key, [canonical_json(m)] + lines[1:])
     with pytest.raises(MalformedInput, match="committed dataset"):
         verify_bundle(bundle_copy, challenges=1)
+
+
+def test_a_published_head_pins_the_log_against_rewriting(bundle_copy, signing_key, tmp_path, capsys):
+    from witness.cli import main
+
+    published = tmp_path / "head.json"
+    published.write_bytes((bundle_copy / "heads.jsonl").read_bytes().split(b"\n")[2])  # after step 19
+    assert main(["verify", str(bundle_copy), "--challenges", "1", "--published-head", str(published)]) == 0
+    # The trainer rewrites an early record and re-signs everything: every signature is valid...
+    lines = _lines(bundle_copy)
+    lines[5] = _edit(lines[5], loss=0.001)
+    _resign(bundle_copy, signing_key, lines)
+    # ...but the log no longer extends the head it published before.
+    assert main(["verify", str(bundle_copy), "--challenges", "1", "--published-head", str(published)]) == 1
+    assert "rewritten after that head was published" in capsys.readouterr().err
+    published.write_text("{}")
+    assert main(["verify", str(bundle_copy), "--published-head", str(published)]) == 2

@@ -143,8 +143,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.bundle, challenges=_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
         response=response, exact=False if args.tolerance else (True if args.exact else None),
         thresholds=thresholds, length=args.length, threads=args.threads, public_key=args.signer,
-        progress=not args.json,
+        published_heads=[_read_head(p) for p in args.published_head or []], progress=not args.json,
     ))
+
+
+def _read_head(path: str):
+    """A published signed tree head: a JSON file (a heads.jsonl line, or inspect's final_tree_head)."""
+    from .commit.signing import SignedTreeHead
+
+    p = Path(path)
+    if not p.is_file() or p.stat().st_size > 1 << 20:
+        raise MalformedInput(f"{p} is not a tree-head file")
+    try:
+        obj = json.loads(p.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        raise MalformedInput(f"{p} is not JSON") from None
+    return SignedTreeHead.from_json(obj.get("tree_head", obj) if isinstance(obj, dict) else obj)
 
 
 def _report_verdict(args: argparse.Namespace, audit) -> int:
@@ -427,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tolerance-mode threshold NAME=VALUE (loss, fingerprint, sketch, update)")
     v.add_argument("--threads", type=_positive)
     v.add_argument("--signer", help="pin the signer's public key (hex)")
+    v.add_argument("--published-head", action="append",
+                   help="a tree head published earlier (JSON); the log must extend it (repeatable)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
 

@@ -19,7 +19,7 @@ from ..bundle.checkpoint import (
 )
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.hashing import same
-from ..commit.signing import key_fingerprint
+from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
 from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, RunRejected, VerificationError
@@ -140,6 +140,7 @@ def verify_bundle(
     length: int = 1,
     threads: int | None = None,
     public_key: str | None = None,
+    published_heads: list[SignedTreeHead] | None = None,
     progress: bool = False,
 ) -> Verdict:
     """Audit a bundle. Returns an accepted verdict or raises a ``VerificationError``.
@@ -147,6 +148,9 @@ def verify_bundle(
     ``exact=None`` chooses: bit-exact replay, except for runs over more than 2 ranks, whose
     collectives sum in an order one process cannot reproduce bit for bit; those replay in
     tolerance mode with thresholds calibrated for that summation noise.
+
+    ``published_heads`` are tree heads the trainer published earlier (to a leaderboard, in a
+    paper): the log must extend every one of them, so it cannot have been rewritten since.
     """
     started = time.perf_counter()
     if mode not in ("offline", "interactive"):
@@ -170,9 +174,18 @@ def verify_bundle(
     fsdp = m.raw["parallelism"] == "fsdp" and m.world_size > 2
     auto_tolerance = exact is None and m.world_size > 2
     exact = not auto_tolerance if exact is None else exact
+    for h in published_heads or []:
+        h.verify(public_key_from_hex(m.public_key))
+        if h.size > len(bundle.log) or not same(bundle.log.root(h.size), h.root):
+            raise VerificationError(f"the log does not extend the published tree head of size {h.size}: "
+                                    "it was rewritten after that head was published", check="log")
+    if published_heads:
+        checks = [f"the log extends {len(published_heads)} published tree head(s)"]
+    else:
+        checks = []
     if not same(derive_run_seed(m.data_root, m.r), m.run_seed):
         raise VerificationError("the run seed is not H(data root || r)", check="seed")
-    checks = ["signatures and log consistency of every signed tree head", "run seed = H(data root || r)"]
+    checks += ["signatures and log consistency of every signed tree head", "run seed = H(data root || r)"]
 
     local: LocalSamples | None = None
     if mode == "offline":
