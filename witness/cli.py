@@ -94,6 +94,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .record import Recorder
     from .task import build_task
 
+    if not Path(args.key).exists():
+        print(f"creating a signing key at {args.key} (its public half goes into the manifest)", file=sys.stderr)
     key = load_or_create_key(Path(args.key))
     if args.resume:
         rec = Recorder.resume(args.out, key, threads=args.threads)
@@ -118,7 +120,7 @@ def _print_verdict(verdict, args, failures: list[str] | None = None) -> None:
             out["failures"] = failures
         for k in ("challenges", "mode", "exact", "bad_fraction", "detection_probability"):
             out.setdefault(k, None)
-        print(json.dumps(out, indent=None if args.json else 2))
+        print(json.dumps(out))
     elif verdict is not None:
         print(verdict.summary())
 
