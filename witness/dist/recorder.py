@@ -19,7 +19,7 @@ import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..data.order import derive_run_seed
-from ..record.recorder import HeadCallback, Recorder
+from ..record.recorder import HeadCallback, Recorder, checkpoint_due
 from ..task.base import StepOutput, Task
 from .session import DistSession
 
@@ -69,8 +69,7 @@ class DistRecorder:
 
     def log_step(self, step: int, out: StepOutput) -> None:
         """Collectives (loss, fingerprint, sketch, state at checkpoints), then rank 0 records."""
-        done = step + 1
-        checkpoint = done % self.checkpoint_every == 0 or done == self.task.config.steps
+        checkpoint = checkpoint_due(step, self.checkpoint_every, self.task.config.steps)
         total = self.session.global_output(out)
         fp = self.session.fingerprint()
         sketch = self.session.sketch()

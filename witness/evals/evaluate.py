@@ -38,8 +38,8 @@ def final_model(bundle: Bundle, task: Task) -> torch.nn.Module:
 
 def evaluate(bundle_dir: str | os.PathLike, key: Ed25519PrivateKey, progress: bool = True) -> dict:
     """Evaluate the final model on every example of the evaluation split; return a signed certificate."""
-    run, task = run_commitments(bundle_dir)
     bundle = open_bundle(bundle_dir)
+    run, task = run_commitments(bundle)
     eval_set = task.eval_dataset()
     docs = eval_set.documents_list()
     dirty = contaminated([(n, h) for n, h, _ in docs], run.usage.documents)

@@ -45,6 +45,12 @@ from .session import TrainingSession, environment
 HeadCallback = Callable[[SignedTreeHead, RunLog], None]
 
 
+def checkpoint_due(step: int, every: int, steps: int) -> bool:
+    """Whether the state after ``step`` is checkpointed: every ``every`` steps, and the last."""
+    done = step + 1
+    return done % every == 0 or done == steps
+
+
 class Recorder:
     """Writes the manifest before step 0, one record per step, checkpoints every K steps."""
 
@@ -192,8 +198,7 @@ class Recorder:
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether the state after ``step`` is a checkpoint."""
-        done = step + 1
-        return done % self.checkpoint_every == 0 or done == self.task.config.steps
+        return checkpoint_due(step, self.checkpoint_every, self.task.config.steps)
 
     def log_step(self, step: int, out: StepOutput, *, fingerprint: Any = None, sketch: list[float] | None = None,
                  state: dict | None = None) -> None:
@@ -225,7 +230,6 @@ class Recorder:
                 state = state_tensors(self.model, self.optimizer)
             sh, fh = save_checkpoint(self.out / checkpoint_name(done), state, done)
             record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
-            self.final_state_hash = sh
         self.writer.append_record(self.log.append(record))
         self.next_step = done
         if checkpoint:

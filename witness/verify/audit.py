@@ -20,6 +20,7 @@ from ..bundle.checkpoint import (
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
+from ..data.dataset import Dataset
 from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, RunRejected, VerificationError
@@ -89,22 +90,27 @@ def check_records(bundle: Bundle, task: Task, session: TrainingSession, local: L
             raise VerificationError(f"the run ended after {bundle.end.steps} of {m.steps_planned} planned steps", check="end")
         if last.state_hash is None or not same(last.state_hash, bundle.end.final_state_hash):
             raise VerificationError("the final state hash is not the last checkpoint's", check="end")
-        final = read_checkpoint(bundle.checkpoints[len(bundle.steps)])
-        if not same(model_hash(final), bundle.end.final_model_hash):
-            raise VerificationError("the final model hash is not that of the final checkpoint's model", check="end")
         if local is not None:
-            usage = UsageCommitment.from_batches(local.dataset, (r.batch for r in bundle.steps))
-            end = bundle.end
-            if end.document_rule != usage.document_rule:
-                raise VerificationError("the end record's document rule is not the dataset's", check="data usage")
-            for name, tree, committed in (("sample", usage.samples, end.used_samples),
-                                          ("document", usage.documents, end.used_documents)):
-                if tree.size != committed.size or not same(tree.root, committed.root):
-                    raise VerificationError(
-                        f"the committed used-{name} tree is not the one the logged batches give "
-                        f"({committed.size} committed, {tree.size} used)", check="data usage")
+            check_usage(bundle, local.dataset)
             checks.append(f"used-sample and used-document trees recomputed from all {len(bundle.steps)} batches")
     return checks
+
+
+def check_usage(bundle: Bundle, dataset: Dataset) -> UsageCommitment:
+    """The end record's used-sample and used-document trees must be those of the logged batches."""
+    usage = UsageCommitment.from_batches(dataset, (r.batch for r in bundle.steps))
+    end = bundle.end
+    if end is None:
+        raise MalformedInput("the run is not finished: no end record commits the used data")
+    if end.document_rule != usage.document_rule:
+        raise VerificationError("the end record's document rule is not the dataset's", check="data usage")
+    for name, tree, committed in (("sample", usage.samples, end.used_samples),
+                                  ("document", usage.documents, end.used_documents)):
+        if tree.size != committed.size or not same(tree.root, committed.root):
+            raise VerificationError(
+                f"the committed used-{name} tree is not the one the logged batches give "
+                f"({committed.size} committed, {tree.size} used)", check="data usage")
+    return usage
 
 
 def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thresholds: dict[str, float]) -> list[str]:
@@ -123,6 +129,9 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         if step > 0:
             load_state(session.model, session.optimizer, tensors)
             check_state(bundle, session, step, exact, thresholds)
+        if bundle.end is not None and step == len(bundle.steps) and not same(model_hash(tensors),
+                                                                             bundle.end.final_model_hash):
+            raise VerificationError("the final model hash is not that of the final checkpoint's model", check="end")
     return [f"initial state regenerated from the seed; {len(bundle.checkpoints)} checkpoint(s) hashed and fingerprinted"]
 
 
@@ -171,7 +180,7 @@ def verify_bundle(
     # sum (a + b = b + a), so replay is bit-exact, for DDP and (with the shard-wise norm) FSDP2.
     # With more ranks the collectives add chunk by chunk in their own orders: the last bits
     # differ, so such runs replay in tolerance mode, and the verdict says so.
-    fsdp = m.raw["parallelism"] == "fsdp" and m.world_size > 2
+    fsdp_many_ranks = m.raw["parallelism"] == "fsdp" and m.world_size > 2
     auto_tolerance = exact is None and m.world_size > 2
     exact = not auto_tolerance if exact is None else exact
     for h in published_heads or []:
@@ -179,10 +188,7 @@ def verify_bundle(
         if h.size > len(bundle.log) or not same(bundle.log.root(h.size), h.root):
             raise VerificationError(f"the log does not extend the published tree head of size {h.size}: "
                                     "it was rewritten after that head was published", check="log")
-    if published_heads:
-        checks = [f"the log extends {len(published_heads)} published tree head(s)"]
-    else:
-        checks = []
+    checks = [f"the log extends {len(published_heads)} published tree head(s)"] if published_heads else []
     if not same(derive_run_seed(m.data_root, m.r), m.run_seed):
         raise VerificationError("the run seed is not H(data root || r)", check="seed")
     checks += ["signatures and log consistency of every signed tree head", "run seed = H(data root || r)"]
@@ -215,7 +221,7 @@ def verify_bundle(
         verdict.notes.append(f"{m.raw['parallelism'].upper()} run over {m.world_size} ranks: the collectives' "
                              "cross-rank sums are not bit-reproducible on one process, so replay compares "
                              "within the thresholds below")
-    elif fsdp and exact:
+    elif fsdp_many_ranks and exact:
         verdict.notes.append("FSDP run: the reported gradient norm is compared within 1e-6 (its cross-rank "
                              "sum may round differently)")
     if local is None and bundle.complete:
@@ -223,7 +229,7 @@ def verify_bundle(
     if not bundle.complete:
         verdict.notes.append(f"incomplete run: {n} of {m.steps_planned} planned steps are signed; verified as a {n}-step run")
 
-    norm_rtol = 1e-6 if fsdp else 0.0
+    norm_rtol = 1e-6 if fsdp_many_ranks else 0.0
     if mode == "offline":
         replayer = Replayer(bundle, task, local, exact, limits, norm_rtol)  # type: ignore[arg-type]
         run = _offline

@@ -21,8 +21,8 @@ from .verdict import ChallengeResult
 DEFAULT_THRESHOLDS = {"loss": 1e-4, "fingerprint": 1e-3, "sketch": 1e-5, "update": 1e-2}
 # For one-process replay of a CPU run over more than 2 ranks, where only the order of the
 # cross-rank sums differs: calibrated on honest 4-rank DDP and FSDP2 runs of `tiny`, whose worst
-# distances were loss 5.3e-8, fingerprint 1.9e-7, sketch 6.1e-8, update 1.0e-6 (docs/distributed.md),
-# with a margin of about 50 to 100.
+# distances were loss 5.3e-8, fingerprint 2.1e-7, sketch 1.5e-7, update 5.8e-6 (the last after a
+# 30-step offline replay; docs/distributed.md), with a margin of about 17 to 100.
 SUM_ORDER_THRESHOLDS = {"loss": 5e-6, "fingerprint": 1e-5, "sketch": 5e-6, "update": 1e-4}
 
 
