@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..commit.hashing import from_hex
+from ..commit.hashing import parse_hex
 from ..errors import MalformedInput
 
 MANIFEST_VERSION = 1
@@ -46,13 +46,6 @@ def _floats(v: Any, where: str, max_len: int = 4096) -> tuple[float, ...]:
     if not isinstance(v, list) or len(v) > max_len:
         raise _fail(where, f"must be a list of at most {max_len} numbers")
     return tuple(_float(x, where) for x in v)
-
-
-def _hex(v: Any, where: str, size: int = 32) -> bytes:
-    try:
-        return from_hex(v, where, size)
-    except ValueError as e:
-        raise _fail(where, str(e)) from None
 
 
 def _str(v: Any, where: str, max_len: int = 256) -> str:
@@ -115,19 +108,19 @@ class Manifest:
             raw=obj,
             task=_str(obj["task"], f"{w}.task", 64),
             task_config=_dict(obj["task_config"], f"{w}.task_config"),
-            r=_hex(obj["r"], f"{w}.r"),
+            r=parse_hex(obj["r"], f"{w}.r"),
             r_source=obj["r_source"],
-            run_seed=_hex(obj["run_seed"], f"{w}.run_seed"),
-            data_root=_hex(obj["data_root"], f"{w}.data_root"),
+            run_seed=parse_hex(obj["run_seed"], f"{w}.run_seed"),
+            data_root=parse_hex(obj["data_root"], f"{w}.data_root"),
             dataset_size=_int(obj["dataset_size"], f"{w}.dataset_size", 1),
-            probe_hash=_hex(obj["probe_hash"], f"{w}.probe_hash"),
+            probe_hash=parse_hex(obj["probe_hash"], f"{w}.probe_hash"),
             checkpoint_every=_int(obj["checkpoint_every"], f"{w}.checkpoint_every", 1),
             steps_planned=_int(obj["steps_planned"], f"{w}.steps_planned", 1),
             world_size=_int(obj["world_size"], f"{w}.world_size", 1, 1 << 20),
             threads=_int(obj["threads"], f"{w}.threads", 1, 4096),
             public_key=_str(obj["public_key"], f"{w}.public_key", 64),
-            init_state_hash=_hex(obj["init_state_hash"], f"{w}.init_state_hash"),
-            init_checkpoint_sha256=_hex(obj["init_checkpoint_sha256"], f"{w}.init_checkpoint_sha256"),
+            init_state_hash=parse_hex(obj["init_state_hash"], f"{w}.init_state_hash"),
+            init_checkpoint_sha256=parse_hex(obj["init_checkpoint_sha256"], f"{w}.init_checkpoint_sha256"),
         )
 
 
@@ -171,16 +164,16 @@ class StepRecord:
             raw=obj,
             step=_int(obj["step"], f"{where}.step"),
             batch=tuple(_int(i, f"{where}.batch") for i in batch),
-            batch_root=_hex(obj["batch_root"], f"{where}.batch_root"),
+            batch_root=parse_hex(obj["batch_root"], f"{where}.batch_root"),
             loss=_float(obj["loss"], f"{where}.loss"),
             lr=_float(obj["lr"], f"{where}.lr"),
             grad_norm=_float(obj["grad_norm"], f"{where}.grad_norm"),
             probe_loss=_floats(fp["probe_loss"], f"{where}.fingerprint.probe_loss"),
             projection=_floats(fp["projection"], f"{where}.fingerprint.projection"),
-            digest=_hex(fp["digest"], f"{where}.fingerprint.digest"),
+            digest=parse_hex(fp["digest"], f"{where}.fingerprint.digest"),
             sketch=_floats(obj["sketch"], f"{where}.sketch", 1024),
-            state_hash=_hex(obj["state_hash"], f"{where}.state_hash") if "state_hash" in obj else None,
-            checkpoint_sha256=_hex(obj["checkpoint_sha256"], f"{where}.checkpoint_sha256")
+            state_hash=parse_hex(obj["state_hash"], f"{where}.state_hash") if "state_hash" in obj else None,
+            checkpoint_sha256=parse_hex(obj["checkpoint_sha256"], f"{where}.checkpoint_sha256")
             if "checkpoint_sha256" in obj
             else None,
         )
@@ -222,9 +215,9 @@ class EndRecord:
 
         def tree(key: str) -> TreeCommitment:
             t = _keys(obj[key], {"root", "size"}, set(), f"{where}.{key}")
-            return TreeCommitment(_hex(t["root"], f"{where}.{key}.root"), _int(t["size"], f"{where}.{key}.size"))
+            return TreeCommitment(parse_hex(t["root"], f"{where}.{key}.root"), _int(t["size"], f"{where}.{key}.size"))
 
         return cls(obj, _int(obj["steps"], f"{where}.steps", 1),
-                   _hex(obj["final_state_hash"], f"{where}.final_state_hash"),
-                   _hex(obj["final_model_hash"], f"{where}.final_model_hash"),
+                   parse_hex(obj["final_state_hash"], f"{where}.final_state_hash"),
+                   parse_hex(obj["final_model_hash"], f"{where}.final_model_hash"),
                    obj["document_rule"], tree("used_documents"), tree("used_samples"))

@@ -8,6 +8,8 @@ import json
 import math
 from typing import Any
 
+from ..errors import MalformedInput
+
 LEAF_PREFIX = b"\x00"
 NODE_PREFIX = b"\x01"
 HASH_SIZE = 32
@@ -56,6 +58,14 @@ def from_hex(value: object, what: str, size: int = HASH_SIZE) -> bytes:
         return bytes.fromhex(value)
     except ValueError:
         raise ValueError(f"{what} is not hex") from None
+
+
+def parse_hex(value: object, what: str, size: int = HASH_SIZE) -> bytes:
+    """``from_hex`` for untrusted input: a malformed value is unusable input, named by ``what``."""
+    try:
+        return from_hex(value, what, size)
+    except ValueError as e:
+        raise MalformedInput(str(e)) from None
 
 
 def _clean(obj: Any) -> Any:

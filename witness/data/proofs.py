@@ -19,7 +19,7 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-from ..commit.hashing import canonical_json, from_hex, leaf_hash, same
+from ..commit.hashing import canonical_json, leaf_hash, parse_hex, same
 from ..commit.log import RunLog
 from ..commit.merkle import MerkleTree, verify_inclusion
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
@@ -85,7 +85,7 @@ def pair_from_json(obj: Any, size: int, where: str) -> PairProof:
     """Strictly parse a sorted-tree leaf proof for a tree of ``size`` committed values."""
     if not isinstance(obj, dict) or set(obj) != {"index", "lower", "upper", "path"}:
         raise MalformedInput(f"{where}: needs exactly index, lower, upper, path")
-    ends = [None if obj[k] is None else _h(obj[k], f"{where}.{k}") for k in ("lower", "upper")]
+    ends = [None if obj[k] is None else parse_hex(obj[k], f"{where}.{k}") for k in ("lower", "upper")]
     return PairProof(_get(obj, "index", int, where), ends[0], ends[1], size, unpack(obj["path"], f"{where}.path"))
 
 
@@ -133,13 +133,6 @@ def _get(obj: Any, key: str, kind: type, where: str) -> Any:
     return obj[key]
 
 
-def _h(value: Any, where: str) -> bytes:
-    try:
-        return from_hex(value, where)
-    except ValueError as e:
-        raise MalformedInput(f"{where}: {e}") from None
-
-
 def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: str | None = None) -> dict:
     """Check a data proof against the public commitments; returns a summary or raises.
 
@@ -154,7 +147,7 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
     allowed |= {"member", "uses"} if kind == "inclusion" else {"absence"} if kind == "exclusion" else set()
     if kind not in ("inclusion", "exclusion") or set(proof) != allowed:
         raise MalformedInput("the proof has missing or unexpected fields")
-    document = _h(proof["document"], "document")
+    document = parse_hex(proof["document"], "document")
     key_hex = _get(proof, "public_key", str, "proof")
     if public_key is not None and key_hex != public_key:
         raise VerificationError("the proof is signed by another key than the pinned one", check="signature")
@@ -169,7 +162,7 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
         raise VerificationError("the tree head is not a finished run's final head (no used-data commitment)",
                                 check="tree head")
     used = ext["used_documents"]
-    root, size = _h(used.get("root"), "used_documents.root"), _get(used, "size", int, "used_documents")
+    root, size = parse_hex(used.get("root"), "used_documents.root"), _get(used, "size", int, "used_documents")
     rule = _get(ext, "document_rule", str, "extensions")
 
     summary = {"kind": kind, "document": document.hex(), "signer": key_fingerprint(key_hex),
@@ -200,7 +193,7 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
             raise VerificationError(f"{where}: position {j} is outside the batch", check="proof")
         try:
             verify_inclusion(leaf_hash(sample_hash(sample)), j, len(batch), unpack(use.get("batch_proof"), where),
-                             _h(rec.get("batch_root"), "batch_root"))
+                             parse_hex(rec.get("batch_root"), "batch_root"))
         except VerificationError:
             raise VerificationError(f"step {t}: the sample is not in the step's batch", check="proof") from None
         try:

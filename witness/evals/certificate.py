@@ -13,7 +13,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..commit.hashing import canonical_json, from_hex, leaf_hash, same
+from ..commit.hashing import canonical_json, leaf_hash, parse_hex, same
 from ..commit.merkle import merkle_root
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_hex, public_key_from_hex
 from ..commit.sorted_tree import PairProof, verify_absent
@@ -56,13 +56,6 @@ def build_body(task_name: str, head: SignedTreeHead, public_key: str, eval_root:
     }
 
 
-def _h(value: Any, where: str, size: int = 32) -> bytes:
-    try:
-        return from_hex(value, where, size)
-    except ValueError as e:
-        raise MalformedInput(f"certificate: {e}") from None
-
-
 def _obj(value: Any, keys: set[str], where: str) -> dict:
     if not isinstance(value, dict) or set(value) != keys:
         raise MalformedInput(f"certificate: {where} must be an object with exactly {sorted(keys)}")
@@ -91,7 +84,7 @@ def parse_examples(examples: Any) -> list[dict]:
         if e["index"] != k or type(e["index"]) is not int:
             raise MalformedInput(f"example {k} is out of order")
         _float(e["loss"], f"example {k}.loss")
-        _h(e["sample"], f"example {k}.sample")
+        parse_hex(e["sample"], f"example {k}.sample")
         if ("prediction" in e) != ("correct" in e):
             raise MalformedInput(f"example {k}: prediction and correct come together")
         if "correct" in e and (type(e["correct"]) is not bool or type(e["prediction"]) is not int):
@@ -114,7 +107,7 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
     if set(cert) != fields:
         raise MalformedInput("the certificate has missing or unexpected fields")
     body = {k: v for k, v in cert.items() if k != "signature"}
-    sig = _h(cert["signature"], "signature", 64)
+    sig = parse_hex(cert["signature"], "signature", 64)
     try:
         public_key_from_hex(cert["evaluator"]).verify(sig, canonical_json(body))
     except MalformedInput:
@@ -130,7 +123,7 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
     cont = _obj(cert["contamination"], {"clean", "documents"}, "contamination")
     if not isinstance(cert["aggregates"], dict) or not isinstance(cert["near_duplicates"], dict):
         raise MalformedInput("certificate: aggregates and near_duplicates must be objects")
-    eval_root, eval_size = _h(es["root"], "eval_set.root"), _count(es["size"], "eval_set.size")
+    eval_root, eval_size = parse_hex(es["root"], "eval_set.root"), _count(es["size"], "eval_set.size")
     sth = SignedTreeHead.from_json(run["tree_head"])
     sth.verify(public_key_from_hex(run["public_key"]))
     if public_key is not None and run["public_key"] != public_key:
@@ -142,14 +135,14 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
     if not isinstance(ext, dict) or not isinstance(ext.get("used_documents"), dict):
         raise VerificationError("the certificate's tree head is not a finished run's final head", check="binding")
     used = _obj(ext["used_documents"], {"root", "size"}, "used_documents")
-    root, size = _h(used["root"], "used_documents.root"), _count(used["size"], "used_documents.size")
-    final_state = _h(ext.get("final_state_hash"), "final_state_hash")
-    final_model = _h(ext.get("final_model_hash"), "final_model_hash")
+    root, size = parse_hex(used["root"], "used_documents.root"), _count(used["size"], "used_documents.size")
+    final_state = parse_hex(ext.get("final_state_hash"), "final_state_hash")
+    final_model = parse_hex(ext.get("final_model_hash"), "final_model_hash")
 
     examples = parse_examples(res["examples"])
     if _count(res["count"], "results.count") != len(examples):
         raise VerificationError("the results' count is not the number of examples", check="results")
-    if not same(results_root(examples), _h(res["root"], "results.root")):
+    if not same(results_root(examples), parse_hex(res["root"], "results.root")):
         raise VerificationError("the per-example results do not hash to the certified results root", check="results")
     recomputed = aggregates_of(examples)
     if recomputed != cert["aggregates"]:
@@ -166,7 +159,7 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
         d = _obj(d, {"name", "document", "absence"}, f"contamination document {k}")
         if not isinstance(d["name"], str):
             raise MalformedInput(f"certificate: contamination document {k} needs a name")
-        doc = _h(d["document"], "document")
+        doc = parse_hex(d["document"], "document")
         proof = pair_from_json(d["absence"], size, f"contamination document {k}")
         try:
             verify_absent(doc, proof, root, size)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import urllib.request
@@ -16,6 +15,7 @@ from ..bundle.checkpoint import model_hash, read_checkpoint
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.hashing import same
 from ..errors import MalformedInput
+from ..fingerprint.probes import relative_distance
 from ..verify.audit import task_of
 
 MAX_RESPONSE = 64 * 1024 * 1024
@@ -75,10 +75,7 @@ def calibrated_threshold(bundle: Bundle) -> float:
     recs = bundle.steps[-11:]
     moves = []
     for a, b in zip(recs, recs[1:], strict=False):
-        va, vb = a.fingerprint_vector, b.fingerprint_vector
-        num = math.sqrt(sum((x - y) ** 2 for x, y in zip(va, vb, strict=True)))
-        den = math.sqrt(sum(y * y for y in vb)) or 1.0
-        moves.append(num / den)
+        moves.append(relative_distance(a.fingerprint_vector, b.fingerprint_vector))
     return 0.1 * statistics.median(moves) if moves else 1e-6
 
 
@@ -115,8 +112,7 @@ def identify_endpoint(bundle: Bundle, url: str, exact: bool = True) -> Identity:
     last = bundle.steps[-1]
     want = last.fingerprint_vector
     got = fp.vector()
-    num = math.sqrt(sum((x - y) ** 2 for x, y in zip(got, want, strict=False))) if len(got) == len(want) else math.inf
-    distance = num / (math.sqrt(sum(y * y for y in want)) or 1.0)
+    distance = relative_distance(got, want)
     threshold = calibrated_threshold(bundle)
     digest_equal = fp.digest == last.digest.hex()
     ok = digest_equal if exact else distance <= threshold

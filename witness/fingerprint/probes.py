@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,15 @@ class Fingerprint:
     def vector(self) -> list[float]:
         """The numeric part, for tolerance-mode distances."""
         return [*self.probe_loss, *self.projection]
+
+
+def relative_distance(a: Sequence[float], b: Sequence[float]) -> float:
+    """||a - b|| / ||b||: how far a replayed (or served) vector is from the recorded one."""
+    if len(a) != len(b):
+        return math.inf
+    num = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)))
+    den = math.sqrt(sum(y * y for y in b))
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
 def projection_matrix(seed: bytes, width: int, dims: int) -> torch.Tensor:

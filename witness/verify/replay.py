@@ -14,6 +14,7 @@ from ..bundle.schema import StepRecord
 from ..commit.hashing import same
 from ..data.dataset import Dataset
 from ..errors import VerificationError
+from ..fingerprint.probes import relative_distance
 from ..record.session import TrainingSession
 from ..task.base import Task
 from .verdict import ChallengeResult
@@ -47,14 +48,6 @@ class LocalSamples:
         return [self.dataset.sample_bytes(i) for i in indices]
 
 
-def _rel(a: Sequence[float], b: Sequence[float]) -> float:
-    if len(a) != len(b):
-        return math.inf
-    num = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)))
-    den = math.sqrt(sum(y * y for y in b))
-    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
-
-
 def check_state(bundle: Bundle, session: TrainingSession, step: int, exact: bool,
                 thresholds: dict[str, float]) -> None:
     """The session's state must be the one recorded after ``step`` updates (hash at 0, else fingerprint)."""
@@ -69,8 +62,8 @@ def check_state(bundle: Bundle, session: TrainingSession, step: int, exact: bool
         if fp.digest != rec.digest.hex() or tuple(sk) != rec.sketch:
             raise VerificationError("the state does not match the recorded fingerprint and sketch",
                                     step=step - 1, check="state")
-    elif _rel(fp.vector(), rec.fingerprint_vector) > thresholds["fingerprint"] or \
-            _rel(sk, rec.sketch) > thresholds["sketch"]:
+    elif relative_distance(fp.vector(), rec.fingerprint_vector) > thresholds["fingerprint"] or \
+            relative_distance(sk, rec.sketch) > thresholds["sketch"]:
         raise VerificationError("the state is too far from the recorded fingerprint and sketch",
                                 step=step - 1, check="state")
 
@@ -129,9 +122,9 @@ class Replayer:
             raise VerificationError(f"replayed loss {loss!r} differs from the recorded {rec.loss!r}", step=t, check="replay")
         if digest != rec.digest.hex() or fpv != rec.fingerprint_vector:
             raise VerificationError("replayed behavioral fingerprint differs from the record "
-                                    f"(distance {_rel(fpv, rec.fingerprint_vector):.3g})", step=t, check="replay")
+                                    f"(distance {relative_distance(fpv, rec.fingerprint_vector):.3g})", step=t, check="replay")
         if tuple(sk) != rec.sketch:
-            raise VerificationError(f"replayed parameter sketch differs from the record (distance {_rel(sk, rec.sketch):.3g})",
+            raise VerificationError(f"replayed parameter sketch differs from the record (distance {relative_distance(sk, rec.sketch):.3g})",
                                     step=t, check="replay")
         close = self.norm_rtol > 0 and abs(gn - rec.grad_norm) <= self.norm_rtol * max(abs(rec.grad_norm), 1e-12)
         if not (gn == rec.grad_norm or close or (math.isnan(gn) and math.isnan(rec.grad_norm))):
@@ -144,11 +137,11 @@ class Replayer:
         prev = self.sketch_before(t)
         d = {
             "loss": abs(loss - rec.loss) / max(abs(rec.loss), 1e-12),
-            "fingerprint": _rel(fpv, rec.fingerprint_vector),
-            "sketch": _rel(sk, rec.sketch),
+            "fingerprint": relative_distance(fpv, rec.fingerprint_vector),
+            "sketch": relative_distance(sk, rec.sketch),
         }
         if before is not None and prev is not None:
-            d["update"] = _rel([a - b for a, b in zip(sk, before, strict=True)],
+            d["update"] = relative_distance([a - b for a, b in zip(sk, before, strict=True)],
                                [a - b for a, b in zip(rec.sketch, prev, strict=True)])
         if result is not None:
             for k, v in d.items():
