@@ -9,6 +9,7 @@ import shutil
 import pytest
 from helpers import train_tiny
 
+from witness.bundle.reader import open_bundle
 from witness.cli import main
 from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.signing import generate_key
@@ -217,3 +218,17 @@ def test_verifier_rejects_a_false_used_data_commitment(tmp_path):
     _resign(tmp_path / "copy", key, [canonical_json(manifest)] + lines[1:-1] + [canonical_json(end)])
     with pytest.raises(VerificationError, match="used-document tree is not the one the logged batches give"):
         verify_bundle(tmp_path / "copy", challenges=1)
+
+
+def test_check_against_a_published_tree_head_file(gpt, tmp_path):
+    out = gpt[0]
+    _proof(gpt, tmp_path, "exc")
+    b = open_bundle(out)
+    pinned = tmp_path / "head.json"
+    pinned.write_text(json.dumps({"tree_head": b.final_head.to_json(), "public_key": b.manifest.public_key}))
+    assert _run("data", "check", tmp_path / "exc.json", "--tree-head", pinned) == 0
+    other = open_bundle(train_tiny(tmp_path / "other"))
+    pinned.write_text(json.dumps({"tree_head": other.final_head.to_json()}))
+    assert _run("data", "check", tmp_path / "exc.json", "--tree-head", pinned) == 1
+    pinned.write_text("{not json")
+    assert _run("data", "check", tmp_path / "exc.json", "--tree-head", pinned) == 2

@@ -150,16 +150,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _read_head(path: str):
-    """A published signed tree head: a JSON file (a heads.jsonl line, or inspect's final_tree_head)."""
+    """A published signed tree head: a JSON file (a heads.jsonl line, or ``{"tree_head": …}``)."""
+    from .commit.dsse import read_json_or_envelope
     from .commit.signing import SignedTreeHead
 
-    p = Path(path)
-    if not p.is_file() or p.stat().st_size > 1 << 20:
-        raise MalformedInput(f"{p} is not a tree-head file")
-    try:
-        obj = json.loads(p.read_bytes())
-    except (ValueError, UnicodeDecodeError):
-        raise MalformedInput(f"{p} is not JSON") from None
+    obj = read_json_or_envelope(path, 1 << 20, "tree-head")
     return SignedTreeHead.from_json(obj.get("tree_head", obj) if isinstance(obj, dict) else obj)
 
 
@@ -316,29 +311,19 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
     from .bundle.reader import open_bundle
-    from .commit.dsse import open_envelope
-    from .commit.signing import SignedTreeHead
+    from .commit.dsse import read_json_or_envelope
+    from .data.proofs import MAX_PROOF_BYTES
 
-    path = Path(args.proof)
-    if not path.is_file() or path.stat().st_size > 64 * 1024 * 1024:
-        print(f"UNUSABLE INPUT: {path} is not a proof file of a sane size", file=sys.stderr)
-        return 2
-    try:
-        obj = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError):
-        print(f"UNUSABLE INPUT: {path} is not JSON", file=sys.stderr)
-        return 2
     head, key = None, None
     try:
+        obj = read_json_or_envelope(args.proof, MAX_PROOF_BYTES, "proof")
         if args.bundle:
             b = open_bundle(args.bundle)
             head, key = b.final_head, b.manifest.public_key
         elif args.tree_head:
-            pinned = json.loads(Path(args.tree_head).read_bytes())
-            head = SignedTreeHead.from_json(pinned.get("tree_head", pinned) if isinstance(pinned, dict) else pinned)
+            head = _read_head(args.tree_head)
+            pinned = read_json_or_envelope(args.tree_head, 1 << 20, "tree-head")
             key = pinned.get("public_key") if isinstance(pinned, dict) else None
-        if isinstance(obj, dict) and "payloadType" in obj:
-            obj = open_envelope(obj)["predicate"]
         summary = check_proof(obj, head=head, public_key=key)
     except VerificationError as e:
         print(f"{'UNUSABLE INPUT' if isinstance(e, MalformedInput) else 'INVALID'}: {e}", file=sys.stderr)
@@ -371,10 +356,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_verify_eval(args: argparse.Namespace) -> int:
     """Check an evaluation certificate against its bundle, with spot checks."""
-    from .evals.evaluate import load_certificate, verify_eval
+    from .commit.dsse import read_json_or_envelope
+    from .evals.evaluate import verify_eval
 
     return _report_verdict(args, lambda: verify_eval(
-        load_certificate(args.cert), args.bundle, spots=args.spot, forged_fraction=args.forged_fraction,
+        read_json_or_envelope(args.cert, 256 * 1024 * 1024, "certificate"), args.bundle, spots=args.spot, forged_fraction=args.forged_fraction,
         nonce=args.nonce, exact=not args.tolerance,
     ))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -65,3 +67,20 @@ def open_envelope(env: Any, public_key: str | None = None) -> dict:
             raise MalformedInput("the envelope does not hold an in-toto v1 Statement")
         return stmt
     raise VerificationError("no signature on the envelope by the expected key", check="signature")
+
+
+def read_json_or_envelope(path: str | os.PathLike, limit: int, what: str) -> Any:
+    """A JSON file of at most ``limit`` bytes; a DSSE envelope yields its Statement's predicate."""
+    p = Path(path)
+    if not p.is_file() or p.stat().st_size > limit:
+        raise MalformedInput(f"{p} is not a {what} file of at most {limit} bytes")
+    try:
+        obj = json.loads(p.read_bytes())
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise MalformedInput(f"{p} is not JSON") from None
+    if isinstance(obj, dict) and "payloadType" in obj:
+        predicate = open_envelope(obj).get("predicate")
+        if predicate is None:
+            raise MalformedInput(f"{p}: the envelope's Statement has no predicate")
+        return predicate
+    return obj

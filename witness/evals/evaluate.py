@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -148,20 +147,3 @@ def verify_eval(cert: dict, bundle_dir: str | os.PathLike, *, spots: int = 100, 
         raise RunRejected(verdict.failures, verdict)
     return verdict
 
-
-def load_certificate(path: str | os.PathLike) -> dict:
-    """Read a certificate file (plain JSON or its DSSE envelope), bounded in size."""
-    import json
-
-    from ..commit.dsse import open_envelope
-
-    p = Path(path)
-    if not p.is_file() or p.stat().st_size > 256 * 1024 * 1024:
-        raise MalformedInput(f"{p} is not a certificate file of a sane size")
-    try:
-        obj = json.loads(p.read_bytes())
-    except (ValueError, UnicodeDecodeError):
-        raise MalformedInput(f"{p} is not JSON") from None
-    if isinstance(obj, dict) and "payloadType" in obj:
-        obj = open_envelope(obj)["predicate"]
-    return obj
