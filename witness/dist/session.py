@@ -45,8 +45,7 @@ class DistSession(TrainingSession):
 
     def my_share(self, indices: list[int]) -> list[int]:
         """This rank's micro-batch of the global batch (rank order)."""
-        b = len(indices) // self.world_size
-        return indices[self.rank * b : (self.rank + 1) * b]
+        return self.micro_batches(indices)[self.rank]
 
     def local_step(self, step: int, batch) -> StepOutput:
         """This rank's forward and backward; the wrapper averages the gradients across ranks."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from typing import TypeVar
 
 import torch
 
@@ -10,6 +11,8 @@ from ..data.order import batch_indices, step_seed
 from ..fingerprint.probes import Fingerprint
 from ..fingerprint.sketch import ParameterSketch
 from ..task.base import StepOutput, Task
+
+T = TypeVar("T")
 
 
 class TrainingSession:
@@ -41,8 +44,8 @@ class TrainingSession:
         """Seed of the randomness inside ``step`` (of micro-batch ``micro``)."""
         return step_seed(self.run_seed, step, micro)
 
-    def micro_batches(self, samples: list[bytes]) -> list[list[bytes]]:
-        """The global batch split into the ranks' micro-batches, in rank order."""
+    def micro_batches(self, samples: list[T]) -> list[list[T]]:
+        """The global batch (samples or their indices) split into the ranks' micro-batches, in rank order."""
         b = len(samples) // self.world_size
         return [samples[r * b : (r + 1) * b] for r in range(self.world_size)]
 
