@@ -97,6 +97,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not Path(args.key).exists():
         print(f"creating a signing key at {args.key} (its public half goes into the manifest)", file=sys.stderr)
     key = load_or_create_key(Path(args.key))
+    if args.leaderboard:
+        from .leaderboard.cli import train_with_leaderboard
+
+        return train_with_leaderboard(args, key)
     if args.resume:
         rec = Recorder.resume(args.out, key, threads=args.threads)
         print(f"resuming {args.out} at step {rec.start_step}", file=sys.stderr)
@@ -414,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", type=_config_value, action="append", help="recipe field KEY=VALUE")
     t.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     t.add_argument("--quiet", action="store_true")
+    t.add_argument("--leaderboard", metavar="URL", help="take the run ticket from this leaderboard and stream heads to it")
+    t.add_argument("--track", help="the leaderboard track (its recipe replaces --task, --steps and --config)")
+    t.add_argument("--token", help="leaderboard API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("verify", help="audit a bundle (exit 0 accepted, 1 rejected, 2 unusable input)")
@@ -502,12 +509,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=_positive, default=300)
     d.add_argument("--challenges", type=_positive, default=90)
     d.set_defaults(func=cmd_demo)
+
+    from .leaderboard.cli import add_parsers
+
+    add_parsers(sub, str(DEFAULT_KEY))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train" and bool(args.leaderboard) != bool(args.track):
+        parser.error("--leaderboard and --track go together")
     try:
         return args.func(args)
     except VerificationError as e:

@@ -8,23 +8,15 @@ from pathlib import Path
 from .bundle.reader import Bundle
 
 
-def write_report(bundle: Bundle, out: str | os.PathLike, verdict_text: str = "",
-                 challenged: list[tuple[int, bool]] | None = None) -> Path:
-    """Write ``loss.png``, ``fingerprints.png`` and ``report.md`` into ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def plot_loss(bundle: Bundle, path: str | os.PathLike, challenged: list[tuple[int, bool]] | None = None) -> Path:
+    """The training loss, checkpoints and replayed steps; the format follows the suffix (png, svg)."""
+    plt = _pyplot()
     steps = [r.step for r in bundle.steps]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(steps, [r.loss for r in bundle.steps], lw=1, label="training loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ckpts = [c for c in bundle.checkpoint_steps() if c > 0]
-    for c in ckpts:
+    for c in (c for c in bundle.checkpoint_steps() if c > 0):
         ax.axvline(c, color="grey", lw=0.5, ls=":")
     if challenged:
         by_step = {r.step: r.loss for r in bundle.steps}
@@ -37,24 +29,47 @@ def write_report(bundle: Bundle, out: str | os.PathLike, verdict_text: str = "",
     ax.set_title(f"{bundle.manifest.task}: loss (dotted lines: committed checkpoints)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return Path(path)
 
+
+def plot_fingerprints(bundle: Bundle, path: str | os.PathLike) -> Path:
+    """The behavioral fingerprint over training: per-probe loss and projected outputs."""
+    plt = _pyplot()
+    steps = [r.step for r in bundle.steps]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    n_probes = len(bundle.steps[0].probe_loss)
-    for p in range(n_probes):
+    for p in range(len(bundle.steps[0].probe_loss)):
         a1.plot(steps, [r.probe_loss[p] for r in bundle.steps], lw=1, label=f"probe {p}")
     a1.set_title("behavioral fingerprint: loss on each probe")
     a1.set_xlabel("step")
     a1.legend(fontsize=7)
-    dims = len(bundle.steps[0].projection)
-    for d in range(min(dims, 8)):
+    for d in range(min(len(bundle.steps[0].projection), 8)):
         a2.plot(steps, [r.projection[d] for r in bundle.steps], lw=1)
     a2.set_title("behavioral fingerprint: projected outputs")
     a2.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out / "fingerprints.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return Path(path)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_report(bundle: Bundle, out: str | os.PathLike, verdict_text: str = "",
+                 challenged: list[tuple[int, bool]] | None = None) -> Path:
+    """Write ``loss.png``, ``fingerprints.png`` and ``report.md`` into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_loss(bundle, out / "loss.png", challenged)
+    plot_fingerprints(bundle, out / "fingerprints.png")
 
     m = bundle.manifest
     text = [

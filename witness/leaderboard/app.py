@@ -1,0 +1,361 @@
+"""The leaderboard's HTTP face: a JSON API (OpenAPI docs at /docs) and server-rendered pages."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from jinja2 import Environment, FileSystemLoader
+from pydantic import BaseModel, Field
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from .. import __version__
+from ..errors import MalformedInput
+from .db import Account, ChallengeRow, Head, Round, Run, Track
+from .service import ApiError, Leaderboard, Settings
+from .store import EVALUATION, UploadTooLarge
+
+MAX_JSON_BODY = 1 << 20
+PAGE_SIZE = 100
+STATUSES = ("ticketed", "pending", "verifying", "certified", "rejected", "revoked")
+SORTS = {"metric": Run.metric_value, "submitted": Run.submitted_ms, "steps": Run.steps, "bound": Run.bound,
+         "id": Run.id}
+CSP = "default-src 'none'; img-src 'self'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'"
+
+
+class BodyLimit:
+    """ASGI middleware: JSON bodies over 1 MiB are refused (uploads have their own, larger limit)."""
+
+    def __init__(self, app, upload_path: str, limit: int = MAX_JSON_BODY):  # noqa: ANN001 - ASGI app
+        self.app, self.upload_path, self.limit = app, upload_path, limit
+
+    async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI signature
+        if scope["type"] != "http" or scope["path"] == self.upload_path:
+            return await self.app(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(413, f"request body over {self.limit} bytes")
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except ApiError as e:
+            await JSONResponse({"detail": e.message}, e.status)(scope, receive, send)
+
+
+class AccountIn(BaseModel):
+    """A registration: a name and an Ed25519 public key (64 hex digits)."""
+
+    name: str = Field(max_length=64)
+    public_key: str = Field(max_length=64)
+
+
+class TicketIn(BaseModel):
+    """A ticket request for a track."""
+
+    track: str = Field(max_length=64)
+
+
+class HeadIn(BaseModel):
+    """A streamed tree head, its consistency proof from the last one, and (first head only) the manifest."""
+
+    tree_head: dict[str, Any]
+    consistency: list[str] = Field(default_factory=list, max_length=64)
+    manifest: str | None = Field(default=None, max_length=MAX_JSON_BODY)
+
+
+class ChallengeIn(BaseModel):
+    """A request for more replay challenges."""
+
+    count: int
+
+
+def _session(request: Request):
+    with request.app.state.lb.Session() as s:
+        yield s
+
+
+DB = Annotated[Session, Depends(_session)]
+_bearer = HTTPBearer(auto_error=False)
+
+
+def _account(request: Request, s: DB, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Account:
+    return request.app.state.lb.authenticate(s, cred.credentials if cred else None)
+
+
+Acct = Annotated[Account, Depends(_account)]
+
+
+def _date_ms(value: str | None, end: bool = False) -> int | None:
+    if not value:
+        return None
+    try:
+        d = dt.datetime.strptime(value, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
+    except ValueError:
+        raise ApiError(400, f"dates are YYYY-MM-DD, not {value!r}") from None
+    return int((d + (dt.timedelta(days=1) if end else dt.timedelta())).timestamp() * 1000)
+
+
+def _fmt_ms(ms: int | None) -> str:
+    return "" if ms is None else dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) -> FastAPI:
+    """The ASGI application for a leaderboard (built from ``settings`` or an open ``lb``)."""
+    lb = lb or Leaderboard(settings)  # type: ignore[arg-type]
+    app = FastAPI(title="witness leaderboard", version=__version__,
+                  description="Runs certified by this server: it draws the replay challenges itself.")
+    app.state.lb = lb
+    pages = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), autoescape=True)
+    pages.filters["when"] = _fmt_ms
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> Response:
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"detail": e.message}, e.status)
+        return HTMLResponse(pages.get_template("error.html").render(status=e.status, message=e.message), e.status,
+                            headers={"Content-Security-Policy": CSP})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> Response:
+        # 400 and a readable message, not a 422 with the framework's internals
+        msgs = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        return JSONResponse({"detail": f"bad request: {msgs}"}, 400)
+
+    def html(name: str, **ctx: Any) -> HTMLResponse:
+        return HTMLResponse(pages.get_template(name).render(**ctx), headers={"Content-Security-Policy": CSP})
+
+    # --- JSON API -----------------------------------------------------------------------
+    @app.post("/api/accounts", status_code=201, tags=["accounts"])
+    def register(body: AccountIn, s: DB) -> dict:
+        """Register an Ed25519 public key; the API token is returned once and stored only as a hash."""
+        acct, token = lb.register(s, body.name, body.public_key)
+        return {"id": acct.id, "name": acct.name, "public_key": acct.public_key, "token": token}
+
+    @app.get("/api/tracks", tags=["tracks"])
+    def tracks(s: DB) -> list[dict]:
+        """The registered tracks."""
+        return [track_json(t) for t in s.scalars(select(Track).order_by(Track.name))]
+
+    @app.get("/api/tracks/{name}", tags=["tracks"])
+    def track(name: str, s: DB) -> dict:
+        """One track: its task, exact recipe, dataset root and evaluation split."""
+        return track_json(lb.track(s, name))
+
+    @app.get("/api/tracks/{name}/runs", tags=["runs"])
+    def track_runs(name: str, s: DB, sort: str = "metric", order: str | None = None, status: str = "all",
+                   since: str | None = None, until: str | None = None, page: Annotated[int, Query(ge=1)] = 1) -> dict:
+        """The runs of a track, sorted and filtered like its page."""
+        t = lb.track(s, name)
+        rows, total = table(s, t, sort, order, status, since, until, page)
+        return {"track": name, "total": total, "page": page, "runs": [run_json(r, a, t) for r, a in rows]}
+
+    @app.post("/api/tickets", status_code=201, tags=["runs"])
+    def ticket(body: TicketIn, s: DB, acct: Acct) -> dict:
+        """Issue a run ticket: the r of the run seed H(data root || r), drawn by the server."""
+        run = lb.ticket(s, acct, body.track)
+        t = lb.track(s, run.track)
+        return {"run_id": run.id, "r": run.r, "ticket_ms": run.ticket_ms} | track_json(t)
+
+    @app.post("/api/runs/{run_id}/heads", status_code=201, tags=["runs"])
+    def add_head(run_id: int, body: HeadIn, s: DB, acct: Acct) -> dict:
+        """Stream a signed tree head; the server checks it extends the last one and stamps its time."""
+        h = lb.add_head(s, acct, run_id, body.tree_head, body.consistency, body.manifest)
+        return {"run_id": run_id, "size": h.size, "root": h.root, "received_ms": h.received_ms}
+
+    @app.get("/api/runs/{run_id}/heads", tags=["runs"])
+    def heads(run_id: int, s: DB) -> list[dict]:
+        """The streamed heads with the server's receipt times."""
+        lb.run(s, run_id)
+        return [head_json(h) for h in lb.heads(s, run_id)]
+
+    @app.post("/api/submissions", status_code=202, tags=["runs"],
+              openapi_extra={"requestBody": {"required": True, "content": {"application/x-tar": {
+                  "schema": {"type": "string", "format": "binary"}}}}})
+    async def submit(request: Request, acct: Acct) -> dict:
+        """Upload a finished run: a tar of ``bundle/`` and ``evaluation.json``, streamed to disk."""
+        limit = lb.settings.max_upload
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise ApiError(413, f"the upload is over the server's limit of {limit} bytes")
+        try:
+            path, sha, size = await lb.store.receive(request.stream(), limit)
+        except UploadTooLarge as e:
+            raise ApiError(413, str(e)) from None
+
+        def check() -> dict:
+            with lb.Session() as s:
+                a = s.get(Account, acct.id)
+                try:
+                    run = lb.submit(s, a, path, sha, size)
+                except MalformedInput as e:
+                    raise ApiError(400, f"bad upload: {e}") from None
+                return {"run_id": run.id, "status": run.status, "url": f"/runs/{run.id}"}
+
+        return await run_in_threadpool(check)
+
+    @app.get("/api/runs/{run_id}", tags=["runs"])
+    def run(run_id: int, s: DB) -> dict:
+        """A run: status, verdict, bound, evaluation, contamination, streamed heads."""
+        r = lb.run(s, run_id)
+        out = run_json(r, s.get(Account, r.account_id), s.get(Track, r.track))
+        out["verdict"] = json.loads(r.verdict_json) if r.verdict_json else None
+        out["heads"] = [head_json(h) for h in lb.heads(s, run_id)]
+        return out
+
+    @app.post("/api/runs/{run_id}/challenges", status_code=202, tags=["challenges"])
+    def challenge(run_id: int, body: ChallengeIn, s: DB, acct: Acct) -> dict:
+        """Ask for more replay challenges on a certified run (rate-limited); a failure revokes it."""
+        job = lb.request_challenges(s, acct, run_id, body.count)
+        return {"run_id": run_id, "job_id": job.id, "count": job.count, "status": job.status}
+
+    @app.get("/api/runs/{run_id}/challenges", tags=["challenges"])
+    def challenges(run_id: int, s: DB) -> list[dict]:
+        """The run's public challenge history, every challenge with its distances."""
+        lb.run(s, run_id)
+        return history(s, run_id)
+
+    # --- pages --------------------------------------------------------------------------
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def index(s: DB) -> HTMLResponse:
+        counts = dict(s.execute(select(Run.track, func.count()).where(Run.status == "certified").group_by(Run.track)).all())
+        ts = list(s.scalars(select(Track).order_by(Track.name)))
+        return html("index.html", tracks=ts, counts=counts)
+
+    @app.get("/tracks/{name}", response_class=HTMLResponse, include_in_schema=False)
+    def track_page(name: str, s: DB, sort: str = "metric", order: str | None = None, status: str = "all",
+                   since: str | None = None, until: str | None = None, page: Annotated[int, Query(ge=1)] = 1) -> HTMLResponse:
+        t = lb.track(s, name)
+        rows, total = table(s, t, sort, order, status, since, until, page)
+        order = order or default_order(t, sort)
+        return html("track.html", track=t, rows=rows, total=total, sort=sort, order=order, status=status,
+                    since=since or "", until=until or "", page=page, pages=max(1, -(-total // PAGE_SIZE)),
+                    statuses=STATUSES)
+
+    @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
+    def run_page(run_id: int, s: DB) -> HTMLResponse:
+        r = lb.run(s, run_id)
+        plots = lb.store.plots_dir(r.id)
+        return html("run.html", run=r, account=s.get(Account, r.account_id), track=s.get(Track, r.track),
+                    heads=lb.heads(s, run_id), rounds=history(s, run_id),
+                    verdict=json.loads(r.verdict_json) if r.verdict_json else None,
+                    aggregates=json.loads(r.aggregates_json) if r.aggregates_json else None,
+                    has_plots=(plots / "loss.svg").exists(), has_bundle=lb.store.archive(r.id).exists())
+
+    @app.get("/runs/{run_id}/badge.svg", include_in_schema=False)
+    def badge(run_id: int, s: DB) -> Response:
+        r = lb.run(s, run_id)
+        colour = {"certified": "#2e7d32", "rejected": "#c62828", "revoked": "#c62828"}.get(r.status, "#757575")
+        label = r.status if r.status != "certified" else f"certified {100 * (r.bound or 0):.0f}%"
+        body = pages.get_template("badge.svg").render(label=label, colour=colour, width=70 + 7 * len(label))
+        return Response(body, media_type="image/svg+xml",
+                        headers={"Cache-Control": "no-cache", "Content-Security-Policy": CSP})
+
+    @app.get("/runs/{run_id}/plots/{name}.svg", include_in_schema=False)
+    def plot(run_id: int, name: str, s: DB) -> Response:
+        lb.run(s, run_id)
+        if name not in ("loss", "fingerprints"):
+            raise ApiError(404, "no such plot")
+        path = lb.store.plots_dir(run_id) / f"{name}.svg"
+        if not path.exists():
+            raise ApiError(404, "the run has no plots yet")
+        return FileResponse(path, media_type="image/svg+xml", headers={"Content-Security-Policy": CSP})
+
+    @app.get("/runs/{run_id}/download/{name}", include_in_schema=False)
+    def download(run_id: int, name: str, s: DB) -> Response:
+        r = lb.run(s, run_id)
+        if name == "verdict.json":
+            if not r.verdict_json:
+                raise ApiError(404, "the run has no verdict yet")
+            return Response(r.verdict_json, media_type="application/json",
+                            headers={"Content-Disposition": f'attachment; filename="run-{run_id}-verdict.json"'})
+        files = {"submission.tar": lb.store.archive(run_id), EVALUATION: lb.store.run_dir(run_id) / EVALUATION}
+        if name not in files or not files[name].exists():
+            raise ApiError(404, f"run {run_id} has no {name}")
+        return FileResponse(files[name], filename=f"run-{run_id}-{name}")
+
+    app.add_middleware(BodyLimit, upload_path="/api/submissions")
+    return app
+
+
+def default_order(track: Track, sort: str) -> str:
+    """Best first for the metric, newest first for dates, largest first otherwise."""
+    if sort == "metric":
+        return "desc" if track.higher_is_better else "asc"
+    return "desc"
+
+
+def table(s: Session, track: Track, sort: str, order: str | None, status: str, since: str | None,
+          until: str | None, page: int) -> tuple[list[tuple[Run, Account]], int]:
+    """One page of a track's table, sorted and filtered."""
+    if sort not in SORTS:
+        raise ApiError(400, f"sort by one of {', '.join(SORTS)}")
+    order = order or default_order(track, sort)
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order is asc or desc")
+    if status != "all" and status not in STATUSES:
+        raise ApiError(400, f"status is all or one of {', '.join(STATUSES)}")
+    q = select(Run, Account).join(Account, Run.account_id == Account.id).where(Run.track == track.name)
+    if status != "all":
+        q = q.where(Run.status == status)
+    lo, hi = _date_ms(since), _date_ms(until, end=True)
+    when = func.coalesce(Run.submitted_ms, Run.ticket_ms)
+    if lo is not None:
+        q = q.where(when >= lo)
+    if hi is not None:
+        q = q.where(when < hi)
+    total = s.scalar(select(func.count()).select_from(q.subquery()))
+    col = SORTS[sort]
+    q = q.order_by(col.is_(None), col.desc() if order == "desc" else col.asc(), Run.id)
+    rows = s.execute(q.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)).all()
+    return [(r, a) for r, a in rows], total
+
+
+def track_json(t: Track) -> dict:
+    """JSON form of a track."""
+    return {"track": t.name, "task": t.task, "config": json.loads(t.config_json), "data_root": t.data_root,
+            "eval_root": t.eval_root, "eval_size": t.eval_size, "metric": t.metric,
+            "higher_is_better": t.higher_is_better, "description": t.description}
+
+
+def run_json(r: Run, a: Account, t: Track) -> dict:
+    """JSON form of a run (without its verdict)."""
+    return {"id": r.id, "track": r.track, "account": a.name, "status": r.status, "metric": t.metric,
+            "metric_value": r.metric_value, "aggregates": json.loads(r.aggregates_json) if r.aggregates_json else None,
+            "bound": r.bound, "challenges_passed": r.challenges_passed,
+            "eval_bound": r.eval_bound, "contamination": r.contamination, "data_root": t.data_root,
+            "steps": r.steps, "final_root": r.final_root, "final_size": r.final_size,
+            "final_state_hash": r.final_state_hash, "r": r.r, "ticket_ms": r.ticket_ms,
+            "submitted_ms": r.submitted_ms, "decided_ms": r.decided_ms, "reason": r.reason,
+            "bundle_sha256": r.bundle_sha256, "bundle_bytes": r.bundle_bytes}
+
+
+def head_json(h: Head) -> dict:
+    """JSON form of a streamed head, with the server's stamp."""
+    return {"size": h.size, "root": h.root, "received_ms": h.received_ms, "tree_head": json.loads(h.head_json)}
+
+
+def history(s: Session, run_id: int) -> list[dict]:
+    """Every challenge round on a run, oldest first, with each challenge's distances."""
+    out = []
+    for rnd in s.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.id)):
+        who = s.get(Account, rnd.requested_by).name if rnd.requested_by else "server"
+        rows = s.scalars(select(ChallengeRow).where(ChallengeRow.round_id == rnd.id).order_by(ChallengeRow.step))
+        out.append({"round": rnd.id, "job_id": rnd.job_id, "kind": rnd.kind, "requested_by": who, "nonce": rnd.nonce, "count": rnd.count,
+                    "passed": rnd.passed, "bound": rnd.bound, "detail": rnd.detail, "worker": rnd.worker,
+                    "finished_ms": rnd.finished_ms,
+                    "challenges": [{"step": c.step, "length": c.length, "passed": c.passed,
+                                    "distances": json.loads(c.distances_json), "failure": c.failure} for c in rows]})
+    return out

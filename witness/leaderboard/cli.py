@@ -1,0 +1,216 @@
+"""Command-line parts of the leaderboard: ``witness leaderboard serve|worker|register|demo``,
+``witness submit``, ``witness challenge`` and ``witness train --leaderboard``."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .store import DEFAULT_MAX_UPLOAD
+
+DEFAULT_STORE = "leaderboard-data"
+
+
+def settings_from(args: argparse.Namespace):
+    """Server settings from the flags shared by ``serve`` and ``worker``."""
+    from .service import Settings
+    from .tracks import DEFAULT_TRACKS, parse_track
+
+    store = Path(args.store)
+    store.mkdir(parents=True, exist_ok=True)
+    db = args.db or f"sqlite:///{store.resolve() / 'leaderboard.db'}"
+    tracks = tuple(parse_track(t) for t in args.track) if args.track else DEFAULT_TRACKS
+    return Settings(db_url=db, store=store, max_upload=args.max_upload, tracks=tracks)
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", help="database URL (default: an SQLite file in the store; postgresql://… to scale out)")
+    p.add_argument("--store", default=DEFAULT_STORE, help="folder for uploaded bundles and plots")
+    p.add_argument("--track", action="append",
+                   help="a track NAME=TASK[:KEY=VALUE,...][@METRIC+|-] (repeatable; default: the built-in tracks)")
+    p.add_argument("--max-upload", type=int, default=DEFAULT_MAX_UPLOAD, help="largest accepted upload, in bytes")
+
+
+def start_workers(args: argparse.Namespace, n: int) -> list[subprocess.Popen]:
+    """Worker processes sharing the server's database and store."""
+    cmd = [sys.executable, "-m", "witness.cli", "leaderboard", "worker", "--store", args.store,
+           "--max-upload", str(args.max_upload)]
+    if args.db:
+        cmd += ["--db", args.db]
+    for t in args.track or []:
+        cmd += ["--track", t]
+    return [subprocess.Popen(cmd) for _ in range(n)]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the leaderboard server (and its workers)."""
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(settings_from(args))
+    procs = start_workers(args, args.workers)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host}, not only on loopback", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run one verification worker."""
+    from .service import Leaderboard
+    from .worker import work
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    lb = Leaderboard(settings_from(args), sync_tracks=False)
+    n = work(lb, once=args.once)
+    if args.once:
+        print(f"{n} job(s) done")
+    return 0
+
+
+def _client(args: argparse.Namespace, need_token: bool = True):
+    from .client import connect, saved_token
+
+    token = getattr(args, "token", None) or saved_token(args.leaderboard)
+    if need_token and not token:
+        raise ValueError(f"no API token for {args.leaderboard}: run `witness leaderboard register` "
+                         "or set WITNESS_LEADERBOARD_TOKEN")
+    return connect(args.leaderboard, token)
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    """Register this machine's signing key with a leaderboard and keep the API token."""
+    from ..commit.signing import load_or_create_key, public_hex
+    from .client import register, save_token
+
+    key = load_or_create_key(Path(args.key))
+    with _client(args, need_token=False) as c:
+        acct = register(c, args.name, public_hex(key.public_key()))
+    path = save_token(args.leaderboard, acct["token"])
+    print(f"registered {acct['name']} (account {acct['id']}); API token saved in {path}")
+    return 0
+
+
+def train_with_leaderboard(args: argparse.Namespace, key) -> int:  # noqa: ANN001 - Ed25519 private key
+    """``witness train --leaderboard URL --track NAME``: ticket, train while streaming heads."""
+    from ..record import Recorder
+    from ..task import build_task
+    from .client import HeadStreamer, ticket
+
+    if args.resume:
+        raise ValueError("--resume with --leaderboard is not supported: the streamed heads pin the first try")
+    with _client(args) as c:
+        tk = ticket(c, args.track)
+        task = build_task(tk["task"], tk["config"])
+        print(f"ticket for run {tk['run_id']} on track {args.track}: r = {tk['r']}", file=sys.stderr)
+        rec = Recorder.create(task, args.out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
+                              checkpoint_every=args.checkpoint_every, threads=args.threads,
+                              on_head=HeadStreamer(c, tk["run_id"]))
+        head = rec.train(progress=not args.quiet)
+    print(f"wrote {args.out}: {head.size - 2} steps, run {tk['run_id']}; submit it with "
+          f"`witness submit {args.out} --leaderboard {args.leaderboard}`")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Upload a finished run (evaluating it first when no certificate is given)."""
+    from ..commit.hashing import canonical_json
+    from ..commit.signing import load_or_create_key
+    from ..evals.evaluate import evaluate
+    from .client import submit, wait
+
+    with _client(args) as c, tempfile.TemporaryDirectory() as tmp:
+        cert = args.eval
+        if cert is None:
+            print("no --eval certificate given: evaluating the final model now", file=sys.stderr)
+            cert = Path(tmp) / "evaluation.json"
+            cert.write_bytes(canonical_json(evaluate(args.bundle, load_or_create_key(Path(args.key)),
+                                                     progress=not args.quiet)) + b"\n")
+        out = submit(c, args.bundle, cert)
+        print(f"submitted run {out['run_id']}: {out['status']} ({args.leaderboard.rstrip('/')}{out['url']})")
+        if args.wait:
+            run = wait(c, out["run_id"])
+            print(f"run {out['run_id']}: {run['status']}" + (f" ({run['reason']})" if run["reason"] else ""))
+            return 0 if run["status"] == "certified" else 1
+    return 0
+
+
+def cmd_challenge(args: argparse.Namespace) -> int:
+    """Ask a leaderboard for more replay challenges on a run."""
+    from .client import challenge, wait_round
+
+    with _client(args) as c:
+        out = challenge(c, args.run_id, args.count)
+        print(f"queued {out['count']} challenge(s) on run {args.run_id} (job {out['job_id']})")
+        if args.wait:
+            rnd = wait_round(c, args.run_id, out["job_id"], args.timeout)
+            print(f"run {args.run_id}: " + ("challenges passed" if rnd["passed"] else
+                                            f"challenge FAILED, certificate revoked: {rnd['detail']}"))
+            return 0 if rnd["passed"] else 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A fresh local leaderboard with real certified runs and one rejected run."""
+    from .demo import run_demo
+
+    return run_demo(Path(args.dir), port=args.port, serve=not args.no_serve)
+
+
+def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
+    """Add ``leaderboard``, ``submit`` and ``challenge`` to the ``witness`` command."""
+    lb = sub.add_parser("leaderboard", help="the leaderboard of auto-certified runs")
+    lsub = lb.add_subparsers(dest="lb_command", required=True)
+    s = lsub.add_parser("serve", help="run the server (loopback by default) and its verification workers")
+    _server_flags(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--workers", type=int, default=1, help="verification worker processes to start")
+    s.set_defaults(func=cmd_serve)
+    w = lsub.add_parser("worker", help="run a verification worker against a server's database")
+    _server_flags(w)
+    w.add_argument("--once", action="store_true", help="stop when the queue is empty")
+    w.add_argument("--threads", type=int)
+    w.set_defaults(func=cmd_worker)
+    r = lsub.add_parser("register", help="register your signing key and keep the API token")
+    r.add_argument("--leaderboard", required=True, metavar="URL")
+    r.add_argument("--name", required=True)
+    r.add_argument("--key", default=key_default)
+    r.set_defaults(func=cmd_register)
+    d = lsub.add_parser("demo", help="fill a fresh local leaderboard with real runs and serve it")
+    d.add_argument("--dir", default="leaderboard-demo")
+    d.add_argument("--port", type=int, default=8080)
+    d.add_argument("--no-serve", action="store_true", help="fill it and stop")
+    d.set_defaults(func=cmd_demo)
+
+    sb = sub.add_parser("submit", help="upload a finished run to a leaderboard")
+    sb.add_argument("bundle")
+    sb.add_argument("--leaderboard", required=True, metavar="URL")
+    sb.add_argument("--eval", help="its evaluation certificate (default: evaluate now)")
+    sb.add_argument("--key", default=key_default, help="key that signs the evaluation when there is no --eval")
+    sb.add_argument("--token", help=f"API token (default: ${'WITNESS_LEADERBOARD_TOKEN'} or the saved one)")
+    sb.add_argument("--wait", action="store_true", help="wait for the verdict (exit 0 certified, 1 rejected)")
+    sb.add_argument("--quiet", action="store_true")
+    sb.set_defaults(func=cmd_submit)
+    ch = sub.add_parser("challenge", help="ask a leaderboard for more replay challenges on a run")
+    ch.add_argument("run_id", type=int)
+    ch.add_argument("--leaderboard", required=True, metavar="URL")
+    ch.add_argument("--count", type=int, required=True)
+    ch.add_argument("--token")
+    ch.add_argument("--wait", action="store_true", help="wait for the round (exit 0 passed, 1 failed)")
+    ch.add_argument("--timeout", type=float, default=600.0)
+    ch.set_defaults(func=cmd_challenge)
+

@@ -1,0 +1,139 @@
+"""The trainer's side of a leaderboard: register, get a ticket, stream heads, submit, challenge."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from ..commit.log import RunLog
+from ..commit.signing import SignedTreeHead
+from .store import pack
+
+TOKENS = Path.home() / ".witness" / "leaderboard-tokens.json"
+TOKEN_ENV = "WITNESS_LEADERBOARD_TOKEN"
+
+
+class LeaderboardError(Exception):
+    """The server refused a request; the message is the server's."""
+
+
+def connect(url: str, token: str | None = None, timeout: float = 600.0) -> httpx.Client:
+    """An HTTP client for the leaderboard at ``url`` (with the API token, if any)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+
+
+def _ok(resp: httpx.Response) -> dict:
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text
+        raise LeaderboardError(f"{resp.status_code}: {detail}")
+    return resp.json()
+
+
+def saved_token(url: str, path: Path = TOKENS) -> str | None:
+    """The token for ``url``: $WITNESS_LEADERBOARD_TOKEN, else the one ``witness leaderboard register`` saved."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    try:
+        return json.loads(path.read_text()).get(url.rstrip("/"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def save_token(url: str, token: str, path: Path = TOKENS) -> Path:
+    """Keep a token (file mode 0600), keyed by server URL."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tokens = json.loads(path.read_text())
+    except (OSError, ValueError):
+        tokens = {}
+    tokens[url.rstrip("/")] = token
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(tokens, f, indent=1)
+    return path
+
+
+def register(client: httpx.Client, name: str, public_key: str) -> dict:
+    """Register a public key; the answer holds the API token."""
+    return _ok(client.post("/api/accounts", json={"name": name, "public_key": public_key}))
+
+
+def ticket(client: httpx.Client, track: str) -> dict:
+    """A run ticket: run id, the server's r, and the track's recipe."""
+    return _ok(client.post("/api/tickets", json={"track": track}))
+
+
+class HeadStreamer:
+    """The recorder's ``on_head`` callback: sends every signed head with a consistency proof."""
+
+    def __init__(self, client: httpx.Client, run_id: int, retries: int = 5):
+        self.client, self.run_id, self.retries = client, run_id, retries
+        self.acked = 0  # size of the last head the server stamped
+
+    def __call__(self, head: SignedTreeHead, log: RunLog) -> None:
+        """Stream ``head`` (size n) with the proof that it extends the last acknowledged one."""
+        body: dict = {"tree_head": head.to_json()}
+        if self.acked == 0:
+            body["manifest"] = log.lines[0].decode()
+        else:
+            body["consistency"] = [h.hex() for h in log.tree.consistency_proof(self.acked, head.size)]
+        for attempt in range(self.retries):
+            try:
+                _ok(self.client.post(f"/api/runs/{self.run_id}/heads", json=body))
+                self.acked = head.size
+                return
+            except httpx.TransportError:
+                if attempt == self.retries - 1:
+                    raise
+                time.sleep(2 ** attempt)
+
+
+def submit(client: httpx.Client, bundle_dir: str | os.PathLike, evaluation: str | os.PathLike) -> dict:
+    """Pack and upload a finished bundle with its evaluation certificate (streamed from a file)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = pack(bundle_dir, Path(tmp) / "submission.tar", evaluation)
+        with open(archive, "rb") as f:
+            return _ok(client.post("/api/submissions", content=_chunks(f),
+                                   headers={"Content-Type": "application/x-tar",
+                                            "Content-Length": str(archive.stat().st_size)}))
+
+
+def _chunks(f, size: int = 1 << 20):  # noqa: ANN001 - a binary file
+    while chunk := f.read(size):
+        yield chunk
+
+
+def challenge(client: httpx.Client, run_id: int, count: int) -> dict:
+    """Ask for ``count`` more replay challenges on a run."""
+    return _ok(client.post(f"/api/runs/{run_id}/challenges", json={"count": count}))
+
+
+def wait(client: httpx.Client, run_id: int, timeout: float = 600.0, poll: float = 0.5,
+         until: tuple[str, ...] = ("certified", "rejected", "revoked")) -> dict:
+    """Poll a run until its status is one of ``until``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = _ok(client.get(f"/api/runs/{run_id}"))
+        if run["status"] in until or time.monotonic() > deadline:
+            return run
+        time.sleep(poll)
+
+
+def wait_round(client: httpx.Client, run_id: int, job_id: int, timeout: float = 600.0, poll: float = 0.5) -> dict:
+    """Poll a run's challenge history until the round of ``job_id`` is there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for rnd in _ok(client.get(f"/api/runs/{run_id}/challenges")):
+            if rnd["job_id"] == job_id:
+                return rnd
+        time.sleep(poll)
+    raise LeaderboardError(f"no result for job {job_id} after {timeout:.0f} s")

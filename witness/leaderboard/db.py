@@ -1,0 +1,190 @@
+"""The leaderboard's database: accounts, tracks, runs, streamed heads, the job queue, challenges.
+
+SQLite (one file, the embedded default) or PostgreSQL (scale-out: many workers on many machines).
+Times are integer milliseconds since the epoch, stamped by the server's clock. The schema is
+created and changed only by the Alembic migrations in ``migrations/``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Engine,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def now_ms() -> int:
+    """The server's clock, in milliseconds."""
+    return int(time.time() * 1000)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the leaderboard's tables."""
+
+
+class Account(Base):
+    """A submitter: a registered Ed25519 key; only a hash of the API token is stored."""
+
+    __tablename__ = "accounts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    public_key: Mapped[str] = mapped_column(String(64), unique=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class Track(Base):
+    """A registered recipe: task name, exact config, dataset root and evaluation split."""
+
+    __tablename__ = "tracks"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    task: Mapped[str] = mapped_column(String(64))
+    config_json: Mapped[str] = mapped_column(Text)
+    data_root: Mapped[str] = mapped_column(String(64))
+    eval_root: Mapped[str] = mapped_column(String(64))
+    eval_size: Mapped[int] = mapped_column(Integer)
+    metric: Mapped[str] = mapped_column(String(64))
+    higher_is_better: Mapped[bool] = mapped_column(Boolean)
+    description: Mapped[str] = mapped_column(Text)
+
+
+class Run(Base):
+    """One ticketed run, from its ticket to its verdict (and a revocation, if one comes)."""
+
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
+    track: Mapped[str] = mapped_column(ForeignKey("tracks.name"), index=True)
+    r: Mapped[str] = mapped_column(String(64), unique=True)
+    # ticketed -> pending -> verifying -> certified | rejected; certified -> revoked
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    ticket_ms: Mapped[int] = mapped_column(BigInteger)
+    submitted_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    decided_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    final_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    final_root: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    final_state_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    metric_value: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    aggregates_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    contamination: Mapped[str | None] = mapped_column(Text, nullable=True)
+    bound: Mapped[float | None] = mapped_column(Float, nullable=True)
+    eval_bound: Mapped[float | None] = mapped_column(Float, nullable=True)
+    challenges_passed: Mapped[int] = mapped_column(Integer, default=0)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    verdict_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    bundle_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    bundle_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class Head(Base):
+    """A signed tree head streamed while training, with the server's own receipt time."""
+
+    __tablename__ = "heads"
+    __table_args__ = (UniqueConstraint("run_id", "size"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    size: Mapped[int] = mapped_column(Integer)
+    root: Mapped[str] = mapped_column(String(64))
+    head_json: Mapped[str] = mapped_column(Text)
+    received_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class Job(Base):
+    """A unit of verification work in the queue: certify a submission, or re-challenge a run."""
+
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # certify | rechallenge
+    count: Mapped[int] = mapped_column(Integer)
+    requested_by: Mapped[int | None] = mapped_column(ForeignKey("accounts.id"), nullable=True, index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # queued | running | done | failed
+    worker: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+    claimed_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finished_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Round(Base):
+    """One round of challenges on a run: the public challenge history."""
+
+    __tablename__ = "rounds"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    requested_by: Mapped[int | None] = mapped_column(ForeignKey("accounts.id"), nullable=True)
+    nonce: Mapped[str] = mapped_column(String(64))
+    count: Mapped[int] = mapped_column(Integer)
+    passed: Mapped[bool] = mapped_column(Boolean)
+    bound: Mapped[float] = mapped_column(Float)
+    detail: Mapped[str] = mapped_column(Text)
+    worker: Mapped[str] = mapped_column(String(128))
+    finished_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class ChallengeRow(Base):
+    """One replay challenge of a round, with its distances."""
+
+    __tablename__ = "challenges"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    length: Mapped[int] = mapped_column(Integer)
+    passed: Mapped[bool] = mapped_column(Boolean)
+    distances_json: Mapped[str] = mapped_column(Text)
+    failure: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``; SQLite gets WAL and a busy timeout so several processes can share it."""
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://"):]
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn, _record) -> None:  # noqa: ANN001 - DB-API connection
+            cur = conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema up to date with Alembic (``upgrade head``)."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+
+
+def sessions(engine: Engine) -> sessionmaker:
+    """A session factory whose objects stay readable after commit."""
+    return sessionmaker(engine, expire_on_commit=False)

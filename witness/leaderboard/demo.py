@@ -1,0 +1,113 @@
+"""``witness leaderboard demo``: a fresh local leaderboard with real certified runs and a rejected one."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..commit.hashing import canonical_json
+from ..commit.signing import generate_key, public_hex, save_key
+from ..evals.evaluate import evaluate
+from ..record import Recorder
+from ..task import build_task
+from . import client as C
+from .service import Leaderboard, Settings
+from .tracks import DEFAULT_TRACKS
+from .worker import work
+
+DEMO_TRACK = "tiny-mlp"
+
+
+def start_server(lb: Leaderboard, host: str = "127.0.0.1", port: int = 8080):
+    """uvicorn serving the leaderboard in a background thread; returns (server, thread, base URL)."""
+    import uvicorn
+
+    from .app import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(lb=lb), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port} (is the port taken?)")
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://{host}:{port}"
+
+
+def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float = 1.0) -> int:  # noqa: ANN001
+    """Take a ticket, train while streaming heads, evaluate and submit; returns the run id.
+
+    ``lr_cheat`` != 1 makes a dishonest trainer: it trains the middle third of the run with a
+    scaled learning rate while logging the schedule's, which the server's replay must catch.
+    """
+    with C.connect(url, token) as c:
+        tk = C.ticket(c, track)
+        task = build_task(tk["task"], tk["config"])
+        rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=10,
+                              on_head=C.HeadStreamer(c, tk["run_id"]))
+        n = task.config.steps
+        for t in range(n):
+            lr = rec.lr(t) * (lr_cheat if n // 3 <= t < 2 * n // 3 else 1.0)
+            step = task.train_step(rec.model, rec.optimizer, rec.batch(t), lr, rec.step_seed(t))
+            rec.log_step(t, dataclasses.replace(step, lr=rec.lr(t)))
+        rec.finish()
+        cert = out.with_suffix(".eval.json")
+        cert.write_bytes(canonical_json(evaluate(out, key, progress=False)) + b"\n")
+        return C.submit(c, out, cert)["run_id"]
+
+
+def run_demo(folder: Path, port: int = 8080, serve: bool = True) -> int:
+    """Fill a fresh leaderboard in ``folder`` and (unless ``serve`` is False) serve it until Ctrl-C."""
+    if folder.exists():
+        if not (folder / "store").is_dir():
+            print(f"{folder} exists and is not a leaderboard demo; choose another --dir", file=sys.stderr)
+            return 2
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    tracks = tuple(t for t in DEFAULT_TRACKS if t.name == DEMO_TRACK)
+    lb = Leaderboard(Settings(db_url=f"sqlite:///{(folder / 'leaderboard.db').resolve()}", store=folder / "store",
+                              tracks=tracks))
+    server, thread, url = start_server(lb, port=port)
+    print(f"leaderboard at {url}; training and submitting runs on track {DEMO_TRACK}", file=sys.stderr)
+    people = {}
+    for name in ("alice", "bob", "carol", "mallory"):
+        key = generate_key()
+        save_key(key, folder / "keys" / f"{name}.pem")
+        with C.connect(url) as c:
+            people[name] = (key, C.register(c, name, public_hex(key.public_key()))["token"])
+    runs = {}
+    for name in ("alice", "bob", "carol", "mallory"):
+        key, token = people[name]
+        runs[name] = train_run(url, token, key, folder / "runs" / name, DEMO_TRACK,
+                               lr_cheat=1.5 if name == "mallory" else 1.0)
+        print(f"  {name}: trained and submitted run {runs[name]}", file=sys.stderr)
+    work(lb, once=True)  # the server's worker: draws challenges, replays, checks the evaluation
+    with C.connect(url, people["bob"][1]) as c:
+        C.challenge(c, runs["alice"], 30)  # bob doubts alice's run and asks for more challenges
+    work(lb, once=True)
+    with C.connect(url) as c:
+        for name, run_id in runs.items():
+            r = c.get(f"/api/runs/{run_id}").json()
+            value = f"{r['metric']} {r['metric_value']:.4f}" if r["metric_value"] is not None else ""
+            print(f"  run {run_id} by {name}: {r['status'].upper()} {value} {r['reason'] or ''}".rstrip())
+    print(f"open {url}/tracks/{DEMO_TRACK} (API docs at {url}/docs)")
+    if not serve:
+        server.should_exit = True
+        thread.join()
+        return 0
+    stop = threading.Event()
+    worker = threading.Thread(target=work, args=(lb,), kwargs={"stop": stop.is_set}, daemon=True)
+    worker.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        server.should_exit = True
+    stop.set()
+    return 0

@@ -1,0 +1,64 @@
+"""The job queue, kept in the database so that workers on many machines share it.
+
+PostgreSQL: a worker claims a job with ``SELECT … FOR UPDATE SKIP LOCKED``, so concurrent
+workers never wait on each other and never take the same job. SQLite: one ``UPDATE …
+RETURNING`` statement claims a job atomically (SQLite serialises writers). A claimed job holds
+a lease; a job whose worker died is queued again once its lease has expired, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select, text, update
+from sqlalchemy.orm import Session
+
+from .db import Job, now_ms
+
+LEASE_MS = 15 * 60 * 1000
+
+
+def enqueue(s: Session, run_id: int, kind: str, count: int, requested_by: int | None = None) -> Job:
+    """Add a job (the caller commits)."""
+    job = Job(run_id=run_id, kind=kind, count=count, requested_by=requested_by, status="queued",
+              attempts=0, created_ms=now_ms())
+    s.add(job)
+    s.flush()
+    return job
+
+
+def claim(s: Session, worker: str) -> Job | None:
+    """Take the oldest queued job for ``worker``, or None; commits the claim."""
+    t = now_ms()
+    if s.get_bind().dialect.name == "postgresql":
+        row = s.execute(
+            select(Job).where(Job.status == "queued").order_by(Job.id).limit(1).with_for_update(skip_locked=True)
+        ).scalar_one_or_none()
+        if row is None:
+            s.commit()
+            return None
+        row.status, row.worker, row.claimed_ms, row.attempts = "running", worker, t, row.attempts + 1
+        s.commit()
+        return row
+    job_id = s.execute(
+        text("UPDATE jobs SET status = 'running', worker = :w, claimed_ms = :t, attempts = attempts + 1 "
+             "WHERE id = (SELECT id FROM jobs WHERE status = 'queued' ORDER BY id LIMIT 1) RETURNING id"),
+        {"w": worker, "t": t},
+    ).scalar_one_or_none()
+    s.commit()
+    return None if job_id is None else s.get(Job, job_id, populate_existing=True)
+
+
+def finish(s: Session, job: Job, error: str | None = None) -> None:
+    """Mark a job done (or failed, with the error); the caller commits with its results."""
+    job.status = "failed" if error else "done"
+    job.error = error
+    job.finished_ms = now_ms()
+
+
+def requeue_expired(s: Session, lease_ms: int = LEASE_MS) -> int:
+    """Queue again the jobs whose worker stopped renewing its lease; returns how many."""
+    n = s.execute(
+        update(Job).where(Job.status == "running", Job.claimed_ms < now_ms() - lease_ms)
+        .values(status="queued", worker=None).execution_options(synchronize_session=False)
+    ).rowcount
+    s.commit()
+    return n or 0

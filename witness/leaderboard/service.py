@@ -1,0 +1,296 @@
+"""What the leaderboard does, apart from HTTP: accounts, tickets, streamed heads, submissions,
+re-challenge requests. Every failure is an ``ApiError`` with an HTTP status and a clear message."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from ..bundle.reader import open_bundle
+from ..commit.dsse import read_json_or_envelope
+from ..commit.hashing import canonical_json, from_hex, leaf_hash, parse_canonical_json, same
+from ..commit.merkle import verify_consistency
+from ..commit.signing import SignedTreeHead, public_key_from_hex
+from ..errors import VerificationError
+from ..verify.challenges import challenges_needed
+from . import queue
+from .db import Account, Head, Job, Run, Track, make_engine, migrate, now_ms, sessions
+from .store import DEFAULT_MAX_UPLOAD, EVALUATION, Store
+from .tracks import DEFAULT_TRACKS, TrackSpec
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_CERTIFICATE_BYTES = 256 * 1024 * 1024
+MAX_CONSISTENCY_HASHES = 64
+
+
+class ApiError(Exception):
+    """A refused request: HTTP status and a message for the client."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Settings:
+    """Server configuration (command-line flags of ``witness leaderboard serve``)."""
+
+    db_url: str
+    store: Path
+    max_upload: int = DEFAULT_MAX_UPLOAD
+    confidence: float = 0.99
+    bad_fraction: float = 0.05
+    eval_spots: int = 100
+    rechallenge_max: int = 500
+    rechallenges_per_hour: int = 20
+    clock_skew_ms: int = 5 * 60 * 1000
+    tracks: tuple[TrackSpec, ...] = field(default_factory=lambda: DEFAULT_TRACKS)
+
+    @property
+    def certify_challenges(self) -> int:
+        """q for a new submission: detection >= confidence when a fraction f of steps is bad."""
+        return challenges_needed(self.confidence, self.bad_fraction)
+
+
+def token_hash(token: str) -> str:
+    """What the database keeps of an API token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Leaderboard:
+    """The server's state: database, store, settings."""
+
+    def __init__(self, settings: Settings, *, sync_tracks: bool = True):
+        self.settings = settings
+        self.engine = make_engine(settings.db_url)
+        migrate(self.engine)
+        self.Session = sessions(self.engine)
+        self.store = Store(settings.store)
+        if sync_tracks:
+            self.sync_tracks()
+
+    def sync_tracks(self) -> None:
+        """Register the configured tracks (a changed recipe replaces its row)."""
+        with self.Session() as s:
+            for spec in self.settings.tracks:
+                row = s.get(Track, spec.name)
+                resolved = spec.resolve()
+                if row is None:
+                    s.add(Track(**resolved))
+                else:
+                    for k, v in resolved.items():
+                        setattr(row, k, v)
+            s.commit()
+
+    # --- accounts -----------------------------------------------------------------------
+    def register(self, s: Session, name: str, public_key: str) -> tuple[Account, str]:
+        """A new account for an Ed25519 key; returns it with its API token (shown once)."""
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ApiError(400, "an account name is 1-64 letters, digits, '.', '_' or '-'")
+        try:
+            public_key_from_hex(public_key)
+        except VerificationError as e:
+            raise ApiError(400, f"bad public key: {e}") from None
+        if s.scalar(select(Account).where(Account.name == name)) is not None:
+            raise ApiError(409, f"the account name {name!r} is taken")
+        if s.scalar(select(Account).where(Account.public_key == public_key)) is not None:
+            raise ApiError(409, "this public key is already registered")
+        token = secrets.token_urlsafe(32)
+        acct = Account(name=name, public_key=public_key, token_hash=token_hash(token), created_ms=now_ms())
+        s.add(acct)
+        s.commit()
+        return acct, token
+
+    def authenticate(self, s: Session, token: str | None) -> Account:
+        """The account an API token belongs to."""
+        if not token:
+            raise ApiError(401, "this request needs an API token (Authorization: Bearer …)")
+        acct = s.scalar(select(Account).where(Account.token_hash == token_hash(token)))
+        if acct is None:
+            raise ApiError(401, "unknown API token")
+        return acct
+
+    # --- tickets and streamed heads -----------------------------------------------------
+    def track(self, s: Session, name: str) -> Track:
+        """A registered track, or 404."""
+        t = s.get(Track, name)
+        if t is None:
+            raise ApiError(404, f"no track {name!r}")
+        return t
+
+    def ticket(self, s: Session, acct: Account, track_name: str) -> Run:
+        """Issue a run ticket: the server's r, so the run seed H(data root ‖ r) is fixed from now on."""
+        self.track(s, track_name)
+        run = Run(account_id=acct.id, track=track_name, r=os.urandom(32).hex(), status="ticketed",
+                  ticket_ms=now_ms(), challenges_passed=0)
+        s.add(run)
+        s.commit()
+        return run
+
+    def run(self, s: Session, run_id: int) -> Run:
+        """A run, or 404."""
+        run = s.get(Run, run_id)
+        if run is None:
+            raise ApiError(404, f"no run {run_id}")
+        return run
+
+    def add_head(self, s: Session, acct: Account, run_id: int, tree_head: object, consistency: list,
+                 manifest: str | None) -> Head:
+        """Stamp a streamed tree head, after checking its signature and that it extends the last one."""
+        run = self.run(s, run_id)
+        if run.account_id != acct.id:
+            raise ApiError(403, f"run {run_id} belongs to another account")
+        if run.status != "ticketed":
+            raise ApiError(409, f"run {run_id} was submitted already; its log is closed")
+        try:
+            head = SignedTreeHead.from_json(tree_head)
+            head.verify(public_key_from_hex(acct.public_key))
+        except VerificationError as e:
+            raise ApiError(400, f"tree head refused: {e}") from None
+        t = now_ms()
+        if head.timestamp_ms < run.ticket_ms - self.settings.clock_skew_ms or head.timestamp_ms > t + self.settings.clock_skew_ms:
+            raise ApiError(400, "the tree head's timestamp lies before the ticket was issued or in the future")
+        prev = s.scalar(select(Head).where(Head.run_id == run.id).order_by(Head.size.desc()).limit(1))
+        if prev is None:
+            self._check_first_head(s, run, acct, head, manifest)
+        else:
+            if not isinstance(consistency, list) or len(consistency) > MAX_CONSISTENCY_HASHES:
+                raise ApiError(400, "consistency must be a list of at most 64 hex hashes")
+            try:
+                proof = [from_hex(h, "consistency hash") for h in consistency]
+                verify_consistency(prev.size, head.size, bytes.fromhex(prev.root), head.root, proof)
+            except (ValueError, VerificationError) as e:
+                raise ApiError(400, f"the tree head does not extend the last streamed head "
+                                    f"(size {prev.size}): {e}") from None
+            if head.size == prev.size:
+                return prev  # the same head again: nothing new to stamp
+        row = Head(run_id=run.id, size=head.size, root=head.root.hex(),
+                   head_json=canonical_json(head.to_json()).decode(), received_ms=t)
+        s.add(row)
+        s.commit()
+        return row
+
+    def _check_first_head(self, s: Session, run: Run, acct: Account, head: SignedTreeHead, manifest: str | None) -> None:
+        """The first streamed head covers exactly the manifest, which must use this ticket and track."""
+        if head.size != 1 or not isinstance(manifest, str):
+            raise ApiError(400, "the first streamed head must be the manifest's (size 1), sent with the manifest")
+        line = manifest.encode()
+        if not same(leaf_hash(line), head.root):
+            raise ApiError(400, "the manifest sent is not the one the tree head signs")
+        try:
+            m = parse_canonical_json(line)
+        except VerificationError as e:
+            raise ApiError(400, f"manifest: {e}") from None
+        self._check_manifest(s, run, acct, m)
+
+    def _check_manifest(self, s: Session, run: Run, acct: Account, m: object) -> None:
+        track = self.track(s, run.track)
+        if not isinstance(m, dict) or m.get("type") != "manifest":
+            raise ApiError(400, "the log's first record is not a manifest")
+        if m.get("r") != run.r:
+            raise ApiError(400, f"the run's r is not the one ticket {run.id} issued")
+        if m.get("public_key") != acct.public_key:
+            raise ApiError(400, "the run is signed by another key than the account's registered key")
+        if m.get("task") != track.task or canonical_json(m.get("task_config")).decode() != track.config_json:
+            raise ApiError(400, f"the run's recipe is not track {track.name!r}'s ({track.task} {track.config_json})")
+        if m.get("data_root") != track.data_root:
+            raise ApiError(400, "the run's data root is not the track's")
+
+    def heads(self, s: Session, run_id: int) -> list[Head]:
+        """The heads streamed for a run, in order."""
+        return list(s.scalars(select(Head).where(Head.run_id == run_id).order_by(Head.size)))
+
+    # --- submissions --------------------------------------------------------------------
+    def submit(self, s: Session, acct: Account, archive: Path, sha256: str, size: int) -> Run:
+        """Check an uploaded bundle cheaply, keep it, and queue its certification."""
+        staging = None
+        try:
+            staging = self.store.unpack(archive, 4 * self.settings.max_upload)
+            bundle_dir = staging / "bundle"
+            try:
+                bundle = open_bundle(bundle_dir)
+            except VerificationError as e:
+                raise ApiError(400, f"the bundle is not valid: {e}") from None
+            m = bundle.manifest
+            if m.public_key != acct.public_key:
+                raise ApiError(400, "the bundle is signed by another key than the account's registered key")
+            run = s.scalar(select(Run).where(Run.r == m.r.hex()))
+            if run is None:
+                raise ApiError(400, "no ticket of this leaderboard issued this run's r")
+            if run.account_id != acct.id:
+                raise ApiError(403, f"run {run.id} belongs to another account")
+            if run.status != "ticketed":
+                raise ApiError(409, f"run {run.id} was submitted already (status {run.status})")
+            self._check_manifest(s, run, acct, m.raw)
+            if not bundle.complete:
+                raise ApiError(400, "the run is not finished: its end record is not signed")
+            heads = self.heads(s, run.id)
+            if not heads:
+                raise ApiError(400, "no tree head was streamed while training: train with --leaderboard")
+            for h in heads:
+                if h.size > len(bundle.log) or bundle.log.root(h.size).hex() != h.root:
+                    return self._reject_rewritten(s, run, h)
+            cert_path = staging / EVALUATION
+            if not cert_path.exists():
+                raise ApiError(400, f"the submission has no {EVALUATION} (run `witness eval` first)")
+            try:
+                cert = read_json_or_envelope(cert_path, MAX_CERTIFICATE_BYTES, "evaluation certificate")
+            except VerificationError as e:
+                raise ApiError(400, f"{EVALUATION}: {e}") from None
+            if not isinstance(cert, dict):
+                raise ApiError(400, f"{EVALUATION} is not a certificate")
+            # Claim the run first: of two concurrent submissions only one gets past this line.
+            t = now_ms()
+            claimed = s.execute(update(Run).where(Run.id == run.id, Run.status == "ticketed")
+                                .values(status="pending", submitted_ms=t)).rowcount
+            if claimed != 1:
+                s.rollback()
+                raise ApiError(409, f"run {run.id} was submitted already")
+            (staging / EVALUATION).write_bytes(canonical_json(cert) + b"\n")
+            self.store.accept(run.id, archive, staging)
+            staging = None
+            fh = bundle.final_head
+            s.refresh(run)
+            run.steps, run.final_size, run.final_root = len(bundle.steps), fh.size, fh.root.hex()
+            run.final_state_hash = bundle.end.raw["final_state_hash"] if bundle.end else None
+            run.bundle_sha256, run.bundle_bytes = sha256, size
+            queue.enqueue(s, run.id, "certify", self.settings.certify_challenges)
+            s.commit()
+            return run
+        finally:
+            self.store.discard(archive, *( [staging] if staging is not None else []))
+
+    def _reject_rewritten(self, s: Session, run: Run, head: Head) -> Run:
+        """A log that contradicts a head its own key streamed was rewritten: reject, in public."""
+        run.status = "rejected"
+        run.submitted_ms = run.decided_ms = now_ms()
+        run.reason = (f"the submitted log does not extend the tree head of size {head.size} streamed at "
+                      f"{head.received_ms} ms: it was rewritten after that head was published")
+        s.commit()
+        raise ApiError(400, f"run {run.id} rejected: {run.reason}")
+
+    # --- self-regulation ----------------------------------------------------------------
+    def request_challenges(self, s: Session, acct: Account, run_id: int, count: int) -> Job:
+        """Queue more challenges on a certified run, within the requester's rate limit."""
+        run = self.run(s, run_id)
+        if type(count) is not int or not 1 <= count <= self.settings.rechallenge_max:
+            raise ApiError(400, f"count must be an integer from 1 to {self.settings.rechallenge_max}")
+        if run.status != "certified":
+            raise ApiError(409, f"run {run_id} is {run.status}; only certified runs are re-challenged")
+        since = now_ms() - 3600 * 1000
+        recent = s.scalar(select(func.count()).select_from(Job).where(
+            Job.requested_by == acct.id, Job.kind == "rechallenge", Job.created_ms > since))
+        if recent >= self.settings.rechallenges_per_hour:
+            raise ApiError(429, f"rate limit: {self.settings.rechallenges_per_hour} challenge requests per hour "
+                                "per account; try again later")
+        job = queue.enqueue(s, run.id, "rechallenge", count, acct.id)
+        s.commit()
+        return job

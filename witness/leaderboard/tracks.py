@@ -1,0 +1,68 @@
+"""Tracks: the registered recipes a leaderboard certifies (it never runs submitted code)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..commit.hashing import canonical_json
+from ..task.registry import build_task
+
+
+@dataclass(frozen=True)
+class TrackSpec:
+    """A track: a registered task with a fixed recipe, and the metric its table ranks by."""
+
+    name: str
+    task: str
+    config: dict = field(default_factory=dict)
+    metric: str = "mean_loss"
+    higher_is_better: bool = False
+    description: str = ""
+
+    def resolve(self) -> dict:
+        """The row the database stores: exact recipe, dataset root, evaluation split."""
+        task = build_task(self.task, self.config)
+        ev = task.eval_dataset()
+        return {
+            "name": self.name,
+            "task": self.task,
+            "config_json": canonical_json(task.config_json()).decode(),
+            "data_root": task.dataset().root.hex(),
+            "eval_root": ev.root.hex(),
+            "eval_size": len(ev),
+            "metric": self.metric,
+            "higher_is_better": self.higher_is_better,
+            "description": self.description,
+        }
+
+
+DEFAULT_TRACKS = (
+    TrackSpec("tinygpt-stdlib-300", "tinygpt", {"steps": 300}, "bits_per_byte", False,
+              "byte-level GPT (3.3 M parameters) on the Python standard library's sources, 300 steps; "
+              "ranked by bits per byte on held-out stdlib files"),
+    TrackSpec("tiny-mlp", "tiny", {}, "accuracy", True,
+              "two-layer perceptron on a synthetic teacher, 60 steps; ranked by held-out accuracy"),
+)
+
+
+def parse_track(text: str) -> TrackSpec:
+    """``NAME=TASK[:KEY=VALUE,...][@METRIC[+|-]]``, e.g. ``quick=tiny:steps=20@accuracy+``."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"a track is NAME=TASK[:KEY=VALUE,...][@METRIC+|-], not {text!r}")
+    rest, _, metric = rest.partition("@")
+    task, _, conf = rest.partition(":")
+    config = {}
+    for item in filter(None, conf.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise ValueError(f"bad recipe field {item!r}")
+        try:
+            config[k] = json.loads(v)
+        except json.JSONDecodeError:
+            config[k] = v
+    higher = metric.endswith("+")
+    metric = metric.rstrip("+-") or ("accuracy" if higher else "mean_loss")
+    build_task(task, config)  # fails now, not at the first submission
+    return TrackSpec(name, task, config, metric, higher, f"{task} with {config or 'its default recipe'}")

@@ -1,0 +1,155 @@
+"""Verification workers: take jobs from the database queue and run the verifier on them.
+
+A worker draws every challenge from its own randomness (``os.urandom``), after the final head
+was received, so a trainer cannot know which steps will be replayed. It runs only the
+registered task the run's track names; nothing from a submission is executed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from sqlalchemy import select
+
+from ..bundle.reader import open_bundle
+from ..commit.dsse import read_json_or_envelope
+from ..commit.signing import SignedTreeHead
+from ..errors import RunRejected, VerificationError
+from ..evals.evaluate import verify_eval
+from ..report import plot_fingerprints, plot_loss
+from ..verify.audit import verify_bundle
+from ..verify.challenges import detection_probability
+from . import queue
+from .db import Account, ChallengeRow, Head, Job, Round, Run, Track, now_ms
+from .service import Leaderboard
+from .store import EVALUATION
+
+log = logging.getLogger("witness.leaderboard.worker")
+
+
+def worker_name() -> str:
+    """host:pid, shown in the challenge history."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _verdict_rows(verdict) -> list[ChallengeRow]:  # noqa: ANN001 - Verdict or None
+    return [ChallengeRow(step=r.step, length=r.length, passed=r.passed, distances_json=json.dumps(r.distances),
+                         failure=r.failure) for r in (verdict.results if verdict is not None else [])]
+
+
+def process(lb: Leaderboard, job: Job, worker: str) -> None:
+    """Run one claimed job to its end and record the outcome (commits)."""
+    with lb.Session() as s:
+        job = s.get(Job, job.id)
+        run = s.get(Run, job.run_id)
+        acct = s.get(Account, run.account_id)
+        track = s.get(Track, run.track)
+        heads = [SignedTreeHead.from_json(json.loads(h)) for h in
+                 s.scalars(select(Head.head_json).where(Head.run_id == run.id).order_by(Head.size))]
+        if job.kind == "certify":
+            run.status = "verifying"
+            s.commit()
+        nonce = os.urandom(16)
+        bundle_dir = lb.store.bundle_dir(run.id)
+        verdict, failures = None, []
+        try:
+            verdict = verify_bundle(bundle_dir, challenges=job.count, bad_fraction=lb.settings.bad_fraction,
+                                    nonce=nonce, public_key=acct.public_key, published_heads=heads)
+        except RunRejected as e:
+            verdict, failures = e.verdict, list(e.failures)
+        except VerificationError as e:
+            failures = [str(e)]
+        passed = not failures
+        rnd = Round(run_id=run.id, job_id=job.id, kind=job.kind, requested_by=job.requested_by, nonce=nonce.hex(),
+                    count=verdict.challenges if verdict is not None else 0, passed=passed,
+                    bound=verdict.detection_probability if verdict is not None else 0.0,
+                    detail="; ".join(failures) if failures else (verdict.summary() if verdict else ""),
+                    worker=worker, finished_ms=now_ms())
+        s.add(rnd)
+        s.flush()
+        for row in _verdict_rows(verdict):
+            row.round_id = rnd.id
+            s.add(row)
+        if job.kind == "certify":
+            _certify(lb, s, run, track, verdict, failures)
+        elif not passed:
+            run.status = "revoked"
+            run.reason = (f"certificate revoked: a re-challenge (round {rnd.id}) failed: " + "; ".join(failures))
+            run.decided_ms = now_ms()
+        else:
+            run.challenges_passed += rnd.count
+            run.bound = detection_probability(lb.settings.bad_fraction, run.challenges_passed)
+        queue.finish(s, job)
+        s.commit()
+
+
+def _certify(lb: Leaderboard, s, run: Run, track: Track, verdict, failures: list[str]) -> None:  # noqa: ANN001
+    """Training verdict, then the evaluation and contamination certificate, then plots."""
+    bundle_dir = lb.store.bundle_dir(run.id)
+    run.verdict_json = json.dumps(verdict.to_json()) if verdict is not None else None
+    eval_verdict = None
+    if not failures:
+        try:
+            cert = read_json_or_envelope(lb.store.run_dir(run.id) / EVALUATION, 256 * 1024 * 1024, "certificate")
+            eval_verdict = verify_eval(cert, bundle_dir, spots=lb.settings.eval_spots)
+        except RunRejected as e:
+            failures = [f"evaluation certificate: {f}" for f in e.failures]
+        except VerificationError as e:
+            failures = [f"evaluation certificate: {e}"]
+    if eval_verdict is not None:
+        agg = eval_verdict.aggregates
+        run.aggregates_json = json.dumps(agg)
+        value = agg.get(track.metric)
+        run.metric_value = float(value) if isinstance(value, (int, float)) else None
+        run.eval_bound = eval_verdict.detection_probability
+        run.contamination = (f"clean: all {eval_verdict.eval_documents} evaluation documents proven absent "
+                             "from the training data")
+    try:
+        bundle = open_bundle(bundle_dir)
+        plots = lb.store.plots_dir(run.id)
+        plots.mkdir(exist_ok=True)
+        plot_loss(bundle, plots / "loss.svg", [(r.step, r.passed) for r in (verdict.results if verdict else [])])
+        plot_fingerprints(bundle, plots / "fingerprints.svg")
+    except VerificationError:
+        pass  # a bundle the reader refuses has no plots; its rejection says why
+    run.decided_ms = now_ms()
+    if failures:
+        run.status, run.reason = "rejected", "; ".join(failures)
+    else:
+        run.status, run.reason = "certified", None
+        run.challenges_passed = verdict.challenges
+        run.bound = verdict.detection_probability
+
+
+def work(lb: Leaderboard, *, worker: str | None = None, once: bool = False, poll_s: float = 0.5,
+         stop: Callable[[], bool] | None = None) -> int:
+    """Take and process jobs until ``stop()`` (or the queue is empty, with ``once``); returns jobs done."""
+    worker = worker or worker_name()
+    done = 0
+    while not (stop and stop()):
+        with lb.Session() as s:
+            queue.requeue_expired(s)
+            job = queue.claim(s, worker)
+        if job is None:
+            if once:
+                break
+            time.sleep(poll_s)
+            continue
+        try:
+            process(lb, job, worker)
+        except Exception as e:  # an error of the server, not of the run: record it, keep working
+            log.exception("job %s failed", job.id)
+            with lb.Session() as s:
+                j = s.get(Job, job.id)
+                queue.finish(s, j, error=f"{type(e).__name__}: {e}")
+                run = s.get(Run, j.run_id)
+                if run.status == "verifying":
+                    run.status, run.reason = "pending", f"the server could not verify it: {type(e).__name__}: {e}"
+                s.commit()
+        done += 1
+    return done
