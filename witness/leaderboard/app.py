@@ -40,20 +40,21 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI signature
         if scope["type"] != "http" or scope["path"] == self.upload_path:
             return await self.app(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        # Read the whole (small) body first, so an oversized one gets a 413 before any parsing.
+        messages, seen = [], 0
+        while True:
             message = await receive()
+            messages.append(message)
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise ApiError(413, f"request body over {self.limit} bytes")
-            return message
+                return await JSONResponse({"detail": f"request body over {self.limit} bytes"}, 413)(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
 
-        try:
-            await self.app(scope, limited, send)
-        except ApiError as e:
-            await JSONResponse({"detail": e.message}, e.status)(scope, receive, send)
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
 
 class AccountIn(BaseModel):

@@ -95,7 +95,8 @@ def run_demo(folder: Path, port: int = 8080, serve: bool = True) -> int:
         for name, run_id in runs.items():
             r = c.get(f"/api/runs/{run_id}").json()
             value = f"{r['metric']} {r['metric_value']:.4f}" if r["metric_value"] is not None else ""
-            print(f"  run {run_id} by {name}: {r['status'].upper()} {value} {r['reason'] or ''}".rstrip())
+            parts = [f"run {run_id} by {name}:", r["status"].upper(), value, r["reason"] or ""]
+            print("  " + " ".join(p for p in parts if p))
     print(f"open {url}/tracks/{DEMO_TRACK} (API docs at {url}/docs)")
     if not serve:
         server.should_exit = True

@@ -74,6 +74,7 @@ class Leaderboard:
         migrate(self.engine)
         self.Session = sessions(self.engine)
         self.store = Store(settings.store)
+        self.randomness = os.urandom  # the server's own randomness: tickets and challenge nonces
         if sync_tracks:
             self.sync_tracks()
 
@@ -129,7 +130,7 @@ class Leaderboard:
     def ticket(self, s: Session, acct: Account, track_name: str) -> Run:
         """Issue a run ticket: the server's r, so the run seed H(data root ‖ r) is fixed from now on."""
         self.track(s, track_name)
-        run = Run(account_id=acct.id, track=track_name, r=os.urandom(32).hex(), status="ticketed",
+        run = Run(account_id=acct.id, track=track_name, r=self.randomness(32).hex(), status="ticketed",
                   ticket_ms=now_ms(), challenges_passed=0)
         s.add(run)
         s.commit()

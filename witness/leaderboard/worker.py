@@ -1,7 +1,7 @@
 """Verification workers: take jobs from the database queue and run the verifier on them.
 
 A worker draws every challenge from its own randomness (``os.urandom``), after the final head
-was received, so a trainer cannot know which steps will be replayed. It runs only the
+was received (``lb.randomness``, os.urandom), so a trainer cannot know which steps will be replayed. It runs only the
 registered task the run's track names; nothing from a submission is executed.
 """
 
@@ -54,7 +54,7 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         if job.kind == "certify":
             run.status = "verifying"
             s.commit()
-        nonce = os.urandom(16)
+        nonce = lb.randomness(16)
         bundle_dir = lb.store.bundle_dir(run.id)
         verdict, failures = None, []
         try:

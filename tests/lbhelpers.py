@@ -1,0 +1,104 @@
+"""Helpers for the leaderboard tests: servers on SQLite or PostgreSQL, and runs trained against them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from witness.commit.hashing import canonical_json
+from witness.commit.signing import generate_key, public_hex
+from witness.evals.evaluate import evaluate
+from witness.leaderboard import client as C
+from witness.leaderboard.service import Settings
+from witness.leaderboard.tracks import parse_track
+from witness.record import Recorder
+from witness.task import build_task
+
+PG_URL = os.environ.get("WITNESS_TEST_PG_URL", "postgresql+psycopg://witness:witness@127.0.0.1:5432/witness_test")
+QUICK = "quick=tiny:steps=20@accuracy+"
+
+
+def fresh_postgres() -> str:
+    """An empty schema in the test database (``scripts/services.sh`` starts the server)."""
+    try:
+        engine = create_engine(PG_URL)
+        with engine.begin() as conn:
+            conn.execute(text("DROP SCHEMA public CASCADE"))
+            conn.execute(text("CREATE SCHEMA public"))
+        engine.dispose()
+    except Exception as e:  # the suite needs the real server: say how to get it, do not skip
+        pytest.fail(f"PostgreSQL at {PG_URL} is not reachable ({e}); run scripts/services.sh first")
+    return PG_URL
+
+
+def make_settings(backend: str, tmp: Path, **kw) -> Settings:
+    """Settings for a fresh leaderboard on ``backend`` (sqlite or postgresql) with the quick track."""
+    url = fresh_postgres() if backend == "postgresql" else f"sqlite:///{tmp / 'lb.db'}"
+    kw.setdefault("tracks", (parse_track(QUICK),))
+    return Settings(db_url=url, store=tmp / "store", **kw)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """A registered submitter: key, token and an HTTP client that sends the token."""
+
+    name: str
+    key: object
+    token: str
+    client: httpx.Client
+
+
+def register(client: httpx.Client, name: str, key=None) -> Trainer:
+    """Register ``name`` through ``client`` (a TestClient or an httpx client)."""
+    key = key or generate_key()
+    token = C.register(client, name, public_hex(key.public_key()))["token"]
+    return Trainer(name, key, token, client)
+
+
+class Authed:
+    """A view of a shared client that sends one trainer's token (TestClient is not thread-safe to mutate)."""
+
+    def __init__(self, client: httpx.Client, token: str):
+        self.client, self.headers = client, {"Authorization": f"Bearer {token}"}
+
+    def post(self, url: str, **kw):
+        """POST with the token."""
+        return self.client.post(url, headers=self.headers | kw.pop("headers", {}), **kw)
+
+    def get(self, url: str, **kw):
+        """GET with the token."""
+        return self.client.get(url, headers=self.headers, **kw)
+
+
+def train_and_certify(client, trainer: Trainer, out: Path, track: str = "quick", *, lr_cheat: dict | None = None,
+                      key=None, stream: bool = True, checkpoint_every: int = 5) -> tuple[int, Path, Path]:
+    """Ticket, train (streaming heads), evaluate; returns (run id, bundle, certificate). Not submitted.
+
+    ``lr_cheat`` maps steps to a learning-rate factor applied in secret (the schedule's rate is logged).
+    """
+    api = Authed(client, trainer.token)
+    tk = C.ticket(api, track)
+    task = build_task(tk["task"], tk["config"])
+    key = key or trainer.key
+    rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
+                          checkpoint_every=checkpoint_every,
+                          on_head=C.HeadStreamer(api, tk["run_id"]) if stream else None)
+    for t in range(task.config.steps):
+        lr = rec.lr(t) * (lr_cheat or {}).get(t, 1.0)
+        step = task.train_step(rec.model, rec.optimizer, rec.batch(t), lr, rec.step_seed(t))
+        rec.log_step(t, dataclasses.replace(step, lr=rec.lr(t)))
+    rec.finish()
+    cert = out.with_suffix(".eval.json")
+    cert.write_bytes(canonical_json(evaluate(out, key, progress=False)) + b"\n")
+    return tk["run_id"], out, cert
+
+
+def submit(client, trainer: Trainer, bundle: Path, cert: Path) -> dict:
+    """Upload; returns the server's answer (raises ``LeaderboardError`` on a refusal)."""
+    return C.submit(Authed(client, trainer.token), bundle, cert)
+
