@@ -530,6 +530,18 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        import httpx
+
+        from .leaderboard.client import LeaderboardError
+
+        if isinstance(e, LeaderboardError):
+            print(f"the leaderboard refused: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, httpx.TransportError):
+            print(f"cannot reach the leaderboard: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""The leaderboard from the command line, as a person uses it: serve, register, train, submit, challenge."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from lbhelpers import QUICK
+
+from witness.cli import build_parser
+from witness.leaderboard.cli import DEFAULT_STORE
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _witness(*args: str, env: dict, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "witness.cli", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_serve_register_train_submit_challenge(tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, HOME=str(tmp_path / "home"), WITNESS_KEY=str(tmp_path / "home" / "key.pem"))
+    env.pop("WITNESS_LEADERBOARD_TOKEN", None)
+    server = subprocess.Popen([sys.executable, "-m", "witness.cli", "leaderboard", "serve", "--port", str(port),
+                               "--store", str(tmp_path / "store"), "--track", QUICK, "--workers", "1"],
+                              env=env, cwd=tmp_path, stderr=open(tmp_path / "server.log", "w"))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/api/tracks").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.3)
+        r = _witness("leaderboard", "register", "--leaderboard", url, "--name", "alice", env=env, cwd=tmp_path)
+        assert r.returncode == 0 and "registered alice" in r.stdout, r.stderr
+        assert oct((tmp_path / "home" / ".witness" / "leaderboard-tokens.json").stat().st_mode & 0o777) == "0o600"
+        r = _witness("train", "--leaderboard", url, "--track", "quick", "--out", "run", "--quiet", env=env, cwd=tmp_path)
+        assert r.returncode == 0 and "submit it with" in r.stdout, r.stderr
+        r = _witness("submit", "run", "--leaderboard", url, "--wait", "--quiet", env=env, cwd=tmp_path)
+        assert r.returncode == 0 and "run 1: certified" in r.stdout, r.stdout + r.stderr
+        r = _witness("challenge", "1", "--leaderboard", url, "--count", "5", "--wait", env=env, cwd=tmp_path)
+        assert r.returncode == 0 and "challenges passed" in r.stdout, r.stdout + r.stderr
+        hist = httpx.get(f"{url}/api/runs/1/challenges").json()
+        assert [h["kind"] for h in hist] == ["certify", "rechallenge"] and all(h["passed"] for h in hist)
+        # a second submission of the same run is refused with the server's reason, exit 2
+        r = _witness("submit", "run", "--leaderboard", url, "--quiet", env=env, cwd=tmp_path)
+        assert r.returncode == 2 and "409" in r.stderr and "submitted already" in r.stderr
+        # writes without a token say how to get one
+        r = _witness("challenge", "1", "--leaderboard", url, "--count", "1",
+                     env=dict(env, HOME=str(tmp_path / "nobody")), cwd=tmp_path)
+        assert r.returncode == 2 and "witness leaderboard register" in r.stderr
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_server_defaults_to_loopback_and_the_local_store():
+    args = build_parser().parse_args(["leaderboard", "serve"])
+    assert args.host == "127.0.0.1" and args.store == DEFAULT_STORE and args.db is None
