@@ -54,8 +54,7 @@ def test_honest_run_is_certified_with_its_evidence(server, tmp_path):
     assert r["status"] == "certified", r["reason"]
     q = lb.settings.certify_challenges
     assert r["challenges_passed"] == 20 and r["verdict"]["challenges"] == 20  # q = 90 > 20 steps: all replayed
-    assert r["bound"] == pytest.approx(detection_probability(0.05, 20))
-    assert q == 90
+    assert r["bound"] == 1.0 and q == 90  # every step was replayed
     assert r["metric"] == "accuracy" and r["metric_value"] == r["aggregates"]["accuracy"]
     assert r["contamination"].startswith("clean: all 256 evaluation documents")
     hist = tc.get(f"/api/runs/{run_id}/challenges").json()
@@ -277,8 +276,7 @@ def test_rechallenges_are_rate_limited(server, tmp_path):
     assert [(h["kind"], h["requested_by"], h["passed"]) for h in hist] == \
         [("certify", "server", True), ("rechallenge", "bob", True), ("rechallenge", "bob", True), ("rechallenge", "alice", True)]
     r = tc.get(f"/api/runs/{run_id}").json()
-    assert r["status"] == "certified" and r["challenges_passed"] == 29
-    assert r["bound"] == pytest.approx(detection_probability(0.05, 29))
+    assert r["status"] == "certified" and r["challenges_passed"] == 29 and r["bound"] == 1.0
 
 
 def test_a_failed_rechallenge_revokes_the_certificate(server, tmp_path):
@@ -297,7 +295,8 @@ def test_a_failed_rechallenge_revokes_the_certificate(server, tmp_path):
     lb.randomness = lambda k: nonce[:k] if k == 16 else bytes(k)
     submit(tc, alice, bundle, cert)
     work(lb, once=True)
-    assert tc.get(f"/api/runs/{run_id}").json()["status"] == "certified"
+    r = tc.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "certified" and r["bound"] == pytest.approx(detection_probability(0.05, 1))
     lb.randomness = __import__("os").urandom
     job = Authed(tc, bob.token).post(f"/api/runs/{run_id}/challenges", json={"count": 20}).json()
     work(lb, once=True)
@@ -354,3 +353,16 @@ def test_queue_claims_each_job_once(server, tmp_path):
     with lb.Session() as s:
         assert s.scalar(select(Job).where(Job.id == ids[0])).worker == "w2"
         assert s.scalars(select(Round)).all() == []
+
+
+def test_the_migrations_build_exactly_the_models_schema(server):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from witness.leaderboard.db import Base, migrate
+
+    lb, _ = server
+    migrate(lb.engine)  # idempotent
+    with lb.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        assert MigrationContext.configure(conn).get_current_revision() == "0001"

@@ -83,7 +83,7 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             run.decided_ms = now_ms()
         else:
             run.challenges_passed += rnd.count
-            run.bound = detection_probability(lb.settings.bad_fraction, run.challenges_passed)
+            run.bound = run_bound(lb, run.challenges_passed, run.steps or 0, run.bound == 1.0 or rnd.count >= (run.steps or 0))
         queue.finish(s, job)
         s.commit()
 
@@ -123,7 +123,16 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, verdict, failures: list
     else:
         run.status, run.reason = "certified", None
         run.challenges_passed = verdict.challenges
-        run.bound = verdict.detection_probability
+        run.bound = run_bound(lb, verdict.challenges, verdict.steps, verdict.challenges >= verdict.steps)
+
+
+def run_bound(lb: Leaderboard, challenges: int, steps: int, every_step: bool) -> float:
+    """Detection bound of all the challenges a run passed: 1 once a round replayed every step.
+
+    Rounds draw independently, so their challenges combine as one sample with replacement,
+    for which 1 - (1 - f)^q holds; a round that replayed every step leaves nothing undetected.
+    """
+    return 1.0 if every_step and steps > 0 else detection_probability(lb.settings.bad_fraction, challenges)
 
 
 def work(lb: Leaderboard, *, worker: str | None = None, once: bool = False, poll_s: float = 0.5,
