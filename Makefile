@@ -9,7 +9,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo leaderboard-demo services test lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,12 +22,20 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/witness demo
 
+# A local leaderboard with real certified runs and one rejected run, at http://127.0.0.1:8080
+leaderboard-demo: setup
+	$(VENV)/bin/witness leaderboard demo
+
+# PostgreSQL 15 on loopback and Chromium, for the leaderboard's tests (Debian packages, as root or with sudo)
+services:
+	scripts/services.sh
+
 test: setup
 	$(VENV)/bin/ruff check witness tests bench examples
-	$(PY) -m pytest
+	url="$$(scripts/services.sh)" && WITNESS_TEST_PG_URL="$$url" $(PY) -m pytest
 
 bench: setup
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) witness-demo .pytest_cache
+	rm -rf $(VENV) witness-demo leaderboard-demo leaderboard-data .pytest_cache

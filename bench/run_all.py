@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-BENCHES = ["overhead.py", "verifier_cost.py", "data_commit.py", "eval_cost.py"]
+BENCHES = ["overhead.py", "verifier_cost.py", "data_commit.py", "eval_cost.py", "leaderboard.py"]
 
 
 def main() -> int:

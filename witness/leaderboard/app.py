@@ -253,7 +253,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                     heads=lb.heads(s, run_id), rounds=history(s, run_id),
                     verdict=json.loads(r.verdict_json) if r.verdict_json else None,
                     aggregates=json.loads(r.aggregates_json) if r.aggregates_json else None,
-                    has_plots=(plots / "loss.svg").exists(), has_bundle=lb.store.archive(r.id).exists())
+                    has_plots=(plots / "loss.svg").exists(), has_bundle=lb.store.archive(r.id).exists(),
+                    bad_fraction=lb.settings.bad_fraction)
 
     @app.get("/runs/{run_id}/badge.svg", include_in_schema=False)
     def badge(run_id: int, s: DB) -> Response:

@@ -40,7 +40,8 @@ def start_server(lb: Leaderboard, host: str = "127.0.0.1", port: int = 8080):
     return server, thread, f"http://{host}:{port}"
 
 
-def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float = 1.0) -> int:  # noqa: ANN001
+def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float = 1.0,  # noqa: ANN001 - key
+              checkpoint_every: int = 10) -> int:
     """Take a ticket, train while streaming heads, evaluate and submit; returns the run id.
 
     ``lr_cheat`` != 1 makes a dishonest trainer: it trains the middle third of the run with a
@@ -49,7 +50,7 @@ def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float 
     with C.connect(url, token) as c:
         tk = C.ticket(c, track)
         task = build_task(tk["task"], tk["config"])
-        rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=10,
+        rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=checkpoint_every,
                               on_head=C.HeadStreamer(c, tk["run_id"]))
         n = task.config.steps
         for t in range(n):
