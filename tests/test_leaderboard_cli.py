@@ -70,3 +70,23 @@ def test_serve_register_train_submit_challenge(tmp_path):
 def test_server_defaults_to_loopback_and_the_local_store():
     args = build_parser().parse_args(["leaderboard", "serve"])
     assert args.host == "127.0.0.1" and args.store == DEFAULT_STORE and args.db is None
+
+
+def test_the_demo_fills_a_fresh_leaderboard(tmp_path, capsys):
+    from sqlalchemy import create_engine, text
+
+    from witness.leaderboard.demo import run_demo
+
+    assert run_demo(tmp_path / "demo", port=0, serve=False) == 0
+    out = capsys.readouterr().out
+    assert out.count("CERTIFIED") == 3 and out.count("REJECTED") == 1 and "replay" in out
+    engine = create_engine(f"sqlite:///{tmp_path / 'demo' / 'leaderboard.db'}")
+    with engine.connect() as c:
+        statuses = dict(c.execute(text("SELECT a.name, r.status FROM runs r JOIN accounts a ON a.id = r.account_id")).all())
+        rounds = c.execute(text("SELECT kind, passed FROM rounds ORDER BY id")).all()
+    engine.dispose()
+    assert statuses == {"alice": "certified", "bob": "certified", "carol": "certified", "mallory": "rejected"}
+    assert [tuple(r) for r in rounds][-1] == ("rechallenge", True)  # bob's extra challenges on alice's run
+    # a folder that is not a demo is left alone
+    (tmp_path / "other").mkdir()
+    assert run_demo(tmp_path / "other", port=0, serve=False) == 2
