@@ -10,9 +10,9 @@ from .bundle.reader import Bundle
 
 def plot_loss(bundle: Bundle, path: str | os.PathLike, challenged: list[tuple[int, bool]] | None = None) -> Path:
     """The training loss, checkpoints and replayed steps; the format follows the suffix (png, svg)."""
-    plt = _pyplot()
     steps = [r.step for r in bundle.steps]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig = _figure((7, 3.5))
+    ax = fig.subplots()
     ax.plot(steps, [r.loss for r in bundle.steps], lw=1, label="training loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -30,15 +30,14 @@ def plot_loss(bundle: Bundle, path: str | os.PathLike, challenged: list[tuple[in
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return Path(path)
 
 
 def plot_fingerprints(bundle: Bundle, path: str | os.PathLike) -> Path:
     """The behavioral fingerprint over training: per-probe loss and projected outputs."""
-    plt = _pyplot()
     steps = [r.step for r in bundle.steps]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig = _figure((10, 3.5))
+    a1, a2 = fig.subplots(1, 2)
     for p in range(len(bundle.steps[0].probe_loss)):
         a1.plot(steps, [r.probe_loss[p] for r in bundle.steps], lw=1, label=f"probe {p}")
     a1.set_title("behavioral fingerprint: loss on each probe")
@@ -50,17 +49,14 @@ def plot_fingerprints(bundle: Bundle, path: str | os.PathLike) -> Path:
     a2.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return Path(path)
 
 
-def _pyplot():
-    import matplotlib
+def _figure(size: tuple[float, float]):
+    """A figure outside pyplot: no global state, safe in a long-running server's threads."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=size)
 
 
 def write_report(bundle: Bundle, out: str | os.PathLike, verdict_text: str = "",
