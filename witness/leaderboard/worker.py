@@ -81,7 +81,7 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             run.status = "revoked"
             run.reason = (f"certificate revoked: a re-challenge (round {rnd.id}) failed: " + "; ".join(failures))
             run.decided_ms = now_ms()
-        else:
+        elif run.status == "certified":  # a round queued before a revocation adds nothing to it
             run.challenges_passed += rnd.count
             run.bound = run_bound(lb, run.challenges_passed, run.steps or 0, run.bound == 1.0 or rnd.count >= (run.steps or 0))
         queue.finish(s, job)
