@@ -366,3 +366,27 @@ def test_the_migrations_build_exactly_the_models_schema(server):
     with lb.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
         assert MigrationContext.configure(conn).get_current_revision() == "0001"
+
+
+def test_a_weakly_anchored_run_is_rejected(server, tmp_path):
+    lb, tc = server
+    alice = register(tc, "alice")
+    lb.settings.max_head_gap = 8
+    # checkpoints (and so streamed heads) every 10 steps leave 10 records unanchored in a row
+    run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "sparse", checkpoint_every=10)
+    with pytest.raises(C.LeaderboardError, match="weakly time-anchored: .*10 records unanchored"):
+        submit(tc, alice, bundle, cert)
+    assert _run(lb, run_id).status == "rejected"
+    # a final head kept back until after the upload does not anchor the end of the log
+    lb.settings.max_head_gap = 200
+    api = Authed(tc, alice.token)
+    tk = C.ticket(api, "quick")
+    from witness.record import Recorder
+
+    streamer = C.HeadStreamer(api, tk["run_id"])
+    rec = Recorder.create(build_task("tiny", {"steps": 20}), tmp_path / "late", alice.key, r=bytes.fromhex(tk["r"]),
+                          r_source="ticket", checkpoint_every=5,
+                          on_head=lambda h, log: streamer(h, log) if h.extensions is None else None)
+    rec.train(progress=False)
+    with pytest.raises(C.LeaderboardError, match="final tree head \\(size 22\\) was not streamed"):
+        submit(tc, alice, tmp_path / "late", cert)

@@ -23,7 +23,8 @@ def settings_from(args: argparse.Namespace):
     store.mkdir(parents=True, exist_ok=True)
     db = args.db or f"sqlite:///{store.resolve() / 'leaderboard.db'}"
     tracks = tuple(parse_track(t) for t in args.track) if args.track else DEFAULT_TRACKS
-    return Settings(db_url=db, store=store, max_upload=args.max_upload, tracks=tracks)
+    return Settings(db_url=db, store=store, max_upload=args.max_upload, tracks=tracks,
+                    max_head_gap=args.max_head_gap)
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -32,6 +33,8 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--track", action="append",
                    help="a track NAME=TASK[:KEY=VALUE,...][@METRIC+|-] (repeatable; default: the built-in tracks)")
     p.add_argument("--max-upload", type=int, default=DEFAULT_MAX_UPLOAD, help="largest accepted upload, in bytes")
+    p.add_argument("--max-head-gap", type=int, default=200,
+                   help="most log records a run may leave between two streamed tree heads")
 
 
 def start_workers(args: argparse.Namespace, n: int) -> list[subprocess.Popen]:

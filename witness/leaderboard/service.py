@@ -4,6 +4,7 @@ re-challenge requests. Every failure is an ``ApiError`` with an HTTP status and 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import secrets
@@ -52,6 +53,9 @@ class Settings:
     rechallenge_max: int = 500
     rechallenges_per_hour: int = 20
     clock_skew_ms: int = 5 * 60 * 1000
+    # Time anchoring: the recorder streams a head at every checkpoint and at the end; a run
+    # must not leave more than this many records between two streamed heads.
+    max_head_gap: int = 200
     tracks: tuple[TrackSpec, ...] = field(default_factory=lambda: DEFAULT_TRACKS)
 
     @property
@@ -239,6 +243,7 @@ class Leaderboard:
             for h in heads:
                 if h.size > len(bundle.log) or bundle.log.root(h.size).hex() != h.root:
                     return self._reject_rewritten(s, run, h)
+            self._check_cadence(s, run, heads, bundle.final_head.size)
             cert_path = staging / EVALUATION
             if not cert_path.exists():
                 raise ApiError(400, f"the submission has no {EVALUATION} (run `witness eval` first)")
@@ -268,6 +273,25 @@ class Leaderboard:
             return run
         finally:
             self.store.discard(archive, *( [staging] if staging is not None else []))
+
+    def _check_cadence(self, s: Session, run: Run, heads: list[Head], final_size: int) -> None:
+        """Every stretch of the log was anchored while training: a head at least every
+        ``max_head_gap`` records, up to and including the final head."""
+        sizes = [h.size for h in heads]
+        gap = self.settings.max_head_gap
+        if sizes[-1] != final_size:
+            why = (f"the final tree head (size {final_size}) was not streamed before submission; the last "
+                   f"streamed head has size {sizes[-1]}")
+        elif max((b - a for a, b in itertools.pairwise(sizes)), default=0) > gap:
+            worst = max(b - a for a, b in itertools.pairwise(sizes))
+            why = (f"the streamed heads leave {worst} records unanchored in a row; this server asks for a "
+                   f"signed head at least every {gap} records (checkpoint more often)")
+        else:
+            return
+        run.status, run.submitted_ms, run.decided_ms = "rejected", now_ms(), now_ms()
+        run.reason = f"weakly time-anchored: {why}"
+        s.commit()
+        raise ApiError(400, f"run {run.id} rejected: {run.reason}")
 
     def _reject_rewritten(self, s: Session, run: Run, head: Head) -> Run:
         """A log that contradicts a head its own key streamed was rewritten: reject, in public."""
