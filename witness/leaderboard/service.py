@@ -272,7 +272,7 @@ class Leaderboard:
             s.commit()
             return run
         finally:
-            self.store.discard(archive, *( [staging] if staging is not None else []))
+            self.store.discard(archive, *([staging] if staging is not None else []))
 
     def _check_cadence(self, s: Session, run: Run, heads: list[Head], final_size: int) -> None:
         """Every stretch of the log was anchored while training: a head at least every
