@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 from lbhelpers import QUICK
@@ -65,6 +66,24 @@ def test_serve_register_train_submit_challenge(tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+    # stopping the server stops its workers too
+    deadline = time.monotonic() + 10
+    while _processes_naming(str(tmp_path / "store")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_naming(str(tmp_path / "store"))
+
+
+def _processes_naming(text: str) -> list[int]:
+    """PIDs whose command line contains ``text``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text.encode() in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
 
 
 def test_server_defaults_to_loopback_and_the_local_store():

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +42,7 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
 def start_workers(args: argparse.Namespace, n: int) -> list[subprocess.Popen]:
     """Worker processes sharing the server's database and store."""
     cmd = [sys.executable, "-m", "witness.cli", "leaderboard", "worker", "--store", args.store,
-           "--max-upload", str(args.max_upload)]
+           "--max-upload", str(args.max_upload), "--parent", str(os.getpid())]
     if args.db:
         cmd += ["--db", args.db]
     for t in args.track or []:
@@ -58,6 +60,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     procs = start_workers(args, args.workers)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {args.host}, not only on loopback", file=sys.stderr)
+
+    def _stop(signum: int, _frame: object) -> None:
+        # uvicorn shuts down on SIGTERM and then raises it again with our handler restored:
+        # leave through ``finally`` so the workers are stopped too.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _stop)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
@@ -78,7 +87,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     lb = Leaderboard(settings_from(args), sync_tracks=False)
-    n = work(lb, once=args.once)
+    # A worker started by ``serve`` stops when that server is gone, however it ended.
+    orphaned = (lambda: os.getppid() != args.parent) if args.parent else None
+    n = work(lb, once=args.once, stop=orphaned)
     if args.once:
         print(f"{n} job(s) done")
     return 0
@@ -187,6 +198,7 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     _server_flags(w)
     w.add_argument("--once", action="store_true", help="stop when the queue is empty")
     w.add_argument("--threads", type=int)
+    w.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     w.set_defaults(func=cmd_worker)
     r = lsub.add_parser("register", help="register your signing key and keep the API token")
     r.add_argument("--leaderboard", required=True, metavar="URL")
