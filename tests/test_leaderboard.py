@@ -321,6 +321,14 @@ def test_pages_escape_html_and_filter(server, tmp_path):
         s.commit()
     page = tc.get(f"/runs/{run_id}").text
     assert "<script>" not in page and "&lt;script&gt;" in page
+    with lb.Session() as s:  # a run with some optional fields and not others still renders
+        r = s.get(Run, run_id)
+        r.status, r.aggregates_json = "certified", '{"accuracy": 0.5}'
+        s.commit()
+    assert tc.get(f"/runs/{run_id}").status_code == 200
+    with lb.Session() as s:
+        s.get(Run, run_id).status = "ticketed"
+        s.commit()
     assert "default-src 'none'" in tc.get(f"/runs/{run_id}").headers["content-security-policy"]
     assert tc.get("/tracks/quick?sort=evil").status_code == 400
     assert tc.get("/tracks/quick?since=yesterday").status_code == 400
