@@ -10,14 +10,10 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from witness.commit.hashing import canonical_json
 from witness.commit.signing import generate_key, public_hex
-from witness.evals.evaluate import evaluate
 from witness.leaderboard import client as C
 from witness.leaderboard.service import Settings
 from witness.leaderboard.tracks import parse_track
-from witness.record import Recorder
-from witness.task import build_task
 
 PG_URL = os.environ.get("WITNESS_TEST_PG_URL", "postgresql+psycopg://witness:witness@127.0.0.1:5432/witness_test")
 QUICK = "quick=tiny:steps=20@accuracy+"
@@ -81,21 +77,11 @@ def train_and_certify(client, trainer: Trainer, out: Path, track: str = "quick",
 
     ``lr_cheat`` maps steps to a learning-rate factor applied in secret (the schedule's rate is logged).
     """
-    api = Authed(client, trainer.token)
-    tk = C.ticket(api, track)
-    task = build_task(tk["task"], tk["config"])
     key = key or trainer.key
-    rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
-                          checkpoint_every=checkpoint_every,
-                          on_head=C.HeadStreamer(api, tk["run_id"]) if stream else None)
-    for t in range(task.config.steps):
-        lr = rec.lr(t) * (lr_cheat or {}).get(t, 1.0)
-        step = task.train_step(rec.model, rec.optimizer, rec.batch(t), lr, rec.step_seed(t))
-        rec.log_step(t, dataclasses.replace(step, lr=rec.lr(t)))
-    rec.finish()
-    cert = out.with_suffix(".eval.json")
-    cert.write_bytes(canonical_json(evaluate(out, key, progress=False)) + b"\n")
-    return tk["run_id"], out, cert
+    factor = (lambda t, n: lr_cheat.get(t, 1.0)) if lr_cheat else None
+    run_id, _ = C.train_ticketed(Authed(client, trainer.token), track, key, out, checkpoint_every=checkpoint_every,
+                                 stream=stream, lr_factor=factor)
+    return run_id, out, C.write_evaluation(out, key, out.with_suffix(".eval.json"))
 
 
 def submit(client, trainer: Trainer, bundle: Path, cert: Path) -> dict:

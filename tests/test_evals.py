@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from helpers import train_tiny
+from helpers import resign_certificate, train_tiny
 from safetensors.torch import save_file
 
 from witness.bundle.checkpoint import read_checkpoint
@@ -16,7 +16,7 @@ from witness.bundle.reader import open_bundle
 from witness.cli import main
 from witness.commit.signing import generate_key
 from witness.errors import RunRejected, VerificationError
-from witness.evals.certificate import check_certificate, results_root, sign_certificate
+from witness.evals.certificate import check_certificate, results_root
 from witness.evals.evaluate import evaluate, verify_eval
 from witness.evals.identity import identify
 from witness.evals.serve import make_server
@@ -30,11 +30,6 @@ def run(tmp_path_factory):
     bundle = train_tiny(d / "run", trainer)
     key = generate_key()
     return bundle, evaluate(bundle, key, progress=False), key, trainer
-
-
-def _resign(cert: dict, key) -> dict:
-    body = {k: v for k, v in cert.items() if k not in ("signature", "evaluator")}
-    return sign_certificate(body, key)
 
 
 def test_honest_certificate_verifies(run, tmp_path, capsys):
@@ -52,7 +47,7 @@ def test_honest_certificate_verifies(run, tmp_path, capsys):
 
 def test_edited_aggregate_is_rejected(run):
     bundle, cert, key, trainer = run
-    forged = _resign(dict(cert, aggregates=dict(cert["aggregates"], accuracy=0.99)), key)
+    forged = resign_certificate(dict(cert, aggregates=dict(cert["aggregates"], accuracy=0.99)), key)
     with pytest.raises(VerificationError, match="aggregate.s. accuracy are not those of the per-example results"):
         verify_eval(forged, bundle, spots=1)
 
@@ -70,7 +65,7 @@ def test_certificate_bound_to_another_run_is_rejected(run, tmp_path):
         verify_eval(cert, other, spots=1)
     # Swapping in the other run's head, re-signed by the evaluator, breaks against the first bundle.
     head = open_bundle(other).final_head.to_json()
-    forged = _resign(dict(cert, run={"public_key": cert["run"]["public_key"], "tree_head": head}), key)
+    forged = resign_certificate(dict(cert, run={"public_key": cert["run"]["public_key"], "tree_head": head}), key)
     with pytest.raises(VerificationError):
         verify_eval(forged, bundle, spots=1)
 
@@ -80,7 +75,7 @@ def _forge(cert: dict, key, indices: set[int]) -> dict:
                 for e in cert["results"]["examples"]]
     task = build_task("tiny", {"steps": 40})
     results = {"root": results_root(examples).hex(), "count": len(examples), "examples": examples}
-    return _resign(dict(cert, results=results, aggregates=task.aggregates(examples)), key)
+    return resign_certificate(dict(cert, results=results, aggregates=task.aggregates(examples)), key)
 
 
 def test_one_forged_result_is_caught_when_spot_checked(run):
@@ -121,7 +116,7 @@ def test_contamination_proofs_must_cover_every_eval_document(run):
     bundle, cert, key, trainer = run
     cont = dict(cert["contamination"], documents=cert["contamination"]["documents"][1:])
     with pytest.raises(VerificationError, match="do not cover exactly the evaluation documents"):
-        verify_eval(_resign(dict(cert, contamination=cont), key), bundle, spots=1)
+        verify_eval(resign_certificate(dict(cert, contamination=cont), key), bundle, spots=1)
 
 
 # --- identity ------------------------------------------------------------------------------

@@ -9,12 +9,13 @@ import tarfile
 
 import pytest
 from fastapi.testclient import TestClient
+from helpers import resign_certificate
 from lbhelpers import Authed, make_settings, register, submit, train_and_certify
 from sqlalchemy import select
 
 from witness.commit.hashing import canonical_json
 from witness.commit.signing import generate_key
-from witness.evals.certificate import results_root, sign_certificate
+from witness.evals.certificate import results_root
 from witness.leaderboard import client as C
 from witness.leaderboard.app import create_app
 from witness.leaderboard.db import Account, Job, Round, Run
@@ -173,10 +174,6 @@ def test_streamed_heads_must_be_consistent(server, tmp_path):
     assert [h["size"] for h in tc.get(f"/api/runs/{tk['run_id']}/heads").json()] == [1]
 
 
-def _resign(cert: dict, key) -> dict:
-    return sign_certificate({k: v for k, v in cert.items() if k not in ("signature", "evaluator")}, key)
-
-
 def test_a_forged_evaluation_claim_is_rejected(server, tmp_path):
     lb, tc = server
     alice = register(tc, "alice")
@@ -185,7 +182,7 @@ def test_a_forged_evaluation_claim_is_rejected(server, tmp_path):
     # claim every example correct: consistent on its face (root and aggregates recomputed, re-signed)
     examples = [dict(e, correct=True) for e in cert["results"]["examples"]]
     results = {"root": results_root(examples).hex(), "count": len(examples), "examples": examples}
-    forged = _resign(dict(cert, results=results, aggregates=build_task("tiny").aggregates(examples)), alice.key)
+    forged = resign_certificate(dict(cert, results=results, aggregates=build_task("tiny").aggregates(examples)), alice.key)
     cert_path.write_bytes(canonical_json(forged))
     submit(tc, alice, bundle, cert_path)
     work(lb, once=True)

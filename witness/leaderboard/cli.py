@@ -120,39 +120,29 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 def train_with_leaderboard(args: argparse.Namespace, key) -> int:  # noqa: ANN001 - Ed25519 private key
     """``witness train --leaderboard URL --track NAME``: ticket, train while streaming heads."""
-    from ..record import Recorder
-    from ..task import build_task
-    from .client import HeadStreamer, ticket
+    from .client import train_ticketed
 
     if args.resume:
         raise ValueError("--resume with --leaderboard is not supported: the streamed heads pin the first try")
     with _client(args) as c:
-        tk = ticket(c, args.track)
-        task = build_task(tk["task"], tk["config"])
-        print(f"ticket for run {tk['run_id']} on track {args.track}: r = {tk['r']}", file=sys.stderr)
-        rec = Recorder.create(task, args.out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
-                              checkpoint_every=args.checkpoint_every, threads=args.threads,
-                              on_head=HeadStreamer(c, tk["run_id"]))
-        head = rec.train(progress=not args.quiet)
-    print(f"wrote {args.out}: {head.size - 2} steps, run {tk['run_id']}; submit it with "
+        run_id, head = train_ticketed(c, args.track, key, args.out, checkpoint_every=args.checkpoint_every,
+                                      threads=args.threads, progress=not args.quiet)
+    print(f"wrote {args.out}: {head.size - 2} steps, run {run_id}; submit it with "
           f"`witness submit {args.out} --leaderboard {args.leaderboard}`")
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Upload a finished run (evaluating it first when no certificate is given)."""
-    from ..commit.hashing import canonical_json
     from ..commit.signing import load_or_create_key
-    from ..evals.evaluate import evaluate
-    from .client import submit, wait
+    from .client import submit, wait, write_evaluation
 
     with _client(args) as c, tempfile.TemporaryDirectory() as tmp:
         cert = args.eval
         if cert is None:
             print("no --eval certificate given: evaluating the final model now", file=sys.stderr)
-            cert = Path(tmp) / "evaluation.json"
-            cert.write_bytes(canonical_json(evaluate(args.bundle, load_or_create_key(Path(args.key)),
-                                                     progress=not args.quiet)) + b"\n")
+            cert = write_evaluation(args.bundle, load_or_create_key(Path(args.key)), Path(tmp) / "evaluation.json",
+                                    progress=not args.quiet)
         out = submit(c, args.bundle, cert)
         print(f"submitted run {out['run_id']}: {out['status']} ({args.leaderboard.rstrip('/')}{out['url']})")
         if args.wait:

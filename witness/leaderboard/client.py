@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -70,6 +71,46 @@ def register(client: httpx.Client, name: str, public_key: str) -> dict:
 def ticket(client: httpx.Client, track: str) -> dict:
     """A run ticket: run id, the server's r, and the track's recipe."""
     return _ok(client.post("/api/tickets", json={"track": track}))
+
+
+def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike, *,  # noqa: ANN001 - key
+                   checkpoint_every: int = 50, threads: int | None = None, stream: bool = True,
+                   lr_factor: Callable[[int, int], float] | None = None,
+                   progress: bool = False) -> tuple[int, SignedTreeHead]:
+    """Take a ticket for ``track`` and train its recipe with the recorder, streaming every head.
+
+    Returns (run id, final head). ``lr_factor(step, steps)`` makes a dishonest trainer, for
+    demonstrations and tests: it scales the learning rate in secret while the schedule's rate
+    is logged, which the server's replay must catch.
+    """
+    import dataclasses
+
+    from ..record import Recorder
+    from ..task import build_task
+
+    tk = ticket(client, track)
+    task = build_task(tk["task"], tk["config"])
+    rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
+                          checkpoint_every=checkpoint_every, threads=threads,
+                          on_head=HeadStreamer(client, tk["run_id"]) if stream else None)
+    if lr_factor is None:
+        return tk["run_id"], rec.train(progress)
+    n = task.config.steps
+    for t in range(n):
+        out_ = task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t) * lr_factor(t, n), rec.step_seed(t))
+        rec.log_step(t, dataclasses.replace(out_, lr=rec.lr(t)))
+    return tk["run_id"], rec.finish()
+
+
+def write_evaluation(bundle_dir: str | os.PathLike, key, out: str | os.PathLike,  # noqa: ANN001 - key
+                     progress: bool = False) -> Path:
+    """Evaluate a finished run's final model and write the signed certificate a submission carries."""
+    from ..commit.hashing import canonical_json
+    from ..evals.evaluate import evaluate
+
+    out = Path(out)
+    out.write_bytes(canonical_json(evaluate(bundle_dir, key, progress=progress)) + b"\n")
+    return out
 
 
 class HeadStreamer:

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import sys
 import threading
 import time
 from pathlib import Path
 
-from ..commit.hashing import canonical_json
 from ..commit.signing import generate_key, public_hex, save_key
-from ..evals.evaluate import evaluate
-from ..record import Recorder
-from ..task import build_task
 from . import client as C
 from .service import Leaderboard, Settings
 from .tracks import DEFAULT_TRACKS
@@ -47,20 +42,10 @@ def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float 
     ``lr_cheat`` != 1 makes a dishonest trainer: it trains the middle third of the run with a
     scaled learning rate while logging the schedule's, which the server's replay must catch.
     """
+    factor = None if lr_cheat == 1.0 else (lambda t, n: lr_cheat if n // 3 <= t < 2 * n // 3 else 1.0)
     with C.connect(url, token) as c:
-        tk = C.ticket(c, track)
-        task = build_task(tk["task"], tk["config"])
-        rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=checkpoint_every,
-                              on_head=C.HeadStreamer(c, tk["run_id"]))
-        n = task.config.steps
-        for t in range(n):
-            lr = rec.lr(t) * (lr_cheat if n // 3 <= t < 2 * n // 3 else 1.0)
-            step = task.train_step(rec.model, rec.optimizer, rec.batch(t), lr, rec.step_seed(t))
-            rec.log_step(t, dataclasses.replace(step, lr=rec.lr(t)))
-        rec.finish()
-        cert = out.with_suffix(".eval.json")
-        cert.write_bytes(canonical_json(evaluate(out, key, progress=False)) + b"\n")
-        return C.submit(c, out, cert)["run_id"]
+        run_id, _ = C.train_ticketed(c, track, key, out, checkpoint_every=checkpoint_every, lr_factor=factor)
+        return C.submit(c, out, C.write_evaluation(out, key, out.with_suffix(".eval.json")))["run_id"]
 
 
 def run_demo(folder: Path, port: int = 8080, serve: bool = True) -> int:

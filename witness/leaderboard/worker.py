@@ -1,8 +1,9 @@
 """Verification workers: take jobs from the database queue and run the verifier on them.
 
-A worker draws every challenge from its own randomness (``os.urandom``), after the final head
-was received (``lb.randomness``, os.urandom), so a trainer cannot know which steps will be replayed. It runs only the
-registered task the run's track names; nothing from a submission is executed.
+A worker draws every challenge from the server's own randomness (``lb.randomness``, which is
+``os.urandom``) after the final head was received, so a trainer cannot know which steps will be
+replayed. It runs only the registered task the run's track names; nothing from a submission is
+executed.
 """
 
 from __future__ import annotations
