@@ -108,6 +108,8 @@ def test_four_ranks_replay_within_calibrated_thresholds(runs):
     # reported, with thresholds calibrated for summation-order noise (far tighter than the defaults).
     out = torchrun(runs["dir"] / "ddp4", runs["key"], "ddp", "--steps", "16", "--checkpoint-every", "8", ranks=4)
     v = verify_bundle(out, challenges=100)
-    assert v.accepted and not v.exact and v.thresholds["update"] == 1e-4
-    assert any("over 4 ranks" in n for n in v.notes)
-    assert all(0 <= r.distances.get("update", 0.0) < v.thresholds["update"] for r in v.results)
+    worst = max((r.distances.get("update", 0.0) for r in v.results), default=0.0)
+    why = f"failures={v.failures} notes={v.notes} worst update distance={worst:.3g}"  # for a rare failure
+    assert v.accepted and not v.exact and v.thresholds["update"] == 1e-4, why
+    assert any("over 4 ranks" in n for n in v.notes), why
+    assert all(0 <= r.distances.get("update", 0.0) < v.thresholds["update"] for r in v.results), why
