@@ -73,3 +73,6 @@ def test_challenges_needed():
     assert challenges_needed(0.99, 0.05) == 90
     assert detection_probability(0.05, 90) >= 0.99 > detection_probability(0.05, 89)
     assert challenges_needed(0.5, 0.5) == 1
+    # challenges are distinct steps: covering every step leaves no bad step unseen
+    assert detection_probability(0.05, 40, steps=40) == 1.0
+    assert detection_probability(0.05, 39, steps=40) == pytest.approx(1 - 0.95**39)

@@ -133,7 +133,7 @@ def run_bound(lb: Leaderboard, challenges: int, steps: int, every_step: bool) ->
     Rounds draw independently, so their challenges combine as one sample with replacement,
     for which 1 - (1 - f)^q holds; a round that replayed every step leaves nothing undetected.
     """
-    return 1.0 if every_step and steps > 0 else detection_probability(lb.settings.bad_fraction, challenges)
+    return detection_probability(lb.settings.bad_fraction, challenges, steps if every_step else None)
 
 
 def work(lb: Leaderboard, *, worker: str | None = None, once: bool = False, poll_s: float = 0.5,

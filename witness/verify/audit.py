@@ -213,7 +213,7 @@ def verify_bundle(
     verdict = Verdict(
         accepted=False, mode=mode, exact=exact, task=m.task, steps=n, complete=bundle.complete,
         signer=key_fingerprint(m.public_key), challenges=len(drawn), bad_fraction=f,
-        detection_probability=detection_probability(f, len(drawn)), nonce=nonce.hex(),
+        detection_probability=detection_probability(f, len(drawn), n), nonce=nonce.hex(),
         notes=list(bundle.notes), checks=checks,
         thresholds={} if exact else limits,
     )

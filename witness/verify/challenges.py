@@ -51,8 +51,14 @@ def draw_challenges(head: SignedTreeHead, nonce: bytes, steps: int, count: int, 
     return [ReplayChallenge(t, min(length, steps - t)) for t in picked]
 
 
-def detection_probability(bad_fraction: float, challenges: int) -> float:
-    """Lower bound 1 - (1 - f)^q on catching a run with a fraction f of bad steps."""
+def detection_probability(bad_fraction: float, challenges: int, steps: int | None = None) -> float:
+    """Lower bound 1 - (1 - f)^q on catching a run with a fraction f of bad steps (1 if all were replayed).
+
+    Challenges are distinct steps, so when ``steps`` is given and q covers all of them every
+    step was replayed and no bad step can have been missed.
+    """
+    if steps is not None and steps > 0 and challenges >= steps:
+        return 1.0
     return 1.0 - (1.0 - bad_fraction) ** challenges
 
 

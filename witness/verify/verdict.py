@@ -61,7 +61,8 @@ class Verdict:
             f"  mode {self.mode}, {'exact' if self.exact else 'tolerance'} comparison, {self.challenges} challenge(s), "
             f"{self.replayed_steps} step(s) replayed = {100 * self.cost_fraction:.2f}% of the training compute",
             f"  bound: had >= {100 * self.bad_fraction:g}% of the steps been bad, this audit would have caught it "
-            f"with probability >= {100 * self.detection_probability:.2f}% (1-(1-f)^q)",
+            f"with probability >= {100 * self.detection_probability:.2f}% "
+            f"({'every step replayed' if self.steps and self.challenges >= self.steps else '1-(1-f)^q'})",
         ]
         if self.thresholds:
             worst: dict[str, float] = {}
