@@ -9,6 +9,7 @@ import pytest
 from helpers import train_tiny
 
 from witness.bundle.layout import LOG
+from witness.bundle.reader import open_bundle
 from witness.bundle.schema import HEAD_EXTENSION_FIELDS
 from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.log import RunLog
@@ -231,6 +232,9 @@ def test_run_seed_not_bound_to_the_data_is_rejected(bundle_copy, signing_key):
 def test_pinned_signer_rejects_another_key(honest_bundle):
     with pytest.raises(VerificationError, match="not by the pinned key"):
         verify_bundle(honest_bundle, challenges=1, public_key="ab" * 32)
+    opened = open_bundle(honest_bundle)  # a bundle opened once and passed on keeps the pin
+    with pytest.raises(VerificationError, match="not by the pinned key"):
+        verify_bundle(opened, challenges=1, public_key="ab" * 32)
 
 
 def test_unregistered_task_is_rejected(bundle_copy, signing_key):

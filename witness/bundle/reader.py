@@ -127,6 +127,22 @@ def _json(line: bytes, where: str) -> object:
         raise MalformedInput(f"{where}: {e}") from None
 
 
+def _pin(manifest: Manifest, public_key: str | None) -> None:
+    if public_key is not None and public_key != manifest.public_key:
+        raise VerificationError(
+            f"the run is signed by {manifest.public_key[:16]}…, not by the pinned key {public_key[:16]}…",
+            check="signature",
+        )
+
+
+def as_bundle(source: str | os.PathLike | Bundle, public_key: str | None = None) -> Bundle:
+    """A bundle opened once and passed on (the key pin still applies), or open the folder."""
+    if isinstance(source, Bundle):
+        _pin(source.manifest, public_key)
+        return source
+    return open_bundle(source, public_key)
+
+
 def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundle:
     """Read and authenticate a bundle; returns only what the last signed tree head covers.
 
@@ -157,11 +173,7 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
         raise MalformedInput("the bundle has no signed tree head; nothing in it is signed")
 
     manifest = Manifest.parse(_json(lines[0], "log record 0"))
-    if public_key is not None and public_key != manifest.public_key:
-        raise VerificationError(
-            f"the run is signed by {manifest.public_key[:16]}…, not by the pinned key {public_key[:16]}…",
-            check="signature",
-        )
+    _pin(manifest, public_key)
     pub = public_key_from_hex(manifest.public_key)
 
     log = RunLog(lines)

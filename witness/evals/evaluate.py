@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
 
 from ..bundle.checkpoint import load_state, read_checkpoint, state_hash
-from ..bundle.reader import Bundle, open_bundle
+from ..bundle.reader import Bundle, as_bundle, open_bundle
 from ..commit.hashing import canonical_json, same, tagged_hash
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..task.base import Task
@@ -102,11 +102,11 @@ def draw_spots(signature: str, nonce: bytes, n: int, m: int) -> list[int]:
     return sample_indices(tagged_hash("witness/spot/v1", bytes.fromhex(signature), nonce), n, m)
 
 
-def verify_eval(cert: dict, bundle_dir: str | os.PathLike, *, spots: int = 100, forged_fraction: float = 0.05,
+def verify_eval(cert: dict, bundle_dir: str | os.PathLike | Bundle, *, spots: int = 100, forged_fraction: float = 0.05,
                 nonce: bytes | None = None, exact: bool = True, rtol: float = 1e-4) -> EvalVerdict:
     """Check a certificate in full against its bundle, then re-run M random examples."""
     started = time.perf_counter()
-    bundle = open_bundle(bundle_dir)
+    bundle = as_bundle(bundle_dir)
     task = task_of(bundle)
     c = check_certificate(cert, task.aggregates, head=bundle.final_head, public_key=bundle.manifest.public_key)
     if c["task"] != task.name:

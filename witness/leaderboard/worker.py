@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from sqlalchemy import select
 
-from ..bundle.reader import open_bundle
+from ..bundle.reader import Bundle, open_bundle
 from ..commit.dsse import read_json_or_envelope
 from ..commit.signing import SignedTreeHead
 from ..errors import RunRejected, VerificationError
@@ -56,10 +56,10 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             run.status = "verifying"
             s.commit()
         nonce = lb.randomness(16)
-        bundle_dir = lb.store.bundle_dir(run.id)
-        verdict, failures = None, []
-        try:
-            verdict = verify_bundle(bundle_dir, challenges=job.count, bad_fraction=lb.settings.bad_fraction,
+        bundle, verdict, failures = None, None, []
+        try:  # opened (parsed, every hash and signature checked) once, for the audit, evaluation and plots
+            bundle = open_bundle(lb.store.bundle_dir(run.id), acct.public_key)
+            verdict = verify_bundle(bundle, challenges=job.count, bad_fraction=lb.settings.bad_fraction,
                                     nonce=nonce, public_key=acct.public_key, published_heads=heads)
         except RunRejected as e:
             verdict, failures = e.verdict, list(e.failures)
@@ -77,7 +77,7 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             row.round_id = rnd.id
             s.add(row)
         if job.kind == "certify":
-            _certify(lb, s, run, track, verdict, failures)
+            _certify(lb, s, run, track, bundle, verdict, failures)
         elif not passed:
             run.status = "revoked"
             run.reason = (f"certificate revoked: a re-challenge (round {rnd.id}) failed: " + "; ".join(failures))
@@ -89,15 +89,15 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         s.commit()
 
 
-def _certify(lb: Leaderboard, s, run: Run, track: Track, verdict, failures: list[str]) -> None:  # noqa: ANN001
+def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, verdict,  # noqa: ANN001
+             failures: list[str]) -> None:
     """Training verdict, then the evaluation and contamination certificate, then plots."""
-    bundle_dir = lb.store.bundle_dir(run.id)
     run.verdict_json = json.dumps(verdict.to_json()) if verdict is not None else None
     eval_verdict = None
     if not failures:
         try:
             cert = read_json_or_envelope(lb.store.run_dir(run.id) / EVALUATION, 256 * 1024 * 1024, "certificate")
-            eval_verdict = verify_eval(cert, bundle_dir, spots=lb.settings.eval_spots)
+            eval_verdict = verify_eval(cert, bundle, spots=lb.settings.eval_spots)
         except RunRejected as e:
             failures = [f"evaluation certificate: {f}" for f in e.failures]
         except VerificationError as e:
@@ -110,14 +110,11 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, verdict, failures: list
         run.eval_bound = eval_verdict.detection_probability
         run.contamination = (f"clean: all {eval_verdict.eval_documents} evaluation documents proven absent "
                              "from the training data")
-    try:
-        bundle = open_bundle(bundle_dir)
+    if bundle is not None:  # a bundle the reader refused has no plots; its rejection says why
         plots = lb.store.plots_dir(run.id)
         plots.mkdir(exist_ok=True)
         plot_loss(bundle, plots / "loss.svg", [(r.step, r.passed) for r in (verdict.results if verdict else [])])
         plot_fingerprints(bundle, plots / "fingerprints.svg")
-    except VerificationError:
-        pass  # a bundle the reader refuses has no plots; its rejection says why
     run.decided_ms = now_ms()
     if failures:
         run.status, run.reason = "rejected", "; ".join(failures)

@@ -17,7 +17,7 @@ from ..bundle.checkpoint import (
     state_hash,
     state_tensors,
 )
-from ..bundle.reader import Bundle, open_bundle
+from ..bundle.reader import Bundle, as_bundle
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
 from ..data.dataset import Dataset
@@ -136,7 +136,7 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
 
 
 def verify_bundle(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Bundle,
     *,
     challenges: int | None = None,
     confidence: float | None = None,
@@ -173,7 +173,7 @@ def verify_bundle(
         raise MalformedInput("need at least one challenge of at least one step")
     nonce = os.urandom(16) if nonce is None else nonce
 
-    bundle = open_bundle(path, public_key)
+    bundle = as_bundle(path, public_key)
     m = bundle.manifest
     task = task_of(bundle)
     # One process sums the ranks' gradients in rank order. For 2 ranks that is the collective's
