@@ -85,14 +85,21 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
+    parts: dict[str, list[float]] = {"batch_root": [], "probe_fingerprint": [], "sketch": [], "log_record": []}
+
     def witness_work(model, t: int, loss: torch.Tensor) -> None:
+        # each part ends by synchronizing (the fingerprint and the sketch move to the CPU anyway),
+        # so the breakdown adds no waiting of its own
+        marks = [time.perf_counter()]
         rows = data[(t * args.batch) % 4096 : (t * args.batch) % 4096 + args.batch]
         root = batch_root([sample_hash(bytes(r.tolist())) for r in rows])
+        marks.append(time.perf_counter())
         with torch.no_grad():
             out = model(probes[:, :-1])
             model.reshard()
             losses = F.cross_entropy(out.transpose(1, 2), probes[:, 1:], reduction="none").mean(dim=1)
             fp = fingerprint_from_outputs(out.float().cpu(), losses.cpu(), proj)
+            marks.append(time.perf_counter())
             pieces = {}
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -101,14 +108,20 @@ def main() -> None:
                 pieces[name] = (p.to_local(), off[0] * (p[0].numel() if p.dim() else 1), p.numel())
             x = sketcher.gather({n: (t_.float(), lo, full) for n, (t_, lo, full) in pieces.items()})
             sk = sketcher.project(x.cpu())
+            marks.append(time.perf_counter())
         log.append({"type": "step", "step": t, "batch_root": root.hex(), "loss": float(loss.detach()),
                     "fingerprint": fp.to_json(), "sketch": sk})
         hashlib.sha256(canonical_json({"probe": fp.digest})).digest()
+        marks.append(time.perf_counter())
+        for name, a, b in zip(parts, marks[:-1], marks[1:], strict=True):
+            parts[name].append(b - a)
 
     for t in range(3):  # warm-up: allocator, kernels, the sketch plan
         step(plain, plain_opt, t)
         witness_work(witnessed, t, step(witnessed, wit_opt, t))
     sync()
+    for v in parts.values():
+        v.clear()
     plain_t, wit_t, extra_t = [], [], []
     t = 3
     for r in range(args.rounds):
@@ -135,7 +148,8 @@ def main() -> None:
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         report({"device": name, "parameters": params, "tokens_per_step": args.batch * c.block,
                 "probe_tokens": args.probes * args.probe_len, "plain_step_s": p, "witnessed_step_s": w,
-                "recorder_added_s": x, "overhead_ratio": x / p, "wallclock_ratio": w / p - 1}, args.json)
+                "recorder_added_s": x, "overhead_ratio": x / p, "wallclock_ratio": w / p - 1,
+                "recorder_parts_s": {k: statistics.median(v) for k, v in parts.items()}}, args.json)
     dist.destroy_process_group()
 
 
