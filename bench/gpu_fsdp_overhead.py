@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=5)
     ap.add_argument("--probes", type=int, default=4)
     ap.add_argument("--probe-len", type=int, default=32)
+    ap.add_argument("--sketch-ab", action="store_true",
+                    help="only time the sketch's gather against one host copy per tensor, alternating")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -85,6 +87,19 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
+    offsets: dict[int, dict[str, int]] = {}
+
+    def shard_sketch(model) -> list[float]:
+        # as DistSession does: the shards' offsets once per run, then only the sampled values move
+        if id(model) not in offsets:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            offsets[id(model)] = {
+                name: compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1][0]
+                * (p[0].numel() if p.dim() else 1) for name, p in model.named_parameters()}
+        pieces = {n: (p.to_local(), offsets[id(model)][n], p.numel()) for n, p in model.named_parameters()}
+        return sketcher.project(sketcher.gather(pieces))
+
     parts: dict[str, list[float]] = {"batch_root": [], "probe_fingerprint": [], "sketch": [], "log_record": []}
 
     def witness_work(model, t: int, loss: torch.Tensor) -> None:
@@ -100,14 +115,7 @@ def main() -> None:
             losses = F.cross_entropy(out.transpose(1, 2), probes[:, 1:], reduction="none").mean(dim=1)
             fp = fingerprint_from_outputs(out.float().cpu(), losses.cpu(), proj)
             marks.append(time.perf_counter())
-            pieces = {}
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            for name, p in model.named_parameters():
-                _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                pieces[name] = (p.to_local(), off[0] * (p[0].numel() if p.dim() else 1), p.numel())
-            x = sketcher.gather({n: (t_.float(), lo, full) for n, (t_, lo, full) in pieces.items()})
-            sk = sketcher.project(x.cpu())
+            sk = shard_sketch(model)
             marks.append(time.perf_counter())
         log.append({"type": "step", "step": t, "batch_root": root.hex(), "loss": float(loss.detach()),
                     "fingerprint": fp.to_json(), "sketch": sk})
@@ -115,6 +123,11 @@ def main() -> None:
         marks.append(time.perf_counter())
         for name, a, b in zip(parts, marks[:-1], marks[1:], strict=True):
             parts[name].append(b - a)
+
+    if args.sketch_ab:
+        sketch_ab(witnessed, sketcher, sync, args.json)
+        dist.destroy_process_group()
+        return
 
     for t in range(3):  # warm-up: allocator, kernels, the sketch plan
         step(plain, plain_opt, t)
@@ -143,14 +156,63 @@ def main() -> None:
                     wit_t.append(e - a)
                     extra_t.append(e - b)
                 t += 1
+    same_sketch = None
+    with torch.no_grad():  # the sketch read from the device's shards is the one of the state on the CPU
+        full = {n: p.full_tensor().cpu() for n, p in witnessed.named_parameters()}
+        if dist.get_world_size() == 1:  # with more ranks each holds a part; the parts add up
+            same_sketch = shard_sketch(witnessed) == sketcher(full)
     if dist.get_rank() == 0:
         p, w, x = statistics.median(plain_t), statistics.median(wit_t), statistics.median(extra_t)
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         report({"device": name, "parameters": params, "tokens_per_step": args.batch * c.block,
                 "probe_tokens": args.probes * args.probe_len, "plain_step_s": p, "witnessed_step_s": w,
                 "recorder_added_s": x, "overhead_ratio": x / p, "wallclock_ratio": w / p - 1,
-                "recorder_parts_s": {k: statistics.median(v) for k, v in parts.items()}}, args.json)
+                "recorder_parts_s": {k: statistics.median(v) for k, v in parts.items()},
+                "sketch_on_device_equals_cpu": same_sketch}, args.json)
     dist.destroy_process_group()
+
+
+@torch.no_grad()
+def sketch_ab(model, sketcher: ParameterSketch, sync, json_path: str | None) -> None:  # noqa: ANN001
+    """The library's gather (one device-to-host copy) against one host copy per tensor, alternating."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    def pieces() -> dict:
+        out = {}
+        for name, p in model.named_parameters():
+            _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            out[name] = (p.to_local(), off[0] * (p[0].numel() if p.dim() else 1), p.numel())
+        return out
+
+    def per_tensor(pcs: dict) -> torch.Tensor:
+        positions, proj = sketcher.plan({n: full for n, (_, _, full) in pcs.items()})
+        x = torch.zeros(proj.shape[1] * 256, dtype=torch.float64)
+        for name, (t, lo, _full) in pcs.items():
+            pos, offset = positions[name]
+            flat = t.reshape(-1)
+            idx = torch.nonzero((pos >= lo) & (pos < lo + flat.numel())).reshape(-1)
+            x[offset + idx] = flat.index_select(0, (pos[idx] - lo).to(flat.device)).cpu().to(torch.float64)
+        return x
+
+    times: dict[str, list[float]] = {"offsets": [], "gather_one_copy": [], "gather_per_tensor": []}
+    pcs = pieces()
+    assert torch.equal(sketcher.gather(pcs), per_tensor(pcs))
+    for i in range(60):
+        sync()
+        a = time.perf_counter()
+        pcs = pieces()
+        b = time.perf_counter()
+        for name in (("gather_one_copy", "gather_per_tensor") if i % 2 else ("gather_per_tensor", "gather_one_copy")):
+            sync()
+            c = time.perf_counter()
+            sketcher.gather(pcs) if name == "gather_one_copy" else per_tensor(pcs)
+            sync()
+            if i >= 10:
+                times[name].append(time.perf_counter() - c)
+        if i >= 10:
+            times["offsets"].append(b - a)
+    if dist.get_rank() == 0:
+        report({k: statistics.median(v) for k, v in times.items()}, json_path)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ class DistSession(TrainingSession):
             self.model = fully_shard(base)
         self.optimizer = task.build_optimizer(self.model)
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
+        self._shard_offsets: dict[str, int] | None = None
 
     def my_share(self, indices: list[int]) -> list[int]:
         """This rank's micro-batch of the global batch (rank order)."""
@@ -70,15 +71,16 @@ class DistSession(TrainingSession):
         """Collective: each rank contributes the sampled coordinates of its shards; rank 0 projects."""
         if self.parallelism == "ddp":
             return self.sketcher(dict(self.module.named_parameters())) if self.rank == 0 else None
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        if self._shard_offsets is None:  # a shard's place in its tensor is fixed for the whole run
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        pieces = {}
-        for name, p in self.model.named_parameters():
-            local = p.to_local()
-            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            row = p[0].numel() if p.dim() else 1
-            lo = offset[0] * row if p.dim() else 0
-            pieces[name] = (local.detach().cpu(), lo, p.numel())
+            self._shard_offsets = {}
+            for name, p in self.model.named_parameters():
+                _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                self._shard_offsets[name] = offset[0] * p[0].numel() if p.dim() else 0
+        # the shards stay where they are: the sketch copies only its sampled coordinates off them
+        pieces = {name: (p.to_local().detach(), self._shard_offsets[name], p.numel())
+                  for name, p in self.model.named_parameters()}
         x = self.sketcher.gather(pieces)
         dist.all_reduce(x)  # every coordinate is held by exactly one rank: the sum is exact
         return self.sketcher.project(x) if self.rank == 0 else None

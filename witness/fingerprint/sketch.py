@@ -34,6 +34,7 @@ class ParameterSketch:
         self.seed, self.k, self.coords = seed, k, coords
         self._plan: tuple[dict[str, tuple[torch.Tensor, int]], torch.Tensor] = ({}, torch.zeros(0))
         self._shape: tuple[tuple[str, int], ...] | None = None
+        self._index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def plan(self, sizes: dict[str, int]) -> tuple[dict[str, tuple[torch.Tensor, int]], torch.Tensor]:
         """Per tensor: its sampled flat positions and offset in the gather buffer; and the (k, chunks, CHUNK) projection."""
@@ -56,6 +57,7 @@ class ParameterSketch:
             offset += padded
         proj = torch.cat(blocks, dim=1).view(self.k, -1, CHUNK) if blocks else torch.zeros(self.k, 0, CHUNK, dtype=torch.float64)
         self._plan, self._shape = (positions, proj), shape
+        self._index_cache = {}
         return self._plan
 
     @torch.no_grad()
@@ -73,17 +75,32 @@ class ParameterSketch:
         floating = {n: v for n, v in pieces.items() if v[0].is_floating_point()}
         positions, proj = self.plan({n: full for n, (_, _, full) in floating.items()})
         x = torch.zeros(proj.shape[1] * CHUNK, dtype=torch.float64)
+        # On an accelerator, per-tensor copies to the host would each wait for the device: the
+        # selected values are gathered there and cross once per device (values are copied, and
+        # widening to float64 is exact, so the bits are those of a per-tensor gather).
+        dests: dict[torch.device, list[torch.Tensor]] = {}
+        values: dict[torch.device, list[torch.Tensor]] = {}
         for name, (t, lo, full) in floating.items():
-            pos, offset = positions[name]
             flat = t.detach().reshape(-1)
-            if lo == 0 and flat.numel() == full:  # the whole tensor: no masking needed
-                x[offset : offset + pos.numel()] = flat.index_select(0, pos.to(flat.device)).cpu().to(torch.float64)
-                continue
-            mine = (pos >= lo) & (pos < lo + flat.numel())
-            idx = torch.nonzero(mine).reshape(-1)
-            values = flat.index_select(0, (pos[idx] - lo).to(flat.device))
-            x[offset + idx] = values.cpu().to(torch.float64)
+            dest, local = self._indices(name, positions[name], lo, flat.numel(), full, flat.device)
+            dests.setdefault(flat.device, []).append(dest)
+            values.setdefault(flat.device, []).append(flat.index_select(0, local).to(torch.float64))
+        for dev, vals in values.items():
+            x[torch.cat(dests[dev])] = torch.cat(vals).cpu()
         return x
+
+    def _indices(self, name: str, plan: tuple[torch.Tensor, int], lo: int, n: int, full: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a tensor's (or shard's) sampled values go in the gather buffer, and where they are
+        in it (on its device); cached, since a run's shards keep their offsets."""
+        key = (name, lo, n, full, str(device))
+        hit = self._index_cache.get(key)
+        if hit is None:
+            pos, offset = plan
+            mine = torch.nonzero((pos >= lo) & (pos < lo + n)).reshape(-1)
+            hit = (offset + mine, (pos[mine] - lo).to(device))
+            self._index_cache[key] = hit
+        return hit
 
     def project(self, x: torch.Tensor) -> list[float]:
         """Project gathered coordinates; exactly rounded, so independent of the thread count."""
