@@ -99,6 +99,8 @@ def test_the_demo_fills_a_fresh_leaderboard(tmp_path, capsys):
     assert run_demo(tmp_path / "demo", port=0, serve=False) == 0
     out = capsys.readouterr().out
     assert out.count("CERTIFIED") == 3 and out.count("REJECTED") == 1 and "replay" in out
+    alice = next(line for line in out.splitlines() if "by alice" in line)
+    assert "90 challenges passed, bound 1.0000" in alice  # all 60 steps, then bob's 30 more
     engine = create_engine(f"sqlite:///{tmp_path / 'demo' / 'leaderboard.db'}")
     with engine.connect() as c:
         statuses = dict(c.execute(text("SELECT a.name, r.status FROM runs r JOIN accounts a ON a.id = r.account_id")).all())

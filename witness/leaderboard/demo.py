@@ -77,12 +77,14 @@ def run_demo(folder: Path, port: int = 8080, serve: bool = True) -> int:
     with C.connect(url, people["bob"][1]) as c:
         C.challenge(c, runs["alice"], 30)  # bob doubts alice's run and asks for more challenges
     work(lb, once=True)
+    print(f"  bob asked for 30 more challenges on alice's run {runs['alice']}", file=sys.stderr)
     with C.connect(url) as c:
         for name, run_id in runs.items():
             r = c.get(f"/api/runs/{run_id}").json()
             value = f"{r['metric']} {r['metric_value']:.4f}" if r["metric_value"] is not None else ""
-            parts = [f"run {run_id} by {name}:", r["status"].upper(), value, r["reason"] or ""]
-            print("  " + " ".join(p for p in parts if p))
+            passed = f"{r['challenges_passed']} challenges passed, bound {r['bound']:.4f}" if r["status"] == "certified" else ""
+            parts = [r["status"].upper(), value, passed, r["reason"] or ""]
+            print(f"  run {run_id} by {name}: " + ", ".join(p for p in parts if p))
     print(f"open {url}/tracks/{DEMO_TRACK} (API docs at {url}/docs)")
     if not serve:
         server.should_exit = True
