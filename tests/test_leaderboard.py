@@ -6,6 +6,8 @@ import hashlib
 import io
 import json
 import tarfile
+import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -395,3 +397,33 @@ def test_a_weakly_anchored_run_is_rejected(server, tmp_path):
     rec.train(progress=False)
     with pytest.raises(C.LeaderboardError, match="final tree head \\(size 22\\) was not streamed"):
         submit(tc, alice, tmp_path / "late", cert)
+
+
+def test_a_long_verification_keeps_its_lease(server, tmp_path, monkeypatch):
+    # A worker renews its lease while it verifies, so a job that outlasts the lease is neither
+    # taken up again by a second worker nor verified twice.
+    from witness.leaderboard import worker as W
+
+    lb, tc = server
+    alice = register(tc, "alice")
+    run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "run")
+    submit(tc, alice, bundle, cert)
+    real, started = W.verify_bundle, threading.Event()
+
+    def slow(*a, **kw):
+        started.set()
+        time.sleep(2.0)  # four lease periods of 0.5 s
+        return real(*a, **kw)
+
+    monkeypatch.setattr(W, "verify_bundle", slow)
+    first = threading.Thread(target=W.work, args=(lb,), kwargs={"worker": "w1", "once": True, "lease_ms": 500})
+    first.start()
+    assert started.wait(60)
+    time.sleep(1.0)  # the lease, unrenewed, would have expired twice by now
+    assert W.work(lb, worker="w2", once=True, lease_ms=500) == 0  # nothing to take up
+    first.join(120)
+    with lb.Session() as s:
+        jobs = s.scalars(select(Job).where(Job.run_id == run_id)).all()
+        assert [(j.status, j.worker, j.attempts) for j in jobs] == [("done", "w1", 1)]
+        assert len(s.scalars(select(Round).where(Round.run_id == run_id)).all()) == 1
+    assert _run(lb, run_id).status == "certified"

@@ -3,7 +3,8 @@
 PostgreSQL: a worker claims a job with ``SELECT … FOR UPDATE SKIP LOCKED``, so concurrent
 workers never wait on each other and never take the same job. SQLite: one ``UPDATE …
 RETURNING`` statement claims a job atomically (SQLite serialises writers). A claimed job holds
-a lease; a job whose worker died is queued again once its lease has expired, so nothing is lost.
+a lease that its worker renews while it works; a job whose worker died is queued again once its
+lease has expired, so nothing is lost, and a long verification is not taken up a second time.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def finish(s: Session, job: Job, error: str | None = None) -> None:
     job.status = "failed" if error else "done"
     job.error = error
     job.finished_ms = now_ms()
+
+
+def renew(s: Session, job_id: int, worker: str) -> bool:
+    """Extend ``worker``'s lease on a running job (commits); False if the job is no longer its own."""
+    n = s.execute(
+        update(Job).where(Job.id == job_id, Job.worker == worker, Job.status == "running")
+        .values(claimed_ms=now_ms()).execution_options(synchronize_session=False)
+    ).rowcount
+    s.commit()
+    return n == 1
 
 
 def requeue_expired(s: Session, lease_ms: int = LEASE_MS) -> int:

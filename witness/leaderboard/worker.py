@@ -12,8 +12,10 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from sqlalchemy import select
 
@@ -133,14 +135,33 @@ def run_bound(lb: Leaderboard, challenges: int, steps: int, every_step: bool) ->
     return detection_probability(lb.settings.bad_fraction, challenges, steps if every_step else None)
 
 
+@contextmanager
+def _lease(lb: Leaderboard, job_id: int, worker: str, lease_ms: int) -> Iterator[None]:
+    """Renew the lease on a job three times per lease period while the block runs."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(lease_ms / 3000):
+            with lb.Session() as s:
+                queue.renew(s, job_id, worker)
+
+    t = threading.Thread(target=beat, name=f"lease-{job_id}", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+
+
 def work(lb: Leaderboard, *, worker: str | None = None, once: bool = False, poll_s: float = 0.5,
-         stop: Callable[[], bool] | None = None) -> int:
+         stop: Callable[[], bool] | None = None, lease_ms: int = queue.LEASE_MS) -> int:
     """Take and process jobs until ``stop()`` (or the queue is empty, with ``once``); returns jobs done."""
     worker = worker or worker_name()
     done = 0
     while not (stop and stop()):
         with lb.Session() as s:
-            queue.requeue_expired(s)
+            queue.requeue_expired(s, lease_ms)
             job = queue.claim(s, worker)
         if job is None:
             if once:
@@ -148,7 +169,8 @@ def work(lb: Leaderboard, *, worker: str | None = None, once: bool = False, poll
             time.sleep(poll_s)
             continue
         try:
-            process(lb, job, worker)
+            with _lease(lb, job.id, worker, lease_ms):
+                process(lb, job, worker)
         except Exception as e:  # an error of the server, not of the run: record it, keep working
             log.exception("job %s failed", job.id)
             with lb.Session() as s:
