@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from .hashing import canonical_json, leaf_hash
+from .hashing import canonical_json, leaf_hash, same
 from .merkle import MerkleTree
 from .signing import SignedTreeHead
 
@@ -37,6 +37,10 @@ class RunLog:
     def root(self, size: int | None = None) -> bytes:
         """Root of the log's first ``size`` records."""
         return self.tree.root(size)
+
+    def extends(self, size: int, root: bytes) -> bool:
+        """Whether the log's first ``size`` records have ``root``: it extends a head of that size and root."""
+        return size <= len(self) and same(self.root(size), root)
 
     def sign_head(self, key: Ed25519PrivateKey, timestamp_ms: int | None = None,
                   extensions: dict | None = None) -> SignedTreeHead:

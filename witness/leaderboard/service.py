@@ -10,6 +10,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -241,8 +242,11 @@ class Leaderboard:
             if not heads:
                 raise ApiError(400, "no tree head was streamed while training: train with --leaderboard")
             for h in heads:
-                if h.size > len(bundle.log) or bundle.log.root(h.size).hex() != h.root:
-                    return self._reject_rewritten(s, run, h)
+                if not bundle.log.extends(h.size, bytes.fromhex(h.root)):
+                    # it contradicts a head its own key streamed: the log was rewritten
+                    self._reject(s, run, f"the submitted log does not extend the tree head of size {h.size} "
+                                         f"streamed at {h.received_ms} ms: it was rewritten after that head "
+                                         "was published")
             self._check_cadence(s, run, heads, bundle.final_head.size)
             cert_path = staging / EVALUATION
             if not cert_path.exists():
@@ -279,28 +283,21 @@ class Leaderboard:
         ``max_head_gap`` records, up to and including the final head."""
         sizes = [h.size for h in heads]
         gap = self.settings.max_head_gap
+        worst = max((b - a for a, b in itertools.pairwise(sizes)), default=0)
         if sizes[-1] != final_size:
-            why = (f"the final tree head (size {final_size}) was not streamed before submission; the last "
-                   f"streamed head has size {sizes[-1]}")
-        elif max((b - a for a, b in itertools.pairwise(sizes)), default=0) > gap:
-            worst = max(b - a for a, b in itertools.pairwise(sizes))
-            why = (f"the streamed heads leave {worst} records unanchored in a row; this server asks for a "
-                   f"signed head at least every {gap} records (checkpoint more often)")
-        else:
-            return
-        run.status, run.submitted_ms, run.decided_ms = "rejected", now_ms(), now_ms()
-        run.reason = f"weakly time-anchored: {why}"
-        s.commit()
-        raise ApiError(400, f"run {run.id} rejected: {run.reason}")
+            self._reject(s, run, f"weakly time-anchored: the final tree head (size {final_size}) was not streamed "
+                                 f"before submission; the last streamed head has size {sizes[-1]}")
+        if worst > gap:
+            self._reject(s, run, f"weakly time-anchored: the streamed heads leave {worst} records unanchored in a "
+                                 f"row; this server asks for a signed head at least every {gap} records "
+                                 "(checkpoint more often)")
 
-    def _reject_rewritten(self, s: Session, run: Run, head: Head) -> Run:
-        """A log that contradicts a head its own key streamed was rewritten: reject, in public."""
-        run.status = "rejected"
+    def _reject(self, s: Session, run: Run, reason: str) -> NoReturn:
+        """Reject a submission in public (the run page shows the reason) and refuse the upload."""
+        run.status, run.reason = "rejected", reason
         run.submitted_ms = run.decided_ms = now_ms()
-        run.reason = (f"the submitted log does not extend the tree head of size {head.size} streamed at "
-                      f"{head.received_ms} ms: it was rewritten after that head was published")
         s.commit()
-        raise ApiError(400, f"run {run.id} rejected: {run.reason}")
+        raise ApiError(400, f"run {run.id} rejected: {reason}")
 
     # --- self-regulation ----------------------------------------------------------------
     def request_challenges(self, s: Session, acct: Account, run_id: int, count: int) -> Job:

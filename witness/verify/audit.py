@@ -185,7 +185,7 @@ def verify_bundle(
     exact = not auto_tolerance if exact is None else exact
     for h in published_heads or []:
         h.verify(public_key_from_hex(m.public_key))
-        if h.size > len(bundle.log) or not same(bundle.log.root(h.size), h.root):
+        if not bundle.log.extends(h.size, h.root):
             raise VerificationError(f"the log does not extend the published tree head of size {h.size}: "
                                     "it was rewritten after that head was published", check="log")
     checks = [f"the log extends {len(published_heads)} published tree head(s)"] if published_heads else []
