@@ -206,7 +206,7 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     sb.add_argument("--leaderboard", required=True, metavar="URL")
     sb.add_argument("--eval", help="its evaluation certificate (default: evaluate now)")
     sb.add_argument("--key", default=key_default, help="key that signs the evaluation when there is no --eval")
-    sb.add_argument("--token", help=f"API token (default: ${'WITNESS_LEADERBOARD_TOKEN'} or the saved one)")
+    sb.add_argument("--token", help="API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")
     sb.add_argument("--wait", action="store_true", help="wait for the verdict (exit 0 certified, 1 rejected)")
     sb.add_argument("--quiet", action="store_true")
     sb.set_defaults(func=cmd_submit)
