@@ -64,10 +64,13 @@ def test_tolerance_mode_reports_every_threshold(gpt_run):
     assert res.returncode == 0, res.stderr
     v = json.loads(res.stdout)
     assert v["exact"] is False
-    assert set(v["thresholds"]) == {"loss", "fingerprint", "sketch", "update"}
-    assert all(set(r["distances"]) >= {"loss", "fingerprint", "sketch"} for r in v["results"])
+    assert set(v["thresholds"]) == {"loss", "fingerprint", "sketch", "update", "parameters", "buffers", "optimizer"}
+    # every replayed segment compares each step, then the whole state at its end with the checkpoint
+    whole = {"loss", "fingerprint", "sketch", "parameters", "optimizer.exp_avg", "optimizer.exp_avg_sq"}
+    assert all(set(r["distances"]) >= whole for r in v["results"] if r["replayed_steps"])
     text = _cli("verify", str(gpt_run), "--challenges", "3", "--tolerance").stdout
     assert "fingerprint: max distance" in text and "against threshold" in text
+    assert "parameters: max distance" in text and "optimizer: max distance" in text
     res = _cli("verify", str(gpt_run), "--challenges", "1", "--tolerance", "--threshold", "sketch=0.5", "--json")
     assert json.loads(res.stdout)["thresholds"]["sketch"] == 0.5
     assert _cli("verify", str(gpt_run), "--tolerance", "--threshold", "bogus=1").returncode == 2

@@ -124,3 +124,27 @@ def test_mutated_responses_are_unusable_input_not_crashes(tmp_path):
             continue  # refused while parsing
         # Parsed: what it names must still be refused or checked later, never crash here.
         assert path[0] in ("states", "steps", "nonce", "head_root", "head_size"), path
+
+
+def test_mutated_used_data_proofs_are_refused_not_crashes(tmp_path):
+    from witness.commit.hashing import canonical_json
+    from witness.errors import RunRejected
+    from witness.verify import verify_bundle
+    from witness.verify.respond import respond
+
+    bundle = train_tiny(tmp_path / "run", config={"steps": 8}, checkpoint_every=4)
+    respond(bundle, tmp_path / "resp", nonce=b"n", challenges=1)
+    doc = json.loads((tmp_path / "resp" / "response.json").read_text())
+    verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+    (step,) = doc["steps"]
+    tried = 0
+    for path, m in _mutants({"used": doc["steps"][step]["used"]}):
+        full = copy.deepcopy(doc)
+        full["steps"][step]["used"] = m["used"]
+        (tmp_path / "resp" / "response.json").write_bytes(canonical_json(full))
+        with pytest.raises(VerificationError) as info:  # unusable, or a failed challenge: never a crash
+            verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+        if isinstance(info.value, RunRejected):
+            assert "used-" in info.value.failures[0] or "used-data" in info.value.failures[0], path
+        tried += 1
+    assert tried > 50

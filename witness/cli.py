@@ -110,7 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             config["steps"] = args.steps
         task = build_task(args.task, config)
         rec = Recorder.create(task, args.out, key, r=_trainer_r(args.seed), checkpoint_every=args.checkpoint_every,
-                              threads=args.threads)
+                              state_every=args.state_every, threads=args.threads)
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
     return 0
@@ -147,8 +147,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     return _report_verdict(args, lambda: verify_bundle(
         args.bundle, challenges=_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
-        response=response, exact=False if args.tolerance else (True if args.exact else None),
-        thresholds=thresholds, length=args.length, threads=args.threads, public_key=args.signer,
+        response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
+        threads=args.threads, public_key=args.signer, ticket=args.ticket,
         published_heads=[_read_head(p) for p in args.published_head or []], progress=not args.json,
     ))
 
@@ -189,7 +189,8 @@ def cmd_respond(args: argparse.Namespace) -> int:
         print("respond needs the verifier's --nonce", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else default_response_dir(args.bundle)
-    respond(args.bundle, out, nonce=args.nonce, challenges=_q(args), length=args.length, progress=True)
+    respond(args.bundle, out, nonce=args.nonce, challenges=_q(args), length=args.length, tolerance=args.tolerance,
+            progress=True)
     print(f"wrote {out}")
     return 0
 
@@ -216,6 +217,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "r_source": m.r_source,
         "checkpoints": b.checkpoint_steps(),
         "checkpoint_every": m.checkpoint_every,
+        "state_every": m.state_every,
+        "state_digest": m.state_digest,
         "threads": m.threads,
         "first_loss": b.steps[0].loss,
         "last_loss": b.steps[-1].loss,
@@ -232,6 +235,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  data root     {m.data_root.hex()} ({m.dataset_size} samples)")
     print(f"  run seed      {m.run_seed.hex()} (r from the {m.r_source})")
     print(f"  checkpoints   {', '.join(map(str, b.checkpoint_steps()))} (every {m.checkpoint_every})")
+    print(f"  state hash    {m.state_digest}, committed every {m.state_every} step(s); {m.threads} thread(s)")
     print(f"  loss          {b.steps[0].loss:.4f} -> {b.steps[-1].loss:.4f}")
     print(f"  recipe        {json.dumps(m.task_config, sort_keys=True)}")
     for n in b.notes:
@@ -412,9 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=_positive)
     t.add_argument("--out", required=True)
     t.add_argument("--checkpoint-every", type=_positive, default=50)
+    t.add_argument("--state-every", type=_positive, default=1,
+                   help="commit the hash of the whole training state every K steps (default 1: every step)")
     t.add_argument("--seed", help="the trainer's r (any string); random by default")
     t.add_argument("--key", default=str(DEFAULT_KEY), help="signing key (created if missing)")
-    t.add_argument("--threads", type=_positive)
+    t.add_argument("--threads", type=_positive, help="CPU threads (at most this machine's cores)")
     t.add_argument("--config", type=_config_value, action="append", help="recipe field KEY=VALUE")
     t.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     t.add_argument("--quiet", action="store_true")
@@ -428,13 +434,16 @@ def build_parser() -> argparse.ArgumentParser:
     _challenge_args(v)
     v.add_argument("--mode", choices=["offline", "interactive"], default="offline")
     v.add_argument("--response", help="the trainer's response folder (interactive mode)")
-    tol = v.add_mutually_exclusive_group()
-    tol.add_argument("--tolerance", action="store_true", help="compare within calibrated thresholds, not bit-exactly")
-    tol.add_argument("--exact", action="store_true", help="insist on bit-exact replay (the default, except for runs over more than 2 ranks)")
+    v.add_argument("--tolerance", action="store_true",
+                   help="replay on other hardware: compare within reported thresholds, and the whole state at "
+                        "the end of every segment, instead of bit for bit (the default)")
     v.add_argument("--rtol", type=float, help="fingerprint threshold in tolerance mode")
     v.add_argument("--threshold", type=_config_value, action="append",
-                   help="tolerance-mode threshold NAME=VALUE (loss, fingerprint, sketch, update)")
-    v.add_argument("--threads", type=_positive)
+                   help="tolerance-mode threshold NAME=VALUE (loss, fingerprint, sketch, update, parameters, "
+                        "buffers, optimizer)")
+    v.add_argument("--threads", type=_positive,
+                   help="replay threads (default: the run's recorded count; at most this machine's cores)")
+    v.add_argument("--ticket", type=_hex, help="the r a ticket issuer handed out for this run (hex)")
     v.add_argument("--signer", help="pin the signer's public key (hex)")
     v.add_argument("--published-head", action="append",
                    help="a tree head published earlier (JSON); the log must extend it (repeatable)")
@@ -444,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("respond", help="answer a verifier's challenges with states and samples")
     r.add_argument("bundle")
     _challenge_args(r)
+    r.add_argument("--tolerance", action="store_true",
+                   help="the verifier replays in tolerance mode: also supply the state each segment ends at")
     r.add_argument("--out")
     r.set_defaults(func=cmd_respond)
 

@@ -7,7 +7,7 @@ import re
 from ..commit.hashing import canonical_json
 
 FORMAT = "witness-bundle"
-VERSION = 1
+VERSION = 2
 MARKER = "bundle.json"
 LOG = "log.jsonl"
 HEADS = "heads.jsonl"
@@ -31,3 +31,10 @@ def marker_bytes(version: int = VERSION) -> bytes:
 def checkpoint_name(step: int) -> str:
     """Relative path of the checkpoint holding the state after ``step`` updates."""
     return f"{CHECKPOINTS}/{step:08d}.safetensors"
+
+
+def due(step: int, every: int, steps: int) -> bool:
+    """Whether the state after ``step`` is committed on an ``every``-step cadence: every
+    ``every`` updates, and after the last step of the recipe."""
+    done = step + 1
+    return done % every == 0 or done == steps

@@ -22,6 +22,7 @@ from .layout import (
     MAX_HEADS_BYTES,
     MAX_LOG_BYTES,
     MAX_RECORD_BYTES,
+    due,
     marker_bytes,
 )
 from .schema import HEAD_EXTENSION_FIELDS, EndRecord, Manifest, StepRecord
@@ -57,13 +58,21 @@ class Bundle:
         return sorted(self.checkpoints)
 
     def committed_checkpoint(self, step: int) -> tuple[bytes, bytes] | None:
-        """(state hash, file SHA-256) the log commits for the state after ``step`` updates, if any."""
+        """(state hash, file SHA-256) the log commits for the checkpoint after ``step`` updates, if any."""
         if step == 0:
             return self.manifest.init_state_hash, self.manifest.init_checkpoint_sha256
         rec = self.steps[step - 1]
         if rec.state_hash is None or rec.checkpoint_sha256 is None:
             return None
         return rec.state_hash, rec.checkpoint_sha256
+
+    def committed_state(self, step: int) -> bytes | None:
+        """The state hash the log commits for the state after ``step`` updates, if any."""
+        return self.manifest.init_state_hash if step == 0 else self.steps[step - 1].state_hash
+
+    def state_steps(self) -> list[int]:
+        """Steps whose state (after that many updates) the log commits by its hash, ascending."""
+        return [0] + [r.step + 1 for r in self.steps if r.state_hash is not None]
 
 
 def _looks_like_pickle(path: Path) -> bool:
@@ -158,6 +167,9 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
         if need not in files:
             raise MalformedInput(f"the bundle has no {need}")
     marker = _read_bounded(root / MARKER, 4096, MARKER)
+    if marker == marker_bytes(1):
+        raise MalformedInput("this is a version 1 bundle (witness 0.1), whose interactive audit did not bind the "
+                             "whole training state; this verifier reads version 2: record the run again")
     if marker != marker_bytes():
         raise MalformedInput(f"{MARKER} is not a witness bundle marker of a supported version")
 
@@ -236,7 +248,16 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
 
     committed = {0}
     for rec in steps:
-        if rec.state_hash is not None:
+        # The manifest fixes which states are committed by hash and which are checkpointed:
+        # a trainer may not leave out (or add) a commitment where it suits it.
+        for value, every, what in ((rec.state_hash, manifest.state_every, "state hash"),
+                                   (rec.checkpoint_sha256, manifest.checkpoint_every, "checkpoint")):
+            wanted = due(rec.step, every, manifest.steps_planned)
+            if (value is not None) != wanted:
+                raise VerificationError(
+                    f"the record {'lacks' if wanted else 'adds'} a {what}: the manifest commits one "
+                    f"every {every} steps and after the last", step=rec.step, check="record")
+        if rec.checkpoint_sha256 is not None:
             committed.add(rec.step + 1)
     checkpoints: dict[int, Path] = {}
     for rel in sorted(files):
@@ -255,4 +276,9 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
         raise VerificationError(f"the checkpoint after step {missing[0]} is committed but missing", check="checkpoint")
     if not steps:
         raise VerificationError("the signed log holds no training step", check="log")
+    if steps[-1].state_hash is None:
+        # Replay must end on a committed state: a log signed up to an uncommitted step would leave
+        # its last states bound by nothing but their fingerprints.
+        raise VerificationError("the signed log ends at a step whose training state it does not commit",
+                                step=steps[-1].step, check="log")
     return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes)

@@ -7,8 +7,9 @@ from typing import Any
 
 from ..commit.hashing import parse_hex
 from ..errors import MalformedInput
+from .state import DIGESTS
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -74,18 +75,23 @@ class Manifest:
     dataset_size: int
     probe_hash: bytes
     checkpoint_every: int
+    state_every: int
+    state_digest: str
     steps_planned: int
     world_size: int
+    parallelism: str
     threads: int
+    code_version: str
+    torch_version: str
     public_key: str
     init_state_hash: bytes
     init_checkpoint_sha256: bytes
 
     FIELDS = {
         "type", "format_version", "task", "task_config", "code_version", "r", "r_source", "run_seed",
-        "data_root", "dataset_size", "probe_hash", "fingerprint_spec", "checkpoint_every",
-        "steps_planned", "world_size", "parallelism", "threads", "determinism", "versions",
-        "public_key", "init_state_hash", "init_checkpoint_sha256", "created_ms",
+        "data_root", "dataset_size", "probe_hash", "fingerprint_spec", "checkpoint_every", "state_every",
+        "state_digest", "steps_planned", "world_size", "parallelism", "threads", "versions",
+        "public_key", "init_state_hash", "init_checkpoint_sha256",
     }
 
     @classmethod
@@ -97,13 +103,18 @@ class Manifest:
             raise _fail(w, "the log's first record must be the manifest")
         if type(obj["format_version"]) is not int or obj["format_version"] != MANIFEST_VERSION:
             raise _fail(w, f"unsupported manifest version {obj['format_version']!r}")
-        for k in ("code_version", "parallelism"):
-            _str(obj[k], f"{w}.{k}")
-        for k in ("fingerprint_spec", "determinism", "versions"):
-            _dict(obj[k], f"{w}.{k}")
-        _int(obj["created_ms"], f"{w}.created_ms")
+        _dict(obj["fingerprint_spec"], f"{w}.fingerprint_spec")
+        versions = _keys(obj["versions"], {"torch"}, set(), f"{w}.versions")
         if obj["r_source"] not in ("trainer", "ticket"):
             raise _fail(w, "r_source must be trainer or ticket")
+        if obj["parallelism"] not in ("none", "ddp", "fsdp"):
+            raise _fail(w, "parallelism must be none, ddp or fsdp")
+        if obj["state_digest"] not in DIGESTS:
+            raise _fail(w, f"state_digest must be one of {', '.join(DIGESTS)}")
+        state_every = _int(obj["state_every"], f"{w}.state_every", 1)
+        checkpoint_every = _int(obj["checkpoint_every"], f"{w}.checkpoint_every", 1)
+        if checkpoint_every % state_every:
+            raise _fail(w, "checkpoint_every must be a multiple of state_every (every checkpoint is a committed state)")
         return cls(
             raw=obj,
             task=_str(obj["task"], f"{w}.task", 64),
@@ -114,10 +125,15 @@ class Manifest:
             data_root=parse_hex(obj["data_root"], f"{w}.data_root"),
             dataset_size=_int(obj["dataset_size"], f"{w}.dataset_size", 1),
             probe_hash=parse_hex(obj["probe_hash"], f"{w}.probe_hash"),
-            checkpoint_every=_int(obj["checkpoint_every"], f"{w}.checkpoint_every", 1),
+            checkpoint_every=checkpoint_every,
+            state_every=state_every,
+            state_digest=obj["state_digest"],
             steps_planned=_int(obj["steps_planned"], f"{w}.steps_planned", 1),
             world_size=_int(obj["world_size"], f"{w}.world_size", 1, 1 << 20),
+            parallelism=obj["parallelism"],
             threads=_int(obj["threads"], f"{w}.threads", 1, 4096),
+            code_version=_str(obj["code_version"], f"{w}.code_version", 64),
+            torch_version=_str(versions["torch"], f"{w}.versions.torch", 64),
             public_key=_str(obj["public_key"], f"{w}.public_key", 64),
             init_state_hash=parse_hex(obj["init_state_hash"], f"{w}.init_state_hash"),
             init_checkpoint_sha256=parse_hex(obj["init_checkpoint_sha256"], f"{w}.init_checkpoint_sha256"),
@@ -154,8 +170,8 @@ class StepRecord:
         _keys(obj, req, {"state_hash", "checkpoint_sha256"}, where)
         if obj["type"] != "step":
             raise _fail(where, f"expected a step record, found {obj['type']!r}")
-        if ("state_hash" in obj) != ("checkpoint_sha256" in obj):
-            raise _fail(where, "state_hash and checkpoint_sha256 come together")
+        if "checkpoint_sha256" in obj and "state_hash" not in obj:
+            raise _fail(where, "a checkpoint record also commits its state_hash")
         batch = obj["batch"]
         if not isinstance(batch, list) or not 1 <= len(batch) <= 1 << 20:
             raise _fail(where, "batch must be a non-empty list of sample indices")

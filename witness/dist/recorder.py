@@ -19,7 +19,8 @@ import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..data.order import derive_run_seed
-from ..record.recorder import HeadCallback, Recorder, checkpoint_due
+from ..bundle.layout import due
+from ..record.recorder import HeadCallback, Recorder
 from ..task.base import StepOutput, Task
 from .session import DistSession
 
@@ -28,7 +29,10 @@ class DistRecorder:
     """Witnesses a DDP or FSDP2 run: the global batch is the ranks' micro-batches in rank order."""
 
     def __init__(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, r: bytes,
-                 checkpoint_every: int = 50, parallelism: str = "ddp", on_head: HeadCallback | None = None):
+                 checkpoint_every: int = 50, state_every: int | None = None, parallelism: str = "ddp",
+                 on_head: HeadCallback | None = None):
+        """``state_every`` defaults to every step under DDP (rank 0 holds the whole state) and to
+        ``checkpoint_every`` under FSDP2, where committing a state gathers it from every rank."""
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
         self.task = task
@@ -36,13 +40,15 @@ class DistRecorder:
         self.session = DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism)
         self.rank = self.session.rank
         self.checkpoint_every = checkpoint_every
+        self.state_every = state_every or (checkpoint_every if parallelism == "fsdp" else 1)
         self.inner: Recorder | None = None
         if self.rank == 0:
             if key is None:
                 raise ValueError("rank 0 signs the log: it needs the key")
             self.inner = Recorder.create(task, out, key, r=r, checkpoint_every=checkpoint_every,
-                                         session=self.session, init_state=self.session.init_state,
-                                         parallelism=parallelism, on_head=on_head)
+                                         state_every=self.state_every, session=self.session,
+                                         init_state=self.session.init_state, parallelism=parallelism,
+                                         on_head=on_head)
         dist.barrier()
 
     @property
@@ -68,12 +74,12 @@ class DistRecorder:
         return self.session.local_step(step, batch)
 
     def log_step(self, step: int, out: StepOutput) -> None:
-        """Collectives (loss, fingerprint, sketch, state at checkpoints), then rank 0 records."""
-        checkpoint = checkpoint_due(step, self.checkpoint_every, self.task.config.steps)
+        """Collectives (loss, fingerprint, sketch, the state where it is committed), then rank 0 records."""
+        committed = due(step, self.state_every, self.task.config.steps)
         total = self.session.global_output(out)
         fp = self.session.fingerprint()
         sketch = self.session.sketch()
-        state = self.session.full_state() if checkpoint else None
+        state = self.session.full_state() if committed else None
         if self.inner is not None:
             self.inner.log_step(step, total, fingerprint=fp, sketch=sketch, state=state)
 

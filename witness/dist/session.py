@@ -1,18 +1,65 @@
-"""A training session whose model is wrapped for data parallelism (DDP) or sharded (FSDP2)."""
+"""A training session whose model is wrapped for data parallelism (DDP) or sharded (FSDP2).
+
+Every cross-rank sum is taken in rank order, so a run over any number of ranks has the bits
+that one process gets by accumulating the ranks' micro-batches in that order: the gradients
+(a DDP communication hook, an FSDP2 reduce-scatter), the clipping norm, and the loss.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from ..bundle.checkpoint import state_tensors
+from ..bundle.state import state_tensors
 from ..fingerprint.probes import Fingerprint
 from ..fingerprint.sketch import ParameterSketch
 from ..record.session import TrainingSession
-from ..task.base import StepOutput, Task, mean_of_ranks
+from ..task.base import StepOutput, Task, clip_by_shard_norms, mean_of_ranks
 
 PARALLELISMS = ("ddp", "fsdp")
+
+
+def sum_in_rank_order(parts: list[torch.Tensor] | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = ((parts[0] + parts[1]) + parts[2]) + …``: the order in which one process
+    accumulates the ranks' micro-batch gradients (float addition is not associative)."""
+    out.copy_(parts[0])
+    for p in parts[1:]:
+        out.add_(p)
+    return out
+
+
+def ordered_allreduce_hook(group, bucket):  # noqa: ANN001, ANN201 - DDP refuses string annotations here
+    """DDP communication hook: the mean of the ranks' gradients, summed in rank order."""
+    t = bucket.buffer()
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t, group=group)
+    sum_in_rank_order(parts, t).div_(world)
+    fut = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+class OrderedReduceScatter(ReduceScatter):
+    """FSDP2 reduce-scatter: each rank receives every rank's chunk of its shard and sums them
+    in rank order (then divides, for a mean), where the collective would add in its own order."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A plain buffer."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> None:
+        world = group.size()
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)  # chunk r of `received` is rank r's
+        sum_in_rank_order(received.view(world, -1), output_tensor)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(world)
+        elif op != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"reduce-scatter with {op} has no rank-ordered form here")
 
 
 class DistSession(TrainingSession):
@@ -30,16 +77,23 @@ class DistSession(TrainingSession):
         if task.config.batch_size % self.world_size:
             raise ValueError(f"the global batch of {task.config.batch_size} does not split over {self.world_size} ranks")
         base = task.build_model(run_seed)  # identical on every rank: a function of the seed
+        if any(b.is_floating_point() for b in base.buffers()):
+            # DDP broadcasts rank 0's buffers and FSDP2 leaves each rank its own: neither is what
+            # one process replaying the micro-batches in turn would hold.
+            raise NotImplementedError(f"task {task.name} has buffers (BatchNorm?): distributed recording "
+                                      "supports models without floating buffers")
         self.init_state = state_tensors(base, None)
         self.module: nn.Module = base
         if parallelism == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             self.model = DistributedDataParallel(base)
+            self.model.register_comm_hook(dist.group.WORLD, ordered_allreduce_hook)
         else:
             from torch.distributed.fsdp import fully_shard
 
             self.model = fully_shard(base)
+            self.model.set_custom_reduce_scatter(OrderedReduceScatter())
         self.optimizer = task.build_optimizer(self.model)
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
         self._shard_offsets: dict[str, int] | None = None
@@ -50,7 +104,17 @@ class DistSession(TrainingSession):
 
     def local_step(self, step: int, batch) -> StepOutput:
         """This rank's forward and backward; the wrapper averages the gradients across ranks."""
-        return self.task.train_step(self.model, self.optimizer, batch, self.lr(step), self.step_seed(step, self.rank))
+        clip = self._clip_sharded if self.parallelism == "fsdp" else None
+        return self.task.train_step(self.model, self.optimizer, batch, self.lr(step),
+                                    self.step_seed(step, self.rank), clip=clip)
+
+    def _clip_sharded(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Collective: clip sharded gradients by the global norm, its squares summed in rank order."""
+        grads = [p.grad.to_local() for p in params]
+        local = torch.stack([torch.linalg.vector_norm(g, 2) ** 2 for g in grads])
+        rows = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(rows, local)
+        return clip_by_shard_norms(grads, torch.stack(rows), max_norm)
 
     def global_output(self, out: StepOutput) -> StepOutput:
         """Collective: the step's loss is the mean of the ranks' losses, in rank order."""

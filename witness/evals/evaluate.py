@@ -10,8 +10,9 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
 
-from ..bundle.checkpoint import load_state, read_checkpoint, state_hash
+from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle, as_bundle, open_bundle
+from ..bundle.state import load_state, state_hash
 from ..commit.hashing import canonical_json, same, tagged_hash
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..task.base import Task
@@ -27,7 +28,7 @@ def final_model(bundle: Bundle, task: Task) -> torch.nn.Module:
     if bundle.end is None:
         raise MalformedInput("evaluation needs a finished run")
     tensors = read_checkpoint(bundle.checkpoints[len(bundle.steps)])
-    if not same(state_hash(tensors), bundle.end.final_state_hash):
+    if not same(state_hash(tensors, bundle.manifest.state_digest), bundle.end.final_state_hash):
         raise VerificationError("the final checkpoint is not the committed final state", check="checkpoint")
     model = task.build_model(bundle.manifest.run_seed)
     load_state(model, None, {k: v for k, v in tensors.items() if k.startswith("model.")})

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from ..bundle.checkpoint import model_hash, read_checkpoint
+from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle, open_bundle
+from ..bundle.state import model_hash
 from ..commit.hashing import same
 from ..errors import MalformedInput
 from ..fingerprint.probes import relative_distance
@@ -59,7 +60,7 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def identify_weights(bundle: Bundle, path: str | os.PathLike) -> Identity:
     """Same model iff the weights hash to the run's final model hash."""
-    got = model_hash(read_weights(path))
+    got = model_hash(read_weights(path), bundle.manifest.state_digest)
     ok = bundle.end is not None and same(got, bundle.end.final_model_hash)
     return Identity(ok, "weights", f"model hash {got.hex()[:16]}… "
                     f"{'equals' if ok else 'differs from'} the run's final model hash "

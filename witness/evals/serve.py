@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from ..bundle.checkpoint import load_state, model_hash
 from ..bundle.reader import open_bundle
+from ..bundle.state import load_state, model_hash
 from ..verify.audit import task_of
 from .evaluate import final_model
 from .identity import read_weights
@@ -36,7 +36,8 @@ def make_server(bundle_dir: str | os.PathLike, host: str = "127.0.0.1", port: in
     model = final_model(bundle, task)
     if weights is not None:
         load_state(model, None, read_weights(weights))
-    served = model_hash({f"model.{k}": v for k, v in model.state_dict().items()}).hex()
+    served = model_hash({f"model.{k}": v for k, v in model.state_dict().items()},
+                        bundle.manifest.state_digest).hex()
     lock = threading.Lock()
     probe_len = len(task.probe_bytes()[0])
     info = {"task": task.name, "final_model_hash": bundle.end.final_model_hash.hex() if bundle.end else None,

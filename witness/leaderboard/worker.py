@@ -62,7 +62,8 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         try:  # opened (parsed, every hash and signature checked) once, for the audit, evaluation and plots
             bundle = open_bundle(lb.store.bundle_dir(run.id), acct.public_key)
             verdict = verify_bundle(bundle, challenges=job.count, bad_fraction=lb.settings.bad_fraction,
-                                    nonce=nonce, public_key=acct.public_key, published_heads=heads)
+                                    nonce=nonce, public_key=acct.public_key, published_heads=heads,
+                                    ticket=bytes.fromhex(run.r))
         except RunRejected as e:
             verdict, failures = e.verdict, list(e.failures)
         except VerificationError as e:

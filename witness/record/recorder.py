@@ -13,7 +13,6 @@ Usage, in the trainer's loop::
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,16 +21,10 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .. import __version__
-from ..bundle.checkpoint import (
-    file_sha256,
-    load_state,
-    model_hash,
-    read_checkpoint,
-    save_checkpoint,
-    state_tensors,
-)
-from ..bundle.layout import CHECKPOINTS, HEADS, LOG, checkpoint_name
+from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
+from ..bundle.layout import CHECKPOINTS, HEADS, LOG, checkpoint_name, due
 from ..bundle.schema import MANIFEST_VERSION
+from ..bundle.state import default_digest, load_state, model_hash, state_hash, state_tensors
 from ..bundle.writer import BundleWriter, head_sizes, read_lines, truncate_lines
 from ..commit.hashing import parse_canonical_json
 from ..commit.log import RunLog
@@ -40,19 +33,17 @@ from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task
-from .session import TrainingSession, environment
+from .session import TrainingSession, bounded_threads, torch_version
 
 HeadCallback = Callable[[SignedTreeHead, RunLog], None]
 
 
-def checkpoint_due(step: int, every: int, steps: int) -> bool:
-    """Whether the state after ``step`` is checkpointed: every ``every`` steps, and the last."""
-    done = step + 1
-    return done % every == 0 or done == steps
-
-
 class Recorder:
-    """Writes the manifest before step 0, one record per step, checkpoints every K steps."""
+    """Writes the manifest before step 0, then one record per step.
+
+    A record commits the hash of the whole training state after its step every ``state_every``
+    steps (default: every step), and a checkpoint file every ``checkpoint_every`` steps.
+    """
 
     def __init__(self, task: Task, out: Path, key: Ed25519PrivateKey, session: TrainingSession,
                  writer: BundleWriter, log: RunLog, manifest: dict, start_step: int,
@@ -61,15 +52,18 @@ class Recorder:
         self.session, self.writer, self.log, self.manifest = session, writer, log, manifest
         self.start_step = self.next_step = start_step
         self.checkpoint_every = manifest["checkpoint_every"]
+        self.state_every = manifest["state_every"]
+        self.digest = manifest["state_digest"]
         self.on_head = on_head
         self._pending: tuple[int, list[int], bytes] | None = None
 
     # --- construction -------------------------------------------------------------------
     @classmethod
     def create(cls, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, *, r: bytes,
-               r_source: str = "trainer", checkpoint_every: int = 50, threads: int | None = None,
-               on_head: HeadCallback | None = None, session: TrainingSession | None = None,
-               init_state: dict | None = None, parallelism: str = "none") -> Recorder:
+               r_source: str = "trainer", checkpoint_every: int = 50, state_every: int = 1,
+               threads: int | None = None, on_head: HeadCallback | None = None,
+               session: TrainingSession | None = None, init_state: dict | None = None,
+               parallelism: str = "none") -> Recorder:
         """Start a new run: derive the seed, build the initial state, sign the manifest.
 
         A distributed run passes its own ``session`` (wrapped model) and the ``init_state`` taken
@@ -77,8 +71,10 @@ class Recorder:
         """
         if len(r) != 32:
             raise ValueError("r must be 32 bytes")
+        if state_every < 1 or checkpoint_every < 1 or checkpoint_every % state_every:
+            raise ValueError("checkpoint_every must be a multiple of state_every (every checkpoint is a committed state)")
         if threads:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(bounded_threads(threads))
         dataset = task.dataset()
         run_seed = derive_run_seed(dataset.root, r)
         if session is None:
@@ -88,8 +84,8 @@ class Recorder:
         writer = BundleWriter(Path(out), create=True)
         if init_state is None:
             init_state = state_tensors(session.model, session.optimizer)
-        init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), init_state, 0)
-        env = environment()
+        digest = default_digest()
+        init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), init_state, 0, digest)
         manifest = {
             "type": "manifest",
             "format_version": MANIFEST_VERSION,
@@ -104,16 +100,16 @@ class Recorder:
             "probe_hash": task.probe_hash().hex(),
             "fingerprint_spec": task.fingerprint_spec(),
             "checkpoint_every": checkpoint_every,
+            "state_every": state_every,
+            "state_digest": digest,
             "steps_planned": task.config.steps,
             "world_size": session.world_size,
             "parallelism": parallelism,
             "threads": torch.get_num_threads(),
-            "determinism": env["determinism"],
-            "versions": env["versions"],
+            "versions": {"torch": torch_version()},
             "public_key": public_hex(key.public_key()),
             "init_state_hash": init_hash.hex(),
             "init_checkpoint_sha256": init_file.hex(),
-            "created_ms": int(time.time() * 1000),
         }
         log = RunLog()
         writer.append_record(log.append(manifest))
@@ -135,7 +131,8 @@ class Recorder:
         if manifest["world_size"] != 1:
             raise ValueError("resuming a distributed run is not supported yet")
         task = build_task(manifest["task"], manifest["task_config"])
-        torch.set_num_threads(threads or manifest["threads"])
+        # the run's own thread count: a thread-dependent kernel would otherwise change its bits
+        torch.set_num_threads(bounded_threads(threads or manifest["threads"]))
         records = [parse_canonical_json(line) for line in lines[1:]]
         if records and records[-1]["type"] == "end":
             raise ValueError(f"the run in {out} is already complete")
@@ -143,7 +140,7 @@ class Recorder:
         for i, rec in enumerate(records):
             if rec.get("type") != "step" or rec.get("step") != i:
                 break
-            if "state_hash" in rec:
+            if "checkpoint_sha256" in rec:
                 path = out / checkpoint_name(i + 1)
                 if path.exists() and file_sha256(path).hex() == rec["checkpoint_sha256"]:
                     resume_at = i + 1
@@ -198,14 +195,19 @@ class Recorder:
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether the state after ``step`` is a checkpoint."""
-        return checkpoint_due(step, self.checkpoint_every, self.task.config.steps)
+        return due(step, self.checkpoint_every, self.task.config.steps)
+
+    def state_due(self, step: int) -> bool:
+        """Whether the record of ``step`` commits the hash of the state after it."""
+        return due(step, self.state_every, self.task.config.steps)
 
     def log_step(self, step: int, out: StepOutput, *, fingerprint: Any = None, sketch: list[float] | None = None,
                  state: dict | None = None) -> None:
         """Append the record of ``step`` (call right after the optimizer stepped).
 
-        A distributed run computes the fingerprint, sketch and (at checkpoints) full state with
-        collectives on every rank and hands them in; a single process lets the recorder do it.
+        A distributed run computes the fingerprint, sketch and (where a state is committed) the
+        full state with collectives on every rank and hands them in; a single process lets the
+        recorder do it.
         """
         if self._pending is None or self._pending[0] != step:
             raise ValueError(f"log_step({step}) without batch({step}) first")
@@ -225,11 +227,14 @@ class Recorder:
         }
         done = step + 1
         checkpoint = self.checkpoint_due(step)
-        if checkpoint:
+        if self.state_due(step):
             if state is None:
                 state = state_tensors(self.model, self.optimizer)
-            sh, fh = save_checkpoint(self.out / checkpoint_name(done), state, done)
-            record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
+            if checkpoint:
+                sh, fh = save_checkpoint(self.out / checkpoint_name(done), state, done, self.digest)
+                record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
+            else:
+                record["state_hash"] = state_hash(state, self.digest).hex()
         self.writer.append_record(self.log.append(record))
         self.next_step = done
         if checkpoint:
@@ -242,7 +247,8 @@ class Recorder:
         records = [parse_canonical_json(line) for line in self.log.lines[1:]]
         usage = UsageCommitment.from_batches(self.task.dataset(), (r["batch"] for r in records))
         final_state = read_checkpoint(self.out / checkpoint_name(self.next_step))
-        final = {"final_state_hash": records[-1]["state_hash"], "final_model_hash": model_hash(final_state).hex()}
+        final = {"final_state_hash": records[-1]["state_hash"],
+                 "final_model_hash": model_hash(final_state, self.digest).hex()}
         ext = usage.to_json() | final
         self.writer.append_record(self.log.append({"type": "end", "steps": self.next_step} | ext))
         head = self._publish_head(extensions=ext)

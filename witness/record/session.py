@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import platform
+import os
 from typing import TypeVar
 
 import torch
@@ -72,13 +72,23 @@ class TrainingSession:
         return self.sketcher(dict(self.model.named_parameters()))
 
 
-def environment() -> dict:
-    """Library versions and determinism settings, for the manifest."""
-    return {
-        "versions": {"python": platform.python_version(), "torch": torch.__version__.split("+")[0]},
-        "determinism": {
-            "device": "cpu",
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "layernorm": "hand-written (thread-invariant)",
-        },
-    }
+def torch_version() -> str:
+    """The torch release (without a local build tag): exact replay needs the same kernels."""
+    return torch.__version__.split("+")[0]
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def bounded_threads(threads: int) -> int:
+    """A thread count asked for by a person, refused above the machine's cores (more only
+    starves the machine: OpenMP starts that many threads)."""
+    cores = cpu_cores()
+    if not 1 <= threads <= cores:
+        raise ValueError(f"--threads {threads}: this machine has {cores} core(s); use 1 to {cores}")
+    return threads

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -44,28 +45,49 @@ class Schedule:
         return self.lr * (self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-@torch.no_grad()
-def clip_like_fsdp(params: list[torch.Tensor], max_norm: float, shards: int) -> torch.Tensor:
-    """Clip gradients by their total 2-norm, reducing it as FSDP2 does over dim-0 shards.
+ClipFn = Callable[[list[torch.Tensor], float], torch.Tensor]
 
-    FSDP2 takes each shard's norm, sums the squares across ranks and takes the root; this gives
-    the same bits on one process (measured bit-exact for 2 ranks), where a whole-tensor norm
-    would differ in the last bits and so change the clipping coefficient.
+
+def clip_whole(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients by their total 2-norm over whole tensors (one process, or DDP)."""
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+
+
+def shard_sq_norms(grads: list[torch.Tensor], shards: int) -> torch.Tensor:
+    """``[shards, P]``: the squared 2-norm of each gradient's dim-0 shard, as FSDP2 shards it
+    (``torch.chunk``; a shard past the end of a short tensor is empty and counts 0)."""
+    rows = [[torch.zeros((), dtype=torch.float32)] * len(grads) for _ in range(shards)]
+    for i, g in enumerate(grads):
+        for r, part in enumerate(torch.chunk(g, shards, dim=0) if g.dim() else (g,)):
+            rows[r][i] = torch.linalg.vector_norm(part, 2) ** 2
+    return torch.stack([torch.stack(row) for row in rows])
+
+
+@torch.no_grad()
+def clip_by_shard_norms(grads: list[torch.Tensor], sq: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Clip ``grads`` in place by the total norm whose per-shard squares are ``sq`` ``[shards, P]``.
+
+    Each parameter's squares are added in shard (rank) order and its norm is their root; the total
+    is the norm of those norms. One process and every rank of a sharded run compute it from the
+    same numbers in the same order, so the clipping coefficient has the same bits everywhere.
     """
     norms = []
-    for p in params:
-        g = p.grad
-        parts = torch.chunk(g, shards, dim=0) if g.dim() else (g,)
-        total = None
-        for part in parts:
-            sq = torch.linalg.vector_norm(part, 2) ** 2
-            total = sq if total is None else total + sq
+    for i in range(sq.shape[1]):
+        total = sq[0, i]
+        for r in range(1, sq.shape[0]):
+            total = total + sq[r, i]
         norms.append(total ** 0.5)
     total_norm = torch.linalg.vector_norm(torch.stack(norms), 2)
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef)
+    for g in grads:
+        g.mul_(coef)
     return total_norm
+
+
+def clip_like_fsdp(params: list[torch.Tensor], max_norm: float, shards: int) -> torch.Tensor:
+    """Clip gradients on one process exactly as a run sharded over ``shards`` ranks does."""
+    grads = [p.grad for p in params]
+    return clip_by_shard_norms(grads, shard_sq_norms(grads, shards), max_norm)
 
 
 def mean_of_ranks(losses: list[float]) -> float:
@@ -155,9 +177,14 @@ class Task:
 
     # --- the step -----------------------------------------------------------------------
     def train_step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, lr: float, seed: int
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, lr: float, seed: int,
+        clip: ClipFn | None = None,
     ) -> StepOutput:
-        """One optimizer step: set lr, forward, backward, clip, update."""
+        """One optimizer step: set lr, forward, backward, clip, update.
+
+        ``clip`` clips the gradients in place and returns their norm; a sharded run passes one
+        that reduces the norm across ranks in a fixed order.
+        """
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
@@ -166,11 +193,9 @@ class Task:
         loss = self.loss(model, batch, generator)
         loss.backward()
         params = [p for p in model.parameters() if p.grad is not None]
-        clip = self.config.grad_clip
-        gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=False)
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        gn = (clip or clip_whole)(params, max_norm)
         optimizer.step()
-        if hasattr(gn, "full_tensor"):  # sharded (FSDP2) gradients give a distributed norm
-            gn = gn.full_tensor()
         return StepOutput(float(loss.detach()), lr, float(gn))
 
     def accumulated_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[Any], lr: float,
@@ -194,11 +219,11 @@ class Task:
         with torch.no_grad():
             for p in params:
                 p.grad.div_(len(micro))
-        clip = self.config.grad_clip
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         if sharded_norm:
-            gn = clip_like_fsdp(params, clip if clip > 0 else float("inf"), len(micro))
+            gn = clip_like_fsdp(params, max_norm, len(micro))
         else:
-            gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=False)
+            gn = clip_whole(params, max_norm)
         optimizer.step()
         return StepOutput(mean_of_ranks(losses), lr, float(gn))
 
@@ -257,14 +282,21 @@ class Task:
 
     @torch.no_grad()
     def fingerprint(self, model: nn.Module) -> Fingerprint:
-        """The behavioral fingerprint of ``model``.
+        """The behavioral fingerprint of ``model``: its outputs on the probes in eval mode.
 
-        ``probe_forward`` passes no generator, and the reference models draw dropout only from
-        one, so probes are deterministic without walking the module tree to switch modes.
+        Witnessing must not change the training: in eval mode BatchNorm reads its running
+        statistics instead of updating them, and no gradient is taken, so the probes leave every
+        parameter, buffer and optimizer state as they were. Each module's own mode is restored.
         """
         if self._probes is None:
             self._probes = self.probe_tensors()
-        return self.fingerprint_of_outputs(self.probe_outputs(model, self._probes))
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            return self.fingerprint_of_outputs(self.probe_outputs(model, self._probes))
+        finally:
+            for m, training in modes:
+                m.training = training
 
     def fingerprint_spec(self) -> dict:
         """What the fingerprint contains, for the manifest."""

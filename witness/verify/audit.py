@@ -4,31 +4,35 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ..bundle.checkpoint import (
-    file_sha256,
-    load_state,
-    model_hash,
-    read_checkpoint,
-    state_hash,
-    state_tensors,
-)
+from .. import __version__
+from ..bundle.checkpoint import file_sha256, read_checkpoint
 from ..bundle.reader import Bundle, as_bundle
+from ..bundle.state import load_state, model_hash, state_hash, state_tensors
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
 from ..data.dataset import Dataset
 from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, RunRejected, VerificationError
-from ..record.session import TrainingSession
+from ..record.session import TrainingSession, bounded_threads, cpu_cores, torch_version
 from ..task.base import Task
 from ..task.registry import build_task
-from .challenges import ReplayChallenge, challenges_needed, detection_probability, draw_challenges
-from .replay import DEFAULT_THRESHOLDS, SUM_ORDER_THRESHOLDS, LocalSamples, Replayer, check_state
+from .challenges import challenges_needed, detection_probability, draw_challenges
+from .replay import (
+    DEFAULT_THRESHOLDS,
+    CheckpointStates,
+    LocalSamples,
+    Replayer,
+    SegmentPlan,
+    check_state,
+)
 from .response import Response, ResponseSamples
 from .verdict import ChallengeResult, Verdict
 
@@ -51,12 +55,37 @@ def task_of(bundle: Bundle) -> Task:
         raise VerificationError("the committed probe set is not the task's", check="manifest")
     if m.raw["fingerprint_spec"] != task.fingerprint_spec():
         raise VerificationError("the fingerprint spec is not the task's", check="manifest")
-    if m.world_size > 1 and (m.raw["parallelism"] not in ("ddp", "fsdp") or task.config.batch_size % m.world_size):
-        raise VerificationError(f"a {m.raw['parallelism']} run over {m.world_size} ranks cannot be replayed",
+    if m.world_size > 1 and (m.parallelism not in ("ddp", "fsdp") or task.config.batch_size % m.world_size):
+        raise VerificationError(f"a {m.parallelism} run over {m.world_size} ranks cannot be replayed",
                                 check="manifest")
-    if m.world_size == 1 and m.raw["parallelism"] != "none":
+    if m.world_size == 1 and m.parallelism != "none":
         raise VerificationError("a single-process run names a parallelism", check="manifest")
+    if m.code_version != __version__:
+        # The registered tasks are code: another release may build or step them differently.
+        raise MalformedInput(f"the run was recorded by witness {m.code_version}; this is witness {__version__}: "
+                             f"replay needs the same task code (install witness {m.code_version})")
     return task
+
+
+@contextmanager
+def use_threads(recorded: int, asked: int | None, notes: list[str] | None = None) -> Iterator[int]:
+    """Replay at the run's recorded thread count (a thread-dependent kernel changes bits otherwise),
+    bounded to this machine's cores; restore the process's count afterwards."""
+    cores = cpu_cores()
+    threads = bounded_threads(asked) if asked else min(recorded, cores)
+    if threads != recorded and notes is not None:
+        why = f"this machine has {cores} core(s)" if not asked else "--threads asked for it"
+        notes.append(f"replaying at {threads} thread(s) where the run recorded {recorded} ({why}): a kernel "
+                     "whose reduction depends on the thread count can change the last bits; if steps are "
+                     f"rejected, verify with --threads {recorded} on a machine with {recorded} cores")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
 
 
 def check_records(bundle: Bundle, task: Task, session: TrainingSession, local: LocalSamples | None) -> list[str]:
@@ -116,7 +145,7 @@ def check_usage(bundle: Bundle, dataset: Dataset) -> UsageCommitment:
 def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thresholds: dict[str, float]) -> list[str]:
     """Every checkpoint: file hash, state hash, and its fingerprint and sketch against the record."""
     m = bundle.manifest
-    if not same(state_hash(state_tensors(session.model, session.optimizer)), m.init_state_hash):
+    if not same(state_hash(state_tensors(session.model, session.optimizer), m.state_digest), m.init_state_hash):
         raise VerificationError("the initial state is not the one the run seed generates", step=0, check="init")
     for step in bundle.checkpoint_steps():
         sh, fh = bundle.committed_checkpoint(step)  # type: ignore[misc]
@@ -124,12 +153,12 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         if not same(file_sha256(path), fh):
             raise VerificationError(f"{path.name} is not the committed checkpoint file", step=step, check="checkpoint")
         tensors = read_checkpoint(path)
-        if not same(state_hash(tensors), sh):
+        if not same(state_hash(tensors, m.state_digest), sh):
             raise VerificationError(f"{path.name} does not hash to the committed state", step=step, check="checkpoint")
         if step > 0:
             load_state(session.model, session.optimizer, tensors)
             check_state(bundle, session, step, exact, thresholds)
-        if bundle.end is not None and step == len(bundle.steps) and not same(model_hash(tensors),
+        if bundle.end is not None and step == len(bundle.steps) and not same(model_hash(tensors, m.state_digest),
                                                                              bundle.end.final_model_hash):
             raise VerificationError("the final model hash is not that of the final checkpoint's model", check="end")
     return [f"initial state regenerated from the seed; {len(bundle.checkpoints)} checkpoint(s) hashed and fingerprinted"]
@@ -144,28 +173,28 @@ def verify_bundle(
     nonce: bytes | None = None,
     mode: str = "offline",
     response: str | os.PathLike | None = None,
-    exact: bool | None = None,
+    exact: bool = True,
     thresholds: dict[str, float] | None = None,
     length: int = 1,
     threads: int | None = None,
     public_key: str | None = None,
     published_heads: list[SignedTreeHead] | None = None,
+    ticket: bytes | None = None,
     progress: bool = False,
 ) -> Verdict:
     """Audit a bundle. Returns an accepted verdict or raises a ``VerificationError``.
 
-    ``exact=None`` chooses: bit-exact replay, except for runs over more than 2 ranks, whose
-    collectives sum in an order one process cannot reproduce bit for bit; those replay in
-    tolerance mode with thresholds calibrated for that summation noise.
+    Replay is bit-exact unless the *verifier* asks for tolerance (``exact=False``: replay on
+    other hardware), whatever the bundle says about itself. ``threads`` defaults to the run's
+    recorded count (bounded to this machine's cores).
 
     ``published_heads`` are tree heads the trainer published earlier (to a leaderboard, in a
     paper): the log must extend every one of them, so it cannot have been rewritten since.
+    ``ticket`` is the r a ticket issuer handed out: the run seed must be derived from it.
     """
     started = time.perf_counter()
     if mode not in ("offline", "interactive"):
         raise MalformedInput(f"unknown mode {mode!r}")
-    if threads:
-        torch.set_num_threads(threads)
     f = DEFAULT_BAD_FRACTION if bad_fraction is None else bad_fraction
     if challenges is None:
         challenges = challenges_needed(confidence or DEFAULT_CONFIDENCE, f)
@@ -176,13 +205,13 @@ def verify_bundle(
     bundle = as_bundle(path, public_key)
     m = bundle.manifest
     task = task_of(bundle)
-    # One process sums the ranks' gradients in rank order. For 2 ranks that is the collective's
-    # sum (a + b = b + a), so replay is bit-exact, for DDP and (with the shard-wise norm) FSDP2.
-    # With more ranks the collectives add chunk by chunk in their own orders: the last bits
-    # differ, so such runs replay in tolerance mode, and the verdict says so.
-    fsdp_many_ranks = m.raw["parallelism"] == "fsdp" and m.world_size > 2
-    auto_tolerance = exact is None and m.world_size > 2
-    exact = not auto_tolerance if exact is None else exact
+    notes = list(bundle.notes)
+    if m.torch_version != torch_version():
+        if exact:
+            raise MalformedInput(f"the run was recorded with torch {m.torch_version}; this machine has torch "
+                                 f"{torch_version()}: exact replay needs the same kernels (install torch=="
+                                 f"{m.torch_version}, or verify with --tolerance)")
+        notes.append(f"recorded with torch {m.torch_version}, replayed with {torch_version()}")
     for h in published_heads or []:
         h.verify(public_key_from_hex(m.public_key))
         if not bundle.log.extends(h.size, h.root):
@@ -191,8 +220,23 @@ def verify_bundle(
     checks = [f"the log extends {len(published_heads)} published tree head(s)"] if published_heads else []
     if not same(derive_run_seed(m.data_root, m.r), m.run_seed):
         raise VerificationError("the run seed is not H(data root || r)", check="seed")
+    if ticket is not None:
+        if m.r_source != "ticket" or not same(m.r, ticket):
+            raise VerificationError("the run seed is not derived from the ticket issued for it", check="seed")
+        checks.append("r is the issued ticket")
+    elif m.r_source == "ticket":
+        notes.append("the manifest says r came from a ticket; only its issuer can check that (--ticket)")
     checks += ["signatures and log consistency of every signed tree head", "run seed = H(data root || r)"]
 
+    with use_threads(m.threads, threads, notes) as used_threads:
+        return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
+                      checks, used_threads, started, progress)
+
+
+def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | None, exact: bool,
+           thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
+           notes: list[str], checks: list[str], threads: int, started: float, progress: bool) -> Verdict:
+    m = bundle.manifest
     local: LocalSamples | None = None
     if mode == "offline":
         dataset = task.dataset()
@@ -202,10 +246,9 @@ def verify_bundle(
                 f"(root {dataset.root.hex()[:16]}…); verify with --mode interactive and the trainer's response"
             )
         local = LocalSamples(dataset)
-    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.raw["parallelism"])
+    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism)
     checks += check_records(bundle, task, session, local)
-    base = SUM_ORDER_THRESHOLDS if auto_tolerance else DEFAULT_THRESHOLDS
-    limits = dict(base, **(thresholds or {}))
+    limits = dict(DEFAULT_THRESHOLDS, **(thresholds or {}))
     checks += check_checkpoints(bundle, session, exact, limits)
 
     n = len(bundle.steps)
@@ -214,48 +257,43 @@ def verify_bundle(
         accepted=False, mode=mode, exact=exact, task=m.task, steps=n, complete=bundle.complete,
         signer=key_fingerprint(m.public_key), challenges=len(drawn), bad_fraction=f,
         detection_probability=detection_probability(f, len(drawn), n), nonce=nonce.hex(),
-        notes=list(bundle.notes), checks=checks,
-        thresholds={} if exact else limits,
+        notes=notes, checks=checks, thresholds={} if exact else limits,
+        state_every=m.state_every, threads=threads,
     )
-    if auto_tolerance:
-        verdict.notes.append(f"{m.raw['parallelism'].upper()} run over {m.world_size} ranks: the collectives' "
-                             "cross-rank sums are not bit-reproducible on one process, so replay compares "
-                             "within the thresholds below")
-    elif fsdp_many_ranks and exact:
-        verdict.notes.append("FSDP run: the reported gradient norm is compared within 1e-6 (its cross-rank "
-                             "sum may round differently)")
     if local is None and bundle.complete:
-        verdict.notes.append("used-data trees not recomputed: interactive mode has no local copy of the dataset")
+        verdict.checks.append("every replayed sample proven in the used-sample and used-document trees")
     if not bundle.complete:
         verdict.notes.append(f"incomplete run: {n} of {m.steps_planned} planned steps are signed; verified as a {n}-step run")
 
-    norm_rtol = 1e-6 if fsdp_many_ranks else 0.0
+    committed, checkpoints = bundle.state_steps(), bundle.checkpoint_steps()
     if mode == "offline":
-        replayer = Replayer(bundle, task, local, exact, limits, norm_rtol)  # type: ignore[arg-type]
-        run = _offline
+        # Offline replay starts from checkpoints; exact replay may end on any committed hash, while
+        # tolerance mode needs the committed tensors at the end, so it replays to a checkpoint.
+        plan = SegmentPlan(checkpoints, committed if exact else checkpoints)
+        replayer = Replayer(bundle, task, local, CheckpointStates(bundle), plan, exact, limits)  # type: ignore[arg-type]
     else:
         if response is None:
             raise MalformedInput("interactive mode needs the trainer's response (witness respond)")
         resp = Response(response)
         if resp.head_root != bundle.final_head.root or resp.head_size != bundle.final_head.size:
             raise MalformedInput("the response was made for another tree head")
-        samples = ResponseSamples(resp, m.data_root, m.dataset_size)
-        replayer = Replayer(bundle, task, samples, exact, limits, norm_rtol)
-        run = _interactive(resp)
+        samples = ResponseSamples(resp, m.data_root, m.dataset_size, bundle.end)
+        replayer = Replayer(bundle, task, samples, resp, SegmentPlan(committed, committed), exact, limits)
 
     for ch in tqdm(drawn, desc="replay challenges", unit="challenge", disable=not progress):
         result = ChallengeResult(ch.step, ch.length, passed=True, replayed_steps=0)
         before = replayer.steps_run
         try:
-            run(replayer, bundle, ch, result)
+            replayer.challenge(ch.step, ch.length, result)
         except MalformedInput:
             raise
         except VerificationError as e:
             result.passed = False
             result.failure = str(e)
-            if str(e) not in verdict.failures:  # offline replays of one interval meet the same bad step
-                verdict.failures.append(str(e))
-            replayer.position = None
+            if threads != m.threads and exact:
+                result.failure += f" (replayed at {threads} thread(s); the run recorded {m.threads})"
+            if result.failure not in verdict.failures:  # replays of one segment meet the same bad step
+                verdict.failures.append(result.failure)
         result.replayed_steps = replayer.steps_run - before
         verdict.results.append(result)
 
@@ -267,31 +305,6 @@ def verify_bundle(
     if verdict.failures:
         raise RunRejected(verdict.failures, verdict)
     return verdict
-
-
-def _offline(replayer: Replayer, bundle: Bundle, ch: ReplayChallenge, result: ChallengeResult) -> None:
-    """Rebuild the state at the challenged step from the checkpoint before it, then replay."""
-    start = max(c for c in bundle.checkpoint_steps() if c <= ch.step)
-    pos = replayer.position
-    if pos is None or pos < start or pos > ch.step:
-        replayer.load(start, read_checkpoint(bundle.checkpoints[start]))
-    while replayer.position < ch.step + ch.length:  # type: ignore[operator]
-        replayer.advance(result)
-
-
-def _interactive(resp: Response):
-    def run(replayer: Replayer, bundle: Bundle, ch: ReplayChallenge, result: ChallengeResult) -> None:
-        """Take the trainer's state at the challenged step, check it against the record, replay."""
-        tensors = resp.state(ch.step)
-        committed = bundle.committed_checkpoint(ch.step)
-        if committed is not None and not same(state_hash(tensors), committed[0]):
-            raise VerificationError("supplied state is not the committed checkpoint", step=ch.step, check="state")
-        replayer.load(ch.step, tensors)
-        replayer.check_state_against_record(ch.step)
-        for _ in range(ch.length):
-            replayer.advance(result)
-
-    return run
 
 
 def default_response_dir(bundle_dir: str | os.PathLike) -> Path:

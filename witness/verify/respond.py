@@ -8,57 +8,79 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..bundle.checkpoint import load_state, read_checkpoint, save_checkpoint, state_tensors
+from ..bundle.checkpoint import read_checkpoint, save_checkpoint
 from ..bundle.reader import open_bundle
+from ..bundle.state import load_state, state_tensors
 from ..commit.hashing import canonical_json
 from ..data.order import derive_run_seed
+from ..data.proofs import pair_to_json
+from ..data.usage import UsageCommitment
 from ..errors import MalformedInput
 from ..record.session import TrainingSession
-from .audit import task_of
+from .audit import task_of, use_threads
 from .challenges import draw_challenges
+from .replay import SegmentPlan
 from .response import FORMAT, VERSION
 
 
 def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: bytes, challenges: int,
-            length: int = 1, progress: bool = False) -> Path:
-    """Rebuild the state before every challenged step (replaying from checkpoints) and write a response."""
+            length: int = 1, tolerance: bool = False, progress: bool = False) -> Path:
+    """Answer the challenges that ``nonce`` draws: the committed state each challenged segment starts
+    from (and ends at, with ``tolerance``), rebuilt by replay from the checkpoints, and every
+    replayed step's samples with their proofs."""
     bundle = open_bundle(bundle_dir)
     m = bundle.manifest
     task = task_of(bundle)
     dataset = task.dataset()
     if dataset.root != m.data_root or derive_run_seed(m.data_root, m.r) != m.run_seed:
         raise MalformedInput("this machine's dataset is not the one the run committed to")
+    usage = UsageCommitment.from_batches(dataset, (r.batch for r in bundle.steps)) if bundle.complete else None
     drawn = draw_challenges(bundle.final_head, nonce, len(bundle.steps), challenges, length)
+    plan = SegmentPlan(bundle.state_steps(), bundle.state_steps())
+    wanted: set[int] = set()
+    steps: set[int] = set()
+    for ch in drawn:
+        start, end = plan.segment(ch.step, ch.length)
+        wanted.update((start, end) if tolerance else (start,))
+        steps.update(range(start, end))
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
     (out / "states").mkdir(parents=True)
-    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.raw["parallelism"])
+    # The trainer rebuilds the states it did not keep by replaying its own steps from its checkpoints
+    # (nothing is compared here: the verifier checks every state against the log's commitments).
+    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism)
+    checkpoints = SegmentPlan(bundle.checkpoint_steps(), bundle.checkpoint_steps())
     position: int | None = None
     states: dict[str, str] = {}
-    steps: dict[str, dict] = {}
-    for ch in tqdm(drawn, desc="answering challenges", unit="challenge", disable=not progress):
-        start = max(c for c in bundle.checkpoint_steps() if c <= ch.step)
-        if position is None or position < start or position > ch.step:
-            load_state(session.model, session.optimizer, read_checkpoint(bundle.checkpoints[start]))
-            position = start
-        while position < ch.step:
-            rec = bundle.steps[position]
-            session.step(position, [dataset.sample_bytes(i) for i in rec.batch])
-            position += 1
-        name = f"states/{ch.step:08d}.safetensors"
-        save_checkpoint(out / name, state_tensors(session.model, session.optimizer), ch.step)
-        states[str(ch.step)] = name
-        for t in range(ch.step, ch.step + ch.length):
-            idx = list(bundle.steps[t].batch)
-            steps[str(t)] = {
-                "indices": idx,
-                "samples": [dataset.sample_bytes(i).hex() for i in idx],
-                "proofs": [[h.hex() for h in dataset.tree.inclusion_proof(i)] for i in idx],
-            }
+    with use_threads(m.threads, None):
+        for step in tqdm(sorted(wanted), desc="answering challenges", unit="state", disable=not progress):
+            start = checkpoints.start(step)
+            if position is None or not start <= position <= step:
+                load_state(session.model, session.optimizer, read_checkpoint(bundle.checkpoints[start]))
+                position = start
+            while position < step:
+                session.step(position, [dataset.sample_bytes(i) for i in bundle.steps[position].batch])
+                position += 1
+            name = f"states/{step:08d}.safetensors"
+            save_checkpoint(out / name, state_tensors(session.model, session.optimizer), step, m.state_digest)
+            states[str(step)] = name
+    answers: dict[str, dict] = {}
+    for t in sorted(steps):
+        idx = list(bundle.steps[t].batch)
+        samples = [dataset.sample_bytes(i) for i in idx]
+        answers[str(t)] = {
+            "indices": idx,
+            "samples": [s.hex() for s in samples],
+            "proofs": [[h.hex() for h in dataset.tree.inclusion_proof(i)] for i in idx],
+            "used": None if usage is None else [
+                {"sample": pair_to_json(usage.samples.prove_member(dataset.hashes[i])),
+                 "document": pair_to_json(usage.documents.prove_member(dataset.document_of(s)))}
+                for i, s in zip(idx, samples, strict=True)],
+        }
     doc = {
         "format": FORMAT, "version": VERSION, "head_root": bundle.final_head.root.hex(),
-        "head_size": bundle.final_head.size, "nonce": nonce.hex(), "states": states, "steps": steps,
+        "head_size": bundle.final_head.size, "nonce": nonce.hex(), "states": states, "steps": answers,
     }
     (out / "response.json").write_bytes(canonical_json(doc))
     return out

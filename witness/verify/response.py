@@ -1,9 +1,13 @@
-"""Interactive responses: the trainer supplies the state at each challenged step and the samples.
+"""Interactive responses: the trainer supplies committed states and the samples of the replayed steps.
 
 Layout of a response folder::
 
     response.json                       versioned, canonical JSON
-    states/<step:08d>.safetensors       the state before each challenged step
+    states/<step:08d>.safetensors       the committed state after <step> updates, where a
+                                        challenged segment starts (and, for tolerance mode, ends)
+
+Every sample comes with its inclusion proof in the dataset commitment and, for a finished run,
+its membership proofs in the used-sample and used-document trees of the end record.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ from pathlib import Path
 import torch
 
 from ..bundle.checkpoint import read_checkpoint
+from ..bundle.schema import EndRecord
 from ..commit.hashing import from_hex, leaf_hash, parse_canonical_json, same
 from ..commit.merkle import verify_inclusion
-from ..data.dataset import batch_root, sample_hash
+from ..commit.sorted_tree import PairProof, verify_member
+from ..data.dataset import batch_root, document_of, sample_hash
+from ..data.proofs import pair_from_json
 from ..errors import MalformedInput, VerificationError
 
 FORMAT = "witness-response"
-VERSION = 1
+VERSION = 2
 STATE_RE = re.compile(r"^states/([0-9]{8,12})\.safetensors$")
 MAX_RESPONSE_JSON = 256 * 1024 * 1024
 MAX_SAMPLE_BYTES = 1 << 20
@@ -32,11 +39,13 @@ MAX_SAMPLE_BYTES = 1 << 20
 
 @dataclass
 class ResponseStep:
-    """Samples of one step, each with its inclusion proof in the dataset commitment."""
+    """Samples of one step, each with its inclusion proof in the dataset commitment and (for a
+    finished run) the raw JSON of its membership proofs in the used-sample and used-document trees."""
 
     indices: list[int]
     samples: list[bytes]
     proofs: list[list[bytes]]
+    used: list | None
 
 
 def safe_child(root: Path, rel: object) -> Path:
@@ -86,11 +95,13 @@ class Response:
             raise MalformedInput("response.json: state keys must be step numbers")
         self.steps: dict[int, ResponseStep] = {}
         for k, v in obj["steps"].items():
-            if not k.isdigit() or not isinstance(v, dict) or set(v) != {"indices", "samples", "proofs"}:
+            if not k.isdigit() or not isinstance(v, dict) or set(v) != {"indices", "samples", "proofs", "used"}:
                 raise MalformedInput(f"response.json: bad entry for step {k!r}")
             if not all(isinstance(v[f], list) for f in ("indices", "samples", "proofs")) or \
                     not all(isinstance(p, list) for p in v["proofs"]):
                 raise MalformedInput(f"response.json step {k}: indices, samples and proofs must be lists")
+            if v["used"] is not None and (not isinstance(v["used"], list) or len(v["used"]) != len(v["samples"])):
+                raise MalformedInput(f"response.json step {k}: used must be null or one entry per sample")
             try:
                 samples = [bytes.fromhex(s) for s in v["samples"]]
                 proofs = [[from_hex(h, "proof node") for h in p] for p in v["proofs"]]
@@ -100,20 +111,32 @@ class Response:
                 raise MalformedInput(f"response.json step {k}: a sample is too large")
             if not all(type(i) is int for i in v["indices"]):
                 raise MalformedInput(f"response.json step {k}: indices must be integers")
-            self.steps[int(k)] = ResponseStep(list(v["indices"]), samples, proofs)
+            self.steps[int(k)] = ResponseStep(list(v["indices"]), samples, proofs, v["used"])
 
     def state(self, step: int) -> dict[str, torch.Tensor]:
-        """The supplied state before ``step``."""
+        """The supplied state after ``step`` updates."""
         if step not in self.state_files:
-            raise VerificationError("the response supplies no state for this challenge", step=step, check="response")
+            raise VerificationError(f"the response supplies no state after {step} update(s)", step=step,
+                                    check="response")
         return read_checkpoint(safe_child(self.root, self.state_files[step]))
 
 
-class ResponseSamples:
-    """Samples from a response, each checked by an inclusion proof against the data root."""
+def _member(value: bytes, proof: object, tree, what: str, step: int, index: int) -> None:
+    """``value`` must be in a committed used-data tree; the proof is parsed strictly."""
+    parsed: PairProof = pair_from_json(proof, tree.size, f"response.json step {step} sample {index} {what} proof")
+    try:
+        verify_member(value, parsed, tree.root, tree.size)
+    except VerificationError as e:
+        raise VerificationError(f"sample {index} is not in the committed used-{what} tree ({e.diagnosis}): "
+                                "the end record leaves out data the run trained on", step=step, check="data usage") from None
 
-    def __init__(self, response: Response, data_root: bytes, dataset_size: int):
-        self.response, self.data_root, self.n = response, data_root, dataset_size
+
+class ResponseSamples:
+    """Samples from a response: each proven to sit at its index in the committed dataset and, for a
+    finished run, to be in the end record's used-sample and used-document trees."""
+
+    def __init__(self, response: Response, data_root: bytes, dataset_size: int, end: EndRecord | None):
+        self.response, self.data_root, self.n, self.end = response, data_root, dataset_size, end
 
     def samples(self, step: int, indices: Sequence[int], root: bytes) -> list[bytes]:
         """The batch of ``step``, every sample proven to sit at its index in the committed dataset."""
@@ -132,4 +155,17 @@ class ResponseSamples:
             hashes.append(h)
         if not same(batch_root(hashes), root):
             raise VerificationError("the samples do not hash to the committed batch root", step=step, check="data")
+        if self.end is not None:
+            if got.used is None:
+                raise VerificationError("the response proves no sample's place in the used-data trees",
+                                        step=step, check="data usage")
+            for i, s, h, proofs in zip(indices, got.samples, hashes, got.used, strict=True):
+                if not isinstance(proofs, dict) or set(proofs) != {"sample", "document"}:
+                    raise MalformedInput(f"response.json step {step}: used proofs need sample and document")
+                _member(h, proofs["sample"], self.end.used_samples, "sample", step, i)
+                try:
+                    doc = document_of(self.end.document_rule, s)
+                except ValueError as e:
+                    raise VerificationError(f"sample {i}: {e}", step=step, check="data usage") from None
+                _member(doc, proofs["document"], self.end.used_documents, "document", step, i)
         return got.samples

@@ -32,6 +32,8 @@ class Verdict:
     bad_fraction: float
     detection_probability: float
     nonce: str
+    state_every: int = 1
+    threads: int = 1
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
@@ -59,7 +61,11 @@ class Verdict:
         lines = [
             f"{head}: {self.task} run of {self.steps} steps ({'complete' if self.complete else 'incomplete'}), signed by {self.signer}",
             f"  mode {self.mode}, {'exact' if self.exact else 'tolerance'} comparison, {self.challenges} challenge(s), "
-            f"{self.replayed_steps} step(s) replayed = {100 * self.cost_fraction:.2f}% of the training compute",
+            f"{self.replayed_steps} step(s) replayed = {100 * self.cost_fraction:.2f}% of the training compute"
+            f" ({self.threads} thread(s))",
+            "  each challenge replays from the committed training state before its step to the one after it "
+            + ("(the whole state is committed at every step)" if self.state_every == 1 else
+               f"(the whole state is committed every {self.state_every} steps)"),
             f"  bound: had >= {100 * self.bad_fraction:g}% of the steps been bad, this audit would have caught it "
             f"with probability >= {100 * self.detection_probability:.2f}% "
             f"({'every step replayed' if self.steps and self.challenges >= self.steps else '1-(1-f)^q'})",
@@ -68,6 +74,7 @@ class Verdict:
             worst: dict[str, float] = {}
             for r in self.results:
                 for k, v in r.distances.items():
+                    k = "optimizer" if k.startswith("optimizer.") else k  # one threshold for every optimizer key
                     worst[k] = max(worst.get(k, 0.0), v)
             for k, thr in self.thresholds.items():
                 lines.append(f"  {k}: max distance {worst.get(k, 0.0):.3g} against threshold {thr:.3g}")

@@ -1,0 +1,160 @@
+"""The whole training state as named tensors, its hash, and how far two states are apart.
+
+A training state is every model parameter and buffer (``model.<state_dict key>``) and the whole
+optimizer state with its step counters (``optim.<parameter>.<key>``). Its hash is the RFC 6962
+Merkle root over one leaf per tensor, sorted by name; a leaf is the canonical JSON of the
+tensor's name, dtype, shape and the digest of its raw bytes. The digest is BLAKE3 (fast, and
+multi-threaded on large tensors) where the ``blake3`` package is installed, else SHA-256; the
+manifest names the one a run used, and the verifier uses that one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from ..commit.hashing import canonical_json, leaf_hash
+from ..commit.merkle import merkle_root
+from ..errors import MalformedInput
+
+try:
+    import blake3 as _blake3
+except ImportError:  # the fallback: SHA-256 is always there
+    _blake3 = None
+
+DIGESTS = ("blake3", "sha256")
+# Below this size a tensor is hashed on the calling thread; above it BLAKE3 spreads the work.
+_PARALLEL_BYTES = 1 << 20
+
+
+def default_digest() -> str:
+    """The digest a new run uses: BLAKE3 where installed, else SHA-256."""
+    return "blake3" if _blake3 is not None else "sha256"
+
+
+def _raw(t: torch.Tensor):
+    """The tensor's bytes as a buffer, without copying a contiguous CPU tensor."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+def tensor_digest(t: torch.Tensor, digest: str) -> str:
+    """Hex digest of a tensor's raw bytes."""
+    raw = _raw(t)
+    if digest == "sha256":
+        return hashlib.sha256(raw).hexdigest()
+    if digest == "blake3":
+        if _blake3 is None:
+            raise MalformedInput("this run's states are hashed with BLAKE3: install the blake3 package")
+        threads = _blake3.blake3.AUTO if len(raw) >= _PARALLEL_BYTES else 1
+        return _blake3.blake3(raw, max_threads=threads).hexdigest()
+    raise MalformedInput(f"unknown state digest {digest!r}; known: {', '.join(DIGESTS)}")
+
+
+def tensor_leaf(name: str, t: torch.Tensor, digest: str) -> bytes:
+    """Leaf of the state tree: canonical JSON of name, dtype, shape and the digest of the bytes."""
+    return leaf_hash(canonical_json({
+        "name": name,
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        digest: tensor_digest(t, digest),
+    }))
+
+
+def state_hash(tensors: dict[str, torch.Tensor], digest: str) -> bytes:
+    """Merkle root over the named tensors, sorted by name."""
+    return merkle_root([tensor_leaf(n, tensors[n], digest) for n in sorted(tensors)])
+
+
+def model_hash(tensors: dict[str, torch.Tensor], digest: str) -> bytes:
+    """Hash of the model part of a state (what a released weights file holds)."""
+    return state_hash({k: v for k, v in tensors.items() if k.startswith("model.")}, digest)
+
+
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """A training state as flat named tensors: ``model.*`` and ``optim.<param>.<key>``."""
+    out = {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, st in optimizer.state.items():
+            for key, value in st.items():
+                if not torch.is_tensor(value):
+                    value = torch.tensor(value)
+                out[f"optim.{names[id(p)]}.{key}"] = value.detach()
+    return out
+
+
+def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor]) -> None:
+    """Put a flat state back into a model and its optimizer, refusing missing or extra tensors."""
+    model_sd = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+    missing = set(model.state_dict()) - set(model_sd)
+    extra = set(model_sd) - set(model.state_dict())
+    if missing or extra:
+        raise MalformedInput(f"checkpoint does not fit the model (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
+    for k, v in model.state_dict().items():
+        if model_sd[k].shape != v.shape or model_sd[k].dtype != v.dtype:
+            raise MalformedInput(f"checkpoint tensor {k} has the wrong shape or dtype")
+    model.load_state_dict(model_sd)
+    if optimizer is None:
+        return
+    params = dict(model.named_parameters())
+    optimizer.state.clear()
+    seen = set()
+    for k, v in tensors.items():
+        if not k.startswith("optim."):
+            continue
+        pname, _, key = k[6:].rpartition(".")
+        if pname not in params:
+            raise MalformedInput(f"checkpoint has optimizer state for unknown parameter {pname}")
+        optimizer.state[params[pname]][key] = v.clone()
+        seen.add(k)
+    if len(seen) + len(model_sd) != len(tensors):
+        raise MalformedInput("checkpoint holds tensors that are neither model nor optimizer state")
+
+
+def _relative_l2(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """||a - b|| / ||b|| over all coordinates of all pairs, accumulated in float64."""
+    num = den = 0.0
+    for a, b in pairs:
+        a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+        num += float((a64 - b64).pow(2).sum())
+        den += float(b64.pow(2).sum())
+    if den > 0:
+        return math.sqrt(num / den)
+    return 0.0 if num == 0 else math.inf
+
+
+def state_distances(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                    parameters: set[str]) -> dict[str, float]:
+    """How far a replayed state is from a committed one, for tolerance mode.
+
+    ``parameters`` names the ``model.*`` tensors that are parameters. Returns the relative L2
+    distance over *all* coordinates of the parameters, of the floating buffers, and of each
+    optimizer-state key (``optimizer.exp_avg``, ``optimizer.exp_avg_sq``, …) across all
+    parameters. Names, shapes, dtypes, step counters and integer buffers (``num_batches_tracked``)
+    must be equal: a ``ValueError`` says which is not.
+    """
+    if set(got) != set(want):
+        diff = sorted(set(got) ^ set(want))
+        raise ValueError(f"the states hold different tensors ({', '.join(diff[:3])})")
+    groups: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"parameters": []}
+    for k in sorted(want):
+        a, b = got[k], want[k]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"{k} has another shape or dtype")
+        if not b.is_floating_point() or k.endswith(".step"):
+            if not torch.equal(a, b):
+                raise ValueError(f"{k} differs ({a.tolist() if a.numel() == 1 else 'a counter'})")
+            continue
+        if k.startswith("model."):
+            group = "parameters" if k in parameters else "buffers"
+        else:
+            group = "optimizer." + k.rpartition(".")[2]
+        groups.setdefault(group, []).append((a, b))
+    return {g: _relative_l2(pairs) for g, pairs in groups.items()}
