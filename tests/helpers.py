@@ -1,29 +1,123 @@
-"""Helpers shared by the tests: honest and dishonest runs of the small task."""
+"""Helpers shared by the tests: honest and dishonest runs of the small tasks, and what a dishonest
+trainer (who holds its own key) can write: re-signed logs and responses of its own making."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from witness.bundle.checkpoint import save_checkpoint
+from witness.bundle.layout import LOG
+from witness.bundle.reader import open_bundle
+from witness.bundle.schema import HEAD_EXTENSION_FIELDS
+from witness.bundle.state import state_tensors
+from witness.commit.hashing import canonical_json, parse_canonical_json
+from witness.commit.log import RunLog
 from witness.commit.signing import generate_key
+from witness.commit.sorted_tree import SortedTree
+from witness.data.proofs import pair_to_json
 from witness.record import Recorder
+from witness.record.session import TrainingSession
 from witness.task import build_task
+from witness.verify.response import FORMAT, VERSION
 
 TINY = {"steps": 40}
 
 
 def train_tiny(out: Path, key=None, *, r: bytes = b"\x07" * 32, checkpoint_every: int = 10,
-               config: dict | None = None, cheat: Callable | None = None) -> Path:
-    """Train the tiny task; ``cheat(rec, t, batch) -> StepOutput | None`` may replace any step."""
-    task = build_task("tiny", dict(TINY, **(config or {})))
-    rec = Recorder.create(task, out, key or generate_key(), r=r, checkpoint_every=checkpoint_every)
-    for t in range(task.config.steps):
+               config: dict | None = None, cheat: Callable | None = None, task: str = "tiny",
+               state_every: int = 1, session: TrainingSession | None = None) -> Path:
+    """Train a small task; ``cheat(rec, t, batch) -> StepOutput | None`` may replace any step."""
+    t_ = build_task(task, dict(TINY, **(config or {})))
+    rec = Recorder.create(t_, out, key or generate_key(), r=r, checkpoint_every=checkpoint_every,
+                          state_every=state_every, session=session,
+                          parallelism="none" if session is None else session.parallelism)
+    for t in range(t_.config.steps):
         batch = rec.batch(t)
         out_ = cheat(rec, t, batch) if cheat else None
         if out_ is None:
-            out_ = task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
+            out_ = t_.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
         rec.log_step(t, out_)
     rec.finish()
+    return out
+
+
+def snapshot(rec) -> dict[str, torch.Tensor]:
+    """A copy of the recorder's whole training state as it is now."""
+    return {k: v.clone() for k, v in state_tensors(rec.model, rec.optimizer).items()}
+
+
+def log_lines(bundle: Path) -> list[bytes]:
+    """The log's records, as canonical lines."""
+    return (bundle / LOG).read_bytes().split(b"\n")[:-1]
+
+
+def resign(bundle: Path, key, lines: list[bytes]) -> None:
+    """What a trainer holding its own key can do: rewrite the log and sign it all again (a head
+    after the manifest, after every checkpoint record, and after the end record)."""
+    (bundle / LOG).write_bytes(b"".join(line + b"\n" for line in lines))
+    log = RunLog()
+    heads = []
+    for line in lines:
+        log.append_line(line)
+        rec = parse_canonical_json(line)
+        if rec["type"] == "manifest" or "checkpoint_sha256" in rec:
+            heads.append(canonical_json(log.sign_head(key).to_json()))
+        elif rec["type"] == "end":
+            ext = {k: rec[k] for k in HEAD_EXTENSION_FIELDS}
+            heads.append(canonical_json(log.sign_head(key, extensions=ext).to_json()))
+    (bundle / "heads.jsonl").write_bytes(b"".join(h + b"\n" for h in heads))
+
+
+def edit_manifest(bundle: Path, key, **changes) -> None:
+    """Change manifest fields (``None`` deletes one) and re-sign the whole log."""
+    lines = log_lines(bundle)
+    m = parse_canonical_json(lines[0])
+    for k, v in changes.items():
+        if v is None:
+            m.pop(k, None)
+        else:
+            m[k] = v
+    resign(bundle, key, [canonical_json(m)] + lines[1:])
+
+
+def attacker_response(bundle_dir: Path, out: Path, states: dict[int, dict[str, torch.Tensor]],
+                      used_samples: SortedTree | None = None, used_documents: SortedTree | None = None) -> Path:
+    """A well-formed response of the trainer's own making: the given states, and every step's
+    samples with their dataset proofs and proofs into the used-data trees it committed (a sample
+    left out of those trees gets the proof of the leaf where it would be: the best it can do)."""
+    bundle = open_bundle(bundle_dir)
+    m = bundle.manifest
+    task = build_task(m.task, m.task_config)
+    ds = task.dataset()
+    (out / "states").mkdir(parents=True, exist_ok=True)
+    names = {}
+    for step, tensors in states.items():
+        name = f"states/{step:08d}.safetensors"
+        save_checkpoint(out / name, tensors, step, m.state_digest)
+        names[str(step)] = name
+    if used_samples is None:
+        used_samples = SortedTree(ds.hashes[i] for r in bundle.steps for i in r.batch)
+        used_documents = SortedTree(ds.document_of(ds.sample_bytes(i)) for r in bundle.steps for i in r.batch)
+
+    def proof(tree: SortedTree, value: bytes) -> dict:
+        return pair_to_json(tree.prove_member(value) if value in tree else tree.prove_absent(value))
+
+    steps = {}
+    for rec in bundle.steps:
+        idx = list(rec.batch)
+        samples = [ds.sample_bytes(i) for i in idx]
+        steps[str(rec.step)] = {
+            "indices": idx, "samples": [s.hex() for s in samples],
+            "proofs": [[h.hex() for h in ds.tree.inclusion_proof(i)] for i in idx],
+            "used": [{"sample": proof(used_samples, ds.hashes[i]), "document": proof(used_documents, ds.document_of(s))}
+                     for i, s in zip(idx, samples, strict=True)],
+        }
+    doc = {"format": FORMAT, "version": VERSION, "head_root": bundle.final_head.root.hex(),
+           "head_size": bundle.final_head.size, "nonce": "00", "states": names, "steps": steps}
+    (out / "response.json").write_bytes(canonical_json(doc))
     return out
 
 

@@ -6,13 +6,11 @@ import json
 import shutil
 
 import pytest
-from helpers import train_tiny
+from helpers import log_lines, resign, train_tiny
 
 from witness.bundle.layout import LOG
 from witness.bundle.reader import open_bundle
-from witness.bundle.schema import HEAD_EXTENSION_FIELDS
 from witness.commit.hashing import canonical_json, parse_canonical_json
-from witness.commit.log import RunLog
 from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.task.base import StepOutput
 from witness.verify import verify_bundle
@@ -20,28 +18,12 @@ from witness.verify import verify_bundle
 ALL = 10_000  # challenge every step: the attack must be caught wherever it sits
 
 
-def _lines(bundle):
-    return (bundle / LOG).read_bytes().split(b"\n")[:-1]
+_lines = log_lines
+_resign = resign
 
 
 def _write(bundle, lines):
     (bundle / LOG).write_bytes(b"".join(line + b"\n" for line in lines))
-
-
-def _resign(bundle, key, lines):
-    """What a trainer holding its own key can do: rewrite the log and sign it all again."""
-    _write(bundle, lines)
-    log = RunLog()
-    heads = []
-    for line in lines:
-        log.append_line(line)
-        rec = parse_canonical_json(line)
-        if rec["type"] == "manifest" or "state_hash" in rec:
-            heads.append(canonical_json(log.sign_head(key).to_json()))
-        elif rec["type"] == "end":
-            ext = {k: rec[k] for k in HEAD_EXTENSION_FIELDS}
-            heads.append(canonical_json(log.sign_head(key, extensions=ext).to_json()))
-    (bundle / "heads.jsonl").write_bytes(b"".join(h + b"\n" for h in heads))
 
 
 def _edit(line: bytes, **changes) -> bytes:

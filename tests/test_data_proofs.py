@@ -205,7 +205,8 @@ def test_binding_exclusion_proof_exists_but_replay_rejects(tmp_path):
 def test_verifier_rejects_a_false_used_data_commitment(tmp_path):
     run = train_tiny(tmp_path / "run")
     shutil.copytree(run, tmp_path / "copy")
-    from test_attacks import _lines, _resign
+    from helpers import log_lines as _lines
+    from helpers import resign as _resign
 
     key = generate_key()
     lines = _lines(tmp_path / "copy")

@@ -29,7 +29,10 @@ class SyntheticClassification(Dataset):
         """Features then label, deterministically derived from the seed and the index."""
         if self.leak is not None and index >= self.size - self.leak_count:
             return self.leak.sample_bytes(index - (self.size - self.leak_count))
-        raw = tagged_hash("witness/synthetic/sample", self.seed + self.split, index.to_bytes(8, "big"))
+        stream = self.seed + self.split
+        raw = tagged_hash("witness/synthetic/sample", stream, index.to_bytes(8, "big"))
+        for block in range(1, -(-self.features // 32)):  # more than 32 features: more blocks
+            raw += tagged_hash("witness/synthetic/sample", stream, index.to_bytes(8, "big"), block.to_bytes(4, "big"))
         feats = [b - 256 if b > 127 else b for b in raw[: self.features]]
         scores = [sum(w * x for w, x in zip(row, feats, strict=True)) for row in self.teacher]
         label = max(range(self.classes), key=lambda c: scores[c])

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .base import Task
 from .tiny import TinyTask
+from .tinycnn import TinyCNNTask
 from .tinygpt import TinyGPTTask
 
-TASKS: dict[str, type[Task]] = {TinyTask.name: TinyTask, TinyGPTTask.name: TinyGPTTask}
+TASKS: dict[str, type[Task]] = {t.name: t for t in (TinyTask, TinyCNNTask, TinyGPTTask)}
 
 
 def task_names() -> list[str]:

@@ -77,7 +77,7 @@ def use_threads(recorded: int, asked: int | None, notes: list[str] | None = None
         why = f"this machine has {cores} core(s)" if not asked else "--threads asked for it"
         notes.append(f"replaying at {threads} thread(s) where the run recorded {recorded} ({why}): a kernel "
                      "whose reduction depends on the thread count can change the last bits; if steps are "
-                     f"rejected, verify with --threads {recorded} on a machine with {recorded} cores")
+                     f"rejected, verify with --threads {recorded} (on a machine with at least {recorded} cores)")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -172,7 +172,7 @@ def verify_bundle(
     bad_fraction: float | None = None,
     nonce: bytes | None = None,
     mode: str = "offline",
-    response: str | os.PathLike | None = None,
+    response: str | os.PathLike | Response | None = None,
     exact: bool = True,
     thresholds: dict[str, float] | None = None,
     length: int = 1,
@@ -233,7 +233,7 @@ def verify_bundle(
                       checks, used_threads, started, progress)
 
 
-def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | None, exact: bool,
+def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | Response | None, exact: bool,
            thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
            notes: list[str], checks: list[str], threads: int, started: float, progress: bool) -> Verdict:
     m = bundle.manifest
@@ -274,7 +274,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     else:
         if response is None:
             raise MalformedInput("interactive mode needs the trainer's response (witness respond)")
-        resp = Response(response)
+        resp = response if isinstance(response, Response) else Response(response)
         if resp.head_root != bundle.final_head.root or resp.head_size != bundle.final_head.size:
             raise MalformedInput("the response was made for another tree head")
         samples = ResponseSamples(resp, m.data_root, m.dataset_size, bundle.end)
