@@ -1,8 +1,9 @@
 """Trainer overhead of witnessing: plain vs witnessed tinygpt steps, interleaved in one run.
 
 The configuration keeps the probe tokens at <= 1% of the batch tokens (4 probes x 16 tokens
-against 64 x 128). Fingerprint and sketch are taken at every step; checkpoint writes, which
-the trainer does anyway, are left out (no checkpoint falls inside the measured steps).
+against 64 x 128). Fingerprint, sketch and the hash of the whole training state are taken at
+every step; checkpoint writes, which the trainer does anyway, are left out (no checkpoint falls
+inside the measured steps).
 
     python bench/overhead.py [--rounds 6] [--block-steps 5] [--json out.json]
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from common import parser, report
 
+from witness.bundle.state import state_hash, state_tensors
 from witness.commit.signing import generate_key
 from witness.record import Recorder
 from witness.task import build_task
@@ -91,6 +93,10 @@ def main() -> dict:
         for _ in range(n):
             rec.session.sketch()
         sk_s = (time.perf_counter() - start) / n
+        start = time.perf_counter()
+        for _ in range(n):
+            state_hash(state_tensors(rec.model, rec.optimizer), rec.digest)
+        sh_s = (time.perf_counter() - start) / n
         log_bytes = (Path(tmp) / "run" / "log.jsonl").stat().st_size
         records = t_wit
     plain, wit = statistics.median(plain_t), statistics.median(wit_t)
@@ -105,7 +111,9 @@ def main() -> dict:
         "overhead_ratio": statistics.median(extra_t) / plain,
         "fingerprint_s": fp_s,
         "sketch_s": sk_s,
-        "component_ratio": (fp_s + sk_s) / plain,
+        "state_hash_s": sh_s,
+        "state_digest": rec.digest,
+        "component_ratio": (fp_s + sk_s + sh_s) / plain,
         "log_bytes_per_step": log_bytes / (records + 1),
         "threads": args.threads,
     }

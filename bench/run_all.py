@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-BENCHES = ["overhead.py", "verifier_cost.py", "data_commit.py", "eval_cost.py", "leaderboard.py"]
+BENCHES = ["overhead.py", "state_hash.py", "verifier_cost.py", "attack_detection.py", "data_commit.py", "eval_cost.py",
+           "leaderboard.py"]
 
 
 def main() -> int:

@@ -12,15 +12,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-from helpers import attacker_response, log_lines, resign, snapshot, train_tiny
+from attacks import build, final_state, steer
+from helpers import attacker_response, snapshot, train_tiny
 
-from witness.bundle.checkpoint import read_checkpoint
 from witness.bundle.reader import open_bundle
-from witness.bundle.schema import HEAD_EXTENSION_FIELDS
-from witness.bundle.state import load_state, state_hash, state_tensors
-from witness.commit.hashing import canonical_json, parse_canonical_json
-from witness.commit.sorted_tree import SortedTree
+from witness.bundle.state import load_state
 from witness.data.order import derive_run_seed
 from witness.errors import RunRejected, VerificationError
 from witness.record.session import TrainingSession
@@ -74,25 +70,11 @@ def _failed_steps(info) -> list[int]:
 
 # --- 1. optimizer state forged so that the steps land on a fabricated trajectory ----------------
 
-def _steer(rec, target: dict[str, torch.Tensor], lr: float, fraction: float = 0.2, scale: float = 1e6) -> None:
-    """Forge AdamW's moments so that its next update (at learning rate ``lr``) moves every weight a
-    ``fraction`` of the way to ``target``, whatever the batch's gradient says: m_hat / sqrt(v_hat)
-    is set to (target - weight) * fraction / lr, with moments so large that the gradient is lost."""
-    with torch.no_grad():
-        for name, p in rec.model.named_parameters():
-            st = rec.optimizer.state[p]
-            k = float(st["step"]) + 1  # the step count the next update will use
-            b1, b2 = 0.9, 0.95
-            want = (target[f"model.{name}"] - p) * fraction / lr
-            st["exp_avg"] = -want * scale * (1 - b1**k) / b1
-            st["exp_avg_sq"] = torch.full_like(p, scale**2 * (1 - b2**k) / b2)
-
-
 @pytest.fixture(scope="module")
 def stolen(tmp_path_factory):
     """The final model of a stronger run from the same start (thrice the learning rate), trained elsewhere."""
     d = tmp_path_factory.mktemp("stolen")
-    return _final(train_tiny(d / "other", config={"lr": 0.03}))
+    return final_state(train_tiny(d / "other", config={"lr": 0.03}))
 
 
 @pytest.mark.parametrize("commit", ["honest", "forged"])
@@ -107,11 +89,11 @@ def test_forged_optimizer_state_cannot_carry_a_stolen_model(tmp_path, stolen, co
     def cheat(rec, t, batch):
         committed[t] = snapshot(rec)
         if t > 0 and commit == "honest":
-            _steer(rec, stolen, rec.lr(t))
+            steer(rec, stolen, rec.lr(t))
         used[t] = snapshot(rec)  # the state this step really starts from
         out = rec.task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
         if commit == "forged" and t + 1 < STEPS:
-            _steer(rec, stolen, rec.lr(t + 1))
+            steer(rec, stolen, rec.lr(t + 1))
         return out
 
     bundle = train_tiny(tmp_path / "b", cheat=cheat)
@@ -120,7 +102,7 @@ def test_forged_optimizer_state_cannot_carry_a_stolen_model(tmp_path, stolen, co
     # The attack works against behavioural checks: the run lands near the stolen model, and every
     # step replayed from the state it really started from reproduces its record bit for bit.
     def dist(b):
-        final = _final(b)
+        final = final_state(b)
         return sum(float((final[k] - stolen[k]).norm() ** 2) for k in stolen if k.startswith("model.")) ** 0.5
 
     assert dist(bundle) < 0.1 * dist(honest), (dist(bundle), dist(honest))
@@ -155,35 +137,13 @@ def test_forged_optimizer_state_cannot_carry_a_stolen_model(tmp_path, stolen, co
 BACKDOOR_STEPS = {1, 4, 6, 9, 13, 16, 20, 23, 27, 30, 33, 37}  # 12 of 40 steps: f = 0.3
 
 
-def _backdoor(rec) -> None:
-    """Push a backdoor into AdamW's first moment: the next update moves the head toward it."""
-    with torch.no_grad():
-        for name, p in rec.model.named_parameters():
-            if name.startswith("fc2"):
-                rec.optimizer.state[p]["exp_avg"] += 0.05
-
-
 @pytest.fixture(scope="module")
 def backdoored(tmp_path_factory):
-    d = tmp_path_factory.mktemp("backdoor")
-    states: dict[int, dict] = {}
-
-    def cheat(rec, t, batch):
-        states[t] = snapshot(rec)
-        out = rec.task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
-        if t in BACKDOOR_STEPS:
-            _backdoor(rec)  # committed with the state: the next step really starts from it
-        return out
-
-    bundle = train_tiny(d / "b", cheat=cheat)
-    b = open_bundle(bundle)
-    for t in range(1, STEPS):  # the trainer's states are the committed ones
-        assert state_hash(states[t], b.manifest.state_digest) == b.committed_state(t)
-    return bundle, attacker_response(bundle, d / "resp", states)
+    return build("backdoor", tmp_path_factory.mktemp("backdoor"), BACKDOOR_STEPS, STEPS)
 
 
 def test_a_backdoor_in_the_optimizer_state_is_caught_at_every_step_that_carries_it(backdoored):
-    bundle, resp = backdoored
+    bundle, resp, _ = backdoored
     with pytest.raises(RunRejected) as info:
         _interactive_all(bundle, resp)
     assert set(_failed_steps(info)) == BACKDOOR_STEPS
@@ -191,51 +151,35 @@ def test_a_backdoor_in_the_optimizer_state_is_caught_at_every_step_that_carries_
 
 
 def test_a_backdoor_in_the_optimizer_state_is_caught_at_the_stated_rate(backdoored):
-    bundle, resp = backdoored
+    bundle, resp, _ = backdoored
     _audit_rate(bundle, resp, BACKDOOR_STEPS, q=3, audits=120)
 
 
 # --- 3. parameters changed where neither the probes nor the sketch look ------------------------
 
-GPT = {"n_layer": 1, "d_model": 32, "n_head": 2, "block": 32, "batch_size": 4, "probe_len": 8, "probes": 2,
-       "corpus_max_bytes": 200_000, "warmup": 2, "steps": 12}
 HIDDEN_STEPS = {3, 8}
 
 
 def test_weights_the_probes_and_sketch_never_see_are_bound_by_the_state_hash(tmp_path):
-    # tinygpt's position embeddings past the probes' length move no probe output; the sketch samples
-    # a few of their coordinates only. The trainer writes into the others at two steps.
-    states: dict[int, dict] = {}
-    seen: dict[int, tuple] = {}
-
-    def hidden(rec):
-        c = rec.task.config
-        positions, _ = rec.session.sketcher.plan({n: p.numel() for n, p in rec.model.named_parameters()})
-        sampled = set(positions["pos.weight"][0].tolist())
-        row = c.block - 1  # beyond probe_len: no probe reaches this position
-        return [row * c.d_model + j for j in range(c.d_model) if row * c.d_model + j not in sampled]
-
-    def cheat(rec, t, batch):
-        states[t] = snapshot(rec)
-        out = rec.task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
-        if t in HIDDEN_STEPS:
-            before = (rec.session.fingerprint().digest, rec.session.sketch())
-            coords = torch.tensor(hidden(rec))
-            with torch.no_grad():
-                rec.model.pos.weight.view(-1)[coords] += 0.5
-            seen[t] = (before, (rec.session.fingerprint().digest, rec.session.sketch()), len(coords))
-        return out
-
-    bundle = train_tiny(tmp_path / "b", task="tinygpt", config=GPT, checkpoint_every=4, cheat=cheat)
-    for before, after, n in seen.values():
-        assert before == after and n > 0  # invisible to the fingerprint digest and to the sketch
-    resp = attacker_response(bundle, tmp_path / "resp", states)
+    # tinygpt's last position embedding moves no probe output, and the sketch samples a few of its
+    # coordinates only: the trainer writes into the others at two steps.
+    bundle, resp, _ = build("hidden", tmp_path, HIDDEN_STEPS, 12)
+    b = open_bundle(bundle)
+    task = build_task("tinygpt", b.manifest.task_config)
+    session = TrainingSession(task, b.manifest.run_seed, b.manifest.dataset_size)
+    ds = task.dataset()
+    for t in sorted(HIDDEN_STEPS):  # invisible: the honest step gives the recorded fingerprint and sketch
+        load_state(session.model, session.optimizer, Response(resp).state(t))
+        session.step(t, [ds.sample_bytes(i) for i in b.steps[t].batch])
+        assert session.fingerprint().digest == b.steps[t].digest.hex()
+        assert tuple(session.sketch()) == b.steps[t].sketch
     with pytest.raises(RunRejected) as info:
         _interactive_all(bundle, resp)
     assert set(_failed_steps(info)) == HIDDEN_STEPS
-    with pytest.raises(RunRejected) as info:
+    with pytest.raises(RunRejected) as info:  # offline, every replay from checkpoint 0 meets step 3 first
         verify_bundle(bundle, challenges=ALL)
-    assert {int(f.split(":")[0].split()[1]) for f in info.value.failures} == HIDDEN_STEPS
+    assert info.value.failures[0].startswith("step 3: replay: the replayed training state does not hash")
+    assert _failed_steps(info) == list(range(3, 10))
 
 
 # --- 4. a claimed world size that would buy tolerance mode -------------------------------------
@@ -263,74 +207,16 @@ def test_a_claimed_world_size_buys_no_tolerance(tmp_path):
 NUDGE_STEPS = {2, 7, 11, 15, 19, 24, 28, 33, 36, 38}  # 10 of 40: f = 0.25
 
 
-class NullSpace:
-    """Directions in the parameters that move, to first order, none of the fingerprint's numbers
-    and none of the sketch's (which is linear): what tolerance mode used to compare."""
-
-    def __init__(self, rec):
-        self.task, self.model = rec.task, rec.model
-        self.names = [n for n, _ in self.model.named_parameters()]
-        self.shapes = [p.shape for _, p in self.model.named_parameters()]
-        self.sizes = [p.numel() for _, p in self.model.named_parameters()]
-        n = sum(self.sizes)
-        eye = torch.eye(n)
-        self.sketch = torch.tensor([rec.session.sketcher(self._unflat(eye[i])) for i in range(n)]).T  # [k, n]
-
-    def _unflat(self, flat):
-        return {name: part.view(shape) for name, part, shape in
-                zip(self.names, torch.split(flat, self.sizes), self.shapes, strict=True)}
-
-    def nudge(self, rel: float, generator: torch.Generator) -> torch.Tensor:
-        theta = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
-        probes = self.task.probe_tensors()
-        self.task.fingerprint(self.model)  # builds the projection
-        proj = self.task._proj
-
-        def fp(flat):
-            out = torch.func.functional_call(self.model, self._unflat(flat), (probes[0],))
-            projected = (out.reshape(out.shape[0], -1, out.shape[-1]) @ proj).mean(dim=1).reshape(-1)
-            return torch.cat([self.task.probe_losses(out, probes), projected])
-
-        jac = torch.func.jacrev(fp)(theta)
-        constraints = torch.cat([jac, self.sketch.to(jac.dtype)])
-        _, _, vh = torch.linalg.svd(constraints.double(), full_matrices=True)
-        null = vh[constraints.shape[0]:].T.float()  # orthogonal to every constraint row
-        d = null @ torch.randn(null.shape[1], generator=generator)
-        return d * (rel * theta.norm() / d.norm())
-
-
 @pytest.fixture(scope="module")
 def nudged(tmp_path_factory):
-    d = tmp_path_factory.mktemp("nudge")
-    states: dict[int, dict] = {}
-    g = torch.Generator().manual_seed(3)
-    space: list[NullSpace] = []
-
-    def cheat(rec, t, batch):
-        states[t] = snapshot(rec)
-        out = rec.task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
-        if t in NUDGE_STEPS:
-            if not space:
-                space.append(NullSpace(rec))
-            delta = space[0].nudge(1e-3, g)
-            with torch.no_grad():
-                for p, part in zip(rec.model.parameters(), torch.split(delta, space[0].sizes), strict=True):
-                    p.add_(part.view(p.shape))
-        return out
-
-    bundle = train_tiny(d / "b", cheat=cheat)
-    states[STEPS] = _final(bundle)
-    return bundle, attacker_response(bundle, d / "resp", states)
-
-
-def _final(bundle) -> dict:
-    return read_checkpoint(open_bundle(bundle).checkpoints[STEPS])
+    return build("nudge", tmp_path_factory.mktemp("nudge"), NUDGE_STEPS, STEPS)
 
 
 def test_a_null_space_nudge_passes_every_old_comparison_but_not_the_whole_state(nudged):
-    bundle, resp = nudged
+    bundle, resp, options = nudged
+    assert options == {"exact": False}
     with pytest.raises(RunRejected) as info:
-        _interactive_all(bundle, resp, exact=False)
+        _interactive_all(bundle, resp, **options)
     v = info.value.verdict
     assert {r.step for r in v.results if not r.passed} == NUDGE_STEPS
     for r in v.results:
@@ -342,8 +228,8 @@ def test_a_null_space_nudge_passes_every_old_comparison_but_not_the_whole_state(
 
 
 def test_a_null_space_nudge_is_caught_at_the_stated_rate(nudged):
-    bundle, resp = nudged
-    _audit_rate(bundle, resp, NUDGE_STEPS, q=3, audits=100, exact=False)
+    bundle, resp, options = nudged
+    _audit_rate(bundle, resp, NUDGE_STEPS, q=3, audits=100, **options)
 
 
 # --- 6. used data left out of the end record ---------------------------------------------------
@@ -352,44 +238,12 @@ OMIT_STEPS = {0, 5, 9, 14, 18, 22, 27, 31, 35, 39}  # one sample of each: f = 0.
 
 
 @pytest.fixture(scope="module")
-def omitted(tmp_path_factory, signing_key):
-    d = tmp_path_factory.mktemp("omit")
-    bundle = train_tiny(d / "b", signing_key)
-    b = open_bundle(bundle)
-    task = build_task("tiny", b.manifest.task_config)
-    ds = task.dataset()
-    hidden = {b.steps[t].batch[3] for t in OMIT_STEPS}
-    assert all(sum(i in r.batch for r in b.steps) == 1 for i in hidden)  # each used by one step only
-    kept = [i for r in b.steps for i in r.batch if i not in hidden]
-    samples = SortedTree(ds.hashes[i] for i in kept)
-    documents = SortedTree(ds.document_of(ds.sample_bytes(i)) for i in kept)
-    lines = log_lines(bundle)
-    end = parse_canonical_json(lines[-1])
-    end["used_samples"] = {"root": samples.root.hex(), "size": samples.size}
-    end["used_documents"] = {"root": documents.root.hex(), "size": documents.size}
-    resign(bundle, signing_key, lines[:-1] + [canonical_json(end)])
-    assert {k: end[k] for k in HEAD_EXTENSION_FIELDS} == open_bundle(bundle).final_head.extensions
-    return bundle, attacker_response(bundle, d / "resp", _trainer_states(bundle), samples, documents)
-
-
-def _trainer_states(bundle) -> dict[int, dict]:
-    """Every committed state of an honest run, rebuilt by replaying its steps."""
-    b = open_bundle(bundle)
-    task = build_task(b.manifest.task, b.manifest.task_config)
-    session = TrainingSession(task, b.manifest.run_seed, b.manifest.dataset_size)
-    ds = task.dataset()
-    def copy() -> dict:
-        return {k: v.clone() for k, v in state_tensors(session.model, session.optimizer).items()}
-
-    out = {0: copy()}
-    for rec in b.steps:
-        session.step(rec.step, [ds.sample_bytes(i) for i in rec.batch])
-        out[rec.step + 1] = copy()
-    return out
+def omitted(tmp_path_factory):
+    return build("omit", tmp_path_factory.mktemp("omit"), OMIT_STEPS, STEPS)
 
 
 def test_used_data_left_out_is_caught_by_interactive_replay(omitted):
-    bundle, resp = omitted
+    bundle, resp, _ = omitted
     with pytest.raises(RunRejected) as info:
         _interactive_all(bundle, resp)
     assert set(_failed_steps(info)) == OMIT_STEPS
@@ -399,5 +253,5 @@ def test_used_data_left_out_is_caught_by_interactive_replay(omitted):
 
 
 def test_used_data_left_out_is_caught_at_the_stated_rate(omitted):
-    bundle, resp = omitted
+    bundle, resp, _ = omitted
     _audit_rate(bundle, resp, OMIT_STEPS, q=3, audits=100)

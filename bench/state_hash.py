@@ -1,0 +1,140 @@
+"""What committing the whole training state at every step costs, against the training step itself.
+
+For each reference configuration: the state's size (parameters, buffers, AdamW moments), the
+median time of a plain training step, and the time to hash the whole state with BLAKE3 and with
+SHA-256, each as a fraction of the step. Then, for the largest configuration, three loops in
+ABBA blocks: plain steps, steps that hash the state inline (what the recorder does), and steps
+that hash it on a thread of its own while the next step's forward and backward run (the
+optimizer step waits for it). The ratios decide between committing every step and every K
+steps, and whether hashing off the training thread pays.
+
+    python bench/state_hash.py [--threads 2] [--repeat 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import torch
+from common import parser, report
+
+from witness.bundle.state import state_hash, state_tensors
+from witness.record.session import TrainingSession
+from witness.task import build_task
+
+CONFIGS = {
+    "tiny (420 parameters)": ("tiny", {}),
+    "tinycnn (BatchNorm CNN)": ("tinycnn", {}),
+    "tinygpt demo (0.44 M, 1,024 tokens/step)": ("tinygpt", {}),
+    "tinygpt bench (3.26 M, 8,192 tokens/step)": ("tinygpt", {"n_layer": 4, "d_model": 256, "n_head": 8,
+                                                              "batch_size": 64, "block": 128}),
+}
+
+
+def _session(name: str, config: dict) -> tuple[TrainingSession, list[list[bytes]]]:
+    task = build_task(name, dict(config, steps=1000))
+    ds = task.dataset()
+    session = TrainingSession(task, b"\x01" * 32, len(ds))
+    batches = [[ds.sample_bytes(i) for i in session.batch_indices(t)] for t in range(8)]
+    session.step(0, batches[0])  # the optimizer's moments exist from here on
+    return session, batches
+
+
+def _median(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def per_config(repeat: int) -> dict:
+    """Step time and hash time (both digests) for every configuration."""
+    out = {}
+    for label, (name, config) in CONFIGS.items():
+        session, batches = _session(name, config)
+        state = state_tensors(session.model, session.optimizer)
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        counter = iter(range(1, 10**9))
+        step = _median(lambda: session.step(next(counter), batches[0]), max(3, repeat // 4))
+        blake = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "blake3"), repeat)
+        sha = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "sha256"), repeat)
+        out[label] = {"state_bytes": size, "step_s": step, "blake3_s": blake, "sha256_s": sha,
+                      "blake3_fraction_of_step": blake / step, "sha256_fraction_of_step": sha / step,
+                      "blake3_GBps": size / blake / 1e9, "sha256_GBps": size / sha / 1e9}
+    return out
+
+
+def inline_vs_thread(rounds: int) -> dict:
+    """Plain, inline-hash and background-hash steps of the largest configuration, ABBA-interleaved."""
+    label = list(CONFIGS)[-1]
+    session, batches = _session(*CONFIGS[label])
+    task, model, opt = session.task, session.model, session.optimizer
+    step_no = iter(range(1, 10**9))
+
+    def forward_backward(t: int) -> None:
+        for group in opt.param_groups:
+            group["lr"] = session.lr(t)
+        opt.zero_grad(set_to_none=True)
+        model.train()
+        task.loss(model, task.collate(batches[t % 8]), torch.Generator().manual_seed(t)).backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=False)
+
+    def plain() -> None:
+        t = next(step_no)
+        forward_backward(t)
+        opt.step()
+
+    def inline() -> None:
+        t = next(step_no)
+        forward_backward(t)
+        opt.step()
+        state_hash(state_tensors(model, opt), "blake3")
+
+    pending: list[threading.Thread] = []
+
+    def background() -> None:
+        t = next(step_no)
+        forward_backward(t)  # overlaps the previous step's hash
+        if pending:
+            pending.pop().join()  # the state may change only once it is hashed
+        opt.step()
+        th = threading.Thread(target=lambda: state_hash(state_tensors(model, opt), "blake3"))
+        th.start()
+        pending.append(th)
+
+    kinds = {"plain": plain, "inline": inline, "thread": background}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
+        for k in order:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                kinds[k]()
+                times[k].append(time.perf_counter() - t0)
+            if pending:  # the block's last hash still runs: its wait counts to its step
+                t0 = time.perf_counter()
+                pending.pop().join()
+                times[k][-1] += time.perf_counter() - t0
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"config": label, "plain_step_s": med["plain"], "inline_hash_step_s": med["inline"],
+            "thread_hash_step_s": med["thread"], "inline_overhead": med["inline"] / med["plain"] - 1,
+            "thread_overhead": med["thread"] / med["plain"] - 1}
+
+
+def main() -> dict:
+    ap = parser(__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    return report({"threads": args.threads, "configs": per_config(args.repeat),
+                   "inline_vs_thread": inline_vs_thread(args.rounds)}, args.json)
+
+
+if __name__ == "__main__":
+    main()
