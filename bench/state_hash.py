@@ -51,20 +51,25 @@ def _median(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def measure(session: TrainingSession, batch: list[bytes], repeat: int) -> dict:
+    """Step time and hash time (both digests) of one session."""
+    state = state_tensors(session.model, session.optimizer)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    counter = iter(range(1, 10**9))
+    step = _median(lambda: session.step(next(counter), batch), max(3, repeat // 4))
+    blake = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "blake3"), repeat)
+    sha = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "sha256"), repeat)
+    return {"state_bytes": size, "step_s": step, "blake3_s": blake, "sha256_s": sha,
+            "blake3_fraction_of_step": blake / step, "sha256_fraction_of_step": sha / step,
+            "blake3_GBps": size / blake / 1e9, "sha256_GBps": size / sha / 1e9}
+
+
 def per_config(repeat: int) -> dict:
-    """Step time and hash time (both digests) for every configuration."""
+    """``measure`` for every configuration."""
     out = {}
     for label, (name, config) in CONFIGS.items():
         session, batches = _session(name, config)
-        state = state_tensors(session.model, session.optimizer)
-        size = sum(t.numel() * t.element_size() for t in state.values())
-        counter = iter(range(1, 10**9))
-        step = _median(lambda: session.step(next(counter), batches[0]), max(3, repeat // 4))
-        blake = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "blake3"), repeat)
-        sha = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "sha256"), repeat)
-        out[label] = {"state_bytes": size, "step_s": step, "blake3_s": blake, "sha256_s": sha,
-                      "blake3_fraction_of_step": blake / step, "sha256_fraction_of_step": sha / step,
-                      "blake3_GBps": size / blake / 1e9, "sha256_GBps": size / sha / 1e9}
+        out[label] = measure(session, batches[0], repeat)
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,11 +38,14 @@ def default_digest() -> str:
 
 def _raw(t: torch.Tensor):
     """The tensor's bytes as a buffer, without copying a contiguous CPU tensor."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().cpu().contiguous()
+    if t.requires_grad:
+        t = t.detach()
+    try:
+        return t.numpy().reshape(-1).view(np.uint8)  # the tensor's own bytes (numpy views are cheap)
+    except TypeError:  # dtypes numpy lacks (bfloat16): the same bytes through torch
+        return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def tensor_digest(t: torch.Tensor, digest: str) -> str:
@@ -52,7 +56,7 @@ def tensor_digest(t: torch.Tensor, digest: str) -> str:
     if digest == "blake3":
         if _blake3 is None:
             raise MalformedInput("this run's states are hashed with BLAKE3: install the blake3 package")
-        threads = _blake3.blake3.AUTO if len(raw) >= _PARALLEL_BYTES else 1
+        threads = _blake3.blake3.AUTO if raw.nbytes >= _PARALLEL_BYTES else 1
         return _blake3.blake3(raw, max_threads=threads).hexdigest()
     raise MalformedInput(f"unknown state digest {digest!r}; known: {', '.join(DIGESTS)}")
 
@@ -150,7 +154,7 @@ def state_distances(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
             raise ValueError(f"{k} has another shape or dtype")
         if not b.is_floating_point() or k.endswith(".step"):
             if not torch.equal(a, b):
-                raise ValueError(f"{k} differs ({a.tolist() if a.numel() == 1 else 'a counter'})")
+                raise ValueError(f"{k} differs" + (f": {a.item()} against {b.item()}" if a.numel() == 1 else ""))
             continue
         if k.startswith("model."):
             group = "parameters" if k in parameters else "buffers"
