@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/torchrun_train.py --parallelism ddp --out runs/ddp
     torchrun --nproc_per_node=2 examples/torchrun_train.py --parallelism fsdp --out runs/fsdp
-    witness verify runs/ddp --challenges 20            # one process replays the 2-rank run
+    witness verify runs/ddp --challenges 20            # one process replays it bit for bit, any rank count
 
 It runs on CPU with gloo (GPU recording with nccl is not built yet; see docs/distributed.md).
 """

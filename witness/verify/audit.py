@@ -86,8 +86,6 @@ def use_threads(recorded: int, asked: int | None, notes: list[str] | None = None
         torch.set_num_threads(before)
 
 
-
-
 def check_records(bundle: Bundle, task: Task, session: TrainingSession, local: LocalSamples | None) -> list[str]:
     """Schedule, data order, batch roots (with local data), shapes and stagnation: every step."""
     checks = []
