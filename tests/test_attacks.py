@@ -11,6 +11,7 @@ from helpers import log_lines, resign, train_tiny
 from witness.bundle.layout import LOG
 from witness.bundle.reader import open_bundle
 from witness.commit.hashing import canonical_json, parse_canonical_json
+from witness.commit.log import RunLog
 from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.task.base import StepOutput
 from witness.verify import verify_bundle
@@ -251,3 +252,34 @@ def test_a_published_head_pins_the_log_against_rewriting(bundle_copy, signing_ke
     assert "rewritten after that head was published" in capsys.readouterr().err
     published.write_text("{}")
     assert main(["verify", str(bundle_copy), "--published-head", str(published)]) == 2
+
+
+def _sign_prefix(bundle, key, records: int) -> None:
+    """Keep the first ``records`` log records and sign one head over them, as a trainer may."""
+    lines = _lines(bundle)[:records]
+    log = RunLog()
+    for line in lines:
+        log.append_line(line)
+    _write(bundle, lines)
+    (bundle / "heads.jsonl").write_bytes(canonical_json(log.sign_head(key).to_json()) + b"\n")
+    for f in (bundle / "checkpoints").iterdir():
+        if int(f.name.split(".")[0]) >= records:
+            f.unlink()
+
+
+def test_a_log_signed_past_its_last_checkpoint(bundle_copy, signing_key):
+    # The recorder signs heads at checkpoints; a trainer may sign one elsewhere. Exact replay ends
+    # on the committed state hashes; tolerance mode needs the committed tensors at the end of a
+    # segment, and refuses to end a replay where no checkpoint is.
+    _sign_prefix(bundle_copy, signing_key, 16)  # the manifest and steps 0..14; a checkpoint after 10
+    v = verify_bundle(bundle_copy, challenges=ALL)
+    assert v.accepted and v.steps == 15 and not v.complete
+    with pytest.raises(RunRejected, match="no committed state after this step to end its replay on"):
+        verify_bundle(bundle_copy, challenges=ALL, exact=False)
+
+
+def test_a_signed_log_must_end_on_a_committed_state(tmp_path, signing_key):
+    bundle = train_tiny(tmp_path / "b", signing_key, state_every=5)
+    _sign_prefix(bundle, signing_key, 14)  # ends at step 12; states are committed after 4, 9, 14, ...
+    with pytest.raises(VerificationError, match="step 12: log: the signed log ends at a step whose training state"):
+        verify_bundle(bundle, challenges=1)

@@ -7,7 +7,13 @@ import hashlib
 import pytest
 import torch
 
-from witness.bundle.state import default_digest, state_distances, state_hash, tensor_digest, tensor_leaf
+from witness.bundle.state import (
+    default_digest,
+    state_distances,
+    state_hash,
+    tensor_digest,
+    tensor_leaf,
+)
 from witness.commit.hashing import canonical_json, leaf_hash
 from witness.commit.merkle import merkle_root
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +54,79 @@ class MLP(nn.Module):
         return self.fc2(h)
 
 
-class TinyTask(Task):
+class SyntheticClassifierTask(Task):
+    """A classifier on ``SyntheticClassification`` samples: what ``tiny`` and ``tinycnn`` share.
+
+    Subclasses say how many feature bytes a sample has, which seed draws the data, and how the
+    features are shaped for their model (``inputs``).
+    """
+
+    SEED: ClassVar[bytes]
+    PROBE_MIX: ClassVar[tuple[int, int]]  # probe j of feature i is (i * a + j * b) mod 256
+
+    @property
+    def features(self) -> int:
+        """Feature bytes per sample."""
+        raise NotImplementedError
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Features ``[B, features]`` as the model's input (a subclass may reshape them)."""
+        return x
+
+    @cached_property
+    def _eval(self) -> SyntheticClassification:
+        return SyntheticClassification(256, self.features, self.config.classes, seed=self.SEED, split=b"eval")
+
+    def eval_dataset(self) -> SyntheticClassification:
+        """256 held-out samples of the same teacher, drawn from a separate stream."""
+        return self._eval
+
+    def collate(self, samples: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features scaled to about [-2, 2], and labels."""
+        f = self.features
+        raw = torch.tensor([list(s[:f]) for s in samples], dtype=torch.uint8).view(torch.int8)
+        return self.inputs(raw.to(torch.float32) / 64.0), torch.tensor([s[f] for s in samples], dtype=torch.long)
+
+    def loss(self, model, batch, generator):
+        """Cross-entropy."""
+        x, y = batch
+        return F.cross_entropy(model(x, generator), y)
+
+    def probe_bytes(self) -> list[bytes]:
+        """Eight fixed probe points (labels are part of the bytes but only used for the loss)."""
+        a, b = self.PROBE_MIX
+        return [bytes(((i * a + j * b) % 256) for j in range(self.features)) + bytes([i % self.config.classes])
+                for i in range(8)]
+
+    def probe_outputs(self, model, probes):
+        """Logits on the probe points."""
+        return model(probes[0])
+
+    def probe_losses(self, outputs, probes):
+        """Per-probe cross-entropy."""
+        return F.cross_entropy(outputs, probes[1], reduction="none")
+
+    @torch.no_grad()
+    def eval_example(self, model, sample: bytes) -> dict:
+        """Loss, predicted class, correctness."""
+        x, y = self.collate([sample])
+        logits = model(x)
+        pred = int(logits.argmax(dim=-1))
+        return {"loss": float(F.cross_entropy(logits, y)), "prediction": pred, "correct": pred == int(y)}
+
+
+class TinyTask(SyntheticClassifierTask):
     """MLP on ``SyntheticClassification``."""
 
     name = "tiny"
     Config = TinyConfig
+    SEED = b"tiny"
+    PROBE_MIX = (37, 11)
+
+    @property
+    def features(self) -> int:
+        """The recipe's feature count."""
+        return self.config.features
 
     @cached_property
     def _dataset(self) -> SyntheticClassification:
@@ -80,47 +149,6 @@ class TinyTask(Task):
         model = MLP(self.config)
         init_parameters(model, seed, std=0.3)
         return model
-
-    def collate(self, samples: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features scaled to about [-2, 2], and labels."""
-        f = self.config.features
-        raw = torch.tensor([list(s[:f]) for s in samples], dtype=torch.uint8).view(torch.int8)
-        return raw.to(torch.float32) / 64.0, torch.tensor([s[f] for s in samples], dtype=torch.long)
-
-    def loss(self, model, batch, generator):
-        """Cross-entropy."""
-        x, y = batch
-        return F.cross_entropy(model(x, generator), y)
-
-    def probe_bytes(self) -> list[bytes]:
-        """Eight fixed probe points (labels are part of the bytes but only used for the loss)."""
-        f = self.config.features
-        return [bytes(((i * 37 + j * 11) % 256) for j in range(f)) + bytes([i % self.config.classes]) for i in range(8)]
-
-    def probe_outputs(self, model, probes):
-        """Logits on the probe points."""
-        return model(probes[0])
-
-    def probe_losses(self, outputs, probes):
-        """Per-probe cross-entropy."""
-        return F.cross_entropy(outputs, probes[1], reduction="none")
-
-    @cached_property
-    def _eval(self) -> SyntheticClassification:
-        c = self.config
-        return SyntheticClassification(256, c.features, c.classes, seed=b"tiny", split=b"eval")
-
-    def eval_dataset(self) -> SyntheticClassification:
-        """256 held-out points of the same teacher, drawn from a separate stream."""
-        return self._eval
-
-    @torch.no_grad()
-    def eval_example(self, model, sample: bytes) -> dict:
-        """Loss, predicted class, correctness."""
-        x, y = self.collate([sample])
-        logits = model(x)
-        pred = int(logits.argmax(dim=-1))
-        return {"loss": float(F.cross_entropy(logits, y)), "prediction": pred, "correct": pred == int(y)}
 
     def flops_per_step(self) -> float:
         """6 * params * samples."""

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.synthetic import SyntheticClassification
-from .base import Task, init_parameters
+from .base import init_parameters
+from .tiny import SyntheticClassifierTask
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,22 @@ class CNN(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
-class TinyCNNTask(Task):
+class TinyCNNTask(SyntheticClassifierTask):
     """CNN on ``SyntheticClassification`` samples read as square images."""
 
     name = "tinycnn"
     Config = TinyCNNConfig
+    SEED = b"tinycnn"
+    PROBE_MIX = (53, 29)
+
+    @property
+    def features(self) -> int:
+        """One byte per pixel."""
+        return self.config.side * self.config.side
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Pixels as ``[B, 1, side, side]`` images."""
+        return x.view(-1, 1, self.config.side, self.config.side)
 
     def check_limits(self) -> None:
         """Refuse shapes no verifier should be made to build."""
@@ -73,20 +85,11 @@ class TinyCNNTask(Task):
     @cached_property
     def _dataset(self) -> SyntheticClassification:
         c = self.config
-        return SyntheticClassification(c.dataset_size, c.side * c.side, c.classes, seed=b"tinycnn")
+        return SyntheticClassification(c.dataset_size, self.features, c.classes, seed=self.SEED)
 
     def dataset(self) -> SyntheticClassification:
         """The synthetic training images."""
         return self._dataset
-
-    @cached_property
-    def _eval(self) -> SyntheticClassification:
-        c = self.config
-        return SyntheticClassification(256, c.side * c.side, c.classes, seed=b"tinycnn", split=b"eval")
-
-    def eval_dataset(self) -> SyntheticClassification:
-        """256 held-out images of the same teacher."""
-        return self._eval
 
     def build_model(self, seed: bytes) -> nn.Module:
         """CNN with seed-derived weights; BatchNorm starts as the identity (gain 1, bias 0)."""
@@ -96,39 +99,6 @@ class TinyCNNTask(Task):
             for bn in (model.bn1, model.bn2):
                 bn.weight.fill_(1.0)
         return model
-
-    def collate(self, samples: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pixels scaled to about [-2, 2] as ``[B, 1, side, side]``, and labels."""
-        n = self.config.side * self.config.side
-        raw = torch.tensor([list(s[:n]) for s in samples], dtype=torch.uint8).view(torch.int8)
-        x = (raw.to(torch.float32) / 64.0).view(-1, 1, self.config.side, self.config.side)
-        return x, torch.tensor([s[n] for s in samples], dtype=torch.long)
-
-    def loss(self, model, batch, generator):
-        """Cross-entropy."""
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    def probe_bytes(self) -> list[bytes]:
-        """Eight fixed probe images, with a label byte for the probe loss."""
-        n = self.config.side * self.config.side
-        return [bytes(((i * 53 + j * 29) % 256) for j in range(n)) + bytes([i % self.config.classes]) for i in range(8)]
-
-    def probe_outputs(self, model, probes):
-        """Logits on the probe images."""
-        return model(probes[0])
-
-    def probe_losses(self, outputs, probes):
-        """Per-probe cross-entropy."""
-        return F.cross_entropy(outputs, probes[1], reduction="none")
-
-    @torch.no_grad()
-    def eval_example(self, model, sample: bytes) -> dict:
-        """Loss, predicted class, correctness."""
-        x, y = self.collate([sample])
-        logits = model(x)
-        pred = int(logits.argmax(dim=-1))
-        return {"loss": float(F.cross_entropy(logits, y)), "prediction": pred, "correct": pred == int(y)}
 
     def flops_per_step(self) -> float:
         """Forward multiply-adds of both convolutions and the head, times 6 (forward and backward)."""

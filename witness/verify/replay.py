@@ -94,7 +94,11 @@ class SegmentPlan:
 
     def end(self, step: int) -> int:
         """The first committed end at or after ``step``."""
-        return self.ends[bisect.bisect_left(self.ends, step)]
+        i = bisect.bisect_left(self.ends, step)
+        if i == len(self.ends):  # a log signed past its last checkpoint, replayed in tolerance mode
+            raise VerificationError("no committed state after this step to end its replay on", step=step,
+                                    check="replay")
+        return self.ends[i]
 
     def segment(self, step: int, length: int) -> tuple[int, int]:
         """The states a challenge of ``length`` steps at ``step`` replays from and to."""
