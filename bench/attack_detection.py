@@ -5,8 +5,10 @@ model, a backdoor carried by AdamW's first moment, weights that neither the prob
 see, a null-space nudge under tolerance mode, used data left out of the end record), a run of N
 steps is made dishonest at a random 5 % of its steps, with a response of the trainer's own
 making. It is audited many times with fresh nonces: with q = 90 challenges (the bound
-1 - 0.95^90 >= 0.99) and with q = 10 (bound 0.40, where a shortfall would show). A claimed world
-size makes every step fail; it is in the test suite.
+1 - 0.95^90 >= 0.99) and with q = 10 (bound 0.40, where a shortfall would show). Every audit
+also says whether its draw held a bad step: a drawn bad step that is not caught would be a hole
+in the checks, where a low rate with none is the luck of the draw. A claimed world size makes
+every step fail; it is in the test suite.
 
     python bench/attack_detection.py [--steps 200] [--audits 200] [--json out.json]
 """
@@ -29,28 +31,35 @@ from attacks import KINDS, build  # noqa: E402 - the test suite's own attacks
 from witness.bundle.reader import open_bundle  # noqa: E402
 from witness.errors import RunRejected  # noqa: E402
 from witness.verify import verify_bundle  # noqa: E402
-from witness.verify.challenges import detection_probability  # noqa: E402
+from witness.verify.challenges import detection_probability, draw_challenges  # noqa: E402
 from witness.verify.response import Response  # noqa: E402
 
 
 def audit(bundle: Path, response: Path, bad: set[int], q: int, audits: int, options: dict) -> dict:
-    """Audit ``audits`` times with ``q`` challenges; the rate, the exact value, the bound."""
+    """Audit ``audits`` times with ``q`` challenges: the rate, the exact value, the bound, and how
+    often a drawn bad step went uncaught (never, if the checks hold: then only the draw decides)."""
     opened, resp = open_bundle(bundle), Response(response)
     n = len(opened.steps)
-    caught, replayed, started = 0, 0, time.perf_counter()
+    caught = drew = missed = replayed = 0
+    started = time.perf_counter()
     for seed in range(audits):
+        nonce = seed.to_bytes(4, "big")
+        hit = {c.step for c in draw_challenges(opened.final_head, nonce, n, q)} & bad
+        drew += bool(hit)
         try:
-            v = verify_bundle(opened, challenges=q, nonce=seed.to_bytes(4, "big"), mode="interactive",
-                              response=resp, bad_fraction=len(bad) / n, **options)
+            v = verify_bundle(opened, challenges=q, nonce=nonce, mode="interactive", response=resp,
+                              bad_fraction=len(bad) / n, **options)
             replayed += v.replayed_steps
+            missed += bool(hit)
         except RunRejected as e:
             caught += 1
             replayed += e.verdict.replayed_steps
-            if not {r.step for r in e.verdict.results if not r.passed} <= bad:
-                raise AssertionError(f"an honest step was rejected: {e.failures}") from None
+            if {r.step for r in e.verdict.results if not r.passed} != hit:
+                raise AssertionError(f"the rejected steps are not the bad steps drawn: {e.failures}") from None
     exact = 1 - math.comb(n - len(bad), q) / math.comb(n, q)
     return {"q": q, "audits": audits, "caught": caught, "rate": caught / audits, "exact": exact,
-            "bound": detection_probability(len(bad) / n, q), "replayed_steps_per_audit": replayed / audits,
+            "bound": detection_probability(len(bad) / n, q), "drew_a_bad_step": drew,
+            "bad_step_drawn_but_missed": missed, "replayed_steps_per_audit": replayed / audits,
             "seconds_per_audit": (time.perf_counter() - started) / audits}
 
 
