@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ..errors import MalformedInput, VerificationError
+from .ed25519 import check_public_key
 from .hashing import canonical_json, from_hex, sha256
 
 STH_CONTEXT = "witness/signed-tree-head/v1"
@@ -60,9 +61,11 @@ def public_hex(key: Ed25519PublicKey) -> str:
 
 
 def public_key_from_hex(value: object) -> Ed25519PublicKey:
-    """Parse a raw hex Ed25519 public key."""
+    """Parse a raw hex Ed25519 public key, refusing weak ones (see ``ed25519.check_public_key``)."""
     try:
-        return Ed25519PublicKey.from_public_bytes(from_hex(value, "public key"))
+        raw = from_hex(value, "public key", 32)
+        check_public_key(raw)
+        return Ed25519PublicKey.from_public_bytes(raw)
     except ValueError as e:
         raise MalformedInput(f"bad public key: {e}") from None
 
