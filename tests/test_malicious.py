@@ -59,6 +59,16 @@ def test_unknown_file_and_folder(bundle_copy, capsys):
     assert _exit(bundle_copy) == 2
 
 
+@pytest.mark.parametrize("alias", ["000000020", "0000000020", "000000000020"])
+def test_an_alias_checkpoint_is_refused(bundle_copy, capsys, alias):
+    # the real file's exact bytes under another zero-padding of the same step: a second file for
+    # one committed state, which the reader's map would have let shadow the first
+    real = bundle_copy / "checkpoints" / "00000020.safetensors"
+    shutil.copyfile(real, bundle_copy / "checkpoints" / f"{alias}.safetensors")
+    assert _exit(bundle_copy) == 2
+    assert f"unexpected file checkpoints/{alias}.safetensors" in capsys.readouterr().err
+
+
 def test_oversized_log(bundle_copy, capsys):
     with open(bundle_copy / "log.jsonl", "r+b") as f:
         f.truncate(MAX_LOG_BYTES + 1)  # sparse: costs no disk, and must be refused before reading

@@ -33,6 +33,17 @@ def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINTS}/{step:08d}.safetensors"
 
 
+def checkpoint_step(rel: str) -> int | None:
+    """The step a checkpoint's relative path names, or None if the format names no such file.
+
+    Only the one spelling ``checkpoint_name`` writes counts: another zero-padding of the same step
+    would be a second file for one state, an alias that could shadow the committed one."""
+    m = CHECKPOINT_RE.match(rel)
+    if m is None or rel != checkpoint_name(int(m.group(1))):
+        return None
+    return int(m.group(1))
+
+
 def due(step: int, every: int, steps: int) -> bool:
     """Whether the state after ``step`` is committed on an ``every``-step cadence: every
     ``every`` updates, and after the last step of the recipe."""

@@ -13,7 +13,6 @@ from ..commit.merkle import verify_consistency
 from ..commit.signing import SignedTreeHead, public_key_from_hex
 from ..errors import MalformedInput, VerificationError
 from .layout import (
-    CHECKPOINT_RE,
     CHECKPOINTS,
     HEADS,
     LOG,
@@ -22,6 +21,7 @@ from .layout import (
     MAX_HEADS_BYTES,
     MAX_LOG_BYTES,
     MAX_RECORD_BYTES,
+    checkpoint_step,
     due,
     marker_bytes,
 )
@@ -103,7 +103,7 @@ def _scan(root: Path) -> tuple[set[str], list[str]]:
             if rel.startswith(f"{CHECKPOINTS}/") and rel.endswith(".safetensors.tmp"):
                 temps.append(rel)
                 continue
-            if rel not in (MARKER, LOG, HEADS) and not CHECKPOINT_RE.match(rel):
+            if rel not in (MARKER, LOG, HEADS) and checkpoint_step(rel) is None:
                 raise MalformedInput(f"unexpected file {rel} in the bundle")
             files.add(rel)
             if len(files) > MAX_FILES:
@@ -261,10 +261,9 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
             committed.add(rec.step + 1)
     checkpoints: dict[int, Path] = {}
     for rel in sorted(files):
-        m = CHECKPOINT_RE.match(rel)
-        if not m:
+        step = checkpoint_step(rel)
+        if step is None:
             continue
-        step = int(m.group(1))
         if step in committed:
             checkpoints[step] = root / rel
         elif end is not None:
