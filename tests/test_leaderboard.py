@@ -371,7 +371,7 @@ def test_the_migrations_build_exactly_the_models_schema(server):
     migrate(lb.engine)  # idempotent
     with lb.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
-        assert MigrationContext.configure(conn).get_current_revision() == "0001"
+        assert MigrationContext.configure(conn).get_current_revision() == "0002"
 
 
 def test_a_weakly_anchored_run_is_rejected(server, tmp_path):

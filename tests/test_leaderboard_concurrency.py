@@ -23,7 +23,7 @@ CHEATERS = {3, 8, 13, 18}
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 def test_parallel_submissions_and_two_workers(backend, tmp_path):
-    settings = make_settings(backend, tmp_path)
+    settings = make_settings(backend, tmp_path, registrations_per_hour=RUNS)  # 20 trainers behind one address
     lb = Leaderboard(settings)
     server, thread, url = start_server(lb, port=0)
     workers = [subprocess.Popen(

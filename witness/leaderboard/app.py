@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from jinja2 import Environment, FileSystemLoader
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -25,6 +25,7 @@ from .store import EVALUATION, UploadTooLarge
 
 MAX_JSON_BODY = 1 << 20
 PAGE_SIZE = 100
+MAX_PAGE = 1_000_000  # a larger page number is refused (422), not turned into an overflowing offset
 STATUSES = ("ticketed", "pending", "verifying", "certified", "rejected", "revoked")
 SORTS = {"metric": Run.metric_value, "submitted": Run.submitted_ms, "steps": Run.steps, "bound": Run.bound,
          "id": Run.id}
@@ -57,20 +58,26 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-class AccountIn(BaseModel):
+class StrictModel(BaseModel):
+    """A request body: JSON types as they are ("5" and true are not counts), no unknown fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class AccountIn(StrictModel):
     """A registration: a name and an Ed25519 public key (64 hex digits)."""
 
     name: str = Field(max_length=64)
     public_key: str = Field(max_length=64)
 
 
-class TicketIn(BaseModel):
+class TicketIn(StrictModel):
     """A ticket request for a track."""
 
     track: str = Field(max_length=64)
 
 
-class HeadIn(BaseModel):
+class HeadIn(StrictModel):
     """A streamed tree head, its consistency proof from the last one, and (first head only) the manifest."""
 
     tree_head: dict[str, Any]
@@ -78,7 +85,7 @@ class HeadIn(BaseModel):
     manifest: str | None = Field(default=None, max_length=MAX_JSON_BODY)
 
 
-class ChallengeIn(BaseModel):
+class ChallengeIn(StrictModel):
     """A request for more replay challenges."""
 
     count: int
@@ -140,9 +147,10 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
 
     # --- JSON API -----------------------------------------------------------------------
     @app.post("/api/accounts", status_code=201, tags=["accounts"])
-    def register(body: AccountIn, s: DB) -> dict:
-        """Register an Ed25519 public key; the API token is returned once and stored only as a hash."""
-        acct, token = lb.register(s, body.name, body.public_key)
+    def register(body: AccountIn, s: DB, request: Request) -> dict:
+        """Register an Ed25519 public key; the API token is returned once and stored only as a hash.
+        A client address may open a limited number of accounts an hour."""
+        acct, token = lb.register(s, body.name, body.public_key, request.client.host if request.client else None)
         return {"id": acct.id, "name": acct.name, "public_key": acct.public_key, "token": token}
 
     @app.get("/api/tracks", tags=["tracks"])
@@ -157,7 +165,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
 
     @app.get("/api/tracks/{name}/runs", tags=["runs"])
     def track_runs(name: str, s: DB, sort: str = "metric", order: str | None = None, status: str = "all",
-                   since: str | None = None, until: str | None = None, page: Annotated[int, Query(ge=1)] = 1) -> dict:
+                   since: str | None = None, until: str | None = None, page: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1) -> dict:
         """The runs of a track, sorted and filtered like its page."""
         t = lb.track(s, name)
         rows, total = table(s, t, sort, order, status, since, until, page)
@@ -237,7 +245,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
 
     @app.get("/tracks/{name}", response_class=HTMLResponse, include_in_schema=False)
     def track_page(name: str, s: DB, sort: str = "metric", order: str | None = None, status: str = "all",
-                   since: str | None = None, until: str | None = None, page: Annotated[int, Query(ge=1)] = 1) -> HTMLResponse:
+                   since: str | None = None, until: str | None = None, page: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1) -> HTMLResponse:
         t = lb.track(s, name)
         rows, total = table(s, t, sort, order, status, since, until, page)
         order = order or default_order(t, sort)

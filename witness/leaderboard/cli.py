@@ -18,6 +18,7 @@ DEFAULT_STORE = "leaderboard-data"
 
 def settings_from(args: argparse.Namespace):
     """Server settings from the flags shared by ``serve`` and ``worker``."""
+    from .db import check_db_url
     from .service import Settings
     from .tracks import DEFAULT_TRACKS, parse_track
 
@@ -25,8 +26,30 @@ def settings_from(args: argparse.Namespace):
     store.mkdir(parents=True, exist_ok=True)
     db = args.db or f"sqlite:///{store.resolve() / 'leaderboard.db'}"
     tracks = tuple(parse_track(t) for t in args.track) if args.track else DEFAULT_TRACKS
-    return Settings(db_url=db, store=store, max_upload=args.max_upload, tracks=tracks,
-                    max_head_gap=args.max_head_gap)
+    return Settings(db_url=check_db_url(db), store=store, max_upload=args.max_upload, tracks=tracks,
+                    max_head_gap=args.max_head_gap, registrations_per_hour=args.registrations_per_hour,
+                    max_queued_challenges=args.max_queued_challenges)
+
+
+def _count(value: str) -> int:
+    """A non-negative integer flag of sane size."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not an integer") from None
+    if not 0 <= n <= 10**12:
+        raise argparse.ArgumentTypeError(f"{value[:40]} is out of range")
+    return n
+
+
+def _workers(value: str) -> int:
+    """A worker count, at most the machine's cores (each worker replays on the CPU)."""
+    from ..record.session import cpu_cores
+
+    n = _count(value)
+    if n > cpu_cores():
+        raise argparse.ArgumentTypeError(f"this machine has {cpu_cores()} core(s); start at most that many workers")
+    return n
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -35,29 +58,40 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--track", action="append",
                    help="a track NAME=TASK[:KEY=VALUE,...][@METRIC+|-] (repeatable; default: the built-in tracks)")
     p.add_argument("--max-upload", type=int, default=DEFAULT_MAX_UPLOAD, help="largest accepted upload, in bytes")
-    p.add_argument("--max-head-gap", type=int, default=200,
+    p.add_argument("--max-head-gap", type=_count, default=200,
                    help="most log records a run may leave between two streamed tree heads")
+    p.add_argument("--registrations-per-hour", type=_count, default=5,
+                   help="new accounts one client address may open in an hour (0 closes registration)")
+    p.add_argument("--max-queued-challenges", type=_count, default=1000,
+                   help="most re-challenges that may wait on one run at a time")
 
 
-def start_workers(args: argparse.Namespace, n: int) -> list[subprocess.Popen]:
-    """Worker processes sharing the server's database and store."""
+def worker_command(args: argparse.Namespace) -> list[str]:
+    """The command line of a worker process sharing the server's database and store."""
     cmd = [sys.executable, "-m", "witness.cli", "leaderboard", "worker", "--store", args.store,
            "--max-upload", str(args.max_upload), "--parent", str(os.getpid())]
     if args.db:
         cmd += ["--db", args.db]
     for t in args.track or []:
         cmd += ["--track", t]
-    return [subprocess.Popen(cmd) for _ in range(n)]
+    return cmd
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the leaderboard server (and its workers)."""
+    import logging
+
     import uvicorn
 
     from .app import create_app
+    from .service import Leaderboard
+    from .supervise import WorkerPool
 
-    app = create_app(settings_from(args))
-    procs = start_workers(args, args.workers)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    lb = Leaderboard(settings_from(args))
+    app = create_app(lb=lb)
+    cmd = worker_command(args)
+    pool = WorkerPool(lb, lambda: subprocess.Popen(cmd), args.workers)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {args.host}, not only on loopback", file=sys.stderr)
 
@@ -70,10 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
+        pool.stop()
     return 0
 
 
@@ -85,7 +116,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        from ..record.session import bounded_threads
+
+        torch.set_num_threads(bounded_threads(args.threads))
     lb = Leaderboard(settings_from(args), sync_tracks=False)
     # A worker started by ``serve`` stops when that server is gone, however it ended.
     orphaned = (lambda: os.getppid() != args.parent) if args.parent else None
@@ -182,7 +215,8 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     _server_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--workers", type=int, default=1, help="verification worker processes to start")
+    s.add_argument("--workers", type=_workers, default=1,
+                   help="verification worker processes to start (at most this machine's cores; a dead one is replaced)")
     s.set_defaults(func=cmd_serve)
     w = lsub.add_parser("worker", help="run a verification worker against a server's database")
     _server_flags(w)

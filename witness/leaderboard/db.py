@@ -22,7 +22,9 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    make_url,
 )
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -46,6 +48,10 @@ class Account(Base):
     public_key: Mapped[str] = mapped_column(String(64), unique=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_ms: Mapped[int] = mapped_column(BigInteger)
+    # Where the registration came from (the client address), for the per-address limit.
+    address: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    # Accepted re-challenge requests; incrementing it first locks the account for the rate check.
+    challenge_requests: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Track(Base):
@@ -154,8 +160,20 @@ class ChallengeRow(Base):
     failure: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
+def check_db_url(url: str) -> str:
+    """``url`` if it names a database this server runs on (SQLite or PostgreSQL), else ValueError."""
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        raise ValueError(f"{url[:100]!r} is not a database URL (sqlite:///PATH or postgresql://…)") from None
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"the leaderboard runs on SQLite or PostgreSQL, not {backend[:40]!r}")
+    return url
+
+
 def make_engine(url: str) -> Engine:
     """An engine for ``url``; SQLite gets WAL and a busy timeout so several processes can share it."""
+    check_db_url(url)
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://"):]
     if url.startswith("sqlite"):

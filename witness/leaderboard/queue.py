@@ -48,11 +48,16 @@ def claim(s: Session, worker: str) -> Job | None:
     return None if job_id is None else s.get(Job, job_id, populate_existing=True)
 
 
-def finish(s: Session, job: Job, error: str | None = None) -> None:
-    """Mark a job done (or failed, with the error); the caller commits with its results."""
-    job.status = "failed" if error else "done"
-    job.error = error
-    job.finished_ms = now_ms()
+def finish(s: Session, job_id: int, worker: str, error: str | None = None) -> bool:
+    """Mark ``worker``'s job done (or failed, with the error) if it still holds it; the caller
+    commits with its results, or, on False, rolls them back: the job was queued again (its lease
+    ran out) and another worker decides it, so that every job is decided exactly once."""
+    n = s.execute(
+        update(Job).where(Job.id == job_id, Job.worker == worker, Job.status == "running")
+        .values(status="failed" if error else "done", error=error, finished_ms=now_ms())
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    return n == 1
 
 
 def renew(s: Session, job_id: int, worker: str) -> bool:
@@ -63,6 +68,17 @@ def renew(s: Session, job_id: int, worker: str) -> bool:
     ).rowcount
     s.commit()
     return n == 1
+
+
+def release_worker(s: Session, worker: str) -> int:
+    """Queue again at once the running jobs of ``worker``, known to be dead (its process was
+    reaped); returns how many. Its lease need not run out: it can no longer finish them."""
+    n = s.execute(
+        update(Job).where(Job.status == "running", Job.worker == worker)
+        .values(status="queued", worker=None).execution_options(synchronize_session=False)
+    ).rowcount
+    s.commit()
+    return n or 0
 
 
 def requeue_expired(s: Session, lease_ms: int = LEASE_MS) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from ..bundle.reader import open_bundle
@@ -53,6 +53,10 @@ class Settings:
     eval_spots: int = 100
     rechallenge_max: int = 500
     rechallenges_per_hour: int = 20
+    # Flood limits: new accounts per client address per hour (each account brings its own
+    # re-challenge allowance), and challenges queued or running on one run at any time.
+    registrations_per_hour: int = 5
+    max_queued_challenges: int = 1000
     clock_skew_ms: int = 5 * 60 * 1000
     # Time anchoring: the recorder streams a head at every checkpoint and at the end; a run
     # must not leave more than this many records between two streamed heads.
@@ -63,6 +67,23 @@ class Settings:
     def certify_challenges(self) -> int:
         """q for a new submission: detection >= confidence when a fraction f of steps is bad."""
         return challenges_needed(self.confidence, self.bad_fraction)
+
+
+MAX_ID = 2**31 - 1  # ids are INTEGER columns: a larger number names no row (and would overflow a driver)
+
+
+def _valid_id(value: object) -> bool:
+    return type(value) is int and 1 <= value <= MAX_ID
+
+
+def _lock_writes(s: Session) -> None:
+    """Begin the session's transaction with a write, so that what it counts next cannot change
+    under it: SQLite's database-wide write lock (pysqlite starts its transaction at the first
+    write), and on PostgreSQL the accounts table's lock against concurrent registrations."""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(text("LOCK TABLE accounts IN SHARE ROW EXCLUSIVE MODE"))
+    else:
+        s.execute(text("UPDATE accounts SET id = id WHERE 0"))
 
 
 def token_hash(token: str) -> str:
@@ -97,20 +118,32 @@ class Leaderboard:
             s.commit()
 
     # --- accounts -----------------------------------------------------------------------
-    def register(self, s: Session, name: str, public_key: str) -> tuple[Account, str]:
-        """A new account for an Ed25519 key; returns it with its API token (shown once)."""
+    def register(self, s: Session, name: str, public_key: str, address: str | None = None) -> tuple[Account, str]:
+        """A new account for an Ed25519 key; returns it with its API token (shown once).
+
+        At most ``registrations_per_hour`` accounts a client address may open in an hour: every
+        account brings its own re-challenge allowance, so free accounts would multiply it."""
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ApiError(400, "an account name is 1-64 letters, digits, '.', '_' or '-'")
         try:
             public_key_from_hex(public_key)
         except VerificationError as e:
             raise ApiError(400, f"bad public key: {e}") from None
+        address = (address or "unknown")[:64]
+        _lock_writes(s)
+        since = now_ms() - 3600 * 1000
+        recent = s.scalar(select(func.count()).select_from(Account).where(
+            Account.address == address, Account.created_ms > since))
+        if recent >= self.settings.registrations_per_hour:
+            raise ApiError(429, f"registration limit: {self.settings.registrations_per_hour} new accounts per hour "
+                                "from one address; try again later")
         if s.scalar(select(Account).where(Account.name == name)) is not None:
             raise ApiError(409, f"the account name {name!r} is taken")
         if s.scalar(select(Account).where(Account.public_key == public_key)) is not None:
             raise ApiError(409, "this public key is already registered")
         token = secrets.token_urlsafe(32)
-        acct = Account(name=name, public_key=public_key, token_hash=token_hash(token), created_ms=now_ms())
+        acct = Account(name=name, public_key=public_key, token_hash=token_hash(token), created_ms=now_ms(),
+                       address=address, challenge_requests=0)
         s.add(acct)
         s.commit()
         return acct, token
@@ -143,7 +176,7 @@ class Leaderboard:
 
     def run(self, s: Session, run_id: int) -> Run:
         """A run, or 404."""
-        run = s.get(Run, run_id)
+        run = s.get(Run, run_id) if _valid_id(run_id) else None
         if run is None:
             raise ApiError(404, f"no run {run_id}")
         return run
@@ -301,10 +334,19 @@ class Leaderboard:
 
     # --- self-regulation ----------------------------------------------------------------
     def request_challenges(self, s: Session, acct: Account, run_id: int, count: int) -> Job:
-        """Queue more challenges on a certified run, within the requester's rate limit."""
-        run = self.run(s, run_id)
+        """Queue more challenges on a certified run, within the requester's rate limit and the run's
+        bound on queued work."""
         if type(count) is not int or not 1 <= count <= self.settings.rechallenge_max:
             raise ApiError(400, f"count must be an integer from 1 to {self.settings.rechallenge_max}")
+        # Count and insert under a lock, or parallel requests all pass the same count: the
+        # account's row on PostgreSQL (and the run's, for the run's bound), the whole database's
+        # write lock on SQLite; both taken by this first write of the transaction.
+        s.execute(update(Account).where(Account.id == acct.id)
+                  .values(challenge_requests=Account.challenge_requests + 1)
+                  .execution_options(synchronize_session=False))
+        run = s.get(Run, run_id, with_for_update=True, populate_existing=True) if _valid_id(run_id) else None
+        if run is None:
+            raise ApiError(404, f"no run {run_id}")
         if run.status != "certified":
             raise ApiError(409, f"run {run_id} is {run.status}; only certified runs are re-challenged")
         since = now_ms() - 3600 * 1000
@@ -313,6 +355,11 @@ class Leaderboard:
         if recent >= self.settings.rechallenges_per_hour:
             raise ApiError(429, f"rate limit: {self.settings.rechallenges_per_hour} challenge requests per hour "
                                 "per account; try again later")
+        pending = s.scalar(select(func.coalesce(func.sum(Job.count), 0)).where(
+            Job.run_id == run.id, Job.status.in_(("queued", "running"))))
+        if pending + count > self.settings.max_queued_challenges:
+            raise ApiError(429, f"run {run_id} has {pending} challenges waiting already; at most "
+                                f"{self.settings.max_queued_challenges} may wait at once: try again when they are done")
         job = queue.enqueue(s, run.id, "rechallenge", count, acct.id)
         s.commit()
         return job

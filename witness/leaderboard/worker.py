@@ -88,7 +88,10 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         elif run.status == "certified":  # a round queued before a revocation adds nothing to it
             run.challenges_passed += rnd.count
             run.bound = run_bound(lb, run.challenges_passed, run.steps or 0, run.bound == 1.0 or rnd.count >= (run.steps or 0))
-        queue.finish(s, job)
+        if not queue.finish(s, job.id, worker):
+            s.rollback()
+            log.warning("job %s was taken from this worker before it finished; its result is dropped", job.id)
+            return
         s.commit()
 
 
@@ -175,11 +178,10 @@ def work(lb: Leaderboard, *, worker: str | None = None, once: bool = False, poll
         except Exception as e:  # an error of the server, not of the run: record it, keep working
             log.exception("job %s failed", job.id)
             with lb.Session() as s:
-                j = s.get(Job, job.id)
-                queue.finish(s, j, error=f"{type(e).__name__}: {e}")
-                run = s.get(Run, j.run_id)
-                if run.status == "verifying":
-                    run.status, run.reason = "pending", f"the server could not verify it: {type(e).__name__}: {e}"
+                if queue.finish(s, job.id, worker, error=f"{type(e).__name__}: {e}"):
+                    run = s.get(Run, job.run_id)
+                    if run.status == "verifying":
+                        run.status, run.reason = "pending", f"the server could not verify it: {type(e).__name__}: {e}"
                 s.commit()
         done += 1
     return done
