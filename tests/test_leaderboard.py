@@ -15,8 +15,8 @@ from helpers import resign_certificate
 from lbhelpers import Authed, make_settings, register, submit, train_and_certify
 from sqlalchemy import select
 
-from witness.commit.hashing import canonical_json
-from witness.commit.signing import generate_key
+from witness.commit.hashing import canonical_json, leaf_hash
+from witness.commit.signing import SignedTreeHead, generate_key
 from witness.evals.certificate import results_root
 from witness.leaderboard import client as C
 from witness.leaderboard.app import create_app
@@ -426,3 +426,29 @@ def test_a_long_verification_keeps_its_lease(server, tmp_path, monkeypatch):
         assert [(j.status, j.worker, j.attempts) for j in jobs] == [("done", "w1", 1)]
         assert len(s.scalars(select(Round).where(Round.run_id == run_id)).all()) == 1
     assert _run(lb, run_id).status == "certified"
+
+
+def test_absurd_numbers_and_odd_bodies_get_a_4xx(server, tmp_path):
+    lb, tc = server
+    alice = register(tc, "alice")
+    api = Authed(tc, alice.token)
+    for path in ("/runs/99999999999999999999999", "/api/runs/99999999999999999999999",
+                 "/api/runs/99999999999999999999999/challenges", "/runs/2147483648/badge.svg"):
+        assert tc.get(path).status_code == 404, path
+    for path in ("/tracks/quick?page=99999999999999999999", "/api/tracks/quick/runs?page=9223372036854775807",
+                 "/api/tracks/quick/runs?page=0"):
+        r = tc.get(path)
+        assert 400 <= r.status_code < 500, (path, r.status_code)
+    r = api.post("/api/runs/99999999999999999999999/challenges", json={"count": 1})
+    assert r.status_code == 404
+    # counts are JSON integers, not strings or booleans that a lax parser would coerce
+    for bad in ("5", True, 5.0):
+        r = api.post("/api/runs/1/challenges", json={"count": bad})
+        assert r.status_code == 400 and "count" in r.json()["detail"], (bad, r.text)
+    assert tc.post("/api/accounts", json={"name": "bob", "public_key": "11" * 32, "admin": True}).status_code == 400
+    # a first head whose manifest is the signed leaf but not canonical JSON
+    tk = C.ticket(api, "quick")
+    manifest = '{"type": "manifest",  "r": "00"}'
+    head = SignedTreeHead.sign(alice.key, 1, leaf_hash(manifest.encode()))
+    r = api.post(f"/api/runs/{tk['run_id']}/heads", json={"tree_head": head.to_json(), "manifest": manifest})
+    assert r.status_code == 400 and "canonical" in r.json()["detail"], r.text

@@ -111,3 +111,63 @@ def test_the_demo_fills_a_fresh_leaderboard(tmp_path, capsys):
     # a folder that is not a demo is left alone
     (tmp_path / "other").mkdir()
     assert run_demo(tmp_path / "other", port=0, serve=False) == 2
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (Z for a zombie), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_a_worker_killed_mid_verification_is_replaced_and_the_run_decided_once(tmp_path):
+    from lbhelpers import register, submit, train_and_certify
+    from sqlalchemy import create_engine, text
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    store = tmp_path / "store"
+    slow = "slow=tiny:steps=200@accuracy+"  # verification takes seconds: time to kill its worker
+    log = tmp_path / "server.log"
+    server = subprocess.Popen([sys.executable, "-m", "witness.cli", "leaderboard", "serve", "--port", str(port),
+                               "--store", str(store), "--track", slow, "--workers", "1"],
+                              cwd=tmp_path, stderr=open(log, "w"))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/api/tracks").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        with httpx.Client(base_url=url, timeout=120) as c:
+            alice = register(c, "alice")
+            run_id, bundle, cert = train_and_certify(c, alice, tmp_path / "run", "slow", checkpoint_every=20)
+            submit(c, alice, bundle, cert)
+            deadline = time.monotonic() + 120
+            while c.get(f"/api/runs/{run_id}").json()["status"] != "verifying":
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            workers = [p for p in _processes_naming(str(store)) if b"\x00worker\x00" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            assert len(workers) == 1
+            os.kill(workers[0], 9)
+            deadline = time.monotonic() + 300
+            while (status := c.get(f"/api/runs/{run_id}").json()["status"]) in ("pending", "verifying"):
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.5)
+            assert status == "certified", c.get(f"/api/runs/{run_id}").json()
+            assert _state(workers[0]) is None  # reaped: no zombie left behind
+            hist = c.get(f"/api/runs/{run_id}/challenges").json()
+            assert [h["kind"] for h in hist] == ["certify"] and hist[0]["passed"]  # decided exactly once
+        engine = create_engine(f"sqlite:///{store.resolve() / 'leaderboard.db'}")
+        with engine.connect() as conn:
+            jobs = conn.execute(text("SELECT status, attempts FROM jobs")).all()
+        engine.dispose()
+        assert [tuple(j) for j in jobs] == [("done", 2)]  # taken twice: by the killed worker and its successor
+        assert f"worker pid {workers[0]} exited with code -9; 1 job(s) it held queued again" in log.read_text()
+    finally:
+        server.terminate()
+        server.wait(30)

@@ -226,7 +226,7 @@ class Leaderboard:
             raise ApiError(400, "the manifest sent is not the one the tree head signs")
         try:
             m = parse_canonical_json(line)
-        except VerificationError as e:
+        except (VerificationError, ValueError) as e:  # ValueError: not canonical JSON
             raise ApiError(400, f"manifest: {e}") from None
         self._check_manifest(s, run, acct, m)
 
