@@ -192,7 +192,9 @@ def test_serve_rejects_bad_requests(run):
         info = json.loads(urllib.request.urlopen(url + "/v1/info").read())
         assert info["served_model_hash"] == info["final_model_hash"]
         for body in (b"{}", b"not json", json.dumps({"inputs": ["zz"]}).encode(),
-                     json.dumps({"inputs": ["00" * 3]}).encode()):
+                     json.dumps({"inputs": ["00" * 3]}).encode(),
+                     b"[" * 200_000 + b"]" * 200_000,  # nesting deeper than the parser recurses
+                     b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
             req = urllib.request.Request(url + "/v1/outputs", data=body, method="POST")
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(req)

@@ -6,6 +6,7 @@ Exit codes of ``verify``: 0 accepted, 1 rejected, 2 unusable input.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -136,15 +137,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     response = args.response
     if args.mode == "interactive" and response is None:
         response = default_response_dir(args.bundle)
-    from .verify.replay import DEFAULT_THRESHOLDS
+    from .verify.replay import check_thresholds
 
     thresholds = dict(args.threshold or [])
     if args.rtol is not None:
         thresholds["fingerprint"] = args.rtol
-    unknown = set(thresholds) - set(DEFAULT_THRESHOLDS)
-    if unknown or not all(isinstance(v, (int, float)) and v >= 0 for v in thresholds.values()):
-        print(f"thresholds are non-negative numbers for {', '.join(DEFAULT_THRESHOLDS)}", file=sys.stderr)
-        return 2
+    check_thresholds(thresholds)  # before any work: a bad threshold is unusable input (exit 2)
     return _report_verdict(args, lambda: verify_bundle(
         args.bundle, challenges=_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
         response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
@@ -174,7 +172,10 @@ def _report_verdict(args: argparse.Namespace, audit) -> int:
     except VerificationError as e:
         if args.json:
             _print_verdict(None, args, [str(e)])
-        print(f"{'UNUSABLE INPUT' if isinstance(e, MalformedInput) else 'REJECTED'}: {e}", file=sys.stderr)
+        if isinstance(e, MalformedInput):
+            print(f"UNUSABLE INPUT: {_one_line(str(e), 1000)}", file=sys.stderr)
+        else:
+            print(f"REJECTED: {e}", file=sys.stderr)
         return e.exit_code
     _print_verdict(verdict, args)
     return 0
@@ -527,6 +528,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(text: str, limit: int = 300) -> str:
+    """A message on one line of bounded length (a 5000-character path is not worth repeating)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _os_error(e: OSError) -> str:
+    """An ``OSError`` as a person reads it: what went wrong, and where."""
+    if e.strerror is None:
+        return _one_line(str(e))
+    where = e.filename if e.filename is not None else ""
+    where = str(where) if len(str(where)) <= 120 else f"{str(where)[:60]}…({len(str(where))} characters)"
+    full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    hint = " (out of space: free some; a training run then continues with witness train --resume)" if full else ""
+    return _one_line(f"{e.strerror}{': ' + where if where else ''}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     parser = build_parser()
@@ -538,8 +556,11 @@ def main(argv: list[str] | None = None) -> int:
     except VerificationError as e:
         print(f"{'UNUSABLE INPUT' if isinstance(e, MalformedInput) else 'REJECTED'}: {e}", file=sys.stderr)
         return e.exit_code
-    except (FileExistsError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path too long, a folder for a file, a full disk, no permission, ...
+        print(f"error: {_os_error(e)}", file=sys.stderr)
         return 2
     except Exception as e:
         import httpx

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..commit.hashing import load_json
 from ..errors import MalformedInput
 from .layout import MAX_CHECKPOINT_BYTES, MAX_SAFETENSORS_HEADER
 from .state import state_hash
@@ -24,7 +26,14 @@ def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], step: int, dig
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": STATE_FORMAT, "step": str(step)})
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"format": STATE_FORMAT, "step": str(step)})
+    except SafetensorError as e:
+        # safetensors reports I/O failures (a full disk) as its own error: make it the OSError it is
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        raise OSError(code, os.strerror(code), str(tmp)) from None
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -54,8 +63,8 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
         if n > MAX_SAFETENSORS_HEADER or n + 8 > size:
             raise MalformedInput(f"{path.name} is not a safetensors file (header length {n})")
         try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
+            header = load_json(f.read(n))
+        except ValueError:
             raise MalformedInput(f"{path.name} is not a safetensors file (bad header)") from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..errors import MalformedInput, VerificationError
-from .hashing import canonical_json
+from .hashing import canonical_json, load_json
 from .signing import public_hex, public_key_from_hex
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -53,14 +52,15 @@ def open_envelope(env: Any, public_key: str | None = None) -> dict:
     try:
         payload = base64.b64decode(env["payload"], validate=True)
         sigs = [(s["keyid"], base64.b64decode(s["sig"], validate=True)) for s in env["signatures"]]
-        stmt = json.loads(payload)
+        stmt = load_json(payload)
     except (KeyError, TypeError, ValueError):
         raise MalformedInput("malformed DSSE envelope") from None
     for keyid, sig in sigs:
         if public_key is not None and keyid != public_key:
             continue
+        key = public_key_from_hex(keyid)  # a malformed or weak key is refused as such
         try:
-            public_key_from_hex(keyid).verify(sig, pae(PAYLOAD_TYPE, payload))
+            key.verify(sig, pae(PAYLOAD_TYPE, payload))
         except Exception:
             raise VerificationError("the DSSE envelope's signature is invalid", check="signature") from None
         if not isinstance(stmt, dict) or stmt.get("_type") != STATEMENT_TYPE:
@@ -75,8 +75,8 @@ def read_json_or_envelope(path: str | os.PathLike, limit: int, what: str) -> Any
     if not p.is_file() or p.stat().st_size > limit:
         raise MalformedInput(f"{p} is not a {what} file of at most {limit} bytes")
     try:
-        obj = json.loads(p.read_bytes())
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        obj = load_json(p.read_bytes())
+    except ValueError:
         raise MalformedInput(f"{p} is not JSON") from None
     if isinstance(obj, dict) and "payloadType" in obj:
         predicate = open_envelope(obj).get("predicate")

@@ -101,6 +101,15 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def load_json(data: bytes | str) -> Any:
+    """``json.loads`` for untrusted bytes: anything that is not JSON, including nesting too deep
+    for the parser's recursion, is a ``ValueError``."""
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"not valid JSON ({type(e).__name__})") from None
+
+
 def parse_canonical_json(data: bytes) -> Any:
     """Parse JSON and insist that ``data`` is exactly its canonical form."""
     try:

@@ -14,7 +14,7 @@ import torch
 from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle, open_bundle
 from ..bundle.state import model_hash
-from ..commit.hashing import same
+from ..commit.hashing import load_json, same
 from ..errors import MalformedInput
 from ..fingerprint.probes import relative_distance
 from ..verify.audit import task_of
@@ -93,11 +93,11 @@ def query_endpoint(url: str, probes: list[bytes], timeout: float = 30.0) -> torc
     if len(body) > MAX_RESPONSE:
         raise MalformedInput("the endpoint's answer is too large")
     try:
-        obj = json.loads(body)
+        obj = load_json(body)
         out = torch.tensor(obj["outputs"], dtype=torch.float32)
         if list(out.shape) != obj["shape"]:
             raise ValueError("shape mismatch")
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # torch.tensor recurses too
         raise MalformedInput(f"the endpoint's answer is not a witness outputs document: {e}") from None
     return out
 

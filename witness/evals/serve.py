@@ -20,6 +20,7 @@ import torch
 
 from ..bundle.reader import open_bundle
 from ..bundle.state import load_state, model_hash
+from ..commit.hashing import load_json
 from ..verify.audit import task_of
 from .evaluate import final_model
 from .identity import read_weights
@@ -75,7 +76,7 @@ def make_server(bundle_dir: str | os.PathLike, host: str = "127.0.0.1", port: in
                 self._send(400, {"error": f"a request body of at most {MAX_BODY} bytes is required"})
                 return
             try:
-                req = json.loads(self.rfile.read(n))
+                req = load_json(self.rfile.read(n))
                 inputs = [bytes.fromhex(x) for x in req["inputs"]]
                 if not 1 <= len(inputs) <= MAX_INPUTS or any(len(x) != probe_len for x in inputs):
                     raise ValueError(f"send 1 to {MAX_INPUTS} inputs of {probe_len} bytes")

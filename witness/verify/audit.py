@@ -32,6 +32,7 @@ from .replay import (
     Replayer,
     SegmentPlan,
     check_state,
+    check_thresholds,
 )
 from .response import Response, ResponseSamples
 from .verdict import ChallengeResult, Verdict
@@ -194,6 +195,7 @@ def verify_bundle(
     if mode not in ("offline", "interactive"):
         raise MalformedInput(f"unknown mode {mode!r}")
     f = DEFAULT_BAD_FRACTION if bad_fraction is None else bad_fraction
+    check_thresholds(thresholds or {})
     if challenges is None:
         challenges = challenges_needed(confidence or DEFAULT_CONFIDENCE, f)
     if challenges < 1 or length < 1:

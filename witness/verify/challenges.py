@@ -62,8 +62,16 @@ def detection_probability(bad_fraction: float, challenges: int, steps: int | Non
     return 1.0 - (1.0 - bad_fraction) ** challenges
 
 
+MAX_CHALLENGES = 10**9
+
+
 def challenges_needed(confidence: float, bad_fraction: float) -> int:
     """The smallest q with 1 - (1 - f)^q >= confidence."""
     if not 0 < confidence < 1 or not 0 < bad_fraction < 1:
         raise ValueError("confidence and bad fraction must lie strictly between 0 and 1")
-    return max(1, math.ceil(math.log(1 - confidence) / math.log(1 - bad_fraction) - 1e-12))
+    per = -math.log1p(-bad_fraction)  # exact for tiny f, where log(1 - f) rounds to 0
+    q = -math.log1p(-confidence) / per if per > 0 else math.inf
+    if q > MAX_CHALLENGES:
+        raise ValueError(f"detecting a bad fraction of {bad_fraction:.3g} with confidence {confidence} takes more than "
+                         f"{MAX_CHALLENGES} challenges; ask for a larger bad fraction (or replay every step)")
+    return max(1, math.ceil(q - 1e-12))

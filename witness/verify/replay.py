@@ -23,7 +23,7 @@ from ..bundle.schema import StepRecord
 from ..bundle.state import load_state, state_distances, state_hash, state_tensors
 from ..commit.hashing import same
 from ..data.dataset import Dataset
-from ..errors import VerificationError
+from ..errors import MalformedInput, VerificationError
 from ..fingerprint.probes import relative_distance
 from ..record.session import TrainingSession
 from ..task.base import Task
@@ -34,6 +34,19 @@ from .verdict import ChallengeResult
 # committed state at the end of every segment, over all coordinates.
 DEFAULT_THRESHOLDS = {"loss": 1e-4, "fingerprint": 1e-3, "sketch": 1e-5, "update": 1e-2,
                       "parameters": 1e-5, "buffers": 1e-4, "optimizer": 1e-3}
+
+
+def check_thresholds(thresholds: dict[str, float]) -> dict[str, float]:
+    """``thresholds`` if every name is known and every value a finite number in [0, 1): all are
+    relative distances, and one of 1 or more would accept a state that shares nothing."""
+    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS))
+    if unknown:
+        raise MalformedInput(f"unknown threshold {unknown[0]!r}; the thresholds are {', '.join(DEFAULT_THRESHOLDS)}")
+    for name, v in thresholds.items():
+        if type(v) not in (int, float) or not math.isfinite(v) or not 0 <= v < 1:
+            raise MalformedInput(f"the {name} threshold must be a number from 0 up to 1 (a relative distance), "
+                                 f"not {str(v)[:40]}")
+    return thresholds
 
 
 class SampleSource(Protocol):
