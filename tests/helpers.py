@@ -116,7 +116,7 @@ def attacker_response(bundle_dir: Path, out: Path, states: dict[int, dict[str, t
                      for i, s in zip(idx, samples, strict=True)],
         }
     doc = {"format": FORMAT, "version": VERSION, "head_root": bundle.final_head.root.hex(),
-           "head_size": bundle.final_head.size, "nonce": "00", "states": names, "steps": steps}
+           "head_size": bundle.final_head.size, "states": names, "steps": steps}
     (out / "response.json").write_bytes(canonical_json(doc))
     return out
 

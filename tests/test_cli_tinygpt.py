@@ -81,8 +81,9 @@ def test_confidence_chooses_q_and_inspect_summarises(gpt_run):
     assert json.loads(res.stdout)["challenges"] == 4  # 1 - 0.5^4 >= 0.9
     res = _cli("inspect", str(gpt_run))
     assert res.returncode == 0 and "tinygpt run, 16/16 steps signed (complete)" in res.stdout
+    assert "inspect neither hashes checkpoints nor replays anything" in res.stdout  # it says what it did not check
     info = json.loads(_cli("inspect", str(gpt_run), "--json").stdout)
-    assert info["checkpoints"] == [0, 5, 10, 15, 16]
+    assert info["checkpoints"] == [0, 5, 10, 15, 16] and "neither hashes checkpoints" in info["checked"]
 
 
 def test_keygen_refuses_to_overwrite(tmp_path):

@@ -242,12 +242,14 @@ def _link(name: str, target: str, kind=tarfile.SYMTYPE) -> tuple[tarfile.TarInfo
     ([_file("elsewhere.txt")], "neither under bundle/"),
     ([_file("bundle/a"), _file("bundle/a")], "names a file twice"),
     ([_file("evaluation.json")], "no bundle/ folder"),
+    ([_file("bundle/bundle.json", b"{}"), _file("evaluation.json")], "the bundle has no log.jsonl"),
 ])
 def test_path_traversal_and_odd_archives_are_refused(server, tmp_path, members, message):
     lb, tc = server
     alice = register(tc, "alice")
     r = Authed(tc, alice.token).post("/api/submissions", content=_tar(members))
     assert r.status_code == 400 and message in r.json()["detail"], r.text
+    assert str(lb.store.root.name) not in r.text and str(tmp_path) not in r.text  # no server path is shown
     assert not (lb.store.root.parent / "escape.txt").exists() and not (tmp_path / "escape.txt").exists()
     assert not list((lb.store.root / "incoming").iterdir())
 
@@ -452,3 +454,11 @@ def test_absurd_numbers_and_odd_bodies_get_a_4xx(server, tmp_path):
     head = SignedTreeHead.sign(alice.key, 1, leaf_hash(manifest.encode()))
     r = api.post(f"/api/runs/{tk['run_id']}/heads", json={"tree_head": head.to_json(), "manifest": manifest})
     assert r.status_code == 400 and "canonical" in r.json()["detail"], r.text
+
+
+def test_refusals_name_files_inside_the_upload_not_the_server_store(tmp_path):
+    from witness.leaderboard.service import _hide
+
+    staging = tmp_path / "store" / "incoming" / "abc"
+    e = ValueError(f"{staging}/evaluation.json is not a certificate; {staging} is odd")
+    assert _hide(e, staging) == "evaluation.json is not a certificate; the upload is odd"

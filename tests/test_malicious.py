@@ -131,3 +131,35 @@ def test_cli_exit_codes_in_a_fresh_process(honest_bundle, tmp_path):
     (bad / "checkpoints" / "x.pkl").write_bytes(b"\x80\x04.")
     res = subprocess.run([sys.executable, "-m", "witness.cli", "verify", str(bad)], capture_output=True, text=True)
     assert res.returncode == 2 and "pickle" in res.stderr
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_unusable_not_rejected(tmp_path, capsys):
+    from witness.commit.signing import generate_key
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    task = build_task("tiny", {"steps": 20})
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=10)
+    for t in range(3):  # killed here: three steps logged, none under a signed head yet
+        rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
+    assert _exit(tmp_path / "run") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("UNUSABLE INPUT") and "stopped before its first checkpoint" in err and "--resume" in err
+
+
+def test_responses_answer_the_audit_nonce_and_carry_none(honest_bundle, tmp_path):
+    from witness.commit.hashing import canonical_json, parse_canonical_json
+    from witness.errors import RunRejected
+    from witness.verify.response import Response
+
+    resp = tmp_path / "resp"
+    respond(honest_bundle, resp, nonce=b"n", challenges=2)
+    doc = parse_canonical_json((resp / "response.json").read_bytes())
+    assert "nonce" not in doc
+    # made for another nonce: the states this audit draws are missing, and the verdict says why
+    with pytest.raises(RunRejected, match="this audit's nonce"):
+        verify_bundle(honest_bundle, challenges=2, nonce=b"another", mode="interactive", response=resp)
+    # a version 2 response (with its unchecked nonce) is not read
+    (resp / "response.json").write_bytes(canonical_json(dict(doc, version=2, nonce="6e")))
+    with pytest.raises(MalformedInput, match="supported version"):
+        Response(resp)

@@ -196,6 +196,10 @@ def cmd_respond(args: argparse.Namespace) -> int:
     return 0
 
 
+INSPECT_CHECKED = ("signatures, tree heads and the log's records only; inspect neither hashes checkpoints nor "
+                   "replays anything (witness verify does)")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a readable summary of a bundle."""
     from .bundle.reader import open_bundle
@@ -225,6 +229,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "last_loss": b.steps[-1].loss,
         "task_config": m.task_config,
         "notes": b.notes,
+        "checked": INSPECT_CHECKED,
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -241,6 +246,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  recipe        {json.dumps(m.task_config, sort_keys=True)}")
     for n in b.notes:
         print(f"  note          {n}")
+    print(f"  checked       {INSPECT_CHECKED}")
     return 0
 
 

@@ -274,7 +274,9 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     if missing:
         raise VerificationError(f"the checkpoint after step {missing[0]} is committed but missing", check="checkpoint")
     if not steps:
-        raise VerificationError("the signed log holds no training step", check="log")
+        # Nothing is claimed yet: a run stopped before its first signed head is unusable, not dishonest.
+        raise MalformedInput("the signed log holds no training step: the run stopped before its first checkpoint "
+                             "was signed (continue it with witness train --resume)")
     if steps[-1].state_hash is None:
         # Replay must end on a committed state: a log signed up to an uncommitted step would leave
         # its last states bound by nothing but their fingerprints.

@@ -86,6 +86,15 @@ def _lock_writes(s: Session) -> None:
         s.execute(text("UPDATE accounts SET id = id WHERE 0"))
 
 
+def _hide(e: Exception, staging: Path) -> str:
+    """An error's message with the server's own paths replaced: the store's layout is not the
+    client's business (names inside the upload are kept, relative to it)."""
+    msg = str(e)
+    for root in (str(staging.resolve()), str(staging)):
+        msg = msg.replace(root + "/", "").replace(root, "the upload")
+    return msg
+
+
 def token_hash(token: str) -> str:
     """What the database keeps of an API token."""
     return hashlib.sha256(token.encode()).hexdigest()
@@ -257,7 +266,7 @@ class Leaderboard:
             try:
                 bundle = open_bundle(bundle_dir)
             except VerificationError as e:
-                raise ApiError(400, f"the bundle is not valid: {e}") from None
+                raise ApiError(400, f"the bundle is not valid: {_hide(e, staging)}") from None
             m = bundle.manifest
             if m.public_key != acct.public_key:
                 raise ApiError(400, "the bundle is signed by another key than the account's registered key")
@@ -287,7 +296,7 @@ class Leaderboard:
             try:
                 cert = read_json_or_envelope(cert_path, MAX_CERTIFICATE_BYTES, "evaluation certificate")
             except VerificationError as e:
-                raise ApiError(400, f"{EVALUATION}: {e}") from None
+                raise ApiError(400, f"{EVALUATION}: {_hide(e, staging)}") from None
             if not isinstance(cert, dict):
                 raise ApiError(400, f"{EVALUATION} is not a certificate")
             # Claim the run first: of two concurrent submissions only one gets past this line.

@@ -80,7 +80,7 @@ def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: byt
         }
     doc = {
         "format": FORMAT, "version": VERSION, "head_root": bundle.final_head.root.hex(),
-        "head_size": bundle.final_head.size, "nonce": nonce.hex(), "states": states, "steps": answers,
+        "head_size": bundle.final_head.size, "states": states, "steps": answers,
     }
     (out / "response.json").write_bytes(canonical_json(doc))
     return out

@@ -31,7 +31,7 @@ from ..data.proofs import pair_from_json
 from ..errors import MalformedInput, VerificationError
 
 FORMAT = "witness-response"
-VERSION = 2
+VERSION = 3  # 3: no nonce field (the verifier draws from its own nonce; the field was never checked)
 STATE_RE = re.compile(r"^states/([0-9]{8,12})\.safetensors$")
 MAX_RESPONSE_JSON = 256 * 1024 * 1024
 MAX_SAMPLE_BYTES = 1 << 20
@@ -78,11 +78,10 @@ class Response:
         if not isinstance(obj, dict) or obj.get("format") != FORMAT or type(obj.get("version")) is not int \
                 or obj["version"] != VERSION:
             raise MalformedInput("response.json is not a witness response of a supported version")
-        if set(obj) != {"format", "version", "head_root", "head_size", "nonce", "states", "steps"}:
+        if set(obj) != {"format", "version", "head_root", "head_size", "states", "steps"}:
             raise MalformedInput("response.json has missing or unexpected fields")
         try:
             self.head_root = from_hex(obj["head_root"], "head_root")
-            self.nonce = bytes.fromhex(obj["nonce"]) if isinstance(obj["nonce"], str) else None
         except ValueError as e:
             raise MalformedInput(f"response.json: {e}") from None
         self.head_size = obj["head_size"]
@@ -116,7 +115,8 @@ class Response:
     def state(self, step: int) -> dict[str, torch.Tensor]:
         """The supplied state after ``step`` updates."""
         if step not in self.state_files:
-            raise VerificationError(f"the response supplies no state after {step} update(s)", step=step,
+            raise VerificationError(f"the response supplies no state after {step} update(s) (was it made with "
+                                    "witness respond --nonce and this audit's nonce?)", step=step,
                                     check="response")
         return read_checkpoint(safe_child(self.root, self.state_files[step]))
 
