@@ -26,7 +26,7 @@ from overhead import CONFIG
 from torch.nn.parallel import DistributedDataParallel
 
 from witness.commit.signing import generate_key
-from witness.dist import DistRecorder
+from witness.distributed import DistRecorder
 from witness.task import build_task
 
 

@@ -21,7 +21,7 @@ import torch
 from common import parser, report
 
 from witness.bundle.state import state_hash, state_tensors
-from witness.record.session import TrainingSession
+from witness.session import TrainingSession
 from witness.task import build_task
 
 CONFIGS = {

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from witness.commit.hashing import tagged_hash  # witness
 from witness.commit.signing import load_or_create_key  # witness
-from witness.dist import DistRecorder  # witness
+from witness.distributed import DistRecorder  # witness
 from witness.task import build_task
 
 

@@ -18,7 +18,7 @@ from witness.bundle.state import state_tensors
 from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.signing import generate_key
 from witness.commit.sorted_tree import SortedTree
-from witness.record.session import TrainingSession
+from witness.session import TrainingSession
 from witness.task import build_task
 
 KINDS = ("steer", "backdoor", "hidden", "nudge", "omit")

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from witness.commit.signing import load_key
-from witness.dist import DistRecorder
+from witness.distributed import DistRecorder
 from witness.task import build_task
 
 

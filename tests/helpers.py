@@ -19,7 +19,7 @@ from witness.commit.signing import generate_key
 from witness.commit.sorted_tree import SortedTree
 from witness.data.proofs import pair_to_json
 from witness.record import Recorder
-from witness.record.session import TrainingSession
+from witness.session import TrainingSession
 from witness.task import build_task
 from witness.verify.response import FORMAT, VERSION
 

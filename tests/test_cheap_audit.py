@@ -19,7 +19,7 @@ from witness.bundle.reader import open_bundle
 from witness.bundle.state import load_state
 from witness.data.order import derive_run_seed
 from witness.errors import RunRejected, VerificationError
-from witness.record.session import TrainingSession
+from witness.session import TrainingSession
 from witness.task import build_task
 from witness.verify import verify_bundle
 from witness.verify.challenges import detection_probability, draw_challenges

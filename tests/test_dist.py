@@ -13,7 +13,7 @@ import pytest
 from witness.bundle.reader import open_bundle
 from witness.commit.signing import generate_key, save_key
 from witness.errors import RunRejected
-from witness.record.session import TrainingSession
+from witness.session import TrainingSession
 from witness.task import build_task
 from witness.verify import verify_bundle
 from witness.verify.challenges import draw_challenges

@@ -15,7 +15,7 @@ from witness.bundle.state import state_hash, state_tensors
 from witness.commit.signing import generate_key
 from witness.errors import RunRejected
 from witness.record import Recorder
-from witness.record.session import TrainingSession, cpu_cores
+from witness.session import TrainingSession, cpu_cores
 from witness.task import build_task
 from witness.verify import verify_bundle
 from witness.verify.challenges import draw_challenges

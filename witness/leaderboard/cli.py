@@ -44,7 +44,7 @@ def _count(value: str) -> int:
 
 def _workers(value: str) -> int:
     """A worker count, at most the machine's cores (each worker replays on the CPU)."""
-    from ..record.session import cpu_cores
+    from ..session import cpu_cores
 
     n = _count(value)
     if n > cpu_cores():
@@ -116,7 +116,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.threads:
         import torch
 
-        from ..record.session import bounded_threads
+        from ..session import bounded_threads
 
         torch.set_num_threads(bounded_threads(args.threads))
     lb = Leaderboard(settings_from(args), sync_tracks=False)

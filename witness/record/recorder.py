@@ -31,9 +31,9 @@ from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
 from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
+from ..session import TrainingSession, bounded_threads, torch_version
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task
-from .session import TrainingSession, bounded_threads, torch_version
 
 HeadCallback = Callable[[SignedTreeHead, RunLog], None]
 

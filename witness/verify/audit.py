@@ -21,7 +21,7 @@ from ..data.dataset import Dataset
 from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, RunRejected, VerificationError
-from ..record.session import TrainingSession, bounded_threads, cpu_cores, torch_version
+from ..session import TrainingSession, bounded_threads, cpu_cores, torch_version
 from ..task.base import Task
 from ..task.registry import build_task
 from .challenges import challenges_needed, detection_probability, draw_challenges

@@ -25,7 +25,7 @@ from ..commit.hashing import same
 from ..data.dataset import Dataset
 from ..errors import MalformedInput, VerificationError
 from ..fingerprint.probes import relative_distance
-from ..record.session import TrainingSession
+from ..session import TrainingSession
 from ..task.base import Task
 from .verdict import ChallengeResult
 

@@ -16,7 +16,7 @@ from ..data.order import derive_run_seed
 from ..data.proofs import pair_to_json
 from ..data.usage import UsageCommitment
 from ..errors import MalformedInput
-from ..record.session import TrainingSession
+from ..session import TrainingSession
 from .audit import task_of, use_threads
 from .challenges import draw_challenges
 from .replay import SegmentPlan

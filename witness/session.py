@@ -7,10 +7,10 @@ from typing import TypeVar
 
 import torch
 
-from ..data.order import batch_indices, step_seed
-from ..fingerprint.probes import Fingerprint
-from ..fingerprint.sketch import ParameterSketch
-from ..task.base import StepOutput, Task
+from .data.order import batch_indices, step_seed
+from .fingerprint.probes import Fingerprint
+from .fingerprint.sketch import ParameterSketch
+from .task.base import StepOutput, Task
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..bundle.state import state_tensors
 from ..fingerprint.probes import Fingerprint
 from ..fingerprint.sketch import ParameterSketch
-from ..record.session import TrainingSession
+from ..session import TrainingSession
 from ..task.base import StepOutput, Task, clip_by_shard_norms, mean_of_ranks
 
 PARALLELISMS = ("ddp", "fsdp")

@@ -18,8 +18,8 @@ from typing import Any
 import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..data.order import derive_run_seed
 from ..bundle.layout import due
+from ..data.order import derive_run_seed
 from ..record.recorder import HeadCallback, Recorder
 from ..task.base import StepOutput, Task
 from .session import DistSession

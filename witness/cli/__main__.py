@@ -1,0 +1,7 @@
+"""``python -m witness.cli``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

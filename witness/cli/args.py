@@ -1,0 +1,80 @@
+"""Argument types and shared flags of the ``witness`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from ..errors import MalformedInput, VerificationError
+
+DEFAULT_KEY = Path(os.environ.get("WITNESS_KEY", Path.home() / ".witness" / "signing_key.pem"))
+
+
+def hex_bytes(value: str) -> bytes:
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not hex") from None
+
+
+def fraction(value: str) -> float:
+    v = float(value)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError("must lie strictly between 0 and 1")
+    return v
+
+
+def positive(value: str) -> int:
+    v = int(value)
+    if v < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return v
+
+
+def config_value(text: str):
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError("use KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def trainer_r(seed: str | None) -> bytes:
+    from ..commit.hashing import tagged_hash
+
+    return os.urandom(32) if seed is None else tagged_hash("witness/trainer-seed/v1", seed.encode())
+
+
+def challenge_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--challenges", type=positive, help="number of replay challenges q")
+    g.add_argument("--confidence", type=fraction, help="choose q so that detection >= C (default 0.99)")
+    p.add_argument("--bad-fraction", type=fraction, default=None, help="fraction f of bad steps to detect (default 0.05)")
+    p.add_argument("--length", type=positive, default=1, help="steps replayed per challenge (default 1)")
+    p.add_argument("--nonce", type=hex_bytes, help="the verifier's nonce (hex); random by default")
+
+
+def challenges_q(args: argparse.Namespace) -> int:
+    from ..verify.audit import DEFAULT_BAD_FRACTION, DEFAULT_CONFIDENCE
+    from ..verify.challenges import challenges_needed
+
+    if args.challenges:
+        return args.challenges
+    return challenges_needed(args.confidence or DEFAULT_CONFIDENCE, args.bad_fraction or DEFAULT_BAD_FRACTION)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """A message on one line of bounded length (a 5000-character path is not worth repeating)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def unusable_or_rejected(e: VerificationError, rejected: str = "REJECTED") -> str:
+    """The one line that reports a failed check: unusable input (exit 2) or a rejection (exit 1)."""
+    if isinstance(e, MalformedInput):
+        return f"UNUSABLE INPUT: {one_line(str(e), 1000)}"
+    return f"{rejected}: {e}"

@@ -1,0 +1,127 @@
+"""``witness verify`` and ``respond``: the interactive and offline audit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import RunRejected, VerificationError
+from .args import (
+    challenge_args,
+    challenges_q,
+    config_value,
+    hex_bytes,
+    positive,
+    unusable_or_rejected,
+)
+
+
+def _print_verdict(verdict, args, failures: list[str] | None = None) -> None:
+    if args.json:
+        out = verdict.to_json() if verdict is not None else {}
+        out.setdefault("accepted", False)
+        if failures is not None:
+            out["failures"] = failures
+        for k in ("challenges", "mode", "exact", "bad_fraction", "detection_probability"):
+            out.setdefault(k, None)
+        print(json.dumps(out))
+    elif verdict is not None:
+        print(verdict.summary())
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Audit a bundle."""
+    from ..verify.audit import default_response_dir, verify_bundle
+
+    response = args.response
+    if args.mode == "interactive" and response is None:
+        response = default_response_dir(args.bundle)
+    from ..verify.replay import check_thresholds
+
+    thresholds = dict(args.threshold or [])
+    if args.rtol is not None:
+        thresholds["fingerprint"] = args.rtol
+    check_thresholds(thresholds)  # before any work: a bad threshold is unusable input (exit 2)
+    return report_verdict(args, lambda: verify_bundle(
+        args.bundle, challenges=challenges_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
+        response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
+        threads=args.threads, public_key=args.signer, ticket=args.ticket,
+        published_heads=[read_head(p) for p in args.published_head or []], progress=not args.json,
+    ))
+
+
+def read_head(path: str):
+    """A published signed tree head: a JSON file (a heads.jsonl line, or ``{"tree_head": …}``)."""
+    from ..commit.dsse import read_json_or_envelope
+    from ..commit.signing import SignedTreeHead
+
+    obj = read_json_or_envelope(path, 1 << 20, "tree-head")
+    return SignedTreeHead.from_json(obj.get("tree_head", obj) if isinstance(obj, dict) else obj)
+
+
+def report_verdict(args: argparse.Namespace, audit) -> int:
+    """Run an audit and report it: exit 0 accepted, 1 rejected, 2 unusable input."""
+    try:
+        verdict = audit()
+    except RunRejected as e:
+        _print_verdict(e.verdict, args, e.failures)
+        if not args.json:
+            print(f"REJECTED: {e}", file=sys.stderr)
+        return 1
+    except VerificationError as e:
+        if args.json:
+            _print_verdict(None, args, [str(e)])
+        print(unusable_or_rejected(e), file=sys.stderr)
+        return e.exit_code
+    _print_verdict(verdict, args)
+    return 0
+
+
+def cmd_respond(args: argparse.Namespace) -> int:
+    """Answer a verifier's challenges (the trainer's side of interactive mode)."""
+    from ..verify.audit import default_response_dir
+    from ..verify.respond import respond
+
+    if args.nonce is None:
+        print("respond needs the verifier's --nonce", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else default_response_dir(args.bundle)
+    respond(args.bundle, out, nonce=args.nonce, challenges=challenges_q(args), length=args.length, tolerance=args.tolerance,
+            progress=True)
+    print(f"wrote {out}")
+    return 0
+
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add this group's subcommands."""
+    v = sub.add_parser("verify", help="audit a bundle (exit 0 accepted, 1 rejected, 2 unusable input)")
+    v.add_argument("bundle")
+    challenge_args(v)
+    v.add_argument("--mode", choices=["offline", "interactive"], default="offline")
+    v.add_argument("--response", help="the trainer's response folder (interactive mode)")
+    v.add_argument("--tolerance", action="store_true",
+                   help="replay on other hardware: compare within reported thresholds, and the whole state at "
+                        "the end of every segment, instead of bit for bit (the default)")
+    v.add_argument("--rtol", type=float, help="fingerprint threshold in tolerance mode")
+    v.add_argument("--threshold", type=config_value, action="append",
+                   help="tolerance-mode threshold NAME=VALUE (loss, fingerprint, sketch, update, parameters, "
+                        "buffers, optimizer)")
+    v.add_argument("--threads", type=positive,
+                   help="replay threads (default: the run's recorded count; at most this machine's cores)")
+    v.add_argument("--ticket", type=hex_bytes, help="the r a ticket issuer handed out for this run (hex)")
+    v.add_argument("--signer", help="pin the signer's public key (hex)")
+    v.add_argument("--published-head", action="append",
+                   help="a tree head published earlier (JSON); the log must extend it (repeatable)")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+    r = sub.add_parser("respond", help="answer a verifier's challenges with states and samples")
+    r.add_argument("bundle")
+    challenge_args(r)
+    r.add_argument("--tolerance", action="store_true",
+                   help="the verifier replays in tolerance mode: also supply the state each segment ends at")
+    r.add_argument("--out")
+    r.set_defaults(func=cmd_respond)

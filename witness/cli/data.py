@@ -1,0 +1,97 @@
+"""``witness data include|exclude|check``: exact data inclusion and exclusion proofs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import VerificationError
+from .args import DEFAULT_KEY, unusable_or_rejected
+from .audit import read_head
+
+
+def _write_proof(doc: dict, out: Path, final_state_hash: str, key_path: str) -> None:
+    from ..commit.dsse import envelope, statement
+    from ..commit.hashing import canonical_json
+    from ..commit.signing import load_or_create_key
+
+    out.write_bytes(canonical_json(doc) + b"\n")
+    stmt = statement("witness-final-state", final_state_hash, f"data-{doc['kind']}/v1", doc)
+    env_path = out.with_name(out.name + ".dsse.json")
+    env_path.write_bytes(canonical_json(envelope(stmt, load_or_create_key(Path(key_path)))) + b"\n")
+    print(f"wrote {out} ({out.stat().st_size} bytes) and {env_path}")
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """Data inclusion and exclusion proofs."""
+    from ..data.proofs import check_proof, prove_exclusion, prove_inclusion
+    from ..verify.data_queries import query_document, run_commitments
+
+    if args.data_command == "check":
+        return _check_data_proof(args, check_proof)
+    run, task = run_commitments(args.bundle)
+    document = query_document(task, args.file, args.text)
+    if args.data_command == "include":
+        if document not in run.usage.documents:
+            print(f"document {document.hex()} was never used by this run (try: witness data exclude)", file=sys.stderr)
+            return 1
+        doc = prove_inclusion(run, document)
+        print(f"document {document.hex()} was used in {len(doc['uses'])} step(s)")
+    else:
+        if document in run.usage.documents:
+            print(f"document {document.hex()} WAS used by this run (try: witness data include)", file=sys.stderr)
+            return 1
+        doc = prove_exclusion(run, document)
+        print(f"document {document.hex()} was never used by this run")
+    _write_proof(doc, Path(args.out), run.end["final_state_hash"], args.key)
+    return 0
+
+
+def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
+    from ..bundle.reader import open_bundle
+    from ..commit.dsse import read_json_or_envelope
+    from ..data.proofs import MAX_PROOF_BYTES
+
+    head, key = None, None
+    try:
+        obj = read_json_or_envelope(args.proof, MAX_PROOF_BYTES, "proof")
+        if args.bundle:
+            b = open_bundle(args.bundle)
+            head, key = b.final_head, b.manifest.public_key
+        elif args.tree_head:
+            head = read_head(args.tree_head)
+            pinned = read_json_or_envelope(args.tree_head, 1 << 20, "tree-head")
+            key = pinned.get("public_key") if isinstance(pinned, dict) else None
+        summary = check_proof(obj, head=head, public_key=key)
+    except VerificationError as e:
+        print(unusable_or_rejected(e, "INVALID"), file=sys.stderr)
+        return e.exit_code
+    if head is None:
+        summary["note"] = "checked against the proof's own signed head; pin one with --bundle or --tree-head"
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add this group's subcommands."""
+    dq = sub.add_parser("data", help="exact data inclusion and exclusion proofs")
+    dsub = dq.add_subparsers(dest="data_command", required=True)
+    for name, what in (("include", "prove a document was used (exit 1 if it was not)"),
+                       ("exclude", "prove a document was never used (exit 1 if it was)")):
+        q = dsub.add_parser(name, help=what)
+        q.add_argument("bundle")
+        g = q.add_mutually_exclusive_group(required=True)
+        g.add_argument("--file")
+        g.add_argument("--text")
+        q.add_argument("--out", required=True)
+        q.add_argument("--key", default=str(DEFAULT_KEY), help="key that signs the DSSE envelope")
+        q.set_defaults(func=cmd_data)
+    c = dsub.add_parser("check", help="check a proof against the public commitments (0 valid, 1 invalid, 2 unusable)")
+    c.add_argument("proof")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--bundle")
+    g.add_argument("--tree-head", help="a published signed tree head (JSON, with public_key)")
+    c.set_defaults(func=cmd_data)
