@@ -220,11 +220,12 @@ def test_pinned_signer_rejects_another_key(honest_bundle):
         verify_bundle(opened, challenges=1, public_key="ab" * 32)
 
 
-def test_unregistered_task_is_rejected(bundle_copy, signing_key):
+def test_unregistered_task_is_unusable(bundle_copy, signing_key):
+    # a task this verifier cannot build from installed code is never run: unusable input (exit 2)
     lines = _lines(bundle_copy)
     lines[0] = _edit(lines[0], task="my_own_code")
     _resign(bundle_copy, signing_key, lines)
-    with pytest.raises(VerificationError, match="not a registered one"):
+    with pytest.raises(MalformedInput, match="not a task of this witness release"):
         verify_bundle(bundle_copy, challenges=1)
 
 

@@ -86,6 +86,7 @@ class Manifest:
     public_key: str
     init_state_hash: bytes
     init_checkpoint_sha256: bytes
+    task_source: dict | None  # the plugin that provides the task (None: built into witness)
 
     FIELDS = {
         "type", "format_version", "task", "task_config", "code_version", "r", "r_source", "run_seed",
@@ -98,7 +99,13 @@ class Manifest:
     def parse(cls, obj: Any) -> Manifest:
         """Strictly parse the manifest record."""
         w = "manifest"
-        _keys(obj, cls.FIELDS, set(), w)
+        _keys(obj, cls.FIELDS, {"task_source"}, w)
+        source = obj.get("task_source")
+        if source is not None:
+            _keys(source, {"distribution", "version", "files_sha256"}, set(), f"{w}.task_source")
+            for k in ("distribution", "version"):
+                _str(source[k], f"{w}.task_source.{k}", 200)
+            parse_hex(source["files_sha256"], f"{w}.task_source.files_sha256")
         if obj["type"] != "manifest":
             raise _fail(w, "the log's first record must be the manifest")
         if type(obj["format_version"]) is not int or obj["format_version"] != MANIFEST_VERSION:
@@ -137,6 +144,7 @@ class Manifest:
             public_key=_str(obj["public_key"], f"{w}.public_key", 64),
             init_state_hash=parse_hex(obj["init_state_hash"], f"{w}.init_state_hash"),
             init_checkpoint_sha256=parse_hex(obj["init_checkpoint_sha256"], f"{w}.init_checkpoint_sha256"),
+            task_source=source,
         )
 
 

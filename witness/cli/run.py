@@ -28,9 +28,29 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def list_tasks() -> int:
+    """Print the tasks this machine can train and verify: built in, or from installed plugins."""
+    from ..task.registry import task_names, task_source
+
+    for name in task_names():
+        try:
+            src = task_source(name)
+        except ValueError as e:  # a broken or ambiguous plugin: say so, list the rest
+            print(f"{name:24s} unusable: {e}")
+            continue
+        print(f"{name:24s} {'built into witness' if src is None else f'plugin {src.distribution} {src.version}'}")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a registered task with the recorder."""
     from ..commit.signing import load_or_create_key
+
+    if args.task == "":
+        return list_tasks()
+    if not args.out:
+        print("witness train: --out is required", file=sys.stderr)
+        return 2
     from ..record import Recorder
     from ..task import build_task
 
@@ -157,9 +177,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.set_defaults(func=cmd_keygen)
 
     t = sub.add_parser("train", help="train a registered task and write a witness bundle")
-    t.add_argument("--task", default="tinygpt")
+    t.add_argument("--task", nargs="?", const="", default="tinygpt",
+                   help="the task to train (default tinygpt); --task alone lists the tasks installed here")
     t.add_argument("--steps", type=positive)
-    t.add_argument("--out", required=True)
+    t.add_argument("--out", help="the bundle folder to write (required to train)")
     t.add_argument("--checkpoint-every", type=positive, default=50)
     t.add_argument("--state-every", type=positive, default=1,
                    help="commit the hash of the whole training state every K steps (default 1: every step)")

@@ -33,7 +33,7 @@ from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
 from ..session import TrainingSession, bounded_threads, torch_version
 from ..task.base import StepOutput, Task
-from ..task.registry import build_task
+from ..task.registry import build_task, check_task_source, task_class, task_source
 
 HeadCallback = Callable[[SignedTreeHead, RunLog], None]
 
@@ -75,6 +75,11 @@ class Recorder:
             raise ValueError("checkpoint_every must be a multiple of state_every (every checkpoint is a committed state)")
         if threads:
             torch.set_num_threads(bounded_threads(threads))
+        # Only a task a verifier can build is worth recording: built in, or from an installed
+        # plugin (whose code the manifest pins); an unregistered class would be unverifiable.
+        if task_class(task.name) is not type(task):
+            raise ValueError(f"the task {task.name!r} being recorded is not the registered class of that name")
+        source = task_source(task.name)
         dataset = task.dataset()
         run_seed = derive_run_seed(dataset.root, r)
         if session is None:
@@ -111,6 +116,8 @@ class Recorder:
             "init_state_hash": init_hash.hex(),
             "init_checkpoint_sha256": init_file.hex(),
         }
+        if source is not None:  # a plugin task: pin the exact installed code a verifier must have
+            manifest["task_source"] = source.to_json()
         log = RunLog()
         writer.append_record(log.append(manifest))
         rec = cls(task, Path(out), key, session, writer, log, manifest, 0, on_head)
@@ -130,6 +137,8 @@ class Recorder:
             raise ValueError("the run was signed with another key")
         if manifest["world_size"] != 1:
             raise ValueError("resuming a distributed run is not supported yet")
+        # the rest of the run must be trained by the same code as its start (a plugin may have changed)
+        check_task_source(manifest["task"], manifest.get("task_source"))
         task = build_task(manifest["task"], manifest["task_config"])
         # the run's own thread count: a thread-dependent kernel would otherwise change its bits
         torch.set_num_threads(bounded_threads(threads or manifest["threads"]))

@@ -1,27 +1,143 @@
-"""The registered tasks: the only recipes a verifier will build (it never runs submitted code)."""
+"""The tasks a verifier will build: the built-in ones, and those of installed plugin packages.
+
+A verifier never runs code that comes inside a bundle. A plugin is a distribution the verifier
+installed itself, which names its tasks in the entry-point group ``witness.tasks``
+(``name = "package.module:TaskClass"``). The manifest of a plugin task's run commits the
+distribution's name, its version and a hash of the installed files of the task's package, so
+that a verifier replays with exactly the code the trainer ran, or refuses (unusable input,
+exit 2) and says what to ``pip install``. Built-in tasks are pinned by the witness release.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import json
+from dataclasses import dataclass
 from functools import lru_cache
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 
 from ..commit.hashing import canonical_json
+from ..errors import MalformedInput
 from .base import Task
 from .tiny import TinyTask
 from .tinycnn import TinyCNNTask
 from .tinygpt import TinyGPTTask
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (TinyTask, TinyCNNTask, TinyGPTTask)}
+ENTRY_POINT_GROUP = "witness.tasks"
+BUILTIN: dict[str, type[Task]] = {t.name: t for t in (TinyTask, TinyCNNTask, TinyGPTTask)}
+TASKS = BUILTIN  # the built-in tasks (kept under its old name)
+SOURCE_FIELDS = ("distribution", "version", "files_sha256")
+
+
+@dataclass(frozen=True)
+class TaskSource:
+    """Where a plugin task's code comes from: a distribution, its version, its files' hash."""
+
+    distribution: str
+    version: str
+    files_sha256: str
+
+    def to_json(self) -> dict:
+        """The manifest's ``task_source``."""
+        return {"distribution": self.distribution, "version": self.version, "files_sha256": self.files_sha256}
+
+    def pip(self) -> str:
+        """What to install to get this exact code."""
+        return f"pip install '{self.distribution}=={self.version}'"
+
+
+def _plugins() -> dict[str, list[EntryPoint]]:
+    found: dict[str, list[EntryPoint]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, []).append(ep)
+    return found
 
 
 def task_names() -> list[str]:
-    """Names of the registered tasks."""
-    return sorted(TASKS)
+    """Names of the tasks this machine can build: built-in and installed plugins."""
+    return sorted(set(BUILTIN) | set(_plugins()))
+
+
+def _entry_point(name: str) -> EntryPoint:
+    eps = _plugins().get(name, [])
+    if not eps:
+        raise ValueError(f"unknown task {name!r}; tasks here: {', '.join(task_names())}")
+    dists = {ep.dist.name if ep.dist else "?" for ep in eps}
+    if len(eps) > 1:
+        raise ValueError(f"task {name!r} is offered by more than one installed plugin ({', '.join(sorted(dists))})")
+    return eps[0]
+
+
+def package_files_sha256(module: str) -> str:
+    """SHA-256 over the files of ``module``'s top-level package, by relative path and content
+    (compiled caches left out): the code a verifier would run, whether installed or editable."""
+    top = importlib.import_module(module.split(".")[0])
+    roots = [Path(p) for p in getattr(top, "__path__", [])] or [Path(top.__file__)]
+    entries = []
+    for root in roots:
+        paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for p in paths:
+            if "__pycache__" in p.parts or p.suffix in (".pyc", ".pyo"):
+                continue
+            rel = p.name if root.is_file() else p.relative_to(root).as_posix()
+            entries.append([rel, hashlib.sha256(p.read_bytes()).hexdigest()])
+    return hashlib.sha256(canonical_json(sorted(entries))).hexdigest()
+
+
+def task_source(name: str) -> TaskSource | None:
+    """None for a built-in task; else the installed plugin that provides ``name``."""
+    if name in BUILTIN:
+        return None
+    ep = _entry_point(name)
+    dist = ep.dist
+    if dist is None:
+        raise ValueError(f"task {name!r} comes from no installed distribution")
+    return TaskSource(dist.name, dist.version, package_files_sha256(ep.module))
+
+
+def check_task_source(name: str, committed: dict | None) -> None:
+    """Raise ``MalformedInput`` unless this machine builds ``name`` from exactly the code the run
+    committed: the message says what to install."""
+    if committed is None:
+        if name in BUILTIN:
+            return
+        if name in _plugins():
+            raise MalformedInput(f"task {name!r} is a plugin here, but the manifest pins no plugin code for it")
+        raise MalformedInput(f"task {name!r} is not a task of this witness release ({', '.join(task_names())})")
+    want = TaskSource(**{k: committed[k] for k in SOURCE_FIELDS})
+    if name in BUILTIN:
+        raise MalformedInput(f"task {name!r} is built into witness, but the manifest names plugin {want.distribution}")
+    try:
+        have = task_source(name)
+    except ValueError:
+        raise MalformedInput(f"the run's task {name!r} comes from the plugin {want.distribution} {want.version}, "
+                             f"which is not installed here: {want.pip()}") from None
+    assert have is not None
+    if have.distribution != want.distribution or have.version != want.version:
+        raise MalformedInput(f"the run's task {name!r} comes from {want.distribution} {want.version}; this machine "
+                             f"has {have.distribution} {have.version}: {want.pip()}")
+    if have.files_sha256 != want.files_sha256:
+        raise MalformedInput(f"the installed files of {want.distribution} {want.version} are not the ones the run "
+                             f"used (hash {have.files_sha256[:16]}… ≠ {want.files_sha256[:16]}…): reinstall the "
+                             f"published release ({want.pip()} --force-reinstall)")
+
+
+def task_class(name: str) -> type[Task]:
+    """The class of a built-in or plugin task."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    cls = _entry_point(name).load()
+    if not (isinstance(cls, type) and issubclass(cls, Task)) or getattr(cls, "name", None) != name:
+        raise ValueError(f"the entry point {name!r} of group {ENTRY_POINT_GROUP} is not a Task named {name!r}")
+    return cls
 
 
 def build_task(name: str, config: dict | None = None) -> Task:
-    """Build a registered task from its name and (partial) config."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(task_names())}")
+    """Build a task from its name and (partial) config."""
+    if name not in BUILTIN and name not in _plugins():
+        raise ValueError(f"unknown task {name!r}; tasks here: {', '.join(task_names())}")
     return _built(name, canonical_json(config or {}))
 
 
@@ -30,6 +146,4 @@ def _built(name: str, config: bytes) -> Task:
     # A task is immutable (a frozen recipe); building it again would hash its whole dataset again,
     # which repeated audits of one run (a leaderboard worker, the statistical tests) would pay
     # every time.
-    import json
-
-    return TASKS[name].from_config(json.loads(config))
+    return task_class(name).from_config(json.loads(config))

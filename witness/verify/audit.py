@@ -23,7 +23,7 @@ from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..session import TrainingSession, bounded_threads, cpu_cores, torch_version
 from ..task.base import Task
-from ..task.registry import build_task
+from ..task.registry import build_task, check_task_source
 from .challenges import challenges_needed, detection_probability, draw_challenges
 from .replay import (
     DEFAULT_THRESHOLDS,
@@ -44,6 +44,7 @@ DEFAULT_BAD_FRACTION = 0.05
 def task_of(bundle: Bundle) -> Task:
     """The registered task the manifest names, with its recipe checked against the manifest."""
     m = bundle.manifest
+    check_task_source(m.task, m.task_source)  # exactly the code the run used, or exit 2 with what to install
     try:
         task = build_task(m.task, m.task_config)
     except ValueError as e:

@@ -1,0 +1,118 @@
+"""Tasks from installed plugin packages (entry-point group ``witness.tasks``): discovered,
+trained and verified; a verifier without exactly the run's plugin code refuses with exit 2 and
+says what to install."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from witness.cli import main
+from witness.errors import MalformedInput
+from witness.task import registry
+
+PLUGIN = '''"""A plugin task: the tiny MLP under another name, shipped by its own distribution."""
+
+from witness.task.tiny import TinyTask
+
+
+class PluginMLP(TinyTask):
+    """The plugin's task."""
+
+    name = "plugin-mlp"
+'''
+
+
+def _install(site: Path, version: str = "1.0") -> Path:
+    """A distribution as pip leaves it on a path: the package and its .dist-info with the entry point."""
+    pkg = site / "witness_plugin_demo"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text(PLUGIN)
+    for old in site.glob("witness_plugin_demo-*.dist-info"):
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    info = site / f"witness_plugin_demo-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: witness-plugin-demo\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text("[witness.tasks]\nplugin-mlp = witness_plugin_demo:PluginMLP\n")
+    return pkg
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A folder on sys.path where the plugin is installed."""
+    path = tmp_path / "site"
+    _install(path)
+    monkeypatch.syspath_prepend(str(path))
+    yield path
+    sys.modules.pop("witness_plugin_demo", None)
+    registry._built.cache_clear()
+
+
+def _verify(bundle: Path, capsys) -> tuple[int, str]:
+    code = main(["verify", str(bundle), "--challenges", "2", "--json"])
+    return code, capsys.readouterr().err
+
+
+def test_a_plugin_task_is_discovered_trained_and_verified(site, tmp_path, capsys):
+    assert "plugin-mlp" in registry.task_names() and "tiny" in registry.task_names()
+    assert main(["train", "--task"]) == 0  # lists what is installed
+    listed = capsys.readouterr().out
+    assert "plugin-mlp" in listed and "plugin witness-plugin-demo 1.0" in listed and "tinygpt" in listed
+    out = tmp_path / "run"
+    assert main(["train", "--task", "plugin-mlp", "--steps", "6", "--checkpoint-every", "3", "--quiet",
+                 "--key", str(tmp_path / "k.pem"), "--out", str(out)]) == 0
+    manifest = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    source = manifest["task_source"]
+    assert source["distribution"] == "witness-plugin-demo" and source["version"] == "1.0"
+    assert source["files_sha256"] == registry.package_files_sha256("witness_plugin_demo")
+    assert _verify(out, capsys)[0] == 0
+    # eval and verify-eval work with the plugin task too
+    cert = tmp_path / "cert.json"
+    assert main(["eval", str(out), "--out", str(cert), "--key", str(tmp_path / "k.pem"), "--quiet"]) == 0
+    assert main(["verify-eval", str(cert), "--bundle", str(out), "--spot", "3", "--json"]) == 0
+    capsys.readouterr()
+
+    # a verifier without the plugin: exit 2, and the exact pip install
+    sys.path.remove(str(site))
+    sys.modules.pop("witness_plugin_demo", None)
+    code, err = _verify(out, capsys)
+    assert code == 2 and "pip install 'witness-plugin-demo==1.0'" in err, err
+    sys.path.insert(0, str(site))
+
+    # another version of it: exit 2
+    _install(site, "1.1")
+    code, err = _verify(out, capsys)
+    assert code == 2 and "has witness-plugin-demo 1.1" in err and "==1.0" in err, err
+
+    # the same version with other files (a patched install): exit 2
+    pkg = _install(site, "1.0")
+    assert _verify(out, capsys)[0] == 0
+    (pkg / "__init__.py").write_text(PLUGIN + "\n# patched\n")
+    code, err = _verify(out, capsys)
+    assert code == 2 and "not the ones the run used" in err, err
+
+
+def test_the_manifest_cannot_move_a_task_between_builtin_and_plugin(site):
+    with pytest.raises(MalformedInput, match="built into witness"):
+        registry.check_task_source("tiny", {"distribution": "x", "version": "1", "files_sha256": "00" * 32})
+    with pytest.raises(MalformedInput, match="pins no plugin code"):
+        registry.check_task_source("plugin-mlp", None)
+    with pytest.raises(MalformedInput, match="not a task of this witness release"):
+        registry.check_task_source("nowhere", None)
+
+
+def test_an_unregistered_task_class_is_not_recorded(site, tmp_path):
+    from witness.commit.signing import generate_key
+    from witness.record import Recorder
+    from witness.task.tiny import TinyTask
+
+    class Homemade(TinyTask):
+        name = "plugin-mlp"  # the name of a registered task, but not its class
+
+    with pytest.raises(ValueError, match="not the registered class"):
+        Recorder.create(Homemade.from_config({"steps": 2}), tmp_path / "r", generate_key(), r=b"\x01" * 32)
