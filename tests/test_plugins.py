@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from witness.cli import main
 from witness.errors import MalformedInput
@@ -116,3 +117,52 @@ def test_an_unregistered_task_class_is_not_recorded(site, tmp_path):
 
     with pytest.raises(ValueError, match="not the registered class"):
         Recorder.create(Homemade.from_config({"steps": 2}), tmp_path / "r", generate_key(), r=b"\x01" * 32)
+
+
+def test_the_example_plugin_trains_verifies_and_rejects_a_tampered_copy(tmp_path, capsys):
+    # examples/cnn_plugin, installed by the project's set-up (make setup): a BatchNorm CNN in 40 lines
+    assert "example-cnn" in registry.task_names(), "the example plugin is not installed: run make setup"
+    from witness.bundle.state import state_tensors
+    from witness.verify import verify_bundle
+    from witness.verify.respond import respond
+
+    out = tmp_path / "run"
+    assert main(["train", "--task", "example-cnn", "--steps", "8", "--checkpoint-every", "4", "--quiet",
+                 "--key", str(tmp_path / "k.pem"), "--out", str(out)]) == 0
+    manifest = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    assert manifest["task_source"]["distribution"] == "witness-example-cnn"
+    assert manifest["task_config"]["optimizer"] == "AdamW"  # the optimizer is part of the recipe
+    assert verify_bundle(out, challenges=8, nonce=b"o").accepted  # offline, every step
+    respond(out, tmp_path / "answer", nonce=b"i", challenges=8)
+    assert verify_bundle(out, challenges=8, nonce=b"i", mode="interactive", response=tmp_path / "answer").accepted
+
+    # the probes leave BatchNorm's running statistics untouched
+    task = registry.build_task("example-cnn", manifest["task_config"])
+    model = task.build_model(b"\x05" * 32)
+    model.train()
+    before = {k: v.clone() for k, v in state_tensors(model, None).items()}
+    task.fingerprint(model)
+    after = state_tensors(model, None)
+    assert any("running_mean" in k for k in before) and all(torch.equal(before[k], after[k]) for k in before)
+    assert model.training
+
+    # a tampered copy: the last step's loss changed and the log re-signed is still refused at replay
+    lines = (out / "log.jsonl").read_text().splitlines()
+    rec = json.loads(lines[4])
+    rec["loss"] = rec["loss"] * 0.5
+    from helpers import resign
+
+    from witness.commit.hashing import canonical_json
+    from witness.commit.signing import load_key
+
+    resign(out, load_key(tmp_path / "k.pem"), [ln.encode() for ln in lines[:4]] + [canonical_json(rec)]
+           + [ln.encode() for ln in lines[5:]])
+    capsys.readouterr()
+    assert main(["verify", str(out), "--challenges", "8", "--nonce", "01", "--json"]) == 1
+
+
+def test_a_safetensors_header_of_640_bytes_is_not_a_pickle():
+    from witness.bundle.reader import looks_like_pickle
+
+    assert looks_like_pickle(b"\x80\x04\x95\x10\x00\x00\x00\x00\x00")  # pickle protocol 4
+    assert not looks_like_pickle((0x280).to_bytes(8, "little") + b"{")  # a safetensors header 640 bytes long

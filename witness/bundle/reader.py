@@ -21,6 +21,7 @@ from .layout import (
     MAX_HEADS_BYTES,
     MAX_LOG_BYTES,
     MAX_RECORD_BYTES,
+    MAX_SAFETENSORS_HEADER,
     checkpoint_step,
     due,
     marker_bytes,
@@ -75,10 +76,21 @@ class Bundle:
         return [0] + [r.step + 1 for r in self.steps if r.state_hash is not None]
 
 
+def looks_like_pickle(head: bytes) -> bool:
+    """Whether a file's first 9 bytes open a pickle (protocol 2 to 5). A safetensors file whose
+    header is 640 + 256k bytes long starts with the same two bytes (its little-endian length),
+    so a file shaped like safetensors (a sane length, then '{') is not one: this is a friendly
+    diagnosis only, since nothing in a bundle is ever unpickled."""
+    if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+        return False
+    safetensors_shaped = len(head) >= 9 and int.from_bytes(head[:8], "little") <= MAX_SAFETENSORS_HEADER \
+        and head[8:9] == b"{"
+    return not safetensors_shaped
+
+
 def _looks_like_pickle(path: Path) -> bool:
     with open(path, "rb") as f:
-        head = f.read(2)
-    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+        return looks_like_pickle(f.read(9))
 
 
 def _scan(root: Path) -> tuple[set[str], list[str]]:

@@ -1,0 +1,237 @@
+"""A task assembled from the user's own parts: a model factory, a dataset, an optimizer, a
+schedule, a loss. Subclass ``GenericTask``, set ``name`` and ``Config``, and override what
+differs from a classifier trained with AdamW on a warmup-cosine schedule:
+
+* ``make_model()`` (required): the model; its default initialisation is made a function of the
+  run seed (the global RNG is seeded from it while the model is built);
+* ``make_dataset()`` (required), ``make_eval_dataset()``: samples as the codec takes them;
+* ``samples``: the codec to canonical bytes (``TensorSamples`` by default, or ``TextSamples``,
+  or a ``TokenWindows`` dataset that is its own codec);
+* ``predict(model, batch)`` and ``example_losses(outputs, batch)``: the model's outputs on a
+  batch and the per-example losses from them (cross-entropy on ``batch["y"]`` by default);
+* ``lr_at(step)``: the learning rate as a pure function of the step (``warmup_cosine``,
+  ``step_decay``, or ``torch_schedule`` to replay any ``torch.optim.lr_scheduler``);
+* the optimizer: any ``torch.optim`` class named in the recipe, with its hyperparameters.
+
+Everything that shapes the run is in the recipe (``Config``), which the manifest records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.dataset import Dataset
+from .base import Task, seed_int
+from .samples import SampleList, TensorSamples, TokenWindows
+
+# optimizer hyperparameters a recipe may set: plain JSON values only (never code)
+JSON_SCALARS = (bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class GenericConfig:
+    """The recipe fields every generic task has; a subclass adds its own (with defaults)."""
+
+    steps: int = 100
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    optimizer: str = "AdamW"
+    optimizer_args: dict = field(default_factory=dict)  # e.g. {"betas": [0.9, 0.95]}
+    fingerprint_dims: int = 4
+    sketch_dims: int = 8
+
+
+class FunctionSchedule:
+    """A schedule given as a function of the step (what ``Task.schedule`` must offer)."""
+
+    def __init__(self, fn: Callable[[int], float]):
+        self.fn = fn
+
+    def at(self, step: int) -> float:
+        """The learning rate of ``step``, as a Python float."""
+        return float(self.fn(step))
+
+
+def warmup_cosine(lr: float, step: int, steps: int, warmup: int = 0, min_ratio: float = 0.1) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``min_ratio * lr`` at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def step_decay(lr: float, step: int, every: int, gamma: float = 0.1) -> float:
+    """``StepLR``: ``lr * gamma ** (step // every)``."""
+    return lr * gamma ** (step // every)
+
+
+def torch_schedule(lr: float, steps: int, make: Callable[[torch.optim.Optimizer], Any]) -> list[float]:
+    """The learning rates that a ``torch.optim.lr_scheduler`` gives at steps 0..steps-1, for a
+    base rate ``lr`` (stepped once per optimizer step, as in the usual loop): e.g.
+    ``torch_schedule(c.lr, c.steps, lambda o: OneCycleLR(o, max_lr=c.lr, total_steps=c.steps))``."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = make(opt)
+    out = []
+    for _ in range(steps):
+        out.append(float(opt.param_groups[0]["lr"]))
+        opt.step()
+        sched.step()
+    return out
+
+
+class GenericTask(Task):
+    """A task from the user's parts (see the module's docstring)."""
+
+    Config: ClassVar[type] = GenericConfig
+    samples: ClassVar[Any] = TensorSamples()
+    probes: ClassVar[int] = 8  # the first samples of the training set are the committed probes
+    max_dataset: ClassVar[int] = 10_000_000
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.schedule = FunctionSchedule(self.lr_at)
+
+    # --- the user's parts ---------------------------------------------------------------
+    def make_model(self) -> nn.Module:
+        """The model (its default initialisation is seeded by ``build_model``)."""
+        raise NotImplementedError
+
+    def make_dataset(self) -> Sequence[Any] | Dataset:
+        """The training samples, in order (as ``samples`` encodes them), or a ready ``Dataset``."""
+        raise NotImplementedError
+
+    def make_eval_dataset(self) -> Sequence[Any] | Dataset:
+        """The evaluation samples (none by default: ``witness eval`` then has nothing to do)."""
+        return []
+
+    def predict(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The model's outputs on a batch (``batch["x"]`` by default)."""
+        return model(batch["x"])
+
+    def example_losses(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        """Per-example losses from the outputs (cross-entropy on ``batch["y"]`` by default)."""
+        return F.cross_entropy(outputs, batch["y"], reduction="none")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate at ``step``: warmup, then cosine decay, from the recipe."""
+        c = self.config
+        return warmup_cosine(c.lr, step, c.steps, c.warmup, c.min_lr_ratio)
+
+    # --- the Task protocol, from the parts -----------------------------------------------
+    def check_limits(self) -> None:
+        """Refuse recipes no verifier should build, and optimizers that are not torch's."""
+        super().check_limits()
+        self._optimizer_class()
+        for k, v in self.config.optimizer_args.items():
+            if k in ("params", "lr", "weight_decay", "foreach", "fused", "capturable", "differentiable"):
+                raise ValueError(f"optimizer_args may not set {k!r} (the recipe or witness sets it)")
+            items = v if isinstance(v, list) else [v]
+            if not all(type(x) in JSON_SCALARS for x in items):
+                raise ValueError(f"optimizer_args[{k!r}] must be a number, string, boolean or a list of them")
+
+    def _optimizer_class(self) -> type[torch.optim.Optimizer]:
+        cls = getattr(torch.optim, self.config.optimizer, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+            raise ValueError(f"optimizer {self.config.optimizer!r} is not a torch.optim optimizer")
+        return cls
+
+    @cached_property
+    def _dataset(self) -> Dataset:
+        return self._as_dataset(self.make_dataset(), "train")
+
+    @cached_property
+    def _eval(self) -> Dataset:
+        return self._as_dataset(self.make_eval_dataset(), "eval")
+
+    def _as_dataset(self, data: Sequence[Any] | Dataset, split: str) -> Dataset:
+        if isinstance(data, Dataset):
+            return data
+        if len(data) > self.max_dataset:
+            raise ValueError(f"the {split} set has {len(data)} samples, over {self.max_dataset}")
+        return SampleList([self.samples.encode(s) for s in data], f"{self.name}-{split}")
+
+    def dataset(self) -> Dataset:
+        """The training set as canonical samples."""
+        return self._dataset
+
+    def eval_dataset(self) -> Dataset:
+        """The evaluation set as canonical samples."""
+        return self._eval
+
+    def collate(self, samples: list[bytes]) -> Any:
+        """Canonical bytes -> a batch, by the codec (a ``TokenWindows`` dataset is its own)."""
+        codec = self._dataset if isinstance(self._dataset, TokenWindows) else self.samples
+        return codec.collate(samples)
+
+    def build_model(self, seed: bytes) -> nn.Module:
+        """``make_model()`` with the global RNG seeded from the run seed (restored afterwards)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed_int(seed, "witness/generic-init/v1"))
+            return self.make_model()
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The recipe's optimizer; weight decay on matrices only; single-tensor kernels."""
+        cls, c = self._optimizer_class(), self.config
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in c.optimizer_args.items()}
+        accepted = inspect.signature(cls).parameters
+        if "foreach" in accepted:
+            kwargs["foreach"] = False  # the same kernel on every machine and for every tensor count
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        other = [p for p in model.parameters() if p.dim() < 2]
+        if "weight_decay" in accepted:
+            groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": other, "weight_decay": 0.0}]
+        else:
+            groups = [{"params": decay + other}]
+        return cls([g for g in groups if g["params"]], lr=c.lr, **kwargs)
+
+    def loss(self, model: nn.Module, batch: Any, generator: torch.Generator | None) -> torch.Tensor:
+        """Mean of the per-example losses."""
+        return self.example_losses(self.predict(model, batch), batch).mean()
+
+    def probe_bytes(self) -> list[bytes]:
+        """The first ``probes`` training samples."""
+        d = self._dataset
+        return [d.sample_bytes(i) for i in range(min(self.probes, len(d)))]
+
+    def probe_outputs(self, model: nn.Module, probes: Any) -> torch.Tensor:
+        """The model's outputs on the probes."""
+        return self.predict(model, probes)
+
+    def probe_losses(self, outputs: torch.Tensor, probes: Any) -> torch.Tensor:
+        """Per-probe losses, reduced to one number per probe."""
+        losses = self.example_losses(outputs, probes)
+        return losses.reshape(losses.shape[0], -1).mean(dim=1)
+
+    @torch.no_grad()
+    def eval_example(self, model: nn.Module, sample: bytes) -> dict:
+        """Loss, and for class outputs ``[1, classes]`` the prediction and whether it is right."""
+        batch = self.collate([sample])
+        outputs = self.predict(model, batch)
+        out: dict = {"loss": float(self.probe_losses(outputs, batch)[0])}
+        if outputs.dim() == 2 and isinstance(batch, dict) and "y" in batch and batch["y"].dim() == 1:
+            pred = int(outputs.argmax(dim=-1)[0])
+            out.update(prediction=pred, correct=pred == int(batch["y"][0]))
+        return out
+
+    def flops_per_step(self) -> float:
+        """About 6 x parameters x samples per step (a dense model's forward and backward)."""
+        params = sum(p.numel() for p in self.build_model(b"\0" * 32).parameters())
+        return 6.0 * params * self.config.batch_size
+
+    def config_json(self) -> dict:
+        """The recipe as JSON."""
+        return dataclasses.asdict(self.config)
