@@ -11,11 +11,12 @@ PIP := $(PY) -m pip --disable-pip-version-check
 
 .PHONY: setup demo leaderboard-demo services test lint bench clean
 
+# The example task plugin is installed too: the tests train and verify it (a task plugin is an
+# installed package, never code inside a bundle).
 $(VENV)/.installed: pyproject.toml Makefile examples/cnn_plugin/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
-	# the example task plugin, which the tests train and verify (a plugin is an installed package)
 	$(PIP) install -q --no-deps -e examples/cnn_plugin
 	touch $@
 
