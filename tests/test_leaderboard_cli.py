@@ -27,24 +27,32 @@ def _witness(*args: str, env: dict, cwd) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+def _serve(tmp_path: Path, track: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """``witness leaderboard serve`` with one worker on a free port, once it answers; its log is
+    ``server.log`` and its store ``store/`` under ``tmp_path``."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    log = tmp_path / "server.log"
+    server = subprocess.Popen([sys.executable, "-m", "witness.cli", "leaderboard", "serve", "--port",
+                               url.rsplit(":", 1)[1], "--store", str(tmp_path / "store"), "--track", track,
+                               "--workers", "1"], env=env, cwd=tmp_path, stderr=open(log, "w"))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/api/tracks").status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.terminate()
+            raise AssertionError(f"the server did not start: {log.read_text()}")
+        time.sleep(0.3)
+
+
 def test_serve_register_train_submit_challenge(tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, HOME=str(tmp_path / "home"), WITNESS_KEY=str(tmp_path / "home" / "key.pem"))
     env.pop("WITNESS_LEADERBOARD_TOKEN", None)
-    server = subprocess.Popen([sys.executable, "-m", "witness.cli", "leaderboard", "serve", "--port", str(port),
-                               "--store", str(tmp_path / "store"), "--track", QUICK, "--workers", "1"],
-                              env=env, cwd=tmp_path, stderr=open(tmp_path / "server.log", "w"))
+    server, url = _serve(tmp_path, QUICK, env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/api/tracks").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.3)
         r = _witness("leaderboard", "register", "--leaderboard", url, "--name", "alice", env=env, cwd=tmp_path)
         assert r.returncode == 0 and "registered alice" in r.stdout, r.stderr
         assert oct((tmp_path / "home" / ".witness" / "leaderboard-tokens.json").stat().st_mode & 0o777) == "0o600"
@@ -125,24 +133,10 @@ def test_a_worker_killed_mid_verification_is_replaced_and_the_run_decided_once(t
     from lbhelpers import register, submit, train_and_certify
     from sqlalchemy import create_engine, text
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    store = tmp_path / "store"
-    slow = "slow=tiny:steps=200@accuracy+"  # verification takes seconds: time to kill its worker
-    log = tmp_path / "server.log"
-    server = subprocess.Popen([sys.executable, "-m", "witness.cli", "leaderboard", "serve", "--port", str(port),
-                               "--store", str(store), "--track", slow, "--workers", "1"],
-                              cwd=tmp_path, stderr=open(log, "w"))
+    store, log = tmp_path / "store", tmp_path / "server.log"
+    # verification takes seconds on this track: time to kill its worker in the middle
+    server, url = _serve(tmp_path, "slow=tiny:steps=200@accuracy+")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/api/tracks").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
         with httpx.Client(base_url=url, timeout=120) as c:
             alice = register(c, "alice")
             run_id, bundle, cert = train_and_certify(c, alice, tmp_path / "run", "slow", checkpoint_every=20)
