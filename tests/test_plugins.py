@@ -166,3 +166,22 @@ def test_a_safetensors_header_of_640_bytes_is_not_a_pickle():
 
     assert looks_like_pickle(b"\x80\x04\x95\x10\x00\x00\x00\x00\x00")  # pickle protocol 4
     assert not looks_like_pickle((0x280).to_bytes(8, "little") + b"{")  # a safetensors header 640 bytes long
+
+
+def test_a_plugin_run_resumes_and_a_track_can_name_a_plugin_task(site, tmp_path, capsys):
+    from witness.commit.signing import generate_key, save_key
+    from witness.leaderboard.tracks import parse_track
+    from witness.record import Recorder
+
+    key = generate_key()
+    save_key(key, tmp_path / "k.pem")
+    task = registry.build_task("plugin-mlp", {"steps": 12})
+    rec = Recorder.create(task, tmp_path / "run", key, r=b"\x03" * 32, checkpoint_every=4)
+    for t in range(6):  # killed after the checkpoint at step 4 and two more steps
+        rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
+    del rec
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--key", str(tmp_path / "k.pem"), "--quiet"]) == 0
+    assert "resuming" in capsys.readouterr().err
+    assert _verify(tmp_path / "run", capsys)[0] == 0
+    track = parse_track("mine=plugin-mlp:steps=12@accuracy+")
+    assert track.task == "plugin-mlp" and track.resolve()["data_root"] == task.dataset().root.hex()
