@@ -26,8 +26,16 @@ def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], step: int, dig
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
+    out, storages = {}, set()
+    for k, v in tensors.items():
+        t = v.contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        # Tied weights (an LM head sharing the embedding) are one storage under two names:
+        # safetensors stores each name on its own, so the second is written as a copy.
+        out[k] = t.clone() if ptr in storages and t.numel() else t
+        storages.add(ptr)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+        save_file(out, str(tmp),
                   metadata={"format": STATE_FORMAT, "step": str(step)})
     except SafetensorError as e:
         # safetensors reports I/O failures (a full disk) as its own error: make it the OSError it is

@@ -28,6 +28,8 @@ from .tinygpt import TinyGPTTask
 ENTRY_POINT_GROUP = "witness.tasks"
 BUILTIN: dict[str, type[Task]] = {t.name: t for t in (TinyTask, TinyCNNTask, TinyGPTTask)}
 TASKS = BUILTIN  # the built-in tasks (kept under its old name)
+# Built-in tasks whose module needs an optional dependency: imported only when asked for.
+OPTIONAL: dict[str, str] = {"hf-gpt2": "witness.integrations.hf:HFGPT2Task"}
 SOURCE_FIELDS = ("distribution", "version", "files_sha256")
 
 
@@ -57,7 +59,7 @@ def _plugins() -> dict[str, list[EntryPoint]]:
 
 def task_names() -> list[str]:
     """Names of the tasks this machine can build: built-in and installed plugins."""
-    return sorted(set(BUILTIN) | set(_plugins()))
+    return sorted(set(BUILTIN) | set(OPTIONAL) | set(_plugins()))
 
 
 def _entry_point(name: str) -> EntryPoint:
@@ -88,7 +90,7 @@ def package_files_sha256(module: str) -> str:
 
 def task_source(name: str) -> TaskSource | None:
     """None for a built-in task; else the installed plugin that provides ``name``."""
-    if name in BUILTIN:
+    if name in BUILTIN or name in OPTIONAL:
         return None
     ep = _entry_point(name)
     dist = ep.dist
@@ -101,13 +103,13 @@ def check_task_source(name: str, committed: dict | None) -> None:
     """Raise ``MalformedInput`` unless this machine builds ``name`` from exactly the code the run
     committed: the message says what to install."""
     if committed is None:
-        if name in BUILTIN:
+        if name in BUILTIN or name in OPTIONAL:
             return
         if name in _plugins():
             raise MalformedInput(f"task {name!r} is a plugin here, but the manifest pins no plugin code for it")
         raise MalformedInput(f"task {name!r} is not a task of this witness release ({', '.join(task_names())})")
     want = TaskSource(**{k: committed[k] for k in SOURCE_FIELDS})
-    if name in BUILTIN:
+    if name in BUILTIN or name in OPTIONAL:
         raise MalformedInput(f"task {name!r} is built into witness, but the manifest names plugin {want.distribution}")
     try:
         have = task_source(name)
@@ -128,6 +130,9 @@ def task_class(name: str) -> type[Task]:
     """The class of a built-in or plugin task."""
     if name in BUILTIN:
         return BUILTIN[name]
+    if name in OPTIONAL:
+        module, _, attr = OPTIONAL[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
     cls = _entry_point(name).load()
     if not (isinstance(cls, type) and issubclass(cls, Task)) or getattr(cls, "name", None) != name:
         raise ValueError(f"the entry point {name!r} of group {ENTRY_POINT_GROUP} is not a Task named {name!r}")
@@ -136,7 +141,7 @@ def task_class(name: str) -> type[Task]:
 
 def build_task(name: str, config: dict | None = None) -> Task:
     """Build a task from its name and (partial) config."""
-    if name not in BUILTIN and name not in _plugins():
+    if name not in BUILTIN and name not in OPTIONAL and name not in _plugins():
         raise ValueError(f"unknown task {name!r}; tasks here: {', '.join(task_names())}")
     return _built(name, canonical_json(config or {}))
 

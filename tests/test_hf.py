@@ -1,0 +1,52 @@
+"""A stock Hugging Face Trainer script, witnessed (examples/hf_trainer.py): trained, accepted by
+the stock verifier offline and in cheap mode, and a tampered copy rejected."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from witness.cli import main as witness
+from witness.commit.hashing import canonical_json
+from witness.commit.signing import load_key
+from witness.verify import verify_bundle
+from witness.verify.respond import respond
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import hf_trainer  # noqa: E402 - the example script itself
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("hf")
+    assert hf_trainer.main(["--out", str(tmp / "run"), "--steps", "12", "--key", str(tmp / "k.pem")]) == 0
+    return tmp / "run", tmp / "k.pem"
+
+
+def test_the_trainer_run_replays_bit_for_bit(hf_run, tmp_path):
+    run, _ = hf_run
+    manifest = json.loads((run / "log.jsonl").read_text().splitlines()[0])
+    assert manifest["task"] == "hf-gpt2" and "task_source" not in manifest  # built in, pinned by the release
+    v = verify_bundle(run, challenges=12, nonce=b"all")  # offline, every step
+    assert v.accepted and v.exact and v.replayed_steps == 12
+    respond(run, tmp_path / "answer", nonce=b"cheap", challenges=6)
+    assert verify_bundle(run, challenges=6, nonce=b"cheap", mode="interactive", response=tmp_path / "answer").accepted
+
+
+def test_a_tampered_trainer_run_is_rejected(hf_run, tmp_path, capsys):
+    import shutil
+
+    from helpers import resign
+
+    run, key = hf_run
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    lines = (bad / "log.jsonl").read_bytes().split(b"\n")[:-1]
+    rec = json.loads(lines[7])  # step 6: a loss the Trainer never computed, re-signed by the trainer
+    rec["loss"] = rec["loss"] * 0.9
+    resign(bad, load_key(key), lines[:7] + [canonical_json(rec)] + lines[8:])
+    assert witness(["verify", str(bad), "--challenges", "12", "--nonce", "01", "--json"]) == 1
+    assert "step 6" in capsys.readouterr().out

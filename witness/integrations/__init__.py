@@ -1,0 +1,1 @@
+"""Witnessing training loops that others wrote: Hugging Face ``Trainer`` (``hf``)."""

@@ -1,0 +1,218 @@
+"""Hugging Face ``transformers``: a GPT-2 task built from a config, and the hooks that make a
+stock ``Trainer`` run exactly the step that ``witness verify`` replays.
+
+A ``Trainer`` script is witnessed by building the model and optimizer from the task (through
+the recorder) and attaching the recorder::
+
+    rec = Recorder.create(build_task("hf-gpt2", {...}), "run", key, r=os.urandom(32))
+    trainer = Trainer(model=rec.model, args=args, train_dataset=committed_dataset(rec),
+                      optimizers=(rec.optimizer, None))
+    attach(trainer, rec)      # the committed data order, the task's loss, a callback per step
+    trainer.train()
+
+``attach`` installs small hooks, each because replay must compute what the Trainer computed:
+the sampler yields the committed order; the loss is the task's (HF's own normalises by a
+token count the replay would have to reconstruct); a wrapper reads the loss and the gradient
+norm the Trainer computed, and a ``TrainerCallback`` checks the learning rate against the
+committed schedule and writes the record after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..task.base import StepOutput
+from ..task.tinygpt import TinyGPTConfig, TinyGPTTask
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("the hf-gpt2 task needs transformers: pip install 'witness[hf]'") from None
+    return transformers
+
+
+@dataclass(frozen=True)
+class HFGPT2Config(TinyGPTConfig):
+    """Recipe of ``hf-gpt2``: tinygpt's corpus and shapes, HF's GPT-2 and linear schedule."""
+
+    steps: int = 200
+    lr: float = 0.001
+    dropout: float = 0.0  # dropout draws from the global RNG inside transformers: not replayable
+    weight_decay: float = 0.0
+
+
+class HFGPT2Task(TinyGPTTask):
+    """``transformers.GPT2LMHeadModel`` (random init from a config) on stdlib source bytes."""
+
+    name = "hf-gpt2"
+    Config = HFGPT2Config
+
+    def check_limits(self) -> None:
+        """tinygpt's limits, and no dropout."""
+        super().check_limits()
+        if self.config.dropout != 0.0:
+            raise ValueError("hf-gpt2 trains without dropout (transformers draws it from the global RNG)")
+
+    def build_model(self, seed: bytes) -> nn.Module:
+        """A GPT-2 of the recipe's shape, byte vocabulary, eager attention, weights from the seed."""
+        from ..task.base import seed_int
+
+        t, c = _transformers(), self.config
+        cfg = t.GPT2Config(vocab_size=256, n_positions=c.block, n_embd=c.d_model, n_layer=c.n_layer,
+                           n_head=c.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           attn_implementation="eager")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed_int(seed, "witness/hf-init/v1"))
+            return t.GPT2LMHeadModel(cfg)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """AdamW as the Trainer builds it: decay on all but biases and LayerNorm weights."""
+        c = self.config
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        other = [p for n, p in model.named_parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
+                                  {"params": other, "weight_decay": 0.0}], lr=c.lr, foreach=False)
+
+    def __init__(self, config: HFGPT2Config):
+        super().__init__(config)
+        self.schedule = _LinearSchedule(config)  # transformers' linear warmup and decay
+
+    def _logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens).logits
+
+    def collate(self, samples: list[bytes]) -> dict[str, torch.Tensor]:
+        """Windows of ``block + 1`` bytes as ``{"input_ids": [B, block + 1]}`` (a Trainer's batch)."""
+        return {"input_ids": super().collate(samples)}
+
+    def loss(self, model, batch, generator):
+        """Next-byte cross-entropy (the Trainer's loss, through ``attach``)."""
+        tokens = batch["input_ids"]
+        logits = self._logits(model, tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+
+    def probe_outputs(self, model, probes):
+        """Next-byte logits on the probe texts."""
+        return self._logits(model, probes[:, :-1])
+
+    @torch.no_grad()
+    def eval_example(self, model, sample: bytes) -> dict:
+        """Mean next-byte loss of one held-out window."""
+        tokens = self.collate([sample])
+        return {"loss": float(self.loss(model, tokens, None))}
+
+
+class _LinearSchedule:
+    def __init__(self, c: HFGPT2Config):
+        from transformers.optimization import _get_linear_schedule_with_warmup_lr_lambda as lam
+
+        self.c, self.lam = c, lam
+
+    def at(self, step: int) -> float:
+        # LambdaLR: base_lr * lambda(step), the same expression, so the same bits
+        return self.c.lr * self.lam(step, num_warmup_steps=self.c.warmup, num_training_steps=self.c.steps)
+
+
+class CommittedOrder(torch.utils.data.Sampler):
+    """The recorder's committed data order, step after step: what the sampler must yield."""
+
+    def __init__(self, rec: Any):
+        self.rec = rec
+
+    def __len__(self) -> int:
+        return self.rec.task.config.steps * self.rec.task.config.batch_size
+
+    def __iter__(self):
+        for t in range(self.rec.task.config.steps):
+            yield from self.rec.session.batch_indices(t)
+
+
+class CommittedDataset(torch.utils.data.Dataset):
+    """The task's training set as canonical sample bytes (the collator is the task's)."""
+
+    def __init__(self, rec: Any):
+        self.data = rec.task.dataset()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> bytes:
+        return self.data.sample_bytes(index)
+
+
+def committed_dataset(rec: Any) -> CommittedDataset:
+    """The training set to give the ``Trainer``."""
+    return CommittedDataset(rec)
+
+
+def attach(trainer: Any, rec: Any) -> None:
+    """Make ``trainer`` run the committed steps of ``rec`` and record each one."""
+    t = _transformers()
+    c, args = rec.task.config, trainer.args
+    if args.per_device_train_batch_size != c.batch_size or args.gradient_accumulation_steps != 1:
+        raise ValueError(f"the Trainer must take batches of the task's {c.batch_size} samples, one per step")
+    if args.max_steps != c.steps or args.lr_scheduler_type != "linear" or args.warmup_steps != c.warmup:
+        raise ValueError(f"set max_steps={c.steps}, warmup_steps={c.warmup} and the linear schedule, as the task")
+    if args.max_grad_norm != c.grad_clip or args.learning_rate != c.lr:
+        raise ValueError(f"set max_grad_norm={c.grad_clip} and learning_rate={c.lr}, as the task")
+    if trainer.model is not rec.model or trainer.optimizer is not rec.optimizer:
+        raise ValueError("give the Trainer the recorder's model and optimizer (they are what the log commits)")
+    seen: dict[str, Any] = {}
+    task, data = rec.task, rec.task.dataset()
+
+    # the committed data order, batches collated by the task (replay collates the same way)
+    trainer._get_train_sampler = types.MethodType(lambda self, *a, **k: CommittedOrder(rec), trainer)
+    trainer.data_collator = task.collate
+    # the task's loss: transformers' own would normalise by a token count replay would have to rebuild
+    trainer.model_accepts_loss_kwargs = False
+    trainer.compute_loss = types.MethodType(
+        lambda self, model, inputs, return_outputs=False, num_items_in_batch=None: task.loss(model, inputs, None),
+        trainer)
+    step = trainer.training_step
+
+    def training_step(model, inputs, num_items_in_batch=None):
+        # the batch the Trainer was handed must be the committed one (a reshuffling loader is an error)
+        want = seen.pop("batch")
+        if not torch.equal(inputs["input_ids"], want["input_ids"]):
+            raise ValueError("the Trainer's batch is not the committed one: is another sampler in use?")
+        loss = step(model, inputs, num_items_in_batch)
+        seen["loss"] = float(loss)
+        return loss
+
+    trainer.training_step = training_step
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, *a, **k):
+        norm = clip(parameters, max_norm, *a, **k)
+        seen["grad_norm"] = float(norm)
+        return norm
+
+    trainer.accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    class Witness(t.TrainerCallback):
+        """Check the step's learning rate, then record the step."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            k = state.global_step
+            idx = rec.batch_indices(k)
+            rec.expect(k, idx, data.batch_root(idx))
+            seen["batch"] = task.collate([data.sample_bytes(i) for i in idx])
+            lrs = {g["lr"] for g in rec.optimizer.param_groups}
+            if lrs != {rec.lr(k)}:
+                raise ValueError(f"step {k}: the Trainer's learning rate {lrs} is not the committed {rec.lr(k)}")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            k = state.global_step - 1
+            rec.log_step(k, StepOutput(seen.pop("loss"), rec.lr(k), seen.pop("grad_norm")))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            rec.finish()
+
+    trainer.add_callback(Witness())
