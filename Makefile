@@ -16,7 +16,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml Makefile examples/cnn_plugin/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,hf]"
+	$(PIP) install -q -e ".[dev,hf,lightning]"
 	$(PIP) install -q --no-deps -e examples/cnn_plugin
 	touch $@
 

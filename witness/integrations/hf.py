@@ -29,6 +29,9 @@ from torch import nn
 
 from ..task.base import StepOutput
 from ..task.tinygpt import TinyGPTConfig, TinyGPTTask
+from .committed import CommittedOrder, committed_dataset
+
+__all__ = ["HFGPT2Task", "attach", "committed_dataset"]
 
 
 def _transformers():
@@ -118,38 +121,6 @@ class _LinearSchedule:
     def at(self, step: int) -> float:
         # LambdaLR: base_lr * lambda(step), the same expression, so the same bits
         return self.c.lr * self.lam(step, num_warmup_steps=self.c.warmup, num_training_steps=self.c.steps)
-
-
-class CommittedOrder(torch.utils.data.Sampler):
-    """The recorder's committed data order, step after step: what the sampler must yield."""
-
-    def __init__(self, rec: Any):
-        self.rec = rec
-
-    def __len__(self) -> int:
-        return self.rec.task.config.steps * self.rec.task.config.batch_size
-
-    def __iter__(self):
-        for t in range(self.rec.task.config.steps):
-            yield from self.rec.session.batch_indices(t)
-
-
-class CommittedDataset(torch.utils.data.Dataset):
-    """The task's training set as canonical sample bytes (the collator is the task's)."""
-
-    def __init__(self, rec: Any):
-        self.data = rec.task.dataset()
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, index: int) -> bytes:
-        return self.data.sample_bytes(index)
-
-
-def committed_dataset(rec: Any) -> CommittedDataset:
-    """The training set to give the ``Trainer``."""
-    return CommittedDataset(rec)
 
 
 def attach(trainer: Any, rec: Any) -> None:

@@ -1,0 +1,48 @@
+"""A Lightning run, witnessed (examples/lightning_train.py): trained, accepted by the stock
+verifier offline and in cheap mode, and a tampered copy rejected."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import resign
+
+from witness.cli import main as witness
+from witness.commit.hashing import canonical_json
+from witness.commit.signing import load_key
+from witness.verify import verify_bundle
+from witness.verify.respond import respond
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import lightning_train  # noqa: E402 - the example script itself
+
+
+@pytest.fixture(scope="module")
+def pl_run(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("pl")
+    assert lightning_train.main(["--out", str(tmp / "run"), "--steps", "12", "--key", str(tmp / "k.pem")]) == 0
+    return tmp / "run", tmp / "k.pem"
+
+
+def test_the_lightning_run_replays_bit_for_bit(pl_run, tmp_path):
+    run, _ = pl_run
+    v = verify_bundle(run, challenges=12, nonce=b"all")  # offline, every step (dropout included)
+    assert v.accepted and v.exact and v.replayed_steps == 12
+    respond(run, tmp_path / "answer", nonce=b"cheap", challenges=6)
+    assert verify_bundle(run, challenges=6, nonce=b"cheap", mode="interactive", response=tmp_path / "answer").accepted
+
+
+def test_a_tampered_lightning_run_is_rejected(pl_run, tmp_path, capsys):
+    run, key = pl_run
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    lines = (bad / "log.jsonl").read_bytes().split(b"\n")[:-1]
+    rec = json.loads(lines[5])  # step 4: a gradient norm the run never had, re-signed by the trainer
+    rec["grad_norm"] = rec["grad_norm"] * 2
+    resign(bad, load_key(key), lines[:5] + [canonical_json(rec)] + lines[6:])
+    assert witness(["verify", str(bad), "--challenges", "12", "--nonce", "01", "--json"]) == 1
+    assert "step 4" in capsys.readouterr().out

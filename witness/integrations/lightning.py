@@ -1,0 +1,93 @@
+"""PyTorch Lightning: a ``LightningModule`` that runs a task's committed steps, and the
+``Callback`` that records them, so that ``witness verify`` replays a Lightning run bit for bit.
+
+    rec = Recorder.create(build_task("tinygpt", recipe), "run", key, r=os.urandom(32))
+    trainer = L.Trainer(max_steps=recipe["steps"], callbacks=[WitnessCallback(rec)], ...)
+    trainer.fit(TaskModule(rec))
+
+``TaskModule`` is the task as Lightning sees it: the recorder's model and optimizer, the
+committed order as its data loader, each step's committed learning rate and dropout generator,
+and the task's gradient clipping (whose norm the record keeps). Lightning's automatic
+optimisation then computes exactly the task's step: forward, backward, clip, update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from ..task.base import StepOutput, clip_whole
+from .committed import CommittedDataset, CommittedOrder
+
+
+class TaskModule(L.LightningModule):
+    """A recorder's task, trained by Lightning."""
+
+    def __init__(self, rec: Any):
+        super().__init__()
+        self.rec, self.task = rec, rec.task
+        self.net = rec.model  # registered as a submodule: Lightning puts it in train mode
+        self.seen: dict[str, float] = {}
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        """The committed order, one batch per step, collated by the task."""
+        c = self.task.config
+        return torch.utils.data.DataLoader(CommittedDataset(self.rec), batch_size=c.batch_size,
+                                           sampler=CommittedOrder(self.rec), collate_fn=self.task.collate)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """The recorder's optimizer; the learning rate is set per step from the committed schedule."""
+        return self.rec.optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The task's loss on the committed batch, at the committed learning rate and seed."""
+        t = self.global_step
+        for group in self.rec.optimizer.param_groups:
+            group["lr"] = self.rec.lr(t)
+        loss = self.task.loss(self.net, batch, torch.Generator().manual_seed(self.rec.step_seed(t)))
+        self.seen["loss"] = float(loss.detach())
+        return loss
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """The task's clipping (Lightning's own flag stays unset), keeping the norm for the record."""
+        params = [p for p in self.net.parameters() if p.grad is not None]
+        max_norm = self.task.config.grad_clip if self.task.config.grad_clip > 0 else float("inf")
+        self.seen["grad_norm"] = float(clip_whole(params, max_norm))
+
+
+class WitnessCallback(L.Callback):
+    """Check each batch against the commitment, record each step, sign the end."""
+
+    def __init__(self, rec: Any):
+        self.rec = rec
+        self.data = rec.task.dataset()
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Refuse settings that would make the run differ from the task's step."""
+        if not isinstance(module, TaskModule) or module.rec is not self.rec:
+            raise ValueError("train the recorder's TaskModule: its step is what the log commits")
+        if trainer.gradient_clip_val or trainer.accumulate_grad_batches != 1 or trainer.max_steps != \
+                self.rec.task.config.steps:
+            raise ValueError(f"use max_steps={self.rec.task.config.steps}, no gradient_clip_val (the task clips) "
+                             "and no gradient accumulation")
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        """The batch must be the committed one."""
+        t = trainer.global_step
+        idx = self.rec.batch_indices(t)
+        self.rec.expect(t, idx, self.data.batch_root(idx))
+        want = self.rec.task.collate([self.data.sample_bytes(i) for i in idx])
+        if not torch.equal(batch, want) if isinstance(want, torch.Tensor) else batch != want:
+            raise ValueError(f"step {t}: the batch is not the committed one")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        """Record the step that was just taken."""
+        t = trainer.global_step - 1
+        seen = module.seen
+        self.rec.log_step(t, StepOutput(seen.pop("loss"), self.rec.lr(t), seen.pop("grad_norm")))
+
+    def on_train_end(self, trainer, module) -> None:
+        """The end record and the final signed head."""
+        self.rec.finish()
