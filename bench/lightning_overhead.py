@@ -11,14 +11,12 @@ hash, one log line). A step is timed from one batch-start callback to the next.
 
 from __future__ import annotations
 
-import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import lightning as L
 import torch
-from common import parser, report
+from common import compare_runs
 
 from witness.commit.signing import generate_key
 from witness.integrations.lightning import TaskModule, WitnessCallback
@@ -83,21 +81,7 @@ def run(witnessed: bool, steps: int, out: Path) -> list[float]:
 
 
 def main() -> dict:
-    ap = parser(__doc__)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--batch-size", type=int, default=CONFIG["batch_size"])
-    args = ap.parse_args()
-    CONFIG["batch_size"] = args.batch_size
-    plain, witnessed = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for w in ((False, True) if r % 2 == 0 else (True, False)):
-                (witnessed if w else plain).extend(run(w, args.steps, Path(tmp) / f"{r}-{w}"))
-    p, w = statistics.median(plain), statistics.median(witnessed)
-    return report({"config": CONFIG, "threads": torch.get_num_threads(), "steps_per_run": args.steps,
-                   "plain_step_s": p, "witnessed_step_s": w, "overhead": w / p - 1,
-                   "plain_steps": len(plain), "witnessed_steps": len(witnessed)}, args.json)
+    return compare_runs(__doc__, run, CONFIG, rounds=2, steps=10)
 
 
 if __name__ == "__main__":
