@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from common import compare_runs
+from common import compare_runs, time_hooks
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from witness.commit.signing import generate_key
@@ -59,6 +59,7 @@ def run(witnessed: bool, steps: int, out: Path) -> list[float]:
         trainer = Trainer(model=rec.model, args=args, train_dataset=committed_dataset(rec),
                           optimizers=(rec.optimizer, None), callbacks=[timer])
         attach(trainer, rec)
+        time_hooks(trainer.callback_handler.callbacks[-1], ("on_step_begin", "on_step_end"))
     else:
         model = task.build_model(b"\x01" * 32)
         data = [{"input_ids": t} for t in task.collate([task.dataset().sample_bytes(i)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from common import compare_runs
+from common import compare_runs, time_hooks
 
 from witness.commit.signing import generate_key
 from witness.integrations.lightning import TaskModule, WitnessCallback
@@ -74,7 +74,9 @@ def run(witnessed: bool, steps: int, out: Path) -> list[float]:
               enable_progress_bar=False, enable_model_summary=False)
     if witnessed:
         rec = Recorder.create(task, out / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=steps)
-        L.Trainer(callbacks=[timer, WitnessCallback(rec)], **kw).fit(TaskModule(rec))
+        cb = WitnessCallback(rec)
+        time_hooks(cb, ("on_train_batch_start", "on_train_batch_end"))
+        L.Trainer(callbacks=[timer, cb], **kw).fit(TaskModule(rec))
     else:
         L.Trainer(callbacks=[timer], **kw).fit(Plain(task))
     return timer.times[2:]
