@@ -46,3 +46,32 @@ def test_a_tampered_lightning_run_is_rejected(pl_run, tmp_path, capsys):
     resign(bad, load_key(key), lines[:5] + [canonical_json(rec)] + lines[6:])
     assert witness(["verify", str(bad), "--challenges", "12", "--nonce", "01", "--json"]) == 1
     assert "step 4" in capsys.readouterr().out
+
+
+def test_a_loader_off_the_committed_order_is_refused(tmp_path):
+    import lightning as L
+    import torch
+
+    from witness.commit.signing import generate_key
+    from witness.integrations.committed import same_batch
+    from witness.integrations.lightning import TaskModule, WitnessCallback
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    t = torch.arange(6).view(2, 3)
+    assert same_batch({"x": t, "y": (t, [1])}, {"x": t.clone(), "y": (t, [1])})
+    assert not same_batch({"x": t}, {"x": t + 1}) and not same_batch(t, {"x": t}) and not same_batch([t], [t, t])
+
+    task = build_task("tinygpt", {"steps": 3, "batch_size": 4, "block": 16, "n_layer": 1, "d_model": 16, "n_head": 2,
+                                  "probes": 2, "probe_len": 8, "corpus_max_bytes": 100_000})
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x02" * 32, checkpoint_every=3)
+
+    class Shuffled(TaskModule):
+        def train_dataloader(self):
+            loader = super().train_dataloader()
+            return torch.utils.data.DataLoader(loader.dataset, batch_size=4, shuffle=True, collate_fn=task.collate)
+
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[WitnessCallback(rec)])
+    with pytest.raises(ValueError, match="not the committed one"):
+        trainer.fit(Shuffled(rec))

@@ -35,6 +35,17 @@ class CommittedDataset(torch.utils.data.Dataset):
         return self.data.sample_bytes(index)
 
 
+def same_batch(got: Any, want: Any) -> bool:
+    """Whether a framework's batch is the committed one (tensors, or dicts, tuples, lists of them)."""
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and torch.equal(got, want)
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(same_batch(got[k], want[k]) for k in want)
+    if isinstance(want, (tuple, list)):
+        return isinstance(got, (tuple, list)) and len(got) == len(want) and all(map(same_batch, got, want))
+    return got == want
+
+
 def committed_dataset(rec: Any) -> CommittedDataset:
     """The training set to give the ``Trainer``."""
     return CommittedDataset(rec)

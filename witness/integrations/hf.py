@@ -29,7 +29,7 @@ from torch import nn
 
 from ..task.base import StepOutput
 from ..task.tinygpt import TinyGPTConfig, TinyGPTTask
-from .committed import CommittedOrder, committed_dataset
+from .committed import CommittedOrder, committed_dataset, same_batch
 
 __all__ = ["HFGPT2Task", "attach", "committed_dataset"]
 
@@ -58,6 +58,10 @@ class HFGPT2Task(TinyGPTTask):
     name = "hf-gpt2"
     Config = HFGPT2Config
 
+    def __init__(self, config: HFGPT2Config):
+        super().__init__(config)
+        self.schedule = _LinearSchedule(config)  # transformers' linear warmup and decay
+
     def check_limits(self) -> None:
         """tinygpt's limits, and no dropout."""
         super().check_limits()
@@ -83,10 +87,6 @@ class HFGPT2Task(TinyGPTTask):
         other = [p for n, p in model.named_parameters() if p.dim() < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
                                   {"params": other, "weight_decay": 0.0}], lr=c.lr, foreach=False)
-
-    def __init__(self, config: HFGPT2Config):
-        super().__init__(config)
-        self.schedule = _LinearSchedule(config)  # transformers' linear warmup and decay
 
     def _logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits
@@ -136,7 +136,7 @@ def attach(trainer: Any, rec: Any) -> None:
     if trainer.model is not rec.model or trainer.optimizer is not rec.optimizer:
         raise ValueError("give the Trainer the recorder's model and optimizer (they are what the log commits)")
     seen: dict[str, Any] = {}
-    task, data = rec.task, rec.task.dataset()
+    task = rec.task
 
     # the committed data order, batches collated by the task (replay collates the same way)
     trainer._get_train_sampler = types.MethodType(lambda self, *a, **k: CommittedOrder(rec), trainer)
@@ -150,8 +150,7 @@ def attach(trainer: Any, rec: Any) -> None:
 
     def training_step(model, inputs, num_items_in_batch=None):
         # the batch the Trainer was handed must be the committed one (a reshuffling loader is an error)
-        want = seen.pop("batch")
-        if not torch.equal(inputs["input_ids"], want["input_ids"]):
+        if not same_batch(inputs, seen.pop("batch")):
             raise ValueError("the Trainer's batch is not the committed one: is another sampler in use?")
         loss = step(model, inputs, num_items_in_batch)
         seen["loss"] = float(loss)
@@ -172,9 +171,7 @@ def attach(trainer: Any, rec: Any) -> None:
 
         def on_step_begin(self, args, state, control, **kwargs):
             k = state.global_step
-            idx = rec.batch_indices(k)
-            rec.expect(k, idx, data.batch_root(idx))
-            seen["batch"] = task.collate([data.sample_bytes(i) for i in idx])
+            seen["batch"] = rec.batch(k)  # the committed batch, which the next record commits
             lrs = {g["lr"] for g in rec.optimizer.param_groups}
             if lrs != {rec.lr(k)}:
                 raise ValueError(f"step {k}: the Trainer's learning rate {lrs} is not the committed {rec.lr(k)}")
