@@ -31,6 +31,8 @@ from ..data.proofs import pair_from_json
 from ..errors import MalformedInput, VerificationError
 
 FORMAT = "witness-response"
+# What a missing answer most likely means: the response was made for another audit's challenges.
+NONCE_HINT = "(was it made with witness respond --nonce and this audit's nonce?)"
 VERSION = 3  # 3: no nonce field (the verifier draws from its own nonce; the field was never checked)
 STATE_RE = re.compile(r"^states/([0-9]{8,12})\.safetensors$")
 MAX_RESPONSE_JSON = 256 * 1024 * 1024
@@ -115,8 +117,7 @@ class Response:
     def state(self, step: int) -> dict[str, torch.Tensor]:
         """The supplied state after ``step`` updates."""
         if step not in self.state_files:
-            raise VerificationError(f"the response supplies no state after {step} update(s) (was it made with "
-                                    "witness respond --nonce and this audit's nonce?)", step=step,
+            raise VerificationError(f"the response supplies no state after {step} update(s) {NONCE_HINT}", step=step,
                                     check="response")
         return read_checkpoint(safe_child(self.root, self.state_files[step]))
 
@@ -142,7 +143,8 @@ class ResponseSamples:
         """The batch of ``step``, every sample proven to sit at its index in the committed dataset."""
         got = self.response.steps.get(step)
         if got is None:
-            raise VerificationError("the response supplies no samples for this step", step=step, check="response")
+            raise VerificationError(f"the response supplies no samples for this step {NONCE_HINT}", step=step,
+                                    check="response")
         if list(indices) != got.indices or len(got.samples) != len(indices) or len(got.proofs) != len(indices):
             raise VerificationError("the response's samples are not the committed batch", step=step, check="data")
         hashes = []
