@@ -17,3 +17,22 @@ def test_the_own_loop_snippet_runs_and_its_run_verifies(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})  # noqa: S102 - our own README
     assert verify_bundle(tmp_path / "my-run", challenges=5).accepted
+
+
+def test_every_command_the_readme_names_exists_and_has_help(capsys):
+    import pytest
+
+    from witness.cli import main
+
+    blocks = re.findall(r"```sh\n(.*?)```", README.read_text(), re.S)
+    commands = set()
+    for line in "\n".join(blocks).splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "witness":
+            commands.add(tuple(words[1:3]) if words[1] in ("data", "leaderboard") else (words[1],))
+    assert ("verify-certification",) in commands and ("export",) in commands and len(commands) > 15
+    for cmd in sorted(commands):
+        with pytest.raises(SystemExit) as e:
+            main([*cmd, "--help"])
+        assert e.value.code == 0, cmd
+        assert "usage: witness" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 
 from ..errors import VerificationError
@@ -37,14 +38,39 @@ def _os_error(e: OSError) -> str:
     return one_line(f"{e.strerror}{': ' + where if where else ''}{hint}")
 
 
+SIGPIPE_EXIT = 141  # what a shell reports for a process a closed pipe stopped (128 + SIGPIPE)
+
+
+def _closed_pipe() -> int:
+    """The reader of our output went away (``| head``): stop quietly, as ``cat`` would."""
+    # Python flushes stdout again at exit; point it at /dev/null so that flush cannot raise.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file (an in-process caller captured it)
+        pass
+    return SIGPIPE_EXIT
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point: every command, and a quiet stop when the reader of its output goes away."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # also from --help, which prints before any command runs
+        return _closed_pipe()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train" and bool(args.leaderboard) != bool(args.track):
         parser.error("--leaderboard and --track go together")
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here when the output was buffered
+        return code
+    except BrokenPipeError:
+        raise
     except VerificationError as e:
         print(unusable_or_rejected(e), file=sys.stderr)
         return e.exit_code

@@ -33,6 +33,7 @@ def _print_verdict(verdict, args, failures: list[str] | None = None) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Audit a bundle."""
+    from ..commit.signing import read_public_key
     from ..verify.audit import default_response_dir, verify_bundle
 
     response = args.response
@@ -45,9 +46,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         thresholds["fingerprint"] = args.rtol
     check_thresholds(thresholds)  # before any work: a bad threshold is unusable input (exit 2)
     return report_verdict(args, lambda: verify_bundle(
-        args.bundle, challenges=challenges_q(args), bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
+        args.bundle, challenges=challenges_q(args), confidence=args.confidence, bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
         response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
-        threads=args.threads, public_key=args.signer, ticket=args.ticket,
+        threads=args.threads, public_key=read_public_key(args.signer) if args.signer else None, ticket=args.ticket,
         published_heads=[read_head(p) for p in args.published_head or []], progress=not args.json,
     ))
 
@@ -98,9 +99,11 @@ def cmd_respond(args: argparse.Namespace) -> int:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add this group's subcommands."""
     v = sub.add_parser("verify", help="audit a bundle (exit 0 accepted, 1 rejected, 2 unusable input)")
-    v.add_argument("bundle")
+    v.add_argument("bundle", help="the bundle folder")
     challenge_args(v)
-    v.add_argument("--mode", choices=["offline", "interactive"], default="offline")
+    v.add_argument("--mode", choices=["offline", "interactive"], default="offline",
+                   help="offline: replay from the bundle's checkpoints with the data here (default); interactive: "
+                        "the cheap audit, from the states and samples in the trainer's --response")
     v.add_argument("--response", help="the trainer's response folder (interactive mode)")
     v.add_argument("--tolerance", action="store_true",
                    help="replay on other hardware: compare within reported thresholds, and the whole state at "
@@ -112,16 +115,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--threads", type=positive,
                    help="replay threads (default: the run's recorded count; at most this machine's cores)")
     v.add_argument("--ticket", type=hex_bytes, help="the r a ticket issuer handed out for this run (hex)")
-    v.add_argument("--signer", help="pin the signer's public key (hex)")
+    v.add_argument("--signer", help="pin the signer's public key: raw hex or PEM, or a file holding either")
     v.add_argument("--published-head", action="append",
                    help="a tree head published earlier (JSON); the log must extend it (repeatable)")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     v.set_defaults(func=cmd_verify)
 
     r = sub.add_parser("respond", help="answer a verifier's challenges with states and samples")
-    r.add_argument("bundle")
+    r.add_argument("bundle", help="your bundle folder (its checkpoints rebuild the states)")
     challenge_args(r)
     r.add_argument("--tolerance", action="store_true",
                    help="the verifier replays in tolerance mode: also supply the state each segment ends at")
-    r.add_argument("--out")
+    r.add_argument("--out", help="the response folder to write (default: BUNDLE.response)")
     r.set_defaults(func=cmd_respond)

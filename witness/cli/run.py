@@ -131,14 +131,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_audit(audit) -> tuple[str, int, list]:
+    """Run one of the demo's audits: its summary, exit code and challenge results, rejected or not."""
+    try:
+        verdict = audit()
+        return verdict.summary(), 0, getattr(verdict, "results", [])
+    except RunRejected as e:
+        return f"REJECTED: {e}", e.exit_code, getattr(e.verdict, "results", [])
+    except VerificationError as e:
+        return f"REJECTED: {e}", e.exit_code, []
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Train tinygpt with the recorder, verify it, write a report."""
+    """Train tinygpt with the recorder; audit it cheaply (the trainer answers challenges), then offline; report."""
+    import os
+
     from ..bundle.reader import open_bundle
+    from ..commit.hashing import canonical_json
     from ..commit.signing import load_or_create_key
+    from ..evals.evaluate import evaluate, verify_eval
     from ..record import Recorder
     from ..report import write_report
     from ..task import build_task
     from ..verify.audit import verify_bundle
+    from ..verify.respond import respond
 
     out = Path(args.out)
     bundle_dir = out / "bundle"
@@ -152,36 +168,81 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     Recorder.create(task, bundle_dir, key, r=trainer_r(None), checkpoint_every=50).train()
     train_s = time.perf_counter() - t0
-    print(f"trained {args.steps} steps in {train_s:.1f} s; now auditing with random replay challenges", file=sys.stderr)
-    results = []
-    try:
-        verdict = verify_bundle(bundle_dir, challenges=args.challenges, progress=True)
-        text, code, results = verdict.summary(), 0, verdict.results
-    except RunRejected as e:
-        text, code = f"REJECTED: {e}", e.exit_code
-        results = getattr(e.verdict, "results", [])
-    except VerificationError as e:
-        text, code = f"REJECTED: {e}", e.exit_code
-    print(text)
-    report = write_report(open_bundle(bundle_dir), out / "report", text, [(r.step, r.passed) for r in results])
-    print(f"bundle: {bundle_dir}\nreport: {report / 'report.md'} (plots: loss.png, fingerprints.png)")
-    return code
+    q = args.challenges
+    print(f"\ntrained {args.steps} steps in {train_s:.1f} s\n", file=sys.stderr)
 
+    print(f"1. The cheap audit. The verifier draws {q} challenge steps from the signed log and a fresh nonce; "
+          "the trainer answers with the committed states and samples (witness respond); the verifier replays "
+          "each challenged step from its committed state, bit for bit.", file=sys.stderr)
+    nonce = os.urandom(16)
+    t0 = time.perf_counter()
+    respond(bundle_dir, out / "response", nonce=nonce, challenges=q, progress=True)
+    respond_s = time.perf_counter() - t0
+    cheap_text, cheap_code, cheap_results = _demo_audit(lambda: verify_bundle(
+        bundle_dir, challenges=q, nonce=nonce, mode="interactive", response=out / "response", progress=True))
+    print(cheap_text)
+    replayed = sum(r.replayed_steps for r in cheap_results)
+    print(f"   the trainer answered in {respond_s:.1f} s; the verifier replayed {replayed} of {args.steps} steps "
+          f"({100 * replayed / args.steps:.1f}% of the training compute). The cost is about q steps whatever the "
+          f"run's length: on a 10,000-step run the same audit replays {100 * q / 10_000:.1f}%.\n")
+
+    print("2. The full offline audit. The verifier holds the data itself and needs nothing from the trainer; it "
+          "replays every challenged segment from the nearest checkpoint, so it costs close to the training "
+          "itself.", file=sys.stderr)
+    text, code, results = _demo_audit(lambda: verify_bundle(bundle_dir, challenges=q, progress=True))
+    print(text)
+    verdicts = f"1. cheap audit (interactive)\n{cheap_text}\n\n2. full offline audit\n{text}"
+    evaluation = None
+    if not (cheap_code or code):
+        print("\n3. The evaluation certificate: the final model evaluated on the committed held-out split, "
+              "checked by re-running random examples.", file=sys.stderr)
+        cert = evaluate(bundle_dir, key)
+        (out / "evaluation.json").write_bytes(canonical_json(cert) + b"\n")
+        ev_text, ev_code, _ = _demo_audit(lambda: verify_eval(cert, bundle_dir))
+        print(ev_text)
+        code = code or ev_code
+        verdicts += f"\n\n3. evaluation certificate\n{ev_text}"
+        evaluation = cert["aggregates"] if not ev_code else None
+    challenged = sorted({(r.step, r.passed) for r in [*cheap_results, *results]})
+    report = write_report(open_bundle(bundle_dir), out / "report", verdicts, challenged, evaluation)
+    print(f"\nbundle: {bundle_dir}\nreport: {report / 'report.md'} and {report / 'report.html'}")
+    return cheap_code or code
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Write a bundle's report (markdown and HTML with plots), with a checked evaluation if given."""
+    from ..bundle.reader import open_bundle
+    from ..report import write_report
+
+    bundle = open_bundle(args.bundle)
+    evaluation, verdict_text = None, ""
+    if args.eval:
+        from ..commit.dsse import read_json_or_envelope
+        from ..evals.evaluate import verify_eval
+
+        # Only a certificate that passes verify-eval's checks (and its spot checks) reaches the report.
+        cert = read_json_or_envelope(args.eval, 256 * 1024 * 1024, "certificate")
+        ev = verify_eval(cert, bundle, spots=args.spot)
+        evaluation, verdict_text = ev.aggregates, ev.summary()
+    out = write_report(bundle, args.out, verdict_text, evaluation=evaluation)
+    print(f"wrote {out / 'report.md'} and {out / 'report.html'}")
+    return 0
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add this group's subcommands."""
     k = sub.add_parser("keygen", help="create an Ed25519 signing key")
-    k.add_argument("--out", default=str(DEFAULT_KEY))
-    k.add_argument("--force", action="store_true")
+    k.add_argument("--out", default=str(DEFAULT_KEY), help="where to write the private key (its public half goes beside it as .pub)")
+    k.add_argument("--force", action="store_true", help="replace an existing key (runs signed with it stay verifiable only by its public key)")
     k.set_defaults(func=cmd_keygen)
 
     t = sub.add_parser("train", help="train a registered task and write a witness bundle")
     t.add_argument("--task", nargs="?", const="", default="tinygpt",
                    help="the task to train (default tinygpt); --task alone lists the tasks installed here")
-    t.add_argument("--steps", type=positive)
+    t.add_argument("--steps", type=positive, help="optimizer steps to train (default: the recipe's)")
     t.add_argument("--out", help="the bundle folder to write (required to train)")
-    t.add_argument("--checkpoint-every", type=positive, default=50)
+    t.add_argument("--checkpoint-every", type=positive, default=50,
+                   help="keep a full checkpoint every N steps (default 50; a multiple of --state-every)")
     t.add_argument("--state-every", type=positive, default=1,
                    help="commit the hash of the whole training state every K steps (default 1: every step)")
     t.add_argument("--seed", help="the trainer's r (any string); random by default")
@@ -189,19 +250,30 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--threads", type=positive, help="CPU threads (at most this machine's cores)")
     t.add_argument("--config", type=config_value, action="append", help="recipe field KEY=VALUE")
     t.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
-    t.add_argument("--quiet", action="store_true")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--leaderboard", metavar="URL", help="take the run ticket from this leaderboard and stream heads to it")
     t.add_argument("--track", help="the leaderboard track (its recipe replaces --task, --steps and --config)")
     t.add_argument("--token", help="leaderboard API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")
+    from ..leaderboard.cli import run_info_flags
+
+    run_info_flags(t)
     t.set_defaults(func=cmd_train)
 
     i = sub.add_parser("inspect", help="a readable summary of a bundle")
-    i.add_argument("bundle")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("bundle", help="the bundle folder")
+    i.add_argument("--json", action="store_true", help="print one JSON object for a machine")
     i.set_defaults(func=cmd_inspect)
 
-    d = sub.add_parser("demo", help="train tinygpt, verify it, and write a report")
-    d.add_argument("--out", default="witness-demo")
-    d.add_argument("--steps", type=positive, default=300)
-    d.add_argument("--challenges", type=positive, default=90)
+    rp = sub.add_parser("report", help="write a bundle's report: markdown and HTML with plots")
+    rp.add_argument("bundle", help="the bundle folder")
+    rp.add_argument("--out", required=True, help="the folder to write report.md, report.html and the plots into")
+    rp.add_argument("--eval", help="an evaluation certificate of the run: checked, then its metrics are plotted")
+    rp.add_argument("--spot", type=positive, default=100, help="examples the certificate's check re-runs (default 100)")
+    rp.set_defaults(func=cmd_report)
+
+    d = sub.add_parser("demo", help="train tinygpt, audit it (cheap, then offline), and write a report")
+    d.add_argument("--out", default="witness-demo", help="folder for the key, bundle, response and report (default witness-demo)")
+    d.add_argument("--steps", type=positive, default=300, help="tinygpt steps to train (default 300)")
+    d.add_argument("--challenges", type=positive, default=90,
+                   help="replay challenges q of both audits (default 90: 99%% against 5%% bad steps)")
     d.set_defaults(func=cmd_demo)

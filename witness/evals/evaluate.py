@@ -17,7 +17,7 @@ from ..commit.hashing import canonical_json, same, tagged_hash
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..task.base import Task
 from ..verify.audit import task_of
-from ..verify.challenges import sample_indices
+from ..verify.challenges import sample_indices, weak_bound_warning
 from ..verify.data_queries import run_commitments
 from .certificate import build_body, check_certificate, sign_certificate, spot_probability
 from .contamination import contaminated, near_duplicates
@@ -94,6 +94,9 @@ class EvalVerdict:
                  f"results been forged, this catches it with probability >= {100 * self.detection_probability:.2f}%",
                  f"  near-duplicates (information only): {self.near_duplicates.get('shared_fraction', 0):.4f} of "
                  "long evaluation n-grams also occur in used training documents"]
+        warning = weak_bound_warning(self.detection_probability, self.bad_fraction, flag="--spot", bad="forged results")
+        if warning:
+            lines.insert(1, f"  {warning}")
         lines += [f"  FAILED: {f}" for f in self.failures]
         return "\n".join(lines)
 

@@ -231,12 +231,13 @@ def verify_bundle(
 
     with use_threads(m.threads, threads, notes) as used_threads:
         return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
-                      checks, used_threads, started, progress)
+                      checks, used_threads, started, progress, confidence)
 
 
 def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | Response | None, exact: bool,
            thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
-           notes: list[str], checks: list[str], threads: int, started: float, progress: bool) -> Verdict:
+           notes: list[str], checks: list[str], threads: int, started: float, progress: bool,
+           confidence: float | None) -> Verdict:
     m = bundle.manifest
     local: LocalSamples | None = None
     if mode == "offline":
@@ -259,7 +260,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         signer=key_fingerprint(m.public_key), challenges=len(drawn), bad_fraction=f,
         detection_probability=detection_probability(f, len(drawn), n), nonce=nonce.hex(),
         notes=notes, checks=checks, thresholds={} if exact else limits,
-        state_every=m.state_every, threads=threads,
+        state_every=m.state_every, threads=threads, confidence=confidence,
     )
     if local is None and bundle.complete:
         verdict.checks.append("every replayed sample proven in the used-sample and used-document trees")

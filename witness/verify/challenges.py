@@ -63,6 +63,19 @@ def detection_probability(bad_fraction: float, challenges: int, steps: int | Non
 
 
 MAX_CHALLENGES = 10**9
+WEAK_BOUND = 0.90  # below this, an accepted audit says it is weak, whatever the user asked for
+
+
+def weak_bound_warning(probability: float, bad_fraction: float, wanted: float | None = None,
+                       flag: str = "--challenges", bad: str = "bad steps") -> str | None:
+    """A warning line when the detection bound is below the confidence asked for (or 90 %), else None."""
+    floor = WEAK_BOUND if wanted is None else wanted
+    if probability >= floor:
+        return None
+    need = challenges_needed(floor, bad_fraction)
+    return (f"WARNING: weak audit: the bound {100 * probability:.2f}% is below the {100 * floor:g}% "
+            f"{'asked for' if wanted is not None else 'that a meaningful audit needs'}, so a run with "
+            f"{100 * bad_fraction:g}% {bad} could well pass it; ask for {flag} {need} or more")
 
 
 def challenges_needed(confidence: float, bad_fraction: float) -> int:

@@ -43,6 +43,14 @@ class Verdict:
     verify_seconds: float = 0.0
     replay_flops: float = 0.0
     training_flops: float = 0.0
+    confidence: float | None = None  # the bound the user asked for, if any
+
+    @property
+    def warning(self) -> str | None:
+        """The weak-audit warning, when the bound is below the confidence asked for (or 90 %)."""
+        from .challenges import weak_bound_warning
+
+        return weak_bound_warning(self.detection_probability, self.bad_fraction, self.confidence)
 
     @property
     def cost_fraction(self) -> float:
@@ -53,6 +61,7 @@ class Verdict:
         """The ``--json`` form."""
         out = asdict(self)
         out["cost_fraction"] = self.cost_fraction
+        out["warning"] = self.warning
         return out
 
     def summary(self) -> str:
@@ -70,6 +79,8 @@ class Verdict:
             f"with probability >= {100 * self.detection_probability:.2f}% "
             f"({'every step replayed' if self.steps and self.challenges >= self.steps else '1-(1-f)^q'})",
         ]
+        if self.warning:
+            lines.insert(1, f"  {self.warning}")
         if self.thresholds:
             worst: dict[str, float] = {}
             for r in self.results:
