@@ -1,7 +1,9 @@
 """Canonical JSON, Ed25519 signed tree heads and the run log."""
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from witness.commit.hashing import canonical_json, parse_canonical_json, tagged_hash
 from witness.commit.log import RunLog
@@ -9,8 +11,11 @@ from witness.commit.signing import (
     SignedTreeHead,
     generate_key,
     load_key,
+    parse_public_key,
     public_hex,
     public_key_from_hex,
+    public_pem,
+    read_public_key,
     save_key,
 )
 from witness.errors import MalformedInput, VerificationError
@@ -51,6 +56,53 @@ def test_key_round_trip(tmp_path):
     assert (tmp_path / "k.pem").stat().st_mode & 0o777 == 0o600
     assert pub.read_text().strip() == public_hex(key.public_key())
     assert public_hex(load_key(tmp_path / "k.pem").public_key()) == public_hex(key.public_key())
+
+
+# RFC 8410 §10.1: the example Ed25519 public key in SubjectPublicKeyInfo PEM, and its raw bytes.
+RFC8410_PEM = """-----BEGIN PUBLIC KEY-----
+MCowBQYDK2VwAyEAGb9ECWmEzf6FQbrBZ9w7lshQhqowtrbLDFw4rXAxZuE=
+-----END PUBLIC KEY-----
+"""
+RFC8410_RAW = "19bf44096984cdfe8541bac167dc3b96c85086aa30b6b6cb0c5c38ad703166e1"
+
+
+def test_public_keys_are_written_as_hex_and_pem_and_both_are_read(tmp_path):
+    assert parse_public_key(RFC8410_PEM) == RFC8410_RAW
+    assert public_pem(public_key_from_hex(RFC8410_RAW)) == RFC8410_PEM
+    key = generate_key()
+    raw = public_hex(key.public_key())
+    pub = save_key(key, tmp_path / "k.pem")
+    pem_file = tmp_path / "k.pub.pem"
+    assert pem_file.read_text().startswith("-----BEGIN PUBLIC KEY-----")
+    # every form names the same key: hex, PEM, upper-case hex, and files holding them
+    for form in (raw, raw.upper(), pem_file.read_text(), str(pub), str(pem_file)):
+        assert read_public_key(form) == raw, form
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("-----BEGIN PUBLIC KEY-----\nnot base64\n-----END PUBLIC KEY-----\n", "unreadable PEM"),
+    (public_pem(Ed25519PrivateKey.generate().public_key()).replace("A", "B", 3), "bad public key"),
+    ("00" * 31, "bad public key"),
+    ("-----BEGIN PUBLIC KEY-----\n" + "A" * 5000 + "\n-----END PUBLIC KEY-----\n", "sensible length"),
+])
+def test_a_malformed_public_key_in_any_form_is_refused(bad, why):
+    with pytest.raises(MalformedInput, match=why):
+        parse_public_key(bad)
+
+
+def test_a_weak_key_is_refused_in_pem_form_too():
+    import base64
+
+    # the identity point (small order) wrapped as SubjectPublicKeyInfo
+    der = bytes.fromhex("302a300506032b6570032100") + (1).to_bytes(32, "little")
+    pem = "-----BEGIN PUBLIC KEY-----\n" + base64.b64encode(der).decode() + "\n-----END PUBLIC KEY-----\n"
+    with pytest.raises(MalformedInput, match="small-order"):
+        parse_public_key(pem)
+    # a well-formed PEM key of another algorithm
+    x = X25519PrivateKey.generate().public_key().public_bytes(serialization.Encoding.PEM,
+                                                               serialization.PublicFormat.SubjectPublicKeyInfo)
+    with pytest.raises(MalformedInput, match="another kind"):
+        parse_public_key(x.decode())
 
 
 def test_signed_tree_head_rejects_any_change():

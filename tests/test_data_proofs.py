@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import shutil
 
@@ -69,8 +70,40 @@ def test_include_exclude_and_check(gpt, tmp_path, capsys):
     env = json.loads((tmp_path / "exc.json.dsse.json").read_text())
     stmt = json.loads(base64.b64decode(env["payload"]))
     assert stmt["_type"] == "https://in-toto.io/Statement/v1"
-    assert stmt["subject"][0]["digest"]["sha256"] == parse_canonical_json(
-        (out / "log.jsonl").read_bytes().split(b"\n")[-2])["final_state_hash"]
+    # the subject is the released model file, by the SHA-256 of its bytes (what sigstore tooling matches);
+    # the state hash stays in the predicate, inside the signed tree head
+    model = tmp_path / "model.safetensors"
+    assert stmt["subject"] == [{"name": "model.safetensors",
+                                "digest": {"sha256": hashlib.sha256(model.read_bytes()).hexdigest()}}]
+    final = parse_canonical_json((out / "log.jsonl").read_bytes().split(b"\n")[-2])
+    assert stmt["predicate"]["tree_head"]["extensions"]["final_state_hash"] == final["final_state_hash"]
+    assert _run("identify", out, "--weights", model) == 0
+    assert _run("data", "check", tmp_path / "exc.json.dsse.json", "--model", model) == 0
+
+
+def test_a_statement_names_only_the_released_model(gpt, tmp_path, capsys):
+    out, _, unused, _ = gpt
+    assert _run("data", "exclude", out, "--file", unused, "--out", tmp_path / "exc.json", "--key", tmp_path / "k") == 0
+    model = tmp_path / "model.safetensors"
+    env = tmp_path / "exc.json.dsse.json"
+    # another file is not the subject, even one holding the same tensors (its bytes differ)
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other.safetensors"
+    save_file(load_file(str(model)), str(other), metadata={"note": "re-saved"})
+    assert _run("identify", out, "--weights", other) == 0  # the same model ...
+    assert _run("data", "check", env, "--model", other) == 1  # ... but not the file the statement names
+    assert "not about other.safetensors" in capsys.readouterr().err
+    # bare JSON names no file
+    assert _run("data", "check", tmp_path / "exc.json", "--model", model) == 2
+    # a proof may not name a model file that is not the run's final model
+    tensors = load_file(str(model))
+    first = next(iter(tensors))
+    tensors[first] = tensors[first] + 1
+    save_file(tensors, str(tmp_path / "wrong.safetensors"))
+    assert _run("data", "exclude", out, "--file", unused, "--out", tmp_path / "x.json", "--key", tmp_path / "k",
+                "--model", tmp_path / "wrong.safetensors") == 2
+    assert "does not hold the run's final model" in capsys.readouterr().err
 
 
 def _proof(gpt, tmp_path, kind):

@@ -12,13 +12,13 @@ from .args import DEFAULT_KEY, unusable_or_rejected
 from .audit import read_head
 
 
-def _write_proof(doc: dict, out: Path, final_state_hash: str, key_path: str) -> None:
+def _write_proof(doc: dict, out: Path, subject: dict, key_path: str) -> None:
     from ..commit.dsse import envelope, statement
     from ..commit.hashing import canonical_json
     from ..commit.signing import load_or_create_key
 
     out.write_bytes(canonical_json(doc) + b"\n")
-    stmt = statement("witness-final-state", final_state_hash, f"data-{doc['kind']}/v1", doc)
+    stmt = statement([subject], f"data-{doc['kind']}/v1", doc)
     env_path = out.with_name(out.name + ".dsse.json")
     env_path.write_bytes(canonical_json(envelope(stmt, load_or_create_key(Path(key_path)))) + b"\n")
     print(f"wrote {out} ({out.stat().st_size} bytes) and {env_path}")
@@ -45,26 +45,44 @@ def cmd_data(args: argparse.Namespace) -> int:
             return 1
         doc = prove_exclusion(run, document)
         print(f"document {document.hex()} was never used by this run")
-    _write_proof(doc, Path(args.out), run.end["final_state_hash"], args.key)
+    _write_proof(doc, Path(args.out), released_model(args.bundle, args.model, Path(args.out)), args.key)
     return 0
+
+
+def released_model(bundle_dir: str, model: str | None, out: Path) -> dict:
+    """The in-toto subject of a statement about a run: its released model file, written if missing."""
+    from ..bundle.reader import open_bundle
+    from ..evals.release import release_file
+
+    path = Path(model) if model else out.with_name("model.safetensors")
+    subject = release_file(open_bundle(bundle_dir), path)
+    print(f"subject: {path} (SHA-256 {subject['digest']['sha256']}), the run's final model as released")
+    return subject
 
 
 def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
     from ..bundle.reader import open_bundle
-    from ..commit.dsse import read_json_or_envelope
+    from ..commit.dsse import read_json_or_envelope, read_with_statement
     from ..data.proofs import MAX_PROOF_BYTES
 
-    head, key = None, None
+    head, key, digest = None, None, None
     try:
-        obj = read_json_or_envelope(args.proof, MAX_PROOF_BYTES, "proof")
+        obj, stmt = read_with_statement(args.proof, MAX_PROOF_BYTES, "proof")
         if args.bundle:
             b = open_bundle(args.bundle)
-            head, key = b.final_head, b.manifest.public_key
+            head, key, digest = b.final_head, b.manifest.public_key, b.manifest.state_digest
         elif args.tree_head:
             head = read_head(args.tree_head)
             pinned = read_json_or_envelope(args.tree_head, 1 << 20, "tree-head")
             key = pinned.get("public_key") if isinstance(pinned, dict) else None
         summary = check_proof(obj, head=head, public_key=key)
+        if args.model:
+            from ..commit.hashing import parse_hex
+            from ..evals.release import check_subject
+
+            final = parse_hex(obj["tree_head"]["extensions"].get("final_model_hash"), "final_model_hash")
+            check_subject(stmt, args.model, final, digest)
+            summary["subject"] = f"{Path(args.model).name}: the run's final model, named by the statement"
     except VerificationError as e:
         print(unusable_or_rejected(e, "INVALID"), file=sys.stderr)
         return e.exit_code
@@ -82,16 +100,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     for name, what in (("include", "prove a document was used (exit 1 if it was not)"),
                        ("exclude", "prove a document was never used (exit 1 if it was)")):
         q = dsub.add_parser(name, help=what)
-        q.add_argument("bundle")
+        q.add_argument("bundle", help="the bundle of the run")
         g = q.add_mutually_exclusive_group(required=True)
-        g.add_argument("--file")
-        g.add_argument("--text")
-        q.add_argument("--out", required=True)
+        g.add_argument("--file", help="the document, as a file")
+        g.add_argument("--text", help="the document, as text")
+        q.add_argument("--out", required=True, help="the proof file to write (a DSSE envelope goes beside it)")
         q.add_argument("--key", default=str(DEFAULT_KEY), help="key that signs the DSSE envelope")
+        q.add_argument("--model", help="the released model file the statement names (default: model.safetensors "
+                                        "beside --out, written from the run's final checkpoint if missing)")
         q.set_defaults(func=cmd_data)
     c = dsub.add_parser("check", help="check a proof against the public commitments (0 valid, 1 invalid, 2 unusable)")
-    c.add_argument("proof")
+    c.add_argument("proof", help="the proof (JSON or its DSSE envelope)")
     g = c.add_mutually_exclusive_group()
-    g.add_argument("--bundle")
+    g.add_argument("--bundle", help="check against this bundle's signed head and key")
     g.add_argument("--tree-head", help="a published signed tree head (JSON, with public_key)")
+    c.add_argument("--model", help="also check that the signed envelope names this released model file")
     c.set_defaults(func=cmd_data)

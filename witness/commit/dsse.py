@@ -24,11 +24,11 @@ def pae(payload_type: str, payload: bytes) -> bytes:
     return b"DSSEv1 %d %s %d %s" % (len(t), t, len(payload), payload)
 
 
-def statement(subject_name: str, sha256_hex: str, predicate_type: str, predicate: dict) -> dict:
-    """An in-toto v1 Statement about one subject."""
+def statement(subjects: list[dict], predicate_type: str, predicate: dict) -> dict:
+    """An in-toto v1 Statement about ``subjects`` (files: ``{"name", "digest": {"sha256"}}``)."""
     return {
         "_type": STATEMENT_TYPE,
-        "subject": [{"name": subject_name, "digest": {"sha256": sha256_hex}}],
+        "subject": subjects,
         "predicateType": f"{PREDICATE_BASE}/{predicate_type}",
         "predicate": predicate,
     }
@@ -71,6 +71,11 @@ def open_envelope(env: Any, public_key: str | None = None) -> dict:
 
 def read_json_or_envelope(path: str | os.PathLike, limit: int, what: str) -> Any:
     """A JSON file of at most ``limit`` bytes; a DSSE envelope yields its Statement's predicate."""
+    return read_with_statement(path, limit, what)[0]
+
+
+def read_with_statement(path: str | os.PathLike, limit: int, what: str) -> tuple[Any, dict | None]:
+    """A JSON file, or a DSSE envelope's predicate with its verified Statement (else ``None``)."""
     p = Path(path)
     if not p.is_file() or p.stat().st_size > limit:
         raise MalformedInput(f"{p} is not a {what} file of at most {limit} bytes")
@@ -79,8 +84,9 @@ def read_json_or_envelope(path: str | os.PathLike, limit: int, what: str) -> Any
     except ValueError:
         raise MalformedInput(f"{p} is not JSON") from None
     if isinstance(obj, dict) and "payloadType" in obj:
-        predicate = open_envelope(obj).get("predicate")
+        stmt = open_envelope(obj)
+        predicate = stmt.get("predicate")
         if predicate is None:
             raise MalformedInput(f"{p}: the envelope's Statement has no predicate")
-        return predicate
-    return obj
+        return predicate, stmt
+    return obj, None

@@ -33,8 +33,13 @@ def save_key(key: Ed25519PrivateKey, path: Path) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
+    return _save_public(key, path)
+
+
+def _save_public(key: Ed25519PrivateKey, path: Path) -> Path:
     pub = path.with_suffix(".pub")
     pub.write_text(public_hex(key.public_key()) + "\n")
+    pub.with_name(pub.name + ".pem").write_text(public_pem(key.public_key()))  # for tools that read PEM
     return pub
 
 
@@ -48,16 +53,74 @@ def load_key(path: Path) -> Ed25519PrivateKey:
 
 
 def load_or_create_key(path: Path) -> Ed25519PrivateKey:
-    """Load the key at ``path``, creating one there first if it does not exist."""
+    """Load the key at ``path``, creating one there first if it does not exist.
+
+    Two processes that start together (a server and its workers) end with the same key: the new
+    key is written aside and linked into place, which fails for all but the first.
+    """
     path = Path(path)
     if not path.exists():
-        save_key(generate_key(), path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
+        key = generate_key()
+        save_key(key, tmp)
+        try:
+            os.link(tmp, path)
+            _save_public(key, path)
+        except FileExistsError:
+            pass
+        finally:
+            for leftover in (tmp, tmp.with_suffix(".pub"), tmp.with_suffix(".pub.pem")):
+                leftover.unlink(missing_ok=True)
     return load_key(path)
 
 
 def public_hex(key: Ed25519PublicKey) -> str:
     """The raw 32-byte public key as hex."""
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+
+
+def public_pem(key: Ed25519PublicKey) -> str:
+    """The public key as PEM (SubjectPublicKeyInfo), the form OpenSSL, sigstore and in-toto read."""
+    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+
+
+MAX_PUBLIC_KEY_TEXT = 4096  # a PEM public key is ~113 bytes; anything far larger is not one
+
+
+def parse_public_key(text: str) -> str:
+    """A public key given as raw hex or as PEM (SubjectPublicKeyInfo): its canonical raw hex.
+
+    Weak and malformed keys are refused (``MalformedInput``), whichever form they came in.
+    """
+    if not isinstance(text, str) or len(text) > MAX_PUBLIC_KEY_TEXT:
+        raise MalformedInput("bad public key: not a hex or PEM key of sensible length")
+    text = text.strip()
+    if text.startswith("-----BEGIN"):
+        try:
+            key = serialization.load_pem_public_key(text.encode())
+        except (ValueError, TypeError) as e:
+            raise MalformedInput(f"bad public key: unreadable PEM ({e})") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise MalformedInput("bad public key: the PEM holds a key of another kind, not Ed25519")
+        text = public_hex(key)
+    text = text.lower()  # hex digits in either case name the same key
+    public_key_from_hex(text)  # canonical encoding, a point of prime order
+    return text
+
+
+def read_public_key(value: str | os.PathLike) -> str:
+    """A public key named on a command line: hex or PEM text, or a file holding either."""
+    text = str(value)
+    if not text.strip().startswith("-----BEGIN") and not _looks_hex(text):
+        path = Path(text)
+        if path.stat().st_size > MAX_PUBLIC_KEY_TEXT:
+            raise MalformedInput(f"{path} is too large to be a public key")
+        text = path.read_text(errors="replace")
+    return parse_public_key(text)
+
+
+def _looks_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 def public_key_from_hex(value: object) -> Ed25519PublicKey:
