@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 
 import pytest
 import torch
@@ -19,8 +18,9 @@ from witness.errors import RunRejected, VerificationError
 from witness.evals.certificate import check_certificate, results_root
 from witness.evals.evaluate import evaluate, verify_eval
 from witness.evals.identity import identify
-from witness.evals.serve import make_server
+from witness.evals.serve import create_app
 from witness.task import build_task
+from witness.web import start_uvicorn, stop_uvicorn
 
 
 @pytest.fixture(scope="module")
@@ -156,11 +156,8 @@ def test_identify_by_weights_and_by_endpoint(run, variants, name, same):
     bundle = run[0]
     weights = str(variants / f"{name}.safetensors")
     assert identify(bundle, weights=weights).same is same
-    server = make_server(bundle, "127.0.0.1", 0, weights)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server, thread, url = start_uvicorn(create_app(bundle, weights))
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
         result = identify(bundle, endpoint=url)
         assert result.same is same, result.detail
         assert result.threshold > 0
@@ -170,8 +167,7 @@ def test_identify_by_weights_and_by_endpoint(run, variants, name, same):
         assert main(["identify", str(bundle), "--endpoint", url]) == (0 if same else 1)
         assert main(["identify", str(bundle), "--weights", weights]) == (0 if same else 1)
     finally:
-        server.shutdown()
-        server.server_close()
+        stop_uvicorn(server, thread)
 
 
 def test_identify_unusable_inputs(run, tmp_path):
@@ -185,20 +181,33 @@ def test_serve_rejects_bad_requests(run):
     import urllib.error
     import urllib.request
 
-    server = make_server(run[0], "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    server, thread, url = start_uvicorn(create_app(run[0]))
     try:
         info = json.loads(urllib.request.urlopen(url + "/v1/info").read())
         assert info["served_model_hash"] == info["final_model_hash"]
-        for body in (b"{}", b"not json", json.dumps({"inputs": ["zz"]}).encode(),
-                     json.dumps({"inputs": ["00" * 3]}).encode(),
-                     b"[" * 200_000 + b"]" * 200_000,  # nesting deeper than the parser recurses
-                     b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+        n = info["input_bytes"]
+        ok = json.loads(urllib.request.urlopen(urllib.request.Request(
+            url + "/v1/outputs", data=json.dumps({"inputs": ["00" * n]}).encode(), method="POST")).read())
+        assert ok["shape"][0] == 1 and ok["dtype"] == "float32"
+        for body, code in ((b"{}", 400), (b"not json", 400), (json.dumps({"inputs": ["zz" * n]}).encode(), 400),
+                           (json.dumps({"inputs": ["00" * 3]}).encode(), 400),
+                           (json.dumps({"inputs": ["00" * n] * 65}).encode(), 400),
+                           (json.dumps({"inputs": ["00" * n], "extra": 1}).encode(), 400),
+                           (b"[" * 200_000 + b"]" * 200_000, 400),  # nesting deeper than the depth limit
+                           (b'{"inputs": [[[["' + b"00" * n + b'"]]]]}', 400),
+                           (b'{"inputs": ["' + b"0" * (2 << 20) + b'"]}', 413)):  # over the 1 MiB body limit
             req = urllib.request.Request(url + "/v1/outputs", data=body, method="POST")
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(req)
-            assert err.value.code == 400
+            assert err.value.code == code, (body[:40], err.value.code)
     finally:
-        server.shutdown()
-        server.server_close()
+        stop_uvicorn(server, thread)
+
+
+def test_json_depth_is_measured_without_parsing():
+    from witness.web import json_depth
+
+    assert json_depth(b'{"a": [1, {"b": []}]}') == 4
+    assert json_depth(b'{"a": "[[[[[[ in a string ]]]]"}') == 1
+    assert json_depth(rb'["\\", ["\"]"]]') == 2  # an escaped quote or backslash does not end a string
+    assert json_depth(b"[" * 100_000) == 100_000

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .args import DEFAULT_KEY, fraction, hex_bytes, positive
 from .audit import report_verdict
+from .data import released_model
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -20,9 +21,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     key = load_or_create_key(Path(args.key))
     cert = evaluate(args.bundle, key, progress=not args.quiet)
     out = Path(args.out)
+    subject = released_model(args.bundle, args.model, out)
     out.write_bytes(canonical_json(cert) + b"\n")
-    final = cert["run"]["tree_head"]["extensions"]["final_state_hash"]
-    env = envelope(statement("witness-final-state", final, "evaluation/v1", cert), key)
+    env = envelope(statement([subject], "evaluation/v1", cert), key)
     out.with_name(out.name + ".dsse.json").write_bytes(canonical_json(env) + b"\n")
     print(f"{canonical_json(cert['aggregates']).decode()}")
     print(f"wrote {out} ({out.stat().st_size} bytes, {cert['results']['count']} examples, "
@@ -32,13 +33,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_verify_eval(args: argparse.Namespace) -> int:
     """Check an evaluation certificate against its bundle, with spot checks."""
-    from ..commit.dsse import read_json_or_envelope
+    from ..bundle.reader import open_bundle
+    from ..commit.dsse import read_with_statement
     from ..evals.evaluate import verify_eval
+    from ..evals.release import check_subject
 
-    return report_verdict(args, lambda: verify_eval(
-        read_json_or_envelope(args.cert, 256 * 1024 * 1024, "certificate"), args.bundle, spots=args.spot, forged_fraction=args.forged_fraction,
-        nonce=args.nonce, exact=not args.tolerance,
-    ))
+    def audit():
+        cert, stmt = read_with_statement(args.cert, 256 * 1024 * 1024, "certificate")
+        bundle = open_bundle(args.bundle)
+        verdict = verify_eval(cert, bundle, spots=args.spot, forged_fraction=args.forged_fraction, nonce=args.nonce,
+                              exact=not args.tolerance)
+        if args.model:  # after the certificate is checked: its run is this bundle, finished
+            check_subject(stmt, args.model, bundle.end.final_model_hash, bundle.manifest.state_digest)
+        return verdict
+
+    return report_verdict(args, audit)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the run's final model as the released safetensors file."""
+    from ..bundle.reader import open_bundle
+    from ..evals.release import export_model
+
+    subject = export_model(open_bundle(args.bundle), args.out)
+    print(f"wrote {args.out}: the run's final model, SHA-256 {subject['digest']['sha256']}")
+    return 0
 
 
 def cmd_identify(args: argparse.Namespace) -> int:
@@ -55,17 +74,18 @@ def cmd_identify(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a bundle's final model over HTTP for black-box identification."""
-    from ..evals.serve import make_server
+    from ..evals.serve import create_app
+    from ..web import start_uvicorn, stop_uvicorn
 
-    server = make_server(args.bundle, args.host, args.port, args.weights)
-    host, port = server.server_address[:2]
-    print(f"serving http://{host}:{port}/v1/outputs (GET /v1/info); Ctrl-C stops", flush=True)
+    server, thread, url = start_uvicorn(create_app(args.bundle, args.weights), args.host, args.port)
+    print(f"serving {url}/v1/outputs (GET /v1/info, API at /docs); Ctrl-C stops", flush=True)
     try:
-        server.serve_forever()
+        while thread.is_alive():
+            thread.join(0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
+        stop_uvicorn(server, thread)
     return 0
 
 
@@ -73,34 +93,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add this group's subcommands."""
     e = sub.add_parser("eval", help="evaluate the final model on the committed split; write a certificate")
-    e.add_argument("bundle")
-    e.add_argument("--out", required=True)
+    e.add_argument("bundle", help="a finished run's bundle folder")
+    e.add_argument("--out", required=True, help="the certificate file to write (a DSSE envelope goes beside it)")
     e.add_argument("--key", default=str(DEFAULT_KEY), help="the evaluator's signing key")
-    e.add_argument("--quiet", action="store_true")
+    e.add_argument("--model", help="the released model file the envelope names (default: model.safetensors beside "
+                                   "--out, written from the run's final checkpoint if missing)")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_eval)
 
     ve = sub.add_parser("verify-eval", help="check an evaluation certificate (exit 0 accepted, 1 rejected, 2 unusable)")
-    ve.add_argument("cert")
-    ve.add_argument("--bundle", required=True)
+    ve.add_argument("cert", help="the evaluation certificate (JSON or its DSSE envelope)")
+    ve.add_argument("--bundle", required=True, help="the bundle of the run it certifies")
     ve.add_argument("--spot", type=positive, default=100, help="examples to re-run (M)")
     ve.add_argument("--forged-fraction", type=fraction, default=0.05, help="fraction g of forged results to detect")
-    ve.add_argument("--nonce", type=hex_bytes)
-    ve.add_argument("--tolerance", action="store_true")
-    ve.add_argument("--json", action="store_true")
+    ve.add_argument("--nonce", type=hex_bytes, help="the verifier's nonce that picks the spot checks (hex); random by default")
+    ve.add_argument("--tolerance", action="store_true", help="re-run the spot checks within thresholds (other hardware)")
+    ve.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
+    ve.add_argument("--model", help="also check that the signed envelope names this released model file")
     ve.set_defaults(func=cmd_verify_eval)
 
+    ex = sub.add_parser("export", help="write the run's final model as a safetensors file to release")
+    ex.add_argument("bundle", help="a finished run's bundle folder")
+    ex.add_argument("--out", required=True, help="the .safetensors file to write")
+    ex.set_defaults(func=cmd_export)
+
     idf = sub.add_parser("identify", help="is a released model the run's final one? (0 same, 1 different, 2 unusable)")
-    idf.add_argument("bundle")
+    idf.add_argument("bundle", help="the bundle of the run")
     g = idf.add_mutually_exclusive_group(required=True)
     g.add_argument("--weights", help="a safetensors weights file")
     g.add_argument("--endpoint", help="URL of a server that speaks the witness outputs API")
     idf.add_argument("--tolerance", action="store_true", help="accept within the calibrated threshold")
-    idf.add_argument("--json", action="store_true")
+    idf.add_argument("--json", action="store_true", help="print the result as one JSON object")
     idf.set_defaults(func=cmd_identify)
 
     sv = sub.add_parser("serve", help="serve a bundle's final model over HTTP (loopback by default)")
-    sv.add_argument("bundle")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("bundle", help="the bundle whose final model to serve")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
     sv.add_argument("--weights", help="serve these weights instead (same architecture)")
     sv.set_defaults(func=cmd_serve)

@@ -1,37 +1,64 @@
-"""``witness serve``: a small HTTP server that answers for a bundle's final model.
+"""``witness serve``: a small HTTP service (FastAPI on uvicorn) that answers for a bundle's final model.
 
-JSON API (also in docs/serve.md):
+The API is described in docs/serve.md and at ``/docs`` (OpenAPI):
 
-* ``GET /v1/info`` → ``{"task", "final_model_hash", "served_model_hash", "probes"}``
-* ``POST /v1/outputs`` with ``{"inputs": ["<hex of a probe input>", …]}`` (at most 64 inputs,
-  1 MiB body) → ``{"outputs": nested float32 lists, "shape": […], "dtype": "float32"}``
+* ``GET /v1/info`` → ``{"task", "final_model_hash", "served_model_hash", "probes", "input_bytes"}``
+* ``POST /v1/outputs`` with ``{"inputs": ["<hex of a probe input>", …]}`` (at most 64 inputs)
+  → ``{"outputs": nested float32 lists, "shape": […], "dtype": "float32"}``
 
-It binds to loopback unless told otherwise, and answers malformed requests with 400.
+It binds to loopback unless told otherwise. A body over 1 MiB gets 413, JSON nested deeper than
+``MAX_DEPTH`` or of the wrong shape gets 400, before the model sees anything.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 
+from .. import __version__
 from ..bundle.reader import open_bundle
 from ..bundle.state import load_state, model_hash
 from ..commit.hashing import load_json
 from ..verify.audit import task_of
+from ..web import BodyLimit, json_depth
 from .evaluate import final_model
 from .identity import read_weights
 
 MAX_BODY = 1 << 20
 MAX_INPUTS = 64
+MAX_DEPTH = 4  # {"inputs": ["…"]} nests two levels; nothing the API takes nests deeper
 
 
-def make_server(bundle_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0,
-                weights: str | None = None) -> ThreadingHTTPServer:
-    """An HTTP server for the bundle's final model (or for ``weights`` in its architecture)."""
+class BadRequest(Exception):
+    """A request the service refuses with 400."""
+
+
+def _inputs(body: bytes, probe_len: int) -> list[bytes]:
+    """The probe inputs of a request body, strictly checked."""
+    if json_depth(body) > MAX_DEPTH:
+        raise BadRequest(f"JSON nested deeper than {MAX_DEPTH} levels")
+    try:
+        req = load_json(body)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    if not isinstance(req, dict) or set(req) != {"inputs"} or not isinstance(req["inputs"], list):
+        raise BadRequest('send {"inputs": ["<hex>", …]}')
+    raw = req["inputs"]
+    if not 1 <= len(raw) <= MAX_INPUTS or not all(isinstance(x, str) and len(x) == 2 * probe_len for x in raw):
+        raise BadRequest(f"send 1 to {MAX_INPUTS} inputs of {probe_len} bytes each, as hex")
+    try:
+        return [bytes.fromhex(x) for x in raw]
+    except ValueError:
+        raise BadRequest("an input is not hex") from None
+
+
+def create_app(bundle_dir: str | os.PathLike, weights: str | None = None) -> FastAPI:
+    """The service for the bundle's final model (or for ``weights`` in its architecture)."""
     bundle = open_bundle(bundle_dir)
     task = task_of(bundle)
     model = final_model(bundle, task)
@@ -39,52 +66,34 @@ def make_server(bundle_dir: str | os.PathLike, host: str = "127.0.0.1", port: in
         load_state(model, None, read_weights(weights))
     served = model_hash({f"model.{k}": v for k, v in model.state_dict().items()},
                         bundle.manifest.state_digest).hex()
-    lock = threading.Lock()
+    lock = threading.Lock()  # one forward at a time: the model is shared by every request
     probe_len = len(task.probe_bytes()[0])
     info = {"task": task.name, "final_model_hash": bundle.end.final_model_hash.hex() if bundle.end else None,
             "served_model_hash": served, "probes": len(task.probe_bytes()), "input_bytes": probe_len}
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "witness-serve/1"
+    app = FastAPI(title="witness serve", version=__version__,
+                  description="A run's final model, answering probe inputs for black-box identification.")
 
-        def _send(self, code: int, obj: dict) -> None:
-            body = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, e: BadRequest) -> JSONResponse:
+        return JSONResponse({"error": f"bad request: {e}"}, 400)
 
-        def log_message(self, *args) -> None:  # quiet: tests and scripts read stdout
-            return
+    @app.get("/v1/info")
+    def get_info() -> dict:
+        """What is served: the task, the run's final model hash and the served model's hash."""
+        return info
 
-        def do_GET(self) -> None:  # noqa: N802
-            if self.path == "/v1/info":
-                self._send(200, info)
-            else:
-                self._send(404, {"error": "not found"})
+    @app.post("/v1/outputs")
+    async def outputs(request: Request) -> dict:
+        """The model's outputs on the given probe inputs (hex), as float32."""
+        inputs = _inputs(await request.body(), probe_len)
 
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/v1/outputs":
-                self._send(404, {"error": "not found"})
-                return
-            try:
-                n = int(self.headers.get("Content-Length", "-1"))
-            except ValueError:
-                n = -1
-            if not 0 <= n <= MAX_BODY:
-                self._send(400, {"error": f"a request body of at most {MAX_BODY} bytes is required"})
-                return
-            try:
-                req = load_json(self.rfile.read(n))
-                inputs = [bytes.fromhex(x) for x in req["inputs"]]
-                if not 1 <= len(inputs) <= MAX_INPUTS or any(len(x) != probe_len for x in inputs):
-                    raise ValueError(f"send 1 to {MAX_INPUTS} inputs of {probe_len} bytes")
-            except (ValueError, KeyError, TypeError) as e:
-                self._send(400, {"error": f"bad request: {e}"})
-                return
+        def forward() -> torch.Tensor:
             with lock, torch.no_grad():
-                out = task.probe_outputs(model, task.collate_probes(inputs)).to(torch.float32)
-            self._send(200, {"outputs": out.tolist(), "shape": list(out.shape), "dtype": "float32"})
+                return task.probe_outputs(model, task.collate_probes(inputs)).to(torch.float32)
 
-    return ThreadingHTTPServer((host, port), Handler)
+        out = await run_in_threadpool(forward)
+        return {"outputs": out.tolist(), "shape": list(out.shape), "dtype": "float32"}
+
+    app.add_middleware(BodyLimit, limit=MAX_BODY)
+    return app

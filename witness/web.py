@@ -1,0 +1,82 @@
+"""Shared pieces of witness's two HTTP servers (``witness serve`` and the leaderboard): a request
+body limit, a JSON nesting limit, and uvicorn in a background thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from starlette.responses import JSONResponse
+
+MAX_JSON_BODY = 1 << 20
+
+
+class BodyLimit:
+    """ASGI middleware: request bodies over ``limit`` bytes get a 413 before anything parses them
+    (paths in ``exempt`` stream their bodies under limits of their own)."""
+
+    def __init__(self, app, limit: int = MAX_JSON_BODY, exempt: tuple[str, ...] = ()):  # noqa: ANN001 - ASGI app
+        self.app, self.limit, self.exempt = app, limit, exempt
+
+    async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI signature
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            return await self.app(scope, receive, send)
+        # Read the whole (small) body first, so an oversized one gets a 413 before any parsing.
+        messages, seen = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                return await JSONResponse({"detail": f"request body over {self.limit} bytes"}, 413)(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def json_depth(data: bytes) -> int:
+    """How deeply a JSON text nests arrays and objects, found by one scan without parsing it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # closing quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
+
+
+def start_uvicorn(app, host: str = "127.0.0.1", port: int = 0):  # noqa: ANN001 - ASGI app
+    """uvicorn serving ``app`` in a background thread; returns (server, thread, base URL)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port} (is the port taken?)")
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://{host}:{port}"
+
+
+def stop_uvicorn(server, thread: threading.Thread) -> None:  # noqa: ANN001 - uvicorn.Server
+    """Ask a server started by ``start_uvicorn`` to stop, and wait for it."""
+    server.should_exit = True
+    thread.join(30)
