@@ -18,44 +18,20 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from .. import __version__
+from ..commit.signing import public_pem
 from ..errors import MalformedInput
+from ..report import FINGERPRINT_CAPTION
+from ..web import MAX_JSON_BODY, BodyLimit
 from .db import Account, ChallengeRow, Head, Round, Run, Track
 from .service import ApiError, Leaderboard, Settings
 from .store import EVALUATION, UploadTooLarge
 
-MAX_JSON_BODY = 1 << 20
 PAGE_SIZE = 100
 MAX_PAGE = 1_000_000  # a larger page number is refused (422), not turned into an overflowing offset
 STATUSES = ("ticketed", "pending", "verifying", "certified", "rejected", "revoked")
 SORTS = {"metric": Run.metric_value, "submitted": Run.submitted_ms, "steps": Run.steps, "bound": Run.bound,
          "id": Run.id}
 CSP = "default-src 'none'; img-src 'self'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'"
-
-
-class BodyLimit:
-    """ASGI middleware: JSON bodies over 1 MiB are refused (uploads have their own, larger limit)."""
-
-    def __init__(self, app, upload_path: str, limit: int = MAX_JSON_BODY):  # noqa: ANN001 - ASGI app
-        self.app, self.upload_path, self.limit = app, upload_path, limit
-
-    async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI signature
-        if scope["type"] != "http" or scope["path"] == self.upload_path:
-            return await self.app(scope, receive, send)
-        # Read the whole (small) body first, so an oversized one gets a 413 before any parsing.
-        messages, seen = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                return await JSONResponse({"detail": f"request body over {self.limit} bytes"}, 413)(scope, receive, send)
-            if message["type"] != "http.request" or not message.get("more_body"):
-                break
-
-        async def replay():
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
 
 
 class StrictModel(BaseModel):
@@ -65,14 +41,22 @@ class StrictModel(BaseModel):
 
 
 class AccountIn(StrictModel):
-    """A registration: a name and an Ed25519 public key (64 hex digits)."""
+    """A registration: a name and an Ed25519 public key (64 hex digits, or PEM SubjectPublicKeyInfo)."""
 
     name: str = Field(max_length=64)
-    public_key: str = Field(max_length=64)
+    public_key: str = Field(max_length=512)
 
 
-class TicketIn(StrictModel):
-    """A ticket request for a track."""
+class RunInfo(StrictModel):
+    """What the submitter says of a run: a name, a description and a link to its code."""
+
+    title: str | None = Field(default=None, max_length=100)
+    description: str | None = Field(default=None, max_length=2000)
+    code_url: str | None = Field(default=None, max_length=300)
+
+
+class TicketIn(RunInfo):
+    """A ticket request for a track, with what the submitter says of the run (optional)."""
 
     track: str = Field(max_length=64)
 
@@ -174,7 +158,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.post("/api/tickets", status_code=201, tags=["runs"])
     def ticket(body: TicketIn, s: DB, acct: Acct) -> dict:
         """Issue a run ticket: the r of the run seed H(data root || r), drawn by the server."""
-        run = lb.ticket(s, acct, body.track)
+        run = lb.ticket(s, acct, body.track, body.title, body.description, body.code_url)
         t = lb.track(s, run.track)
         return {"run_id": run.id, "r": run.r, "ticket_ms": run.ticket_ms} | track_json(t)
 
@@ -224,6 +208,25 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         out["heads"] = [head_json(h) for h in lb.heads(s, run_id)]
         return out
 
+    @app.patch("/api/runs/{run_id}", tags=["runs"])
+    def describe(run_id: int, body: RunInfo, s: DB, acct: Acct) -> dict:
+        """Set a run's name, description and code link (its owner only; the verdict does not change)."""
+        r = lb.describe(s, acct, run_id, body.model_fields_set, body.title, body.description, body.code_url)
+        return run_json(r, s.get(Account, r.account_id), s.get(Track, r.track))
+
+    @app.get("/api/server-key", tags=["certification"])
+    def server_key() -> dict:
+        """The public key this server signs its decisions with (raw hex and PEM)."""
+        return {"public_key": lb.public_key, "pem": public_pem(lb.key.public_key())}
+
+    @app.get("/api/runs/{run_id}/certification", tags=["certification"])
+    def certification(run_id: int, s: DB) -> dict:
+        """The server's latest signed decision on a run: an in-toto Statement in a DSSE envelope."""
+        r = lb.run(s, run_id)
+        if not r.statement:
+            raise ApiError(404, f"run {run_id} has no decision yet")
+        return json.loads(r.statement)
+
     @app.post("/api/runs/{run_id}/challenges", status_code=202, tags=["challenges"])
     def challenge(run_id: int, body: ChallengeIn, s: DB, acct: Acct) -> dict:
         """Ask for more replay challenges on a certified run (rate-limited); a failure revokes it."""
@@ -237,32 +240,54 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return history(s, run_id)
 
     # --- pages --------------------------------------------------------------------------
+    def base_url(request: Request) -> str:
+        """The server's address as people reach it: links that must work elsewhere (badges) are absolute."""
+        return (lb.settings.public_url or str(request.base_url)).rstrip("/")
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index(s: DB) -> HTMLResponse:
         counts = dict(s.execute(select(Run.track, func.count()).where(Run.status == "certified").group_by(Run.track)).all())
         ts = list(s.scalars(select(Track).order_by(Track.name)))
-        return html("index.html", tracks=ts, counts=counts)
+        return html("index.html", tracks=ts, counts=counts, server_key=lb.public_key)
 
     @app.get("/tracks/{name}", response_class=HTMLResponse, include_in_schema=False)
-    def track_page(name: str, s: DB, sort: str = "metric", order: str | None = None, status: str = "all",
+    def track_page(name: str, s: DB, sort: str = "metric", order: str | None = None,
                    since: str | None = None, until: str | None = None, page: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1) -> HTMLResponse:
         t = lb.track(s, name)
-        rows, total = table(s, t, sort, order, status, since, until, page)
+        rows, total = table(s, t, sort, order, "certified", since, until, page)  # the ranking: certified runs only
         order = order or default_order(t, sort)
-        return html("track.html", track=t, rows=rows, total=total, sort=sort, order=order, status=status,
+        others = s.execute(select(Run, Account).join(Account, Run.account_id == Account.id)
+                           .where(Run.track == t.name, Run.status != "certified")
+                           .order_by(Run.id.desc()).limit(PAGE_SIZE)).all()
+        return html("track.html", track=t, rows=rows, total=total, sort=sort, order=order,
                     since=since or "", until=until or "", page=page, pages=max(1, -(-total // PAGE_SIZE)),
-                    statuses=STATUSES)
+                    ranks=ranks(s, t), recipe=json.loads(t.config_json),
+                    rejected=[(r, a) for r, a in others if r.status in ("rejected", "revoked")],
+                    waiting=[(r, a) for r, a in others if r.status not in ("rejected", "revoked")])
+
+    @app.get("/tracks/{name}/history.svg", include_in_schema=False)
+    def record_history(name: str, s: DB) -> Response:
+        t = lb.track(s, name)
+        points = s.execute(select(Run.id, Run.decided_ms, Run.metric_value).where(
+            Run.track == t.name, Run.status == "certified", Run.metric_value.is_not(None),
+            Run.decided_ms.is_not(None)).order_by(Run.decided_ms, Run.id)).all()
+        body = history_svg(t, [(i, ms, v) for i, ms, v in points])
+        return Response(body, media_type="image/svg+xml",
+                        headers={"Cache-Control": "no-cache", "Content-Security-Policy": CSP})
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
-    def run_page(run_id: int, s: DB) -> HTMLResponse:
+    def run_page(run_id: int, s: DB, request: Request) -> HTMLResponse:
         r = lb.run(s, run_id)
         plots = lb.store.plots_dir(r.id)
-        return html("run.html", run=r, account=s.get(Account, r.account_id), track=s.get(Track, r.track),
+        t = s.get(Track, r.track)
+        return html("run.html", run=r, account=s.get(Account, r.account_id), track=t,
                     heads=lb.heads(s, run_id), rounds=history(s, run_id),
                     verdict=json.loads(r.verdict_json) if r.verdict_json else None,
                     aggregates=json.loads(r.aggregates_json) if r.aggregates_json else None,
                     has_plots=(plots / "loss.svg").exists(), has_bundle=lb.store.archive(r.id).exists(),
-                    bad_fraction=lb.settings.bad_fraction)
+                    has_model=lb.store.model_file(r.id).exists(), bad_fraction=lb.settings.bad_fraction,
+                    recipe=json.loads(t.config_json), base=base_url(request), server_key=lb.public_key,
+                    code_url=safe_link(r.code_url), fingerprint_caption=FINGERPRINT_CAPTION)
 
     @app.get("/runs/{run_id}/badge.svg", include_in_schema=False)
     def badge(run_id: int, s: DB) -> Response:
@@ -276,7 +301,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.get("/runs/{run_id}/plots/{name}.svg", include_in_schema=False)
     def plot(run_id: int, name: str, s: DB) -> Response:
         lb.run(s, run_id)
-        if name not in ("loss", "fingerprints"):
+        if name not in ("loss", "optimizer", "fingerprints"):
             raise ApiError(404, "no such plot")
         path = lb.store.plots_dir(run_id) / f"{name}.svg"
         if not path.exists():
@@ -286,17 +311,19 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.get("/runs/{run_id}/download/{name}", include_in_schema=False)
     def download(run_id: int, name: str, s: DB) -> Response:
         r = lb.run(s, run_id)
-        if name == "verdict.json":
-            if not r.verdict_json:
-                raise ApiError(404, "the run has no verdict yet")
-            return Response(r.verdict_json, media_type="application/json",
-                            headers={"Content-Disposition": f'attachment; filename="run-{run_id}-verdict.json"'})
-        files = {"submission.tar": lb.store.archive(run_id), EVALUATION: lb.store.run_dir(run_id) / EVALUATION}
+        stored = {"verdict.json": r.verdict_json, "certification.dsse.json": r.statement}
+        if name in stored:
+            if not stored[name]:
+                raise ApiError(404, f"the run has no {name.split('.')[0]} yet")
+            return Response(stored[name], media_type="application/json",
+                            headers={"Content-Disposition": f'attachment; filename="run-{run_id}-{name}"'})
+        files = {"submission.tar": lb.store.archive(run_id), EVALUATION: lb.store.run_dir(run_id) / EVALUATION,
+                 "model.safetensors": lb.store.model_file(run_id)}
         if name not in files or not files[name].exists():
             raise ApiError(404, f"run {run_id} has no {name}")
         return FileResponse(files[name], filename=f"run-{run_id}-{name}")
 
-    app.add_middleware(BodyLimit, upload_path="/api/submissions")
+    app.add_middleware(BodyLimit, limit=MAX_JSON_BODY, exempt=("/api/submissions",))
     return app
 
 
@@ -333,6 +360,58 @@ def table(s: Session, track: Track, sort: str, order: str | None, status: str, s
     return [(r, a) for r, a in rows], total
 
 
+def ranks(s: Session, track: Track) -> dict[int, int]:
+    """Each certified run's rank by the track's metric, best first; equal scores share a rank."""
+    col = Run.metric_value.desc() if track.higher_is_better else Run.metric_value.asc()
+    rows = s.execute(select(Run.id, Run.metric_value).where(
+        Run.track == track.name, Run.status == "certified", Run.metric_value.is_not(None)).order_by(col, Run.id)).all()
+    out: dict[int, int] = {}
+    for i, (run_id, value) in enumerate(rows):
+        out[run_id] = out[rows[i - 1][0]] if i and value == rows[i - 1][1] else i + 1
+    return out
+
+
+def history_svg(track: Track, points: list[tuple[int, int, float]]) -> str:
+    """The record history: the best certified score over time, each new record marked with its run."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 3))
+    ax = fig.subplots()
+    better = (lambda a, b: a > b) if track.higher_is_better else (lambda a, b: a < b)
+    xs, best, records = [], [], []
+    for run_id, ms, value in points:
+        when = dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)
+        if not best or better(value, best[-1]):
+            records.append((when, value, run_id))
+        xs.append(when)
+        best.append(value if not best or better(value, best[-1]) else best[-1])
+    if xs:
+        ax.step(xs + [dt.datetime.now(dt.timezone.utc)], best + best[-1:], where="post", color="tab:blue",
+                label="best certified score")
+        ax.scatter([w for w, _, _ in records], [v for _, v, _ in records], color="tab:blue", zorder=3)
+        for when, value, run_id in records:
+            ax.annotate(f"#{run_id}", (when, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.scatter(xs, [v for _, _, v in points], s=8, color="grey", zorder=2, label="certified run")
+        ax.legend(fontsize=8)
+        fig.autofmt_xdate()
+    else:
+        ax.text(0.5, 0.5, "no certified run yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"{track.name}: record history ({'higher' if track.higher_is_better else 'lower'} is better)")
+    ax.set_xlabel("decided (UTC)")
+    ax.set_ylabel(track.metric)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    return buf.getvalue()
+
+
+def safe_link(url: str | None) -> str | None:
+    """A submitter's code link, only if it is plain http(s) (never javascript: or data:)."""
+    return url if url and url.startswith(("https://", "http://")) and len(url) <= 300 else None
+
+
 def track_json(t: Track) -> dict:
     """JSON form of a track."""
     return {"track": t.name, "task": t.task, "config": json.loads(t.config_json), "data_root": t.data_root,
@@ -349,7 +428,9 @@ def run_json(r: Run, a: Account, t: Track) -> dict:
             "steps": r.steps, "final_root": r.final_root, "final_size": r.final_size,
             "final_state_hash": r.final_state_hash, "r": r.r, "ticket_ms": r.ticket_ms,
             "submitted_ms": r.submitted_ms, "decided_ms": r.decided_ms, "reason": r.reason,
-            "bundle_sha256": r.bundle_sha256, "bundle_bytes": r.bundle_bytes}
+            "bundle_sha256": r.bundle_sha256, "bundle_bytes": r.bundle_bytes, "title": r.title,
+            "description": r.description, "code_url": r.code_url,
+            "certification": f"/api/runs/{r.id}/certification" if r.statement else None}
 
 
 def head_json(h: Head) -> dict:

@@ -28,7 +28,9 @@ def settings_from(args: argparse.Namespace):
     tracks = tuple(parse_track(t) for t in args.track) if args.track else DEFAULT_TRACKS
     return Settings(db_url=check_db_url(db), store=store, max_upload=args.max_upload, tracks=tracks,
                     max_head_gap=args.max_head_gap, registrations_per_hour=args.registrations_per_hour,
-                    max_queued_challenges=args.max_queued_challenges)
+                    max_queued_challenges=args.max_queued_challenges,
+                    server_key=Path(args.server_key) if args.server_key else None,
+                    public_url=getattr(args, "public_url", None))
 
 
 def _count(value: str) -> int:
@@ -64,6 +66,21 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="new accounts one client address may open in an hour (0 closes registration)")
     p.add_argument("--max-queued-challenges", type=_count, default=1000,
                    help="most re-challenges that may wait on one run at a time")
+    p.add_argument("--server-key", help="the key the server signs its decisions with (default: server_key.pem in "
+                                        "the store, created on first start)")
+
+
+def run_info(args: argparse.Namespace) -> dict:
+    """What ``--run-name``, ``--description`` and ``--code`` say of a run (only the flags given)."""
+    given = {"title": args.run_name, "description": args.description, "code_url": args.code}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def run_info_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that describe a run on a leaderboard."""
+    p.add_argument("--run-name", help="the run's name in the leaderboard's table (up to 100 characters)")
+    p.add_argument("--description", help="a few words on what the run tried (up to 2,000 characters)")
+    p.add_argument("--code", metavar="URL", help="a link to the run's code (http or https)")
 
 
 def worker_command(args: argparse.Namespace) -> list[str]:
@@ -159,7 +176,7 @@ def train_with_leaderboard(args: argparse.Namespace, key) -> int:  # noqa: ANN00
         raise ValueError("--resume with --leaderboard is not supported: the streamed heads pin the first try")
     with _client(args) as c:
         run_id, head = train_ticketed(c, args.track, key, args.out, checkpoint_every=args.checkpoint_every,
-                                      threads=args.threads, progress=not args.quiet)
+                                      threads=args.threads, progress=not args.quiet, info=run_info(args))
     print(f"wrote {args.out}: {head.size - 2} steps, run {run_id}; submit it with "
           f"`witness submit {args.out} --leaderboard {args.leaderboard}`")
     return 0
@@ -168,7 +185,7 @@ def train_with_leaderboard(args: argparse.Namespace, key) -> int:  # noqa: ANN00
 def cmd_submit(args: argparse.Namespace) -> int:
     """Upload a finished run (evaluating it first when no certificate is given)."""
     from ..commit.signing import load_or_create_key
-    from .client import submit, wait, write_evaluation
+    from .client import describe, submit, wait, write_evaluation
 
     with _client(args) as c, tempfile.TemporaryDirectory() as tmp:
         cert = args.eval
@@ -177,6 +194,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             cert = write_evaluation(args.bundle, load_or_create_key(Path(args.key)), Path(tmp) / "evaluation.json",
                                     progress=not args.quiet)
         out = submit(c, args.bundle, cert)
+        if run_info(args):
+            describe(c, out["run_id"], run_info(args))
         print(f"submitted run {out['run_id']}: {out['status']} ({args.leaderboard.rstrip('/')}{out['url']})")
         if args.wait:
             run = wait(c, out["run_id"])
@@ -200,6 +219,25 @@ def cmd_challenge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify_certification(args: argparse.Namespace) -> int:
+    """Check a leaderboard's signed decision offline against the server's public key."""
+    import json
+
+    from ..commit.hashing import parse_hex
+    from ..commit.signing import read_public_key
+    from ..evals.release import check_subject
+    from .certification import check_certification, read_certification
+
+    cert = check_certification(read_certification(args.certification), read_public_key(args.server_key))
+    if args.model:
+        final = cert.predicate["run"].get("final_model_hash")
+        if not isinstance(final, str):
+            raise ValueError("this decision names no final model (the run never got that far)")
+        check_subject({"subject": cert.subjects}, args.model, parse_hex(final, "final_model_hash"))
+    print(json.dumps(cert.to_json()) if args.json else cert.summary())
+    return 0 if cert.accepted else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """A fresh local leaderboard with real certified runs and one rejected run."""
     from .demo import run_demo
@@ -213,43 +251,55 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     lsub = lb.add_subparsers(dest="lb_command", required=True)
     s = lsub.add_parser("serve", help="run the server (loopback by default) and its verification workers")
     _server_flags(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    s.add_argument("--public-url", help="the address people reach this server at, for absolute links such as "
+                                        "badge snippets (default: the address of each request)")
     s.add_argument("--workers", type=_workers, default=1,
                    help="verification worker processes to start (at most this machine's cores; a dead one is replaced)")
     s.set_defaults(func=cmd_serve)
     w = lsub.add_parser("worker", help="run a verification worker against a server's database")
     _server_flags(w)
     w.add_argument("--once", action="store_true", help="stop when the queue is empty")
-    w.add_argument("--threads", type=int)
+    w.add_argument("--threads", type=int, help="CPU threads for replay (at most this machine's cores)")
     w.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     w.set_defaults(func=cmd_worker)
     r = lsub.add_parser("register", help="register your signing key and keep the API token")
-    r.add_argument("--leaderboard", required=True, metavar="URL")
-    r.add_argument("--name", required=True)
-    r.add_argument("--key", default=key_default)
+    r.add_argument("--leaderboard", required=True, metavar="URL", help="the leaderboard's address")
+    r.add_argument("--name", required=True, help="the name your runs are listed under")
+    r.add_argument("--key", default=key_default, help="the signing key to register (its public half is sent)")
     r.set_defaults(func=cmd_register)
     d = lsub.add_parser("demo", help="fill a fresh local leaderboard with real runs and serve it")
-    d.add_argument("--dir", default="leaderboard-demo")
-    d.add_argument("--port", type=int, default=8080)
+    d.add_argument("--dir", default="leaderboard-demo", help="folder for its database, store and runs (default leaderboard-demo)")
+    d.add_argument("--port", type=int, default=8080, help="port to serve it on (default 8080)")
     d.add_argument("--no-serve", action="store_true", help="fill it and stop")
     d.set_defaults(func=cmd_demo)
 
     sb = sub.add_parser("submit", help="upload a finished run to a leaderboard")
-    sb.add_argument("bundle")
-    sb.add_argument("--leaderboard", required=True, metavar="URL")
+    sb.add_argument("bundle", help="the finished run's bundle folder")
+    sb.add_argument("--leaderboard", required=True, metavar="URL", help="the leaderboard's address")
     sb.add_argument("--eval", help="its evaluation certificate (default: evaluate now)")
     sb.add_argument("--key", default=key_default, help="key that signs the evaluation when there is no --eval")
     sb.add_argument("--token", help="API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")
     sb.add_argument("--wait", action="store_true", help="wait for the verdict (exit 0 certified, 1 rejected)")
-    sb.add_argument("--quiet", action="store_true")
+    sb.add_argument("--quiet", action="store_true", help="no progress bars")
+    run_info_flags(sb)
     sb.set_defaults(func=cmd_submit)
     ch = sub.add_parser("challenge", help="ask a leaderboard for more replay challenges on a run")
-    ch.add_argument("run_id", type=int)
-    ch.add_argument("--leaderboard", required=True, metavar="URL")
-    ch.add_argument("--count", type=int, required=True)
-    ch.add_argument("--token")
+    ch.add_argument("run_id", type=int, help="the run's number on the leaderboard")
+    ch.add_argument("--leaderboard", required=True, metavar="URL", help="the leaderboard's address")
+    ch.add_argument("--count", type=int, required=True, help="how many more challenges to ask for")
+    ch.add_argument("--token", help="API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")
     ch.add_argument("--wait", action="store_true", help="wait for the round (exit 0 passed, 1 failed)")
-    ch.add_argument("--timeout", type=float, default=600.0)
+    ch.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits (default 600)")
     ch.set_defaults(func=cmd_challenge)
+
+    vc = sub.add_parser("verify-certification",
+                        help="check a leaderboard's signed decision offline (0 certified, 1 not, 2 unusable)")
+    vc.add_argument("certification", help="the decision file (a DSSE envelope, from the run page)")
+    vc.add_argument("--server-key", required=True,
+                    help="the server's public key: raw hex or PEM, or a file holding either")
+    vc.add_argument("--model", help="also check that the decision names this released model file")
+    vc.add_argument("--json", action="store_true", help="print the decision as one JSON object")
+    vc.set_defaults(func=cmd_verify_certification)
 

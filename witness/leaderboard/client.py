@@ -68,15 +68,20 @@ def register(client: httpx.Client, name: str, public_key: str) -> dict:
     return _ok(client.post("/api/accounts", json={"name": name, "public_key": public_key}))
 
 
-def ticket(client: httpx.Client, track: str) -> dict:
-    """A run ticket: run id, the server's r, and the track's recipe."""
-    return _ok(client.post("/api/tickets", json={"track": track}))
+def ticket(client: httpx.Client, track: str, info: dict | None = None) -> dict:
+    """A run ticket: run id, the server's r, and the track's recipe. ``info``: title, description, code_url."""
+    return _ok(client.post("/api/tickets", json={"track": track, **(info or {})}))
+
+
+def describe(client: httpx.Client, run_id: int, info: dict) -> dict:
+    """Set a run's title, description and code link (the owner's account only)."""
+    return _ok(client.patch(f"/api/runs/{run_id}", json=info))
 
 
 def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike, *,  # noqa: ANN001 - key
                    checkpoint_every: int = 50, threads: int | None = None, stream: bool = True,
                    lr_factor: Callable[[int, int], float] | None = None,
-                   progress: bool = False) -> tuple[int, SignedTreeHead]:
+                   progress: bool = False, info: dict | None = None) -> tuple[int, SignedTreeHead]:
     """Take a ticket for ``track`` and train its recipe with the recorder, streaming every head.
 
     Returns (run id, final head). ``lr_factor(step, steps)`` makes a dishonest trainer, for
@@ -88,7 +93,7 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
     from ..record import Recorder
     from ..task import build_task
 
-    tk = ticket(client, track)
+    tk = ticket(client, track, info)
     task = build_task(tk["task"], tk["config"])
     rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
                           checkpoint_every=checkpoint_every, threads=threads,

@@ -96,6 +96,11 @@ class Run(Base):
     verdict_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     bundle_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     bundle_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # what the submitter says of the run (shown escaped; the code link only if it is http(s))
+    title: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    description: Mapped[str | None] = mapped_column(Text, nullable=True)
+    code_url: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    statement: Mapped[str | None] = mapped_column(Text, nullable=True)  # the server's latest signed decision
 
 
 class Head(Base):
@@ -145,6 +150,7 @@ class Round(Base):
     detail: Mapped[str] = mapped_column(Text)
     worker: Mapped[str] = mapped_column(String(128))
     finished_ms: Mapped[int] = mapped_column(BigInteger)
+    statement: Mapped[str | None] = mapped_column(Text, nullable=True)  # the server's signed decision (DSSE)
 
 
 class ChallengeRow(Base):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 
 from ..commit.signing import generate_key, public_hex, save_key
@@ -19,20 +18,10 @@ DEMO_TRACK = "tiny-mlp"
 
 def start_server(lb: Leaderboard, host: str = "127.0.0.1", port: int = 8080):
     """uvicorn serving the leaderboard in a background thread; returns (server, thread, base URL)."""
-    import uvicorn
-
+    from ..web import start_uvicorn
     from .app import create_app
 
-    server = uvicorn.Server(uvicorn.Config(create_app(lb=lb), host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start on {host}:{port} (is the port taken?)")
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return server, thread, f"http://{host}:{port}"
+    return start_uvicorn(create_app(lb=lb), host, port)
 
 
 def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float = 1.0,  # noqa: ANN001 - key

@@ -19,7 +19,13 @@ from ..bundle.reader import open_bundle
 from ..commit.dsse import read_json_or_envelope
 from ..commit.hashing import canonical_json, from_hex, leaf_hash, parse_canonical_json, same
 from ..commit.merkle import verify_consistency
-from ..commit.signing import SignedTreeHead, public_key_from_hex
+from ..commit.signing import (
+    SignedTreeHead,
+    load_or_create_key,
+    parse_public_key,
+    public_hex,
+    public_key_from_hex,
+)
 from ..errors import VerificationError
 from ..verify.challenges import challenges_needed
 from . import queue
@@ -62,6 +68,11 @@ class Settings:
     # must not leave more than this many records between two streamed heads.
     max_head_gap: int = 200
     tracks: tuple[TrackSpec, ...] = field(default_factory=lambda: DEFAULT_TRACKS)
+    # The key the server signs its decisions with (created on first start; default: in the store).
+    server_key: Path | None = None
+    # The address people reach the server at, for links that must work elsewhere (badges in a
+    # README); default: the address each request came in on.
+    public_url: str | None = None
 
     @property
     def certify_challenges(self) -> int:
@@ -70,6 +81,15 @@ class Settings:
 
 
 MAX_ID = 2**31 - 1  # ids are INTEGER columns: a larger number names no row (and would overflow a driver)
+
+
+def _describe(run: Run, fields: set[str], title: str | None, description: str | None, code_url: str | None) -> None:
+    """Set the given fields of a run's description, refusing a code link that is not http(s)."""
+    if "code_url" in fields and code_url and not re.match(r"^https?://[^\s<>\"']+$", code_url):
+        raise ApiError(400, "the code link must be an http(s) URL")
+    values = {"title": title, "description": description, "code_url": code_url}
+    for name in fields & set(values):
+        setattr(run, name, (values[name] or "").strip() or None)
 
 
 def _valid_id(value: object) -> bool:
@@ -109,6 +129,8 @@ class Leaderboard:
         migrate(self.engine)
         self.Session = sessions(self.engine)
         self.store = Store(settings.store)
+        self.key = load_or_create_key(settings.server_key or self.store.root / "server_key.pem")
+        self.public_key = public_hex(self.key.public_key())
         self.randomness = os.urandom  # the server's own randomness: tickets and challenge nonces
         if sync_tracks:
             self.sync_tracks()
@@ -135,9 +157,9 @@ class Leaderboard:
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ApiError(400, "an account name is 1-64 letters, digits, '.', '_' or '-'")
         try:
-            public_key_from_hex(public_key)
+            public_key = parse_public_key(public_key)  # raw hex or PEM; stored as raw hex
         except VerificationError as e:
-            raise ApiError(400, f"bad public key: {e}") from None
+            raise ApiError(400, str(e)) from None
         address = (address or "unknown")[:64]
         _lock_writes(s)
         since = now_ms() - 3600 * 1000
@@ -174,12 +196,24 @@ class Leaderboard:
             raise ApiError(404, f"no track {name!r}")
         return t
 
-    def ticket(self, s: Session, acct: Account, track_name: str) -> Run:
+    def ticket(self, s: Session, acct: Account, track_name: str, title: str | None = None,
+               description: str | None = None, code_url: str | None = None) -> Run:
         """Issue a run ticket: the server's r, so the run seed H(data root ‖ r) is fixed from now on."""
         self.track(s, track_name)
         run = Run(account_id=acct.id, track=track_name, r=self.randomness(32).hex(), status="ticketed",
                   ticket_ms=now_ms(), challenges_passed=0)
+        _describe(run, {"title", "description", "code_url"}, title, description, code_url)
         s.add(run)
+        s.commit()
+        return run
+
+    def describe(self, s: Session, acct: Account, run_id: int, fields: set[str], title: str | None,
+                 description: str | None, code_url: str | None) -> Run:
+        """Set what the owner says of a run (name, description, code link); nothing it claims is checked."""
+        run = self.run(s, run_id)
+        if run.account_id != acct.id:
+            raise ApiError(403, f"run {run_id} belongs to another account")
+        _describe(run, fields, title, description, code_url)
         s.commit()
         return run
 
@@ -286,10 +320,10 @@ class Leaderboard:
             for h in heads:
                 if not bundle.log.extends(h.size, bytes.fromhex(h.root)):
                     # it contradicts a head its own key streamed: the log was rewritten
-                    self._reject(s, run, f"the submitted log does not extend the tree head of size {h.size} "
+                    self._reject(s, run, bundle, sha256, f"the submitted log does not extend the tree head of size {h.size} "
                                          f"streamed at {h.received_ms} ms: it was rewritten after that head "
                                          "was published")
-            self._check_cadence(s, run, heads, bundle.final_head.size)
+            self._check_cadence(s, run, heads, bundle, sha256)
             cert_path = staging / EVALUATION
             if not cert_path.exists():
                 raise ApiError(400, f"the submission has no {EVALUATION} (run `witness eval` first)")
@@ -320,24 +354,32 @@ class Leaderboard:
         finally:
             self.store.discard(archive, *([staging] if staging is not None else []))
 
-    def _check_cadence(self, s: Session, run: Run, heads: list[Head], final_size: int) -> None:
+    def _check_cadence(self, s: Session, run: Run, heads: list[Head], bundle, sha256: str) -> None:  # noqa: ANN001
         """Every stretch of the log was anchored while training: a head at least every
         ``max_head_gap`` records, up to and including the final head."""
+        final_size = bundle.final_head.size
         sizes = [h.size for h in heads]
         gap = self.settings.max_head_gap
         worst = max((b - a for a, b in itertools.pairwise(sizes)), default=0)
         if sizes[-1] != final_size:
-            self._reject(s, run, f"weakly time-anchored: the final tree head (size {final_size}) was not streamed "
+            self._reject(s, run, bundle, sha256, f"weakly time-anchored: the final tree head (size {final_size}) was not streamed "
                                  f"before submission; the last streamed head has size {sizes[-1]}")
         if worst > gap:
-            self._reject(s, run, f"weakly time-anchored: the streamed heads leave {worst} records unanchored in a "
+            self._reject(s, run, bundle, sha256, f"weakly time-anchored: the streamed heads leave {worst} records unanchored in a "
                                  f"row; this server asks for a signed head at least every {gap} records "
                                  "(checkpoint more often)")
 
-    def _reject(self, s: Session, run: Run, reason: str) -> NoReturn:
-        """Reject a submission in public (the run page shows the reason) and refuse the upload."""
+    def _reject(self, s: Session, run: Run, bundle, sha256: str, reason: str) -> NoReturn:  # noqa: ANN001
+        """Reject a submission in public (the run page shows the reason, the server signs it) and
+        refuse the upload."""
+        from .certification import record_decision
+
         run.status, run.reason = "rejected", reason
         run.submitted_ms = run.decided_ms = now_ms()
+        run.bundle_sha256 = sha256
+        fh = bundle.final_head
+        run.steps, run.final_size, run.final_root = len(bundle.steps), fh.size, fh.root.hex()
+        record_decision(self, s, run, bundle=bundle)
         s.commit()
         raise ApiError(400, f"run {run.id} rejected: {reason}")
 

@@ -47,6 +47,10 @@ class Store:
         """The archive exactly as it was uploaded (served for download)."""
         return self.run_dir(run_id) / "submission.tar"
 
+    def model_file(self, run_id: int) -> Path:
+        """The run's final model as released (written by the server from the verified bundle)."""
+        return self.run_dir(run_id) / "model.safetensors"
+
     def plots_dir(self, run_id: int) -> Path:
         """The plots drawn when the run was verified."""
         return self.run_dir(run_id) / "plots"

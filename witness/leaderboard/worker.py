@@ -24,10 +24,12 @@ from ..commit.dsse import read_json_or_envelope
 from ..commit.signing import SignedTreeHead
 from ..errors import RunRejected, VerificationError
 from ..evals.evaluate import verify_eval
-from ..report import plot_fingerprints, plot_loss
+from ..evals.release import export_model
+from ..report import plot_fingerprints, plot_loss, plot_optimizer
 from ..verify.audit import verify_bundle
 from ..verify.challenges import detection_probability
 from . import queue
+from .certification import record_decision
 from .db import Account, ChallengeRow, Head, Job, Round, Run, Track, now_ms
 from .service import Leaderboard
 from .store import EVALUATION
@@ -88,6 +90,9 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         elif run.status == "certified":  # a round queued before a revocation adds nothing to it
             run.challenges_passed += rnd.count
             run.bound = run_bound(lb, run.challenges_passed, run.steps or 0, run.bound == 1.0 or rnd.count >= (run.steps or 0))
+        s.flush()
+        if job.kind == "certify" or run.status in ("certified", "revoked"):
+            record_decision(lb, s, run, rnd, verdict, bundle)  # the server signs every decision it makes
         if not queue.finish(s, job.id, worker):
             s.rollback()
             log.warning("job %s was taken from this worker before it finished; its result is dropped", job.id)
@@ -116,10 +121,13 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
         run.eval_bound = eval_verdict.detection_probability
         run.contamination = (f"clean: all {eval_verdict.eval_documents} evaluation documents proven absent "
                              "from the training data")
+    if bundle is not None and bundle.end is not None and not failures:
+        export_model(bundle, lb.store.model_file(run.id))  # the released file the signed decision names
     if bundle is not None:  # a bundle the reader refused has no plots; its rejection says why
         plots = lb.store.plots_dir(run.id)
         plots.mkdir(exist_ok=True)
         plot_loss(bundle, plots / "loss.svg", [(r.step, r.passed) for r in (verdict.results if verdict else [])])
+        plot_optimizer(bundle, plots / "optimizer.svg")
         plot_fingerprints(bundle, plots / "fingerprints.svg")
     run.decided_ms = now_ms()
     if failures:
