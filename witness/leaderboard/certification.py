@@ -163,8 +163,3 @@ def record_decision(lb, s, run, rnd=None, verdict=None, bundle=None) -> str:  # 
     if rnd is not None:
         rnd.statement = text
     return text
-
-
-def decode(text: str | None) -> dict | None:
-    """A stored envelope (JSON text) as an object."""
-    return json.loads(text) if text else None
