@@ -41,7 +41,7 @@ FALSE_VALUES = {
     "state_digest": ("sha256", REJECTED, "initial state is not the one the run seed generates"),
     "steps_planned": (41, REJECTED, "steps_planned disagrees with the recipe"),
     "world_size": (2, REJECTED, "replay"),  # with parallelism ddp: two micro-batches are not one batch
-    "parallelism": ("fsdp", REJECTED, "single-process run names a parallelism"),
+    "parallelism": ("tp", UNUSABLE, "parallelism must be none, ddp or fsdp"),
     "threads": (1, REJECTED, "replay: replayed"),  # replayed at the claimed count: other bits
     "versions": ({"torch": "2.0.0"}, UNUSABLE, "torch 2.0.0"),
     "public_key": (public_hex(generate_key().public_key()), REJECTED, "signature"),

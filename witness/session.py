@@ -24,15 +24,17 @@ class TrainingSession:
     """
 
     def __init__(self, task: Task, run_seed: bytes, dataset_size: int, world_size: int = 1,
-                 parallelism: str = "none"):
+                 parallelism: str = "none", device: str | torch.device = "cpu"):
         self.task = task
+        self.device = deterministic_device(device)
         self.parallelism = parallelism
         self.run_seed = run_seed
         self.dataset_size = dataset_size
         self.world_size = world_size
         if task.config.batch_size % world_size:
             raise ValueError(f"the global batch of {task.config.batch_size} does not split over {world_size} ranks")
-        self.model = task.build_model(run_seed)
+        # initialised on the host (the same bits everywhere), then moved; the optimizer follows
+        self.model = task.build_model(run_seed).to(self.device)
         self.optimizer = task.build_optimizer(self.model)
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
 
@@ -55,7 +57,8 @@ class TrainingSession:
 
     def step(self, step: int, samples: list[bytes]) -> StepOutput:
         """Run the committed step on the batch's canonical samples, exactly as recorded runs do."""
-        if self.world_size == 1:
+        # FSDP2 on one rank still clips by the norms of its shards (one shard: the whole tensor)
+        if self.world_size == 1 and self.parallelism != "fsdp":
             batch = self.task.collate(samples)
             return self.task.train_step(self.model, self.optimizer, batch, self.lr(step), self.step_seed(step))
         micro = [self.task.collate(m) for m in self.micro_batches(samples)]
@@ -70,6 +73,67 @@ class TrainingSession:
     def sketch(self) -> list[float]:
         """Parameter sketch of the current model."""
         return self.sketcher(dict(self.model.named_parameters()))
+
+
+def deterministic_device(device: str | torch.device) -> torch.device:
+    """The device to train or replay on, set up for deterministic kernels.
+
+    On CUDA: deterministic algorithms only (an op without one raises instead of silently
+    varying), the cuBLAS workspace setting those need, cuDNN without autotuning, no TF32, and
+    attention without the fused kernels whose backward is not deterministic. The CPU needs none
+    of it (its kernels are deterministic at a fixed thread count).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this machine has no CUDA GPU that torch can use")
+        # must be set before cuBLAS creates its handle; harmless if it already was
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+    elif device.type != "cpu":
+        raise ValueError(f"device {device}: witness records and replays on cpu or cuda")
+    return device
+
+
+def device_info(device: str | torch.device = "cpu") -> dict[str, str]:
+    """What the manifest records about the hardware and libraries a run's kernels came from."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        import platform
+
+        return {"kind": "cpu", "machine": platform.machine() or "unknown"}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    info = {"kind": "cuda", "name": torch.cuda.get_device_name(index), "cuda": str(torch.version.cuda),
+            "cudnn": str(torch.backends.cudnn.version())}
+    try:  # the driver version, where NVML can tell it
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        info["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # noqa: BLE001 - optional: the name and library versions decide replay
+        pass
+    return info
+
+
+def same_hardware(recorded: dict[str, str], here: dict[str, str]) -> bool:
+    """Whether bit-exact replay may be expected: the same device kind, and for a GPU the same model
+    and CUDA and cuDNN releases (the driver does not choose kernels). This decides only what to
+    attempt: exact replay still has to match every committed bit."""
+    keys = ("kind", "machine") if recorded.get("kind") == "cpu" else ("kind", "name", "cuda", "cudnn")
+    return all(recorded[k] == here.get(k) for k in keys if k in recorded)
+
+
+def describe_device(info: dict[str, str]) -> str:
+    """A device record in words."""
+    if info.get("kind") != "cuda":
+        return f"the CPU ({info.get('machine', 'unknown architecture')})"
+    return f"{info.get('name', 'a GPU')} (CUDA {info.get('cuda', '?')}, cuDNN {info.get('cudnn', '?')})"
 
 
 def torch_version() -> str:

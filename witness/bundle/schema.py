@@ -87,6 +87,7 @@ class Manifest:
     init_state_hash: bytes
     init_checkpoint_sha256: bytes
     task_source: dict | None  # the plugin that provides the task (None: built into witness)
+    device: dict  # where the run's kernels ran: {"kind": "cpu", "machine"} or the GPU and its libraries
 
     FIELDS = {
         "type", "format_version", "task", "task_config", "code_version", "r", "r_source", "run_seed",
@@ -111,7 +112,13 @@ class Manifest:
         if type(obj["format_version"]) is not int or obj["format_version"] != MANIFEST_VERSION:
             raise _fail(w, f"unsupported manifest version {obj['format_version']!r}")
         _dict(obj["fingerprint_spec"], f"{w}.fingerprint_spec")
-        versions = _keys(obj["versions"], {"torch"}, set(), f"{w}.versions")
+        versions = _keys(obj["versions"], {"torch"}, {"device"}, f"{w}.versions")
+        device = versions.get("device", {"kind": "cpu"})  # recorded before devices were: the CPU
+        _keys(device, {"kind"}, {"machine", "name", "cuda", "cudnn", "driver"}, f"{w}.versions.device")
+        for k, v in device.items():
+            _str(v, f"{w}.versions.device.{k}", 128)
+        if device["kind"] not in ("cpu", "cuda"):
+            raise _fail(w, "versions.device.kind must be cpu or cuda")
         if obj["r_source"] not in ("trainer", "ticket"):
             raise _fail(w, "r_source must be trainer or ticket")
         if obj["parallelism"] not in ("none", "ddp", "fsdp"):
@@ -145,6 +152,7 @@ class Manifest:
             init_state_hash=parse_hex(obj["init_state_hash"], f"{w}.init_state_hash"),
             init_checkpoint_sha256=parse_hex(obj["init_checkpoint_sha256"], f"{w}.init_checkpoint_sha256"),
             task_source=source,
+            device=dict(device),
         )
 
 

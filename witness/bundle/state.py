@@ -116,7 +116,9 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensor
         pname, _, key = k[6:].rpartition(".")
         if pname not in params:
             raise MalformedInput(f"checkpoint has optimizer state for unknown parameter {pname}")
-        optimizer.state[params[pname]][key] = v.clone()
+        p = params[pname]
+        # moments live with their parameter; scalar counters (AdamW's step) stay on the host
+        optimizer.state[p][key] = v.to(p.device, copy=True) if v.shape == p.shape else v.clone()
         seen.add(k)
     if len(seen) + len(model_sd) != len(tensors):
         raise MalformedInput("checkpoint holds tensors that are neither model nor optimizer state")
@@ -126,7 +128,7 @@ def _relative_l2(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """||a - b|| / ||b|| over all coordinates of all pairs, accumulated in float64."""
     num = den = 0.0
     for a, b in pairs:
-        a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+        a64, b64 = a.detach().cpu().to(torch.float64), b.detach().cpu().to(torch.float64)
         num += float((a64 - b64).pow(2).sum())
         den += float(b64.pow(2).sum())
     if den > 0:

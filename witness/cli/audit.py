@@ -48,7 +48,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return report_verdict(args, lambda: verify_bundle(
         args.bundle, challenges=challenges_q(args), confidence=args.confidence, bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
         response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
-        threads=args.threads, public_key=read_public_key(args.signer) if args.signer else None, ticket=args.ticket,
+        threads=args.threads, device=args.device, public_key=read_public_key(args.signer) if args.signer else None, ticket=args.ticket,
         published_heads=[read_head(p) for p in args.published_head or []], progress=not args.json,
     ))
 
@@ -90,7 +90,7 @@ def cmd_respond(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out) if args.out else default_response_dir(args.bundle)
     respond(args.bundle, out, nonce=args.nonce, challenges=challenges_q(args), length=args.length, tolerance=args.tolerance,
-            progress=True)
+            progress=True, device=args.device)
     print(f"wrote {out}")
     return 0
 
@@ -114,6 +114,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "buffers, optimizer)")
     v.add_argument("--threads", type=positive,
                    help="replay threads (default: the run's recorded count; at most this machine's cores)")
+    v.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="replay on the CPU (default) or the GPU; exact replay needs the hardware the run was "
+                        "recorded on, other hardware needs --tolerance")
     v.add_argument("--ticket", type=hex_bytes, help="the r a ticket issuer handed out for this run (hex)")
     v.add_argument("--signer", help="pin the signer's public key: raw hex or PEM, or a file holding either")
     v.add_argument("--published-head", action="append",
@@ -127,4 +130,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--tolerance", action="store_true",
                    help="the verifier replays in tolerance mode: also supply the state each segment ends at")
     r.add_argument("--out", help="the response folder to write (default: BUNDLE.response)")
+    r.add_argument("--device", choices=["cpu", "cuda"],
+                   help="rebuild the states on this device (default: the one the run trained on)")
     r.set_defaults(func=cmd_respond)

@@ -66,11 +66,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"resuming {args.out} at step {rec.start_step}", file=sys.stderr)
     else:
         config = dict(args.config or [])
+        if args.preset:
+            from ..task.tinygpt import PRESETS
+
+            if args.task != "tinygpt":
+                raise ValueError("--preset names a tinygpt size; use it with --task tinygpt")
+            config = PRESETS[args.preset] | config  # --config overrides a preset's field
         if args.steps is not None:
             config["steps"] = args.steps
         task = build_task(args.task, config)
         rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed), checkpoint_every=args.checkpoint_every,
-                              state_every=args.state_every, threads=args.threads)
+                              state_every=args.state_every, threads=args.threads, device=args.device)
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
     return 0
@@ -248,7 +254,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", help="the trainer's r (any string); random by default")
     t.add_argument("--key", default=str(DEFAULT_KEY), help="signing key (created if missing)")
     t.add_argument("--threads", type=positive, help="CPU threads (at most this machine's cores)")
+    t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="train on the CPU (default) or the GPU, with deterministic kernels; the manifest records "
+                        "the hardware, and exact replay needs the same")
     t.add_argument("--config", type=config_value, action="append", help="recipe field KEY=VALUE")
+    t.add_argument("--preset", choices=["gpt2-small", "1b"],
+                   help="tinygpt at the method's scale, for a GPU: GPT-2 small's body (86 M parameters) or 1.2 B, "
+                        "bf16 autocast, 65,536 tokens per step")
     t.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--leaderboard", metavar="URL", help="take the run ticket from this leaderboard and stream heads to it")

@@ -7,6 +7,8 @@ that one process gets by accumulating the ranks' micro-batches in that order: th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,7 +17,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..bundle.state import state_tensors
 from ..fingerprint.probes import Fingerprint
 from ..fingerprint.sketch import ParameterSketch
-from ..session import TrainingSession
+from ..session import TrainingSession, deterministic_device
 from ..task.base import StepOutput, Task, clip_by_shard_norms, mean_of_ranks
 
 PARALLELISMS = ("ddp", "fsdp")
@@ -71,9 +73,12 @@ class DistSession(TrainingSession):
         self.task, self.run_seed, self.dataset_size = task, run_seed, dataset_size
         self.parallelism = parallelism
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        if dist.get_backend() != "gloo":
-            # The reference tasks build models, batches and dropout generators on the CPU.
-            raise NotImplementedError("DistRecorder records CPU runs on gloo; GPU (nccl) recording is not built yet")
+        # gloo runs on the CPU; nccl on this rank's GPU (torchrun's LOCAL_RANK), with deterministic kernels
+        if dist.get_backend() == "nccl":
+            self.device = deterministic_device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
         if task.config.batch_size % self.world_size:
             raise ValueError(f"the global batch of {task.config.batch_size} does not split over {self.world_size} ranks")
         base = task.build_model(run_seed)  # identical on every rank: a function of the seed
@@ -83,11 +88,13 @@ class DistSession(TrainingSession):
             raise NotImplementedError(f"task {task.name} has buffers (BatchNorm?): distributed recording "
                                       "supports models without floating buffers")
         self.init_state = state_tensors(base, None)
+        base.to(self.device)  # initialised on the host (the same bits everywhere), then moved
         self.module: nn.Module = base
         if parallelism == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            self.model = DistributedDataParallel(base)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(base, device_ids=ids)
             self.model.register_comm_hook(dist.group.WORLD, ordered_allreduce_hook)
         else:
             from torch.distributed.fsdp import fully_shard
@@ -118,8 +125,8 @@ class DistSession(TrainingSession):
 
     def global_output(self, out: StepOutput) -> StepOutput:
         """Collective: the step's loss is the mean of the ranks' losses, in rank order."""
-        mine = torch.tensor([out.loss], dtype=torch.float64)
-        losses = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world_size)]
+        mine = torch.tensor([out.loss], dtype=torch.float64, device=self.device)  # nccl sends device tensors
+        losses = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(self.world_size)]
         dist.all_gather(losses, mine)
         return StepOutput(mean_of_ranks([float(v) for v in losses]), out.lr, out.grad_norm)
 
@@ -145,8 +152,9 @@ class DistSession(TrainingSession):
         # the shards stay where they are: the sketch copies only its sampled coordinates off them
         pieces = {name: (p.to_local().detach(), self._shard_offsets[name], p.numel())
                   for name, p in self.model.named_parameters()}
-        x = self.sketcher.gather(pieces)
+        x = self.sketcher.gather(pieces).to(self.device)
         dist.all_reduce(x)  # every coordinate is held by exactly one rank: the sum is exact
+        x = x.cpu()
         return self.sketcher.project(x) if self.rank == 0 else None
 
     def full_state(self) -> dict[str, torch.Tensor] | None:

@@ -24,6 +24,7 @@ from .. import __version__
 from ..bundle.reader import open_bundle
 from ..bundle.state import load_state, model_hash
 from ..commit.hashing import load_json
+from ..task.base import autocast, model_device
 from ..verify.audit import task_of
 from ..web import BodyLimit, json_depth
 from .evaluate import final_model
@@ -89,7 +90,8 @@ def create_app(bundle_dir: str | os.PathLike, weights: str | None = None) -> Fas
         inputs = _inputs(await request.body(), probe_len)
 
         def forward() -> torch.Tensor:
-            with lock, torch.no_grad():
+            # the run's precision, as its fingerprints were taken (a bf16 run answers from bf16 autocast)
+            with lock, torch.no_grad(), autocast(model_device(model), task.precision):
                 return task.probe_outputs(model, task.collate_probes(inputs)).to(torch.float32)
 
         out = await run_in_threadpool(forward)

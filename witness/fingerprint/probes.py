@@ -46,7 +46,7 @@ def projection_matrix(seed: bytes, width: int, dims: int) -> torch.Tensor:
 
 def fingerprint_from_outputs(outputs: torch.Tensor, losses: torch.Tensor, proj: torch.Tensor) -> Fingerprint:
     """Build a fingerprint from probe outputs ``[P, ..., width]`` and per-probe losses ``[P]``."""
-    out = outputs.detach().to(torch.float32).contiguous()
+    out = outputs.detach().to(torch.float32).cpu().contiguous()
     flat = out.reshape(out.shape[0], -1, out.shape[-1])
     projected = (flat @ proj).mean(dim=1).reshape(-1)
     digest = hashlib.sha256(out.numpy().tobytes()).hexdigest()

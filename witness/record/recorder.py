@@ -31,7 +31,7 @@ from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
 from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
-from ..session import TrainingSession, bounded_threads, torch_version
+from ..session import TrainingSession, bounded_threads, device_info, torch_version
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task, check_task_source, task_class, task_source
 
@@ -63,7 +63,7 @@ class Recorder:
                r_source: str = "trainer", checkpoint_every: int = 50, state_every: int = 1,
                threads: int | None = None, on_head: HeadCallback | None = None,
                session: TrainingSession | None = None, init_state: dict | None = None,
-               parallelism: str = "none") -> Recorder:
+               parallelism: str = "none", device: str | torch.device = "cpu") -> Recorder:
         """Start a new run: derive the seed, build the initial state, sign the manifest.
 
         A distributed run passes its own ``session`` (wrapped model) and the ``init_state`` taken
@@ -83,7 +83,7 @@ class Recorder:
         dataset = task.dataset()
         run_seed = derive_run_seed(dataset.root, r)
         if session is None:
-            session = TrainingSession(task, run_seed, len(dataset))
+            session = TrainingSession(task, run_seed, len(dataset), device=device)
         elif session.run_seed != run_seed:
             raise ValueError("the session was built from another run seed")
         writer = BundleWriter(Path(out), create=True)
@@ -111,7 +111,7 @@ class Recorder:
             "world_size": session.world_size,
             "parallelism": parallelism,
             "threads": torch.get_num_threads(),
-            "versions": {"torch": torch_version()},
+            "versions": {"torch": torch_version(), "device": device_info(session.device)},
             "public_key": public_hex(key.public_key()),
             "init_state_hash": init_hash.hex(),
             "init_checkpoint_sha256": init_file.hex(),
@@ -161,7 +161,9 @@ class Recorder:
         for f in (out / CHECKPOINTS).iterdir():
             if f.name.endswith(".tmp") or int(f.name.split(".")[0]) > resume_at:
                 f.unlink()
-        session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"])
+        # the rest of the run trains where its start did (a GPU run resumes on the GPU)
+        kind = manifest["versions"].get("device", {}).get("kind", "cpu")
+        session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"], device=kind)
         load_state(session.model, session.optimizer, read_checkpoint(out / checkpoint_name(resume_at)))
         log = RunLog(lines[:keep])
         return cls(task, out, key, session, BundleWriter(out, create=False), log, manifest, resume_at, on_head)

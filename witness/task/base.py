@@ -98,6 +98,31 @@ def mean_of_ranks(losses: list[float]) -> float:
     return total / len(losses)
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A batch (tensors, or tuples, lists and dicts of them) on ``device``; a no-op on the same device."""
+    if torch.is_tensor(batch):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where a model's parameters live (the CPU for a model without any)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def autocast(device: torch.device, precision: str):  # noqa: ANN201 - a context manager
+    """The recipe's precision: fp32, or bf16 autocast over fp32 master weights (AdamW steps in fp32)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def seed_int(seed: bytes, tag: str) -> int:
     """A 63-bit torch seed derived from a byte seed."""
     return int.from_bytes(tagged_hash(tag, seed)[:8], "big") >> 1
@@ -146,6 +171,13 @@ class Task:
         c = self.config
         if c.steps < 1 or c.batch_size < 1:
             raise ValueError("a recipe needs at least one step and one sample per batch")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision is one of {', '.join(PRECISIONS)}")
+
+    @property
+    def precision(self) -> str:
+        """The recipe's training precision (``fp32`` unless its config says ``bf16``)."""
+        return getattr(self.config, "precision", "fp32")
 
     def config_json(self) -> dict:
         """The recipe as JSON."""
@@ -189,8 +221,12 @@ class Task:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         model.train()
+        device = model_device(model)
+        # The dropout generator stays on the CPU: the masks are then the same bits on any device,
+        # so a replay on other hardware (tolerance mode) draws the masks the run drew.
         generator = torch.Generator().manual_seed(seed)
-        loss = self.loss(model, batch, generator)
+        with autocast(device, self.precision):
+            loss = self.loss(model, to_device(batch, device), generator)
         loss.backward()
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
@@ -211,8 +247,10 @@ class Task:
         optimizer.zero_grad(set_to_none=True)
         model.train()
         losses = []
+        device = model_device(model)
         for batch, seed in zip(micro, seeds, strict=True):
-            loss = self.loss(model, batch, torch.Generator().manual_seed(seed))
+            with autocast(device, self.precision):
+                loss = self.loss(model, to_device(batch, device), torch.Generator().manual_seed(seed))
             loss.backward()
             losses.append(float(loss.detach()))
         params = [p for p in model.parameters() if p.grad is not None]
@@ -292,8 +330,12 @@ class Task:
             self._probes = self.probe_tensors()
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
+        device = model_device(model)
         try:
-            return self.fingerprint_of_outputs(self.probe_outputs(model, self._probes))
+            with autocast(device, self.precision):
+                outputs = self.probe_outputs(model, to_device(self._probes, device))
+            # the fingerprint is taken on the host, from float32 outputs, whatever the device
+            return self.fingerprint_of_outputs(outputs.float().cpu())
         finally:
             for m, training in modes:
                 m.training = training

@@ -51,6 +51,20 @@ class TinyGPTConfig:
     corpus_max_bytes: int = 0
     fingerprint_dims: int = 8
     sketch_dims: int = 8
+    precision: str = "fp32"  # or "bf16": autocast over fp32 master weights
+
+
+# The witnessed tinygpt at the method's scale, for GPUs (recipe fields for --config). The
+# vocabulary is bytes, so "gpt2-small" is GPT-2 small's body (12 layers of width 768: 86 M
+# parameters; GPT-2's 50,257-token embedding adds 39 M more) and "1b" has 1.2 B parameters.
+# Dropout is off, as in large-model pretraining; bf16 autocast over fp32 master weights. A
+# batch of 64 windows of 1,024 bytes is 65,536 tokens per step.
+PRESETS: dict[str, dict] = {
+    "gpt2-small": {"n_layer": 12, "n_head": 12, "d_model": 768, "block": 1024, "batch_size": 64,
+                   "dropout": 0.0, "lr": 0.0006, "warmup": 100, "precision": "bf16", "probe_len": 64},
+    "1b": {"n_layer": 24, "n_head": 16, "d_model": 2048, "block": 1024, "batch_size": 64,
+           "dropout": 0.0, "lr": 0.0003, "warmup": 100, "precision": "bf16", "probe_len": 64},
+}
 
 
 class LayerNorm(nn.Module):
@@ -73,7 +87,8 @@ def dropout(x: torch.Tensor, p: float, generator: torch.Generator | None) -> tor
     """Dropout whose mask comes from the step's generator (no global RNG)."""
     if p <= 0 or generator is None:
         return x
-    return x * (torch.rand(x.shape, generator=generator) >= p) / (1 - p)
+    keep = torch.rand(x.shape, generator=generator) >= p  # drawn on the CPU: the same mask on any device
+    return x * keep.to(x.device) / (1 - p)
 
 
 class Block(nn.Module):

@@ -21,7 +21,16 @@ from ..data.dataset import Dataset
 from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, RunRejected, VerificationError
-from ..session import TrainingSession, bounded_threads, cpu_cores, torch_version
+from ..session import (
+    TrainingSession,
+    bounded_threads,
+    cpu_cores,
+    describe_device,
+    deterministic_device,
+    device_info,
+    same_hardware,
+    torch_version,
+)
 from ..task.base import Task
 from ..task.registry import build_task, check_task_source
 from .challenges import challenges_needed, detection_probability, draw_challenges
@@ -60,8 +69,6 @@ def task_of(bundle: Bundle) -> Task:
     if m.world_size > 1 and (m.parallelism not in ("ddp", "fsdp") or task.config.batch_size % m.world_size):
         raise VerificationError(f"a {m.parallelism} run over {m.world_size} ranks cannot be replayed",
                                 check="manifest")
-    if m.world_size == 1 and m.parallelism != "none":
-        raise VerificationError("a single-process run names a parallelism", check="manifest")
     if m.code_version != __version__:
         # The registered tasks are code: another release may build or step them differently.
         raise MalformedInput(f"the run was recorded by witness {m.code_version}; this is witness {__version__}: "
@@ -177,6 +184,7 @@ def verify_bundle(
     thresholds: dict[str, float] | None = None,
     length: int = 1,
     threads: int | None = None,
+    device: str = "cpu",
     public_key: str | None = None,
     published_heads: list[SignedTreeHead] | None = None,
     ticket: bytes | None = None,
@@ -219,6 +227,15 @@ def verify_bundle(
             raise VerificationError(f"the log does not extend the published tree head of size {h.size}: "
                                     "it was rewritten after that head was published", check="log")
     checks = [f"the log extends {len(published_heads)} published tree head(s)"] if published_heads else []
+    here = device_info(deterministic_device(device))
+    if not same_hardware(m.device, here):
+        if exact:
+            raise MalformedInput(f"the run was recorded on {describe_device(m.device)}; this replay would run on "
+                                 f"{describe_device(here)}: bit-exact replay needs the same hardware (replay there, "
+                                 f"with --device {m.device['kind']}, or verify with --tolerance)")
+        notes.append(f"recorded on {describe_device(m.device)}, replayed on {describe_device(here)} in tolerance mode")
+    elif exact:
+        checks.append(f"replayed on the run's own hardware, {describe_device(here)}: bit for bit")
     if not same(derive_run_seed(m.data_root, m.r), m.run_seed):
         raise VerificationError("the run seed is not H(data root || r)", check="seed")
     if ticket is not None:
@@ -231,13 +248,13 @@ def verify_bundle(
 
     with use_threads(m.threads, threads, notes) as used_threads:
         return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
-                      checks, used_threads, started, progress, confidence)
+                      checks, used_threads, started, progress, confidence, device)
 
 
 def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | Response | None, exact: bool,
            thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
            notes: list[str], checks: list[str], threads: int, started: float, progress: bool,
-           confidence: float | None) -> Verdict:
+           confidence: float | None, device: str) -> Verdict:
     m = bundle.manifest
     local: LocalSamples | None = None
     if mode == "offline":
@@ -248,7 +265,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
                 f"(root {dataset.root.hex()[:16]}…); verify with --mode interactive and the trainer's response"
             )
         local = LocalSamples(dataset)
-    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism)
+    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
     checks += check_records(bundle, task, session, local)
     limits = dict(DEFAULT_THRESHOLDS, **(thresholds or {}))
     checks += check_checkpoints(bundle, session, exact, limits)
@@ -272,7 +289,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         # Offline replay starts from checkpoints; exact replay may end on any committed hash, while
         # tolerance mode needs the committed tensors at the end, so it replays to a checkpoint.
         plan = SegmentPlan(checkpoints, committed if exact else checkpoints)
-        replayer = Replayer(bundle, task, local, CheckpointStates(bundle), plan, exact, limits)  # type: ignore[arg-type]
+        replayer = Replayer(bundle, task, local, CheckpointStates(bundle), plan, exact, limits, device)  # type: ignore[arg-type]
     else:
         if response is None:
             raise MalformedInput("interactive mode needs the trainer's response (witness respond)")
@@ -280,7 +297,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         if resp.head_root != bundle.final_head.root or resp.head_size != bundle.final_head.size:
             raise MalformedInput("the response was made for another tree head")
         samples = ResponseSamples(resp, m.data_root, m.dataset_size, bundle.end)
-        replayer = Replayer(bundle, task, samples, resp, SegmentPlan(committed, committed), exact, limits)
+        replayer = Replayer(bundle, task, samples, resp, SegmentPlan(committed, committed), exact, limits, device)
 
     for ch in tqdm(drawn, desc="replay challenges", unit="challenge", disable=not progress):
         result = ChallengeResult(ch.step, ch.length, passed=True, replayed_steps=0)

@@ -142,12 +142,13 @@ class Replayer:
     """A training session that replays committed segments and checks every record and state."""
 
     def __init__(self, bundle: Bundle, task: Task, source: SampleSource, states: StateSource,
-                 plan: SegmentPlan, exact: bool = True, thresholds: dict[str, float] | None = None):
+                 plan: SegmentPlan, exact: bool = True, thresholds: dict[str, float] | None = None,
+                 device: str | torch.device = "cpu"):
         m = bundle.manifest
         self.bundle, self.task, self.source, self.states, self.plan = bundle, task, source, states, plan
         self.exact = exact
         self.thresholds = dict(DEFAULT_THRESHOLDS, **(thresholds or {}))
-        self.session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism)
+        self.session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
         self.parameters = {f"model.{n}" for n, _ in self.session.model.named_parameters()}
         self.position: int | None = None
         self._replayed_from: int | None = None  # every step from here to `position` was replayed and checked

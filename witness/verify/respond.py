@@ -24,7 +24,7 @@ from .response import FORMAT, VERSION
 
 
 def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: bytes, challenges: int,
-            length: int = 1, tolerance: bool = False, progress: bool = False) -> Path:
+            length: int = 1, tolerance: bool = False, progress: bool = False, device: str | None = None) -> Path:
     """Answer the challenges that ``nonce`` draws: the committed state each challenged segment starts
     from (and ends at, with ``tolerance``), rebuilt by replay from the checkpoints, and every
     replayed step's samples with their proofs."""
@@ -49,7 +49,9 @@ def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: byt
     (out / "states").mkdir(parents=True)
     # The trainer rebuilds the states it did not keep by replaying its own steps from its checkpoints
     # (nothing is compared here: the verifier checks every state against the log's commitments).
-    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism)
+    # the trainer rebuilds its states where it trained (the committed hashes are of those bits)
+    session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism,
+                              device or m.device["kind"])
     checkpoints = SegmentPlan(bundle.checkpoint_steps(), bundle.checkpoint_steps())
     position: int | None = None
     states: dict[str, str] = {}

@@ -1,0 +1,122 @@
+"""Devices: the manifest records the hardware, exact replay insists on the same, other hardware
+only in tolerance mode when the verifier asks; bf16 autocast replays bit for bit; the device code
+paths run on the CPU here, and the GPU tests run where torch sees a CUDA device."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers import edit_manifest, train_tiny
+
+from witness.bundle.reader import open_bundle
+from witness.cli import main
+from witness.errors import MalformedInput
+from witness.session import TrainingSession, deterministic_device, device_info, same_hardware
+from witness.task import build_task
+from witness.task.base import to_device
+from witness.verify import verify_bundle
+
+H200 = {"kind": "cuda", "name": "NVIDIA H200", "cuda": "13.0", "cudnn": "91000", "driver": "580.65"}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible to torch here)")
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory, signing_key):
+    """A small tinygpt run in bf16 autocast (CPU autocast: the same code path as on a GPU)."""
+    out = tmp_path_factory.mktemp("device") / "run"
+    return train_tiny(out, signing_key, task="tinygpt", checkpoint_every=4,
+                      config={"steps": 8, "batch_size": 4, "block": 32, "n_layer": 1, "d_model": 32,
+                              "n_head": 2, "precision": "bf16", "corpus_max_bytes": 200_000})
+
+
+def test_the_manifest_records_the_hardware(gpt):
+    m = open_bundle(gpt).manifest
+    assert m.device == device_info("cpu") and m.device["kind"] == "cpu" and m.device["machine"]
+    assert m.task_config["precision"] == "bf16"
+
+
+def test_a_bf16_run_replays_bit_for_bit(gpt):
+    v = verify_bundle(gpt, challenges=8, nonce=b"\x01")
+    assert v.accepted and v.replayed_steps == 8 and not v.thresholds
+    assert any("replayed on the run's own hardware, the CPU" in c for c in v.checks)
+
+
+def test_bf16_differs_from_fp32():
+    # autocast is really on: the same step in fp32 lands elsewhere
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        task = build_task("tinygpt", {"steps": 2, "batch_size": 2, "block": 16, "n_layer": 1, "d_model": 16,
+                                      "n_head": 2, "precision": precision, "corpus_max_bytes": 50_000})
+        s = TrainingSession(task, b"\x01" * 32, len(task.dataset()))
+        losses[precision] = s.step(0, [task.dataset().sample_bytes(i) for i in s.batch_indices(0)]).loss
+    assert losses["fp32"] != losses["bf16"]
+    with pytest.raises(ValueError, match="precision"):
+        build_task("tinygpt", {"precision": "fp8"})
+
+
+def test_a_run_from_other_hardware_replays_only_in_tolerance_mode(gpt, signing_key, tmp_path, capsys):
+    bundle = tmp_path / "b"
+    shutil.copytree(gpt, bundle)
+    m = open_bundle(gpt).manifest.raw
+    edit_manifest(bundle, signing_key, versions=dict(m["versions"], device=H200))
+    with pytest.raises(MalformedInput, match="recorded on NVIDIA H200 .* needs the same hardware .*--device cuda"):
+        verify_bundle(bundle, challenges=3)
+    assert main(["verify", str(bundle), "--challenges", "3"]) == 2
+    assert "--tolerance" in capsys.readouterr().err
+    # the claim buys nothing: the CPU replay still has to land within the thresholds on every state
+    v = verify_bundle(bundle, challenges=3, exact=False, nonce=b"\x02")
+    assert v.accepted and any("recorded on NVIDIA H200" in n and "tolerance mode" in n for n in v.notes)
+
+
+def test_a_false_device_record_is_malformed(gpt, signing_key, tmp_path):
+    bundle = tmp_path / "b"
+    shutil.copytree(gpt, bundle)
+    m = open_bundle(gpt).manifest.raw
+    edit_manifest(bundle, signing_key, versions=dict(m["versions"], device={"kind": "tpu"}))
+    with pytest.raises(MalformedInput, match="kind must be cpu or cuda"):
+        open_bundle(bundle)
+    edit_manifest(bundle, signing_key, versions=dict(m["versions"], device={"kind": "cpu", "x": "y"}))
+    with pytest.raises(MalformedInput, match="unexpected fields"):
+        open_bundle(bundle)
+
+
+def test_hardware_comparison():
+    cpu = device_info("cpu")
+    assert same_hardware(cpu, cpu) and same_hardware({"kind": "cpu"}, cpu)  # older manifests name no machine
+    assert not same_hardware(dict(cpu, machine="aarch64"), cpu)
+    assert not same_hardware(H200, cpu) and same_hardware(H200, dict(H200, driver="590.1"))  # the driver picks no kernel
+    assert not same_hardware(H200, dict(H200, name="NVIDIA A100-SXM4-80GB"))
+
+
+def test_batches_move_to_the_device_in_any_shape():
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [torch.ones(3)]), "n": 3}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["x"] is batch["x"] and moved["n"] == 3 and isinstance(moved["pair"], tuple)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_asking_for_a_gpu_without_one_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        deterministic_device("cuda")
+    code = main(["train", "--task", "tiny", "--steps", "2", "--device", "cuda", "--quiet",
+                 "--key", str(tmp_path / "k.pem"), "--out", str(tmp_path / "run")])
+    assert code == 2 and "no CUDA GPU" in capsys.readouterr().err
+
+
+@needs_cuda
+def test_a_gpu_run_replays_bit_for_bit_on_the_gpu_and_in_tolerance_on_the_cpu(tmp_path, capsys):
+    key = str(tmp_path / "k.pem")
+    args = ["train", "--task", "tinygpt", "--steps", "6", "--checkpoint-every", "3", "--device", "cuda", "--quiet",
+            "--config", "batch_size=8", "--config", "precision=bf16", "--config", "dropout=0.0",
+            "--key", key, "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    m = open_bundle(tmp_path / "run").manifest
+    assert m.device["kind"] == "cuda" and m.device["name"] == torch.cuda.get_device_name()
+    v = verify_bundle(tmp_path / "run", challenges=6, device="cuda")
+    assert v.accepted and any("bit for bit" in c for c in v.checks)
+    with pytest.raises(MalformedInput, match="same hardware"):
+        verify_bundle(tmp_path / "run", challenges=2)
+    drift = verify_bundle(tmp_path / "run", challenges=6, exact=False)
+    assert drift.accepted and drift.thresholds
