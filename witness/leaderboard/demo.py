@@ -24,8 +24,19 @@ def start_server(lb: Leaderboard, host: str = "127.0.0.1", port: int = 8080):
     return start_uvicorn(create_app(lb=lb), host, port)
 
 
+# What each demo submitter says of its run (the recipe is the track's: only the seed differs).
+DEMO_INFO = {
+    "alice": {"title": "baseline", "description": "the track's recipe as registered"},
+    "bob": {"title": "baseline, second seed", "description": "the same recipe under another ticket's seed",
+            "code_url": "https://example.org/bob/tiny-mlp"},
+    "carol": {"title": "baseline, third seed"},
+    "mallory": {"title": "faster warm-up", "description": "claims the registered schedule; trained with a secretly "
+                                                          "larger learning rate"},
+}
+
+
 def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float = 1.0,  # noqa: ANN001 - key
-              checkpoint_every: int = 10) -> int:
+              checkpoint_every: int = 10, info: dict | None = None) -> int:
     """Take a ticket, train while streaming heads, evaluate and submit; returns the run id.
 
     ``lr_cheat`` != 1 makes a dishonest trainer: it trains the middle third of the run with a
@@ -33,7 +44,8 @@ def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float 
     """
     factor = None if lr_cheat == 1.0 else (lambda t, n: lr_cheat if n // 3 <= t < 2 * n // 3 else 1.0)
     with C.connect(url, token) as c:
-        run_id, _ = C.train_ticketed(c, track, key, out, checkpoint_every=checkpoint_every, lr_factor=factor)
+        run_id, _ = C.train_ticketed(c, track, key, out, checkpoint_every=checkpoint_every, lr_factor=factor,
+                                     info=info)
         return C.submit(c, out, C.write_evaluation(out, key, out.with_suffix(".eval.json")))["run_id"]
 
 
@@ -60,7 +72,7 @@ def run_demo(folder: Path, port: int = 8080, serve: bool = True) -> int:
     for name in ("alice", "bob", "carol", "mallory"):
         key, token = people[name]
         runs[name] = train_run(url, token, key, folder / "runs" / name, DEMO_TRACK,
-                               lr_cheat=1.5 if name == "mallory" else 1.0)
+                               lr_cheat=1.5 if name == "mallory" else 1.0, info=DEMO_INFO[name])
         print(f"  {name}: trained and submitted run {runs[name]}", file=sys.stderr)
     work(lb, once=True)  # the server's worker: draws challenges, replays, checks the evaluation
     with C.connect(url, people["bob"][1]) as c:
