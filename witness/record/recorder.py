@@ -56,6 +56,11 @@ class Recorder:
         self.digest = manifest["state_digest"]
         self.on_head = on_head
         self._pending: tuple[int, list[int], bytes] | None = None
+        # Off the training stream by default on a GPU, where the host is otherwise idle while the
+        # device computes; on the CPU the hash thread would only compete with training's threads.
+        self.overlap = session.device.type == "cuda" if hasattr(session, "device") else False
+        self._snapshots = None
+        self._deferred: tuple[dict, Any] | None = None  # a record waiting for its state hash
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -238,9 +243,14 @@ class Recorder:
         }
         done = step + 1
         checkpoint = self.checkpoint_due(step)
+        self.flush()  # the previous record first: the log keeps step order
         if self.state_due(step):
             if state is None:
                 state = state_tensors(self.model, self.optimizer)
+                if self.overlap and not checkpoint:
+                    self._hash_later(record, state)
+                    self.next_step = done
+                    return
             if checkpoint:
                 sh, fh = save_checkpoint(self.out / checkpoint_name(done), state, done, self.digest)
                 record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
@@ -251,8 +261,28 @@ class Recorder:
         if checkpoint:
             self._publish_head()
 
+    def _hash_later(self, record: dict, state: dict) -> None:
+        """Hash ``state`` in the background; ``record`` is written with its hash by the next ``flush``."""
+        from .overlap import StateSnapshots
+
+        if self._snapshots is None:
+            self._snapshots = StateSnapshots(self.optimizer, self.digest)
+        buffers = frozenset(f"model.{n}" for n, _ in self.model.named_buffers())
+        self._deferred = (record, self._snapshots.submit(state, early=buffers))
+
+    def flush(self) -> None:
+        """Write the record still waiting for its state hash, if there is one (waits for the hash)."""
+        if self._deferred is not None:
+            record, pending = self._deferred
+            self._deferred = None
+            record["state_hash"] = pending.result().hex()
+            self.writer.append_record(self.log.append(record))
+
     def finish(self) -> SignedTreeHead:
         """Append the end record and sign the final tree head."""
+        self.flush()
+        if self._snapshots is not None:
+            self._snapshots.close()
         if self.next_step != self.task.config.steps:
             raise ValueError(f"the recipe has {self.task.config.steps} steps; {self.next_step} were logged")
         records = [parse_canonical_json(line) for line in self.log.lines[1:]]
