@@ -91,6 +91,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a readable summary of a bundle."""
     from ..bundle.reader import open_bundle
     from ..commit.signing import key_fingerprint
+    from ..session import describe_device
 
     b = open_bundle(args.bundle)
     m = b.manifest
@@ -112,6 +113,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "state_every": m.state_every,
         "state_digest": m.state_digest,
         "threads": m.threads,
+        "device": m.device,
         "first_loss": b.steps[0].loss,
         "last_loss": b.steps[-1].loss,
         "task_config": m.task_config,
@@ -129,6 +131,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  run seed      {m.run_seed.hex()} (r from the {m.r_source})")
     print(f"  checkpoints   {', '.join(map(str, b.checkpoint_steps()))} (every {m.checkpoint_every})")
     print(f"  state hash    {m.state_digest}, committed every {m.state_every} step(s); {m.threads} thread(s)")
+    print(f"  hardware      {describe_device(m.device)}; torch {m.torch_version}")
     print(f"  loss          {b.steps[0].loss:.4f} -> {b.steps[-1].loss:.4f}")
     print(f"  recipe        {json.dumps(m.task_config, sort_keys=True)}")
     for n in b.notes:
