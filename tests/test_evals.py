@@ -211,3 +211,29 @@ def test_json_depth_is_measured_without_parsing():
     assert json_depth(b'{"a": "[[[[[[ in a string ]]]]"}') == 1
     assert json_depth(rb'["\\", ["\"]"]]') == 2  # an escaped quote or backslash does not end a string
     assert json_depth(b"[" * 100_000) == 100_000
+
+
+def test_the_serve_and_export_commands(run, tmp_path, capsys):
+    import subprocess
+    import sys
+    import urllib.request
+
+    bundle = run[0]
+    # export writes the release that identify accepts and a statement can name
+    assert main(["export", str(bundle), "--out", str(tmp_path / "model.safetensors")]) == 0
+    assert "SHA-256" in capsys.readouterr().out
+    assert main(["identify", str(bundle), "--weights", str(tmp_path / "model.safetensors")]) == 0
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.safetensors")]) == 2
+    # serve, as a person starts it: the first line names the address, and the model answers there
+    proc = subprocess.Popen([sys.executable, "-m", "witness.cli", "serve", str(bundle), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        url = line.split()[1].removesuffix("/v1/outputs")
+        info = json.loads(urllib.request.urlopen(url + "/v1/info", timeout=30).read())
+        assert info["served_model_hash"] == info["final_model_hash"]
+        assert main(["identify", str(bundle), "--endpoint", url]) == 0
+    finally:
+        proc.terminate()
+        proc.wait(30)
