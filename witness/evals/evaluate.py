@@ -10,28 +10,23 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
 
-from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle, as_bundle, open_bundle
-from ..bundle.state import load_state, state_hash
+from ..bundle.state import load_state
 from ..commit.hashing import canonical_json, same, tagged_hash
-from ..errors import MalformedInput, RunRejected, VerificationError
+from ..errors import RunRejected, VerificationError
 from ..task.base import Task
 from ..verify.audit import task_of
 from ..verify.challenges import sample_indices, weak_bound_warning
 from ..verify.data_queries import run_commitments
 from .certificate import build_body, check_certificate, sign_certificate, spot_probability
 from .contamination import contaminated, near_duplicates
+from .release import final_model_tensors
 
 
 def final_model(bundle: Bundle, task: Task) -> torch.nn.Module:
     """The run's final model, from its final checkpoint (whose hash the log commits)."""
-    if bundle.end is None:
-        raise MalformedInput("evaluation needs a finished run")
-    tensors = read_checkpoint(bundle.checkpoints[len(bundle.steps)])
-    if not same(state_hash(tensors, bundle.manifest.state_digest), bundle.end.final_state_hash):
-        raise VerificationError("the final checkpoint is not the committed final state", check="checkpoint")
     model = task.build_model(bundle.manifest.run_seed)
-    load_state(model, None, {k: v for k, v in tensors.items() if k.startswith("model.")})
+    load_state(model, None, final_model_tensors(bundle, "a final model to evaluate"))
     model.eval()
     return model
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from ..bundle.checkpoint import file_sha256, read_checkpoint
 from ..bundle.reader import Bundle
 from ..bundle.state import model_hash, state_hash
@@ -18,16 +20,22 @@ from ..commit.hashing import same
 from ..errors import MalformedInput, VerificationError
 
 
+def final_model_tensors(bundle: Bundle, needed_for: str = "a final model") -> dict[str, torch.Tensor]:
+    """The ``model.*`` tensors of the run's final checkpoint, after checking it is the committed final state."""
+    if bundle.end is None:
+        raise MalformedInput(f"only a finished run has {needed_for}")
+    tensors = read_checkpoint(bundle.checkpoints[len(bundle.steps)])
+    if not same(state_hash(tensors, bundle.manifest.state_digest), bundle.end.final_state_hash):
+        raise VerificationError("the final checkpoint is not the committed final state", check="checkpoint")
+    return {k: v for k, v in tensors.items() if k.startswith("model.")}
+
+
 def export_model(bundle: Bundle, path: str | os.PathLike) -> dict:
     """Write the run's final model (``state_dict`` names, no optimizer) to ``path``; its in-toto subject."""
     from safetensors.torch import save_file
 
-    if bundle.end is None:
-        raise MalformedInput("only a finished run has a final model to release")
-    tensors = read_checkpoint(bundle.checkpoints[len(bundle.steps)])
-    if not same(state_hash(tensors, bundle.manifest.state_digest), bundle.end.final_state_hash):
-        raise VerificationError("the final checkpoint is not the committed final state", check="checkpoint")
-    model = {k[len("model."):]: v.contiguous() for k, v in tensors.items() if k.startswith("model.")}
+    tensors = final_model_tensors(bundle, "a final model to release")
+    model = {k[len("model."):]: v.contiguous() for k, v in tensors.items()}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file(model, str(tmp), metadata={"witness.task": bundle.manifest.task,
@@ -43,14 +51,14 @@ def subject_of(path: str | os.PathLike) -> dict:
 
 def model_subject(bundle: Bundle, path: str | os.PathLike) -> dict:
     """The subject for a released model file, after checking it holds exactly the run's final model."""
-    from .identity import read_weights
+    from .identity import identify_weights
 
     if bundle.end is None:
         raise MalformedInput("only a finished run has a final model")
-    got = model_hash(read_weights(path), bundle.manifest.state_digest)
-    if not same(got, bundle.end.final_model_hash):
-        raise MalformedInput(f"{path} does not hold the run's final model (model hash {got.hex()[:16]}…, the run's "
-                             f"is {bundle.end.final_model_hash.hex()[:16]}…); witness export writes that file")
+    found = identify_weights(bundle, path)
+    if not found.same:
+        raise MalformedInput(f"{path} does not hold the run's final model ({found.detail}); witness export "
+                             "writes that file")
     return subject_of(path)
 
 
