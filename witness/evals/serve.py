@@ -24,7 +24,6 @@ from .. import __version__
 from ..bundle.reader import open_bundle
 from ..bundle.state import load_state, model_hash
 from ..commit.hashing import load_json
-from ..task.base import autocast, model_device
 from ..verify.audit import task_of
 from ..web import BodyLimit, json_depth
 from .evaluate import final_model
@@ -90,9 +89,8 @@ def create_app(bundle_dir: str | os.PathLike, weights: str | None = None) -> Fas
         inputs = _inputs(await request.body(), probe_len)
 
         def forward() -> torch.Tensor:
-            # the run's precision, as its fingerprints were taken (a bf16 run answers from bf16 autocast)
-            with lock, torch.no_grad(), autocast(model_device(model), task.precision):
-                return task.probe_outputs(model, task.collate_probes(inputs)).to(torch.float32)
+            with lock:  # as the run's fingerprints were taken (a bf16 run answers from bf16 autocast)
+                return task.recorded_probe_outputs(model, task.collate_probes(inputs))
 
         out = await run_in_threadpool(forward)
         return {"outputs": out.tolist(), "shape": list(out.shape), "dtype": "float32"}

@@ -319,6 +319,15 @@ class Task:
         return out
 
     @torch.no_grad()
+    def recorded_probe_outputs(self, model: nn.Module, probes: Any) -> torch.Tensor:
+        """Probe outputs as the fingerprint takes them: on the model's device, at the recipe's
+        precision, returned as float32 on the host (whatever the device)."""
+        device = model_device(model)
+        with autocast(device, self.precision):
+            outputs = self.probe_outputs(model, to_device(probes, device))
+        return outputs.float().cpu()
+
+    @torch.no_grad()
     def fingerprint(self, model: nn.Module) -> Fingerprint:
         """The behavioral fingerprint of ``model``: its outputs on the probes in eval mode.
 
@@ -330,12 +339,8 @@ class Task:
             self._probes = self.probe_tensors()
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
-        device = model_device(model)
         try:
-            with autocast(device, self.precision):
-                outputs = self.probe_outputs(model, to_device(self._probes, device))
-            # the fingerprint is taken on the host, from float32 outputs, whatever the device
-            return self.fingerprint_of_outputs(outputs.float().cpu())
+            return self.fingerprint_of_outputs(self.recorded_probe_outputs(model, self._probes))
         finally:
             for m, training in modes:
                 m.training = training
