@@ -56,6 +56,7 @@ def test_the_track_ranks_certified_runs_and_keeps_rejected_ones_apart(board):
     # the submitter's words are shown escaped, the code link kept
     assert "warmup &lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page
     assert 'href="https://example.org/a" rel="nofollow noopener noreferrer"' in page
+    assert '<a id="code-link" href="https://example.org/a"' in tc.get(f"/runs/{ids['alice']}").text
 
 
 def test_the_record_history_is_an_svg_drawn_by_the_server(board):

@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     app.state.lb = lb
     pages = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), autoescape=True)
     pages.filters["when"] = _fmt_ms
+    pages.filters["safe_link"] = safe_link
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> Response:
         if request.url.path.startswith("/api/"):
@@ -287,7 +288,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                     has_plots=(plots / "loss.svg").exists(), has_bundle=lb.store.archive(r.id).exists(),
                     has_model=lb.store.model_file(r.id).exists(), bad_fraction=lb.settings.bad_fraction,
                     recipe=json.loads(t.config_json), base=base_url(request), server_key=lb.public_key,
-                    code_url=safe_link(r.code_url), fingerprint_caption=FINGERPRINT_CAPTION)
+                    fingerprint_caption=FINGERPRINT_CAPTION)
 
     @app.get("/runs/{run_id}/badge.svg", include_in_schema=False)
     def badge(run_id: int, s: DB) -> Response:
