@@ -50,3 +50,10 @@ def test_a_tampered_trainer_run_is_rejected(hf_run, tmp_path, capsys):
     resign(bad, load_key(key), lines[:7] + [canonical_json(rec)] + lines[8:])
     assert witness(["verify", str(bad), "--challenges", "12", "--nonce", "01", "--json"]) == 1
     assert "step 6" in capsys.readouterr().out
+
+
+def test_hf_gpt2_refuses_a_precision_its_trainer_step_would_not_replay():
+    from witness.task import build_task
+
+    with pytest.raises(ValueError, match="trains in fp32"):
+        build_task("hf-gpt2", {"precision": "bf16"})

@@ -75,3 +75,21 @@ def test_a_loader_off_the_committed_order_is_refused(tmp_path):
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[WitnessCallback(rec)])
     with pytest.raises(ValueError, match="not the committed one"):
         trainer.fit(Shuffled(rec))
+
+
+def test_a_bf16_recipe_under_lightning_replays_bit_for_bit(tmp_path):
+    import lightning as L
+
+    from witness.commit.signing import generate_key
+    from witness.integrations.lightning import TaskModule, WitnessCallback
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    task = build_task("tinygpt", {"steps": 3, "batch_size": 4, "block": 16, "n_layer": 1, "d_model": 16, "n_head": 2,
+                                  "probes": 2, "probe_len": 8, "corpus_max_bytes": 100_000, "precision": "bf16"})
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x05" * 32, checkpoint_every=3)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[WitnessCallback(rec)])
+    trainer.fit(TaskModule(rec))
+    v = verify_bundle(tmp_path / "run", challenges=3, nonce=b"bf16")  # replay applies the recipe's autocast
+    assert v.accepted and v.replayed_steps == 3

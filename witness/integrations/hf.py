@@ -67,6 +67,9 @@ class HFGPT2Task(TinyGPTTask):
         super().check_limits()
         if self.config.dropout != 0.0:
             raise ValueError("hf-gpt2 trains without dropout (transformers draws it from the global RNG)")
+        if self.precision != "fp32":
+            # the Trainer chooses its own mixed precision (args.bf16): its step is not Task.train_step's
+            raise ValueError("hf-gpt2 trains in fp32 (the Trainer's own mixed precision is not replayed)")
 
     def build_model(self, seed: bytes) -> nn.Module:
         """A GPT-2 of the recipe's shape, byte vocabulary, eager attention, weights from the seed."""
