@@ -56,15 +56,16 @@ def compare_runs(doc: str | None, run: Callable[[bool, int, Path], list[float]],
                  rounds: int = 3, steps: int = 12) -> dict:
     """Plain and witnessed runs of a framework's loop, alternated in one process so that the
     machine's drift hits both alike; ``run(witnessed, steps, folder)`` returns step times.
-    Reports the medians and their ratio (``--rounds``, ``--steps``, ``--batch-size``, ``--json``)."""
+    Reports the medians and their ratio (``--rounds``, ``--steps``, ``--batch-size``, ``--block``, ``--json``)."""
     import torch
 
     ap = parser(doc)
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--batch-size", type=int, default=config["batch_size"])
+    ap.add_argument("--block", type=int, default=config["block"], help="tokens per sample")
     args = ap.parse_args()
-    config["batch_size"] = args.batch_size
+    config["batch_size"], config["block"] = args.batch_size, args.block
     plain: list[float] = []
     witnessed: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:

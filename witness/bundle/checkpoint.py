@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import re
 import struct
@@ -21,6 +22,35 @@ from .state import state_hash
 STATE_FORMAT = "witness-state/v1"
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, with the same bytes for the same tensors and metadata.
+
+    safetensors keeps the metadata in a hash map whose order changes from one map to the next,
+    so the same state could be written as different files (and a released model named by two
+    SHA-256s). The metadata is rewritten in place, sorted by key: the same strings, so the same
+    length, and nothing else in the header moves.
+    """
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        # safetensors reports I/O failures (a full disk) as its own error: make it the OSError it is
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
+    if len(metadata) < 2:
+        return
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = f.read(n).decode("utf-8")
+        meta = json.loads(header)["__metadata__"]
+        compact = lambda m: json.dumps({"__metadata__": m}, separators=(",", ":"), ensure_ascii=False)[:-1]  # noqa: E731
+        written, ordered = compact(meta), compact(dict(sorted(meta.items())))
+        if not header.startswith(written) or len(written.encode()) != len(ordered.encode()):
+            raise RuntimeError("safetensors wrote a header of an unexpected layout; the metadata cannot be ordered")
+        f.seek(8)
+        f.write(ordered.encode("utf-8"))
+
+
 def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], step: int, digest: str) -> tuple[bytes, bytes]:
     """Write atomically (temp file, fsync, rename); returns (state hash, file SHA-256)."""
     path = Path(path)
@@ -34,14 +64,7 @@ def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], step: int, dig
         # safetensors stores each name on its own, so the second is written as a copy.
         out[k] = t.clone() if ptr in storages and t.numel() else t
         storages.add(ptr)
-    try:
-        save_file(out, str(tmp),
-                  metadata={"format": STATE_FORMAT, "step": str(step)})
-    except SafetensorError as e:
-        # safetensors reports I/O failures (a full disk) as its own error: make it the OSError it is
-        m = re.search(r"os error (\d+)", str(e))
-        code = int(m.group(1)) if m else errno.EIO
-        raise OSError(code, os.strerror(code), str(tmp)) from None
+    save_safetensors(out, tmp, {"format": STATE_FORMAT, "step": str(step)})
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -27,8 +30,15 @@ except ImportError:  # the fallback: SHA-256 is always there
     _blake3 = None
 
 DIGESTS = ("blake3", "sha256")
-# Below this size a tensor is hashed on the calling thread; above it BLAKE3 spreads the work.
-_PARALLEL_BYTES = 1 << 20
+# Whole tensors are hashed several at once on a pool of threads (both hashes release the GIL);
+# a tensor this large also has its chunks spread over BLAKE3's own threads.
+_PARALLEL_BYTES = 16 << 20
+# Below this much in all, a state is hashed on the calling thread: handing work to threads costs more.
+_POOL_MIN_BYTES = 1 << 20
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+# a forked child has none of its parent's threads: it starts its own pools
+os.register_at_fork(after_in_child=_pools.clear)
 
 
 def default_digest() -> str:
@@ -71,9 +81,41 @@ def tensor_leaf(name: str, t: torch.Tensor, digest: str) -> bytes:
     }))
 
 
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="witness-hash")
+        return _pools[workers]
+
+
 def state_hash(tensors: dict[str, torch.Tensor], digest: str) -> bytes:
-    """Merkle root over the named tensors, sorted by name."""
-    return merkle_root([tensor_leaf(n, tensors[n], digest) for n in sorted(tensors)])
+    """Merkle root over the named tensors, sorted by name.
+
+    The tensors are hashed on as many threads as torch may use (``torch.get_num_threads()``),
+    so the trainer's own thread bound also bounds the hash; the root does not depend on it.
+    """
+    names = sorted(tensors)
+    size = {n: tensors[n].numel() * tensors[n].element_size() for n in names}
+    workers = torch.get_num_threads()
+    if workers < 2 or sum(size.values()) < _POOL_MIN_BYTES:
+        return merkle_root([tensor_leaf(n, tensors[n], digest) for n in names])
+    # One share of about equal bytes per thread (the largest tensors dealt first): a task per
+    # tensor would cost more in hand-offs than the hashing of a small tensor takes.
+    shares: list[list[str]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for n in sorted(names, key=size.__getitem__, reverse=True):
+        i = loads.index(min(loads))
+        shares[i].append(n)
+        loads[i] += size[n]
+
+    def hash_share(share: list[str]) -> list[tuple[str, bytes]]:
+        return [(n, tensor_leaf(n, tensors[n], digest)) for n in share]
+
+    pending = [_pool(workers - 1).submit(hash_share, share) for share in shares[1:]]
+    leaves = dict(hash_share(shares[0]))  # the calling thread takes a share too
+    for f in pending:
+        leaves.update(f.result())
+    return merkle_root([leaves[n] for n in names])
 
 
 def model_hash(tensors: dict[str, torch.Tensor], digest: str) -> bytes:

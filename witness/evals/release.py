@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..bundle.checkpoint import file_sha256, read_checkpoint
+from ..bundle.checkpoint import file_sha256, read_checkpoint, save_safetensors
 from ..bundle.reader import Bundle
 from ..bundle.state import model_hash, state_hash
 from ..commit.hashing import same
@@ -32,14 +32,12 @@ def final_model_tensors(bundle: Bundle, needed_for: str = "a final model") -> di
 
 def export_model(bundle: Bundle, path: str | os.PathLike) -> dict:
     """Write the run's final model (``state_dict`` names, no optimizer) to ``path``; its in-toto subject."""
-    from safetensors.torch import save_file
-
     tensors = final_model_tensors(bundle, "a final model to release")
     model = {k[len("model."):]: v.contiguous() for k, v in tensors.items()}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(model, str(tmp), metadata={"witness.task": bundle.manifest.task,
-                                          "witness.final_model_hash": bundle.end.final_model_hash.hex()})
+    save_safetensors(model, tmp, {"witness.task": bundle.manifest.task,
+                                  "witness.final_model_hash": bundle.end.final_model_hash.hex()})
     os.replace(tmp, path)  # never leave a half-written release where a reader expects a whole one
     return subject_of(path)
 
