@@ -58,8 +58,9 @@ class Recorder:
         self._pending: tuple[int, list[int], bytes] | None = None
         # Off the training stream by default on a GPU, where the host is otherwise idle while the
         # device computes; on the CPU the hash thread would only compete with training's threads.
-        self.overlap = session.device.type == "cuda" if hasattr(session, "device") else False
+        self.overlap = session.device.type == "cuda"
         self._snapshots = None
+        self._early: frozenset[str] = frozenset()  # buffers a forward changes: copied ahead of it
         self._deferred: tuple[dict, Any] | None = None  # a record waiting for its state hash
 
     # --- construction -------------------------------------------------------------------
@@ -267,8 +268,8 @@ class Recorder:
 
         if self._snapshots is None:
             self._snapshots = StateSnapshots(self.optimizer, self.digest)
-        buffers = frozenset(f"model.{n}" for n, _ in self.model.named_buffers())
-        self._deferred = (record, self._snapshots.submit(state, early=buffers))
+            self._early = frozenset(f"model.{n}" for n, _ in self.model.named_buffers())
+        self._deferred = (record, self._snapshots.submit(state, early=self._early))
 
     def flush(self) -> None:
         """Write the record still waiting for its state hash, if there is one (waits for the hash)."""
