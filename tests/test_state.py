@@ -64,6 +64,14 @@ def test_the_state_hash_does_not_depend_on_the_thread_count():
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
                 assert state_hash(state, d) == want
+        # and on several threads, one changed coordinate anywhere changes the root
+        torch.set_num_threads(2)
+        base = state_hash(state, "blake3")
+        for name in state:
+            changed = dict(state)
+            changed[name] = state[name].clone()
+            changed[name].view(-1)[-1] += 1
+            assert state_hash(changed, "blake3") != base, name
     finally:
         torch.set_num_threads(before)
 
