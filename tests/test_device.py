@@ -11,11 +11,13 @@ import torch
 from helpers import edit_manifest, train_tiny
 
 from witness.bundle.reader import open_bundle
+from witness.bundle.state import state_hash, state_tensors
 from witness.cli import main
 from witness.errors import MalformedInput
 from witness.session import TrainingSession, deterministic_device, device_info, same_hardware
 from witness.task import build_task
 from witness.task.base import to_device
+from witness.task.tinygpt import Block
 from witness.verify import verify_bundle
 
 H200 = {"kind": "cuda", "name": "NVIDIA H200", "cuda": "13.0", "cudnn": "91000", "driver": "580.65"}
@@ -54,6 +56,29 @@ def test_bf16_differs_from_fp32():
     assert losses["fp32"] != losses["bf16"]
     with pytest.raises(ValueError, match="precision"):
         build_task("tinygpt", {"precision": "fp8"})
+
+
+def test_activation_checkpointing_recomputes_the_same_bits(monkeypatch):
+    # a memory setting, not a change of arithmetic: every record and the state come out the same
+    base = {"steps": 3, "batch_size": 2, "block": 16, "n_layer": 2, "d_model": 16, "n_head": 2, "dropout": 0.0,
+            "precision": "bf16", "corpus_max_bytes": 50_000}
+    runs = {}
+    calls = []
+    forward = Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    for recompute in (False, True):
+        task = build_task("tinygpt", dict(base, activation_checkpointing=recompute))
+        s = TrainingSession(task, b"\x01" * 32, len(task.dataset()))
+        calls.clear()
+        outs = [s.step(t, [task.dataset().sample_bytes(i) for i in s.batch_indices(t)]) for t in range(3)]
+        fp = s.fingerprint().digest  # probes run without gradients: nothing to recompute
+        runs[recompute] = ([(o.loss, o.grad_norm) for o in outs], fp,
+                           state_hash(state_tensors(s.model, s.optimizer), "sha256"), len(calls))
+    assert runs[True][:3] == runs[False][:3]
+    # two blocks: a forward each per step and per probe pass, and a recomputation each per backward
+    assert runs[False][3] == 2 * (3 + 1) and runs[True][3] == 2 * (2 * 3 + 1)
+    with pytest.raises(ValueError, match="activation_checkpointing needs dropout 0"):
+        build_task("tinygpt", dict(base, activation_checkpointing=True, dropout=0.1))
 
 
 def test_a_run_from_other_hardware_replays_only_in_tolerance_mode(gpt, signing_key, tmp_path, capsys):

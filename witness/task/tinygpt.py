@@ -13,6 +13,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..data.stdlib import StdlibWindows, window_tokens
 from .base import Task, init_parameters
@@ -52,18 +53,24 @@ class TinyGPTConfig:
     fingerprint_dims: int = 8
     sketch_dims: int = 8
     precision: str = "fp32"  # or "bf16": autocast over fp32 master weights
+    # Recompute each block's activations in the backward pass instead of keeping them: memory
+    # for compute, with the same bits (the recomputation runs the same kernels on the same inputs).
+    activation_checkpointing: bool = False
 
 
 # The witnessed tinygpt at the method's scale, for GPUs (recipe fields for --config). The
 # vocabulary is bytes, so "gpt2-small" is GPT-2 small's body (12 layers of width 768: 86 M
 # parameters; GPT-2's 50,257-token embedding adds 39 M more) and "1b" has 1.2 B parameters.
 # Dropout is off, as in large-model pretraining; bf16 autocast over fp32 master weights. A
-# batch of 64 windows of 1,024 bytes is 65,536 tokens per step.
+# batch of 64 windows of 1,024 bytes is 65,536 tokens per step. The explicit attention keeps
+# its scores for the backward pass: about 80 GB of activations for "gpt2-small" at that batch,
+# and about 220 GB for "1b", which therefore recomputes each block's activations instead.
 PRESETS: dict[str, dict] = {
     "gpt2-small": {"n_layer": 12, "n_head": 12, "d_model": 768, "block": 1024, "batch_size": 64,
                    "dropout": 0.0, "lr": 0.0006, "warmup": 100, "precision": "bf16", "probe_len": 64},
     "1b": {"n_layer": 24, "n_head": 16, "d_model": 2048, "block": 1024, "batch_size": 64,
-           "dropout": 0.0, "lr": 0.0003, "warmup": 100, "precision": "bf16", "probe_len": 64},
+           "dropout": 0.0, "lr": 0.0003, "warmup": 100, "precision": "bf16", "probe_len": 64,
+           "activation_checkpointing": True},
 }
 
 
@@ -127,6 +134,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = LayerNorm(c.d_model)
         self.p = c.dropout
+        self.recompute = c.activation_checkpointing
 
     def forward(self, idx: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Logits over the next byte."""
@@ -135,7 +143,10 @@ class GPT(nn.Module):
         gen = generator  # dropout only with the step's generator: probes pass none
         x = dropout(x, self.p, gen)
         for b in self.blocks:
-            x = b(x, gen)
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(b, x, gen, use_reentrant=False)
+            else:
+                x = b(x, gen)
         return self.ln_f(x) @ self.tok.weight.t()
 
 
@@ -155,6 +166,9 @@ class TinyGPTTask(Task):
             raise ValueError("tinygpt batch or probe shape out of range")
         if not 2 <= c.probe_len <= c.block:
             raise ValueError("probe_len must be within the block")
+        if c.activation_checkpointing and c.dropout > 0:
+            # the recomputed forward would draw fresh masks from the step's generator
+            raise ValueError("activation_checkpointing needs dropout 0")
 
     @cached_property
     def _dataset(self) -> StdlibWindows:
