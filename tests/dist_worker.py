@@ -21,19 +21,25 @@ def main() -> None:
     ap.add_argument("--cheat-step", type=int, default=-1, help="at this step rank 1 trains on another batch")
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--checkpoint-every", type=int, default=4)
+    ap.add_argument("--state-every", type=int, default=None)
+    ap.add_argument("--overlap", action="store_true", help="hash the state off the training stream, as on a GPU")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})  # 16 splits over 1, 2, 4 ranks
     key = load_key(args.key) if dist.get_rank() == 0 else None
     rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32, checkpoint_every=args.checkpoint_every,
-                       parallelism=args.parallelism)
+                       state_every=args.state_every, parallelism=args.parallelism)
+    if rec.inner is not None:
+        rec.inner.overlap = args.overlap
     ds = task.dataset()
     for t in range(args.steps):
         batch = rec.batch(t)
         if t == args.cheat_step and dist.get_rank() == 1:
             batch = task.collate([ds.sample_bytes(i) for i in range(100, 108)])
         rec.log_step(t, rec.train_step(t, batch))
+        if args.overlap and rec.inner is not None and rec.inner.state_due(t) and not rec.inner.checkpoint_due(t):
+            assert rec.inner._deferred is not None, "the state hash did not go off the training stream"
     rec.finish()
     dist.destroy_process_group()
 

@@ -96,6 +96,21 @@ def test_state_hash_and_sketch_agree_across_single_process_ddp_and_fsdp(runs):
     assert state_hash(state_tensors(session.model, session.optimizer), m.state_digest) == ddp.end.final_state_hash
 
 
+def test_the_state_is_hashed_off_the_training_stream_where_rank_0_holds_it(runs):
+    # Under DDP, and FSDP2 on one rank, rank 0's own tensors are the whole state: a GPU run hashes
+    # them in a background thread as one process does (forced on here, on the CPU), and the
+    # records are those hashed in line, byte for byte.
+    ddp = torchrun(runs["dir"] / "ddp_overlap", runs["key"], "ddp", "--overlap")
+    assert (ddp / "log.jsonl").read_bytes() == (runs["ddp"] / "log.jsonl").read_bytes()
+    # FSDP2 on one rank commits every step's state from its own shard (no gather): one process
+    # replaying every step reproduces each committed hash bit for bit.
+    one = torchrun(runs["dir"] / "fsdp1_overlap", runs["key"], "fsdp", "--state-every", "1", "--overlap", ranks=1)
+    b = open_bundle(one)
+    assert (b.manifest.world_size, b.manifest.state_every) == (1, 1) and all(r.state_hash for r in b.steps)
+    v = verify_bundle(one, challenges=100)
+    assert v.accepted and v.exact and v.replayed_steps == 12
+
+
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_a_rank_training_on_another_batch_is_rejected(runs, parallelism):
     out = torchrun(runs["dir"] / f"cheat_{parallelism}", runs["key"], parallelism, "--cheat-step", "6")

@@ -81,7 +81,8 @@ class DistRecorder:
         sketch = self.session.sketch()
         state = self.session.full_state() if committed else None
         if self.inner is not None:
-            self.inner.log_step(step, total, fingerprint=fp, sketch=sketch, state=state)
+            self.inner.log_step(step, total, fingerprint=fp, sketch=sketch, state=state,
+                                live=self.session.holds_whole_state())
 
     def finish(self) -> None:
         """Rank 0 signs the end; everyone waits for it."""

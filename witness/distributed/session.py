@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
 
 from ..bundle.state import state_tensors
 from ..fingerprint.probes import Fingerprint
@@ -157,10 +158,18 @@ class DistSession(TrainingSession):
         x = x.cpu()
         return self.sketcher.project(x) if self.rank == 0 else None
 
+    def holds_whole_state(self) -> bool:
+        """Whether rank 0's own tensors are the whole state (DDP, or FSDP2 on one rank): then
+        committing it needs no gather, and ``full_state`` returns those tensors, not copies."""
+        return self.parallelism == "ddp" or self.world_size == 1
+
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full (unsharded) model and optimizer state, on rank 0."""
         if self.parallelism == "ddp":
             return state_tensors(self.module, self.optimizer) if self.rank == 0 else None
+        if self.world_size == 1:  # one shard is the whole tensor (no padding): hash it where it lies
+            return {k: v.to_local() if isinstance(v, DTensor) else v
+                    for k, v in state_tensors(self.model, self.optimizer).items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         msd, osd = get_state_dict(self.model, self.optimizer,

@@ -219,12 +219,14 @@ class Recorder:
         return due(step, self.state_every, self.task.config.steps)
 
     def log_step(self, step: int, out: StepOutput, *, fingerprint: Any = None, sketch: list[float] | None = None,
-                 state: dict | None = None) -> None:
+                 state: dict | None = None, live: bool = False) -> None:
         """Append the record of ``step`` (call right after the optimizer stepped).
 
         A distributed run computes the fingerprint, sketch and (where a state is committed) the
         full state with collectives on every rank and hands them in; a single process lets the
-        recorder do it.
+        recorder do it. ``live`` says the handed-in state is the training's own tensors (which
+        stay put until the optimizer steps again), not a copy: it may then be hashed off the
+        training stream, like the state the recorder takes itself.
         """
         if self._pending is None or self._pending[0] != step:
             raise ValueError(f"log_step({step}) without batch({step}) first")
@@ -247,11 +249,11 @@ class Recorder:
         self.flush()  # the previous record first: the log keeps step order
         if self.state_due(step):
             if state is None:
-                state = state_tensors(self.model, self.optimizer)
-                if self.overlap and not checkpoint:
-                    self._hash_later(record, state)
-                    self.next_step = done
-                    return
+                state, live = state_tensors(self.model, self.optimizer), True
+            if live and self.overlap and not checkpoint:
+                self._hash_later(record, state)
+                self.next_step = done
+                return
             if checkpoint:
                 sh, fh = save_checkpoint(self.out / checkpoint_name(done), state, done, self.digest)
                 record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
@@ -268,7 +270,9 @@ class Recorder:
 
         if self._snapshots is None:
             self._snapshots = StateSnapshots(self.optimizer, self.digest)
-            self._early = frozenset(f"model.{n}" for n, _ in self.model.named_buffers())
+            # named as in the state: a distributed session's unwrapped module, not its DDP wrapper
+            module = getattr(self.session, "module", self.model)
+            self._early = frozenset(f"model.{n}" for n, _ in module.named_buffers())
         self._deferred = (record, self._snapshots.submit(state, early=self._early))
 
     def flush(self) -> None:
