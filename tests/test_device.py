@@ -4,7 +4,12 @@ paths run on the CPU here, and the GPU tests run where torch sees a CUDA device.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +150,20 @@ def test_a_gpu_run_replays_bit_for_bit_on_the_gpu_and_in_tolerance_on_the_cpu(tm
         verify_bundle(tmp_path / "run", challenges=2)
     drift = verify_bundle(tmp_path / "run", challenges=6, exact=False)
     assert drift.accepted and drift.thresholds
+
+
+def test_the_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
+    # The benchmark's only real run is on a GPU someone lends: its smoke test keeps it working here.
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "figures.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "gpu_witnessed.py", "--device", "cpu", "--small", "--steps", "4", "--drift-steps", "2", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=root / "bench", capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    (run,), (drift,) = figures["runs"], figures["drift"]
+    assert "error" not in run and "error" not in drift, (run.get("traceback"), drift.get("traceback"))
+    assert run["replay"]["replay_exact"] and run["replay"]["replayed_steps"] == 4 and run["state_every"] == 1
+    assert set(run["parts_s"]) == {"loss all-gather", "fingerprint", "sketch", "state", "record"}
+    assert drift["accepted"] and len(drift["segments"]) == 2 and drift["max_distance"]["parameters"] == 0.0
