@@ -82,6 +82,9 @@ def test_activation_checkpointing_recomputes_the_same_bits(monkeypatch):
     assert runs[True][:3] == runs[False][:3]
     # two blocks: a forward each per step and per probe pass, and a recomputation each per backward
     assert runs[False][3] == 2 * (3 + 1) and runs[True][3] == 2 * (2 * 3 + 1)
+    # the field came after runs were recorded without it: their recipes stay canonical
+    assert "activation_checkpointing" not in build_task("tinygpt", base).config_json()
+    assert build_task("tinygpt", dict(base, activation_checkpointing=True)).config_json()["activation_checkpointing"]
     with pytest.raises(ValueError, match="activation_checkpointing needs dropout 0"):
         build_task("tinygpt", dict(base, activation_checkpointing=True, dropout=0.1))
 

@@ -180,8 +180,14 @@ class Task:
         return getattr(self.config, "precision", "fp32")
 
     def config_json(self) -> dict:
-        """The recipe as JSON."""
-        return dataclasses.asdict(self.config)
+        """The recipe as JSON. A field added to a recipe after runs were recorded with it is left
+        out at its default (the Config's ``LATER_FIELDS``), so those runs' recipes stay canonical."""
+        out = dataclasses.asdict(self.config)
+        defaults = self.Config()
+        for name in getattr(self.Config, "LATER_FIELDS", ()):
+            if out[name] == getattr(defaults, name):
+                del out[name]
+        return out
 
     def dataset(self) -> Dataset:
         """The training dataset in its own order."""

@@ -57,6 +57,9 @@ class TinyGPTConfig:
     # for compute, with the same bits (the recomputation runs the same kernels on the same inputs).
     activation_checkpointing: bool = False
 
+    # added after runs were recorded without it: in the recipe only where it is not the default
+    LATER_FIELDS = ("activation_checkpointing",)
+
 
 # The witnessed tinygpt at the method's scale, for GPUs (recipe fields for --config). The
 # vocabulary is bytes, so "gpt2-small" is GPT-2 small's body (12 layers of width 768: 86 M
