@@ -8,8 +8,8 @@ For each preset (``gpt2-small``: 86 M parameters; ``1b``: 1.2 B, with activation
 bf16 autocast over fp32 master weights; 64 x 1,024 = 65,536 tokens per step) it
 
 1. trains plain steps (the same FSDP2 model and step, no recorder) and witnessed steps (a
-   ``DistRecorder`` writing a real bundle; on one GPU the whole state is committed at every step
-   and hashed off the training stream), and reports the median step of each, their ratio, the
+   ``DistRecorder`` writing a real bundle; the state is committed at every step, each rank
+   hashing the rows it holds off the training stream), and reports the median step of each, their ratio, the
    recorder's parts (loss all-gather, fingerprint, sketch, state, record) and the peak memory;
 2. replays the witnessed run on the same GPU (``verify_bundle(device="cuda")``) with every step
    challenged: whether it is bit-exact, the time of a replayed step and of loading a state, and
@@ -118,11 +118,9 @@ def plain_steps(task, device: torch.device, steps: int) -> list[float]:
 
 def witnessed_steps(task, device: torch.device, steps: int, out: Path, checkpoint_every: int) -> dict:
     """A witnessed FSDP2 run: step times, the recorder's parts, and the final checkpoint's time."""
-    # On one GPU rank 0's shards are the whole state: committed every step, hashed off the stream.
-    # Over several GPUs committing it means a gather: then only at checkpoints (the default).
-    state_every = 1 if dist.get_world_size() == 1 else None
+    # Every step's state is committed: each rank hashes the rows it holds, off the training stream.
     rec = DistRecorder(task, out, generate_key() if dist.get_rank() == 0 else None, r=b"\x05" * 32,
-                       checkpoint_every=checkpoint_every, state_every=state_every, parallelism="fsdp")
+                       checkpoint_every=checkpoint_every, parallelism="fsdp")
     parts: dict[str, list[float]] = {}
     timed(rec.session, {"global_output": "loss all-gather", "fingerprint": "fingerprint", "sketch": "sketch",
                         "full_state": "state"}, parts, device)

@@ -30,8 +30,7 @@ def main() -> None:
     key = load_key(args.key) if dist.get_rank() == 0 else None
     rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32, checkpoint_every=args.checkpoint_every,
                        state_every=args.state_every, parallelism=args.parallelism)
-    if rec.inner is not None:
-        rec.inner.overlap = args.overlap
+    rec.overlap = args.overlap
     ds = task.dataset()
     for t in range(args.steps):
         batch = rec.batch(t)
@@ -40,6 +39,7 @@ def main() -> None:
         rec.log_step(t, rec.train_step(t, batch))
         if args.overlap and rec.inner is not None and rec.inner.state_due(t) and not rec.inner.checkpoint_due(t):
             assert rec.inner._deferred is not None, "the state hash did not go off the training stream"
+            assert rec.sharded == (rec._unsettled is not None)
     rec.finish()
     dist.destroy_process_group()
 

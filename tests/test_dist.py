@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from witness.bundle.reader import open_bundle
+from witness.bundle.state import default_digest, state_hash, state_tensors
 from witness.commit.signing import generate_key, save_key
 from witness.errors import RunRejected
 from witness.session import TrainingSession
@@ -76,37 +77,42 @@ def test_fsdp_run_replays_bit_exactly_on_one_process(runs):
 
 def test_state_hash_and_sketch_agree_across_single_process_ddp_and_fsdp(runs):
     ddp, fsdp = open_bundle(runs["ddp_noclip"]), open_bundle(runs["fsdp_noclip"])
-    assert ddp.manifest.init_state_hash == fsdp.manifest.init_state_hash
+    # FSDP2's ranks hash the rows they hold: its digest names the row shards, one per rank
+    assert (ddp.manifest.state_digest, fsdp.manifest.state_digest) == (default_digest(), f"{default_digest()}/2")
     assert [r.sketch for r in ddp.steps] == [r.sketch for r in fsdp.steps]
     assert [r.digest for r in ddp.steps] == [r.digest for r in fsdp.steps]
-    # DDP commits every step's state, FSDP2 every checkpoint's: where both commit, they agree
-    assert all(f.state_hash == d.state_hash for d, f in zip(ddp.steps, fsdp.steps, strict=True) if f.state_hash)
-    assert sum(r.state_hash is not None for r in fsdp.steps) == 3 and all(r.state_hash for r in ddp.steps)
-    assert ddp.end.final_state_hash == fsdp.end.final_state_hash
-    # One process accumulating the two micro-batches reaches the same state and sketch.
+    assert all(r.state_hash for r in ddp.steps) and all(r.state_hash for r in fsdp.steps)  # every step, both
+    # the same weights have one identity, however they were sharded
+    assert ddp.end.final_model_hash == fsdp.end.final_model_hash
+    # One process accumulating the two micro-batches reaches the same state and sketch at every
+    # step, and its whole tensors hash to both runs' committed roots.
     m = ddp.manifest
     task = build_task("tiny", m.task_config)
     session = TrainingSession(task, m.run_seed, m.dataset_size, world_size=2)
+    state = state_tensors(session.model, session.optimizer)
+    assert state_hash(state, m.state_digest) == m.init_state_hash
+    assert state_hash(state, fsdp.manifest.state_digest) == fsdp.manifest.init_state_hash
     ds = task.dataset()
-    for rec in ddp.steps:
+    for rec, frec in zip(ddp.steps, fsdp.steps, strict=True):
         session.step(rec.step, [ds.sample_bytes(i) for i in rec.batch])
         assert session.sketch() == list(rec.sketch)
-    from witness.bundle.state import state_hash, state_tensors
+        state = state_tensors(session.model, session.optimizer)
+        assert state_hash(state, m.state_digest) == rec.state_hash
+        assert state_hash(state, fsdp.manifest.state_digest) == frec.state_hash
 
-    assert state_hash(state_tensors(session.model, session.optimizer), m.state_digest) == ddp.end.final_state_hash
 
-
-def test_the_state_is_hashed_off_the_training_stream_where_rank_0_holds_it(runs):
-    # Under DDP, and FSDP2 on one rank, rank 0's own tensors are the whole state: a GPU run hashes
-    # them in a background thread as one process does (forced on here, on the CPU), and the
-    # records are those hashed in line, byte for byte.
-    ddp = torchrun(runs["dir"] / "ddp_overlap", runs["key"], "ddp", "--overlap")
-    assert (ddp / "log.jsonl").read_bytes() == (runs["ddp"] / "log.jsonl").read_bytes()
-    # FSDP2 on one rank commits every step's state from its own shard (no gather): one process
-    # replaying every step reproduces each committed hash bit for bit.
-    one = torchrun(runs["dir"] / "fsdp1_overlap", runs["key"], "fsdp", "--state-every", "1", "--overlap", ranks=1)
+def test_the_state_is_hashed_off_the_training_stream(runs):
+    # As on a GPU (forced on here, on the CPU): under DDP rank 0 hashes its own whole state in a
+    # background thread; under FSDP2 every rank hashes its rows there, and the digests meet at
+    # the next record. The logs are those hashed in line, byte for byte.
+    for parallelism in ("ddp", "fsdp"):
+        out = torchrun(runs["dir"] / f"{parallelism}_overlap", runs["key"], parallelism, "--overlap")
+        assert (out / "log.jsonl").read_bytes() == (runs[parallelism] / "log.jsonl").read_bytes(), parallelism
+    # FSDP2 on one rank: its shards are the whole tensors, hashed where they lie, with no gather;
+    # one process replaying every step reproduces each committed hash bit for bit.
+    one = torchrun(runs["dir"] / "fsdp1_overlap", runs["key"], "fsdp", "--overlap", ranks=1)
     b = open_bundle(one)
-    assert (b.manifest.world_size, b.manifest.state_every) == (1, 1) and all(r.state_hash for r in b.steps)
+    assert (b.manifest.world_size, b.manifest.state_digest) == (1, default_digest()) and all(r.state_hash for r in b.steps)
     v = verify_bundle(one, challenges=100)
     assert v.accepted and v.exact and v.replayed_steps == 12
 
@@ -130,6 +136,7 @@ def test_many_ranks_replay_bit_exactly_on_one_process(runs, parallelism, ranks):
                    "--checkpoint-every", "4", ranks=ranks)
     m = open_bundle(out).manifest
     assert (m.world_size, m.parallelism) == (ranks, parallelism)
-    assert m.state_every == (4 if parallelism == "fsdp" else 1)  # FSDP2 gathers the state to commit it
+    # every step's state is committed: FSDP2's ranks hash their own rows, one shard each
+    assert m.state_every == 1 and m.state_digest == default_digest() + (f"/{ranks}" if parallelism == "fsdp" else "")
     v = verify_bundle(out, challenges=100)
     assert v.accepted and v.exact and v.replayed_steps == 8 and not v.thresholds, v.failures

@@ -9,6 +9,10 @@ import torch
 
 from witness.bundle.state import (
     default_digest,
+    parse_digest,
+    root_from_shards,
+    shard_digests,
+    shard_rows,
     state_distances,
     state_hash,
     tensor_digest,
@@ -16,6 +20,7 @@ from witness.bundle.state import (
 )
 from witness.commit.hashing import canonical_json, leaf_hash
 from witness.commit.merkle import merkle_root
+from witness.errors import MalformedInput
 
 # BLAKE3's published vector for the empty input (the reference implementation's test_vectors.json)
 BLAKE3_EMPTY = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
@@ -135,3 +140,75 @@ def test_the_same_state_is_written_as_the_same_file(tmp_path):
     assert raw[8:].startswith(b'{"__metadata__":{"alpha":"two","mid":"' + b"x" * 40 + b'","zeta":"1"}')
     with safe_open(str(tmp_path / "r0"), "pt") as f:
         assert f.metadata() == meta
+
+
+SHARDED_STATE = {"model.w": torch.randn(11, 3), "model.b": torch.randn(2), "model.e": torch.zeros(0, 4),
+                 "optim.w.exp_avg": torch.randn(11, 3), "optim.w.step": torch.tensor(7.0),
+                 "model.h": torch.randn(5, dtype=torch.bfloat16)}
+
+
+def _shard_roots(state: dict[str, torch.Tensor], digest: str, ranks: int) -> bytes:
+    """What an FSDP2 run's ranks compute: each hashes its rows, rank 0 composes."""
+    pieces = [{n: (t if t.dim() == 0 else t[a:b]) for n, t in state.items()
+               for a, b in [shard_rows(t.shape[0], ranks)[r] if t.dim() else (0, 0)]} for r in range(ranks)]
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
+    return root_from_shards(layout, [shard_digests(p, digest) for p in pieces], digest)
+
+
+@pytest.mark.parametrize("name", ["sha256", "blake3"])
+@pytest.mark.parametrize("ranks", [2, 3, 8])  # 8 ranks: 2 rows leave most shards empty
+def test_a_sharded_state_root_is_the_one_of_the_whole_tensors(name, ranks):
+    digest = f"{name}/{ranks}"
+    root = _shard_roots(SHARDED_STATE, digest, ranks)
+    assert root == state_hash(SHARDED_STATE, digest) != state_hash(SHARDED_STATE, name)
+    # the digest of a sharded tensor is the hash of its shards' digests, in rank order
+    w = SHARDED_STATE["model.w"]
+    parts = [tensor_digest(w[a:b], name) for a, b in shard_rows(11, ranks)]
+    assert tensor_digest(w, digest) == tensor_digest(torch.frombuffer(bytearray(b"".join(
+        bytes.fromhex(p) for p in parts)), dtype=torch.uint8), name)
+    assert tensor_digest(SHARDED_STATE["optim.w.step"], digest) == tensor_digest(SHARDED_STATE["optim.w.step"], name)
+
+
+def test_a_sharded_root_binds_every_row_and_the_rank_order():
+    digest = "blake3/3"
+    root = state_hash(SHARDED_STATE, digest)
+    for name, t in SHARDED_STATE.items():
+        for i in range(t.numel()):  # any coordinate of any shard
+            changed = dict(SHARDED_STATE, **{name: t.clone()})
+            changed[name].view(-1)[i] += 1
+            assert _shard_roots(changed, digest, 3) != root, (name, i)
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in SHARDED_STATE.items()}
+    ranks = [shard_digests({n: t[a:b] if t.dim() else t for n, t in SHARDED_STATE.items()
+                            for a, b in [shard_rows(t.shape[0], 3)[r] if t.dim() else (0, 0)]}, digest)
+             for r in range(3)]
+    assert root_from_shards(layout, ranks, digest) == root
+    assert root_from_shards(layout, [ranks[1], ranks[0], ranks[2]], digest) != root  # shards out of order
+    with pytest.raises(ValueError, match="every rank"):
+        root_from_shards(layout, ranks[:2], digest)
+    # row splits are FSDP2's: chunks of ceil(rows / ranks), the last ones short or empty
+    assert shard_rows(11, 3) == [(0, 4), (4, 8), (8, 11)] and shard_rows(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("spec", ["blake3/1", "blake3/01", "blake3/x", "blake3/", "md5/2", "blake3/2000",
+                                  "blake3/2/2", 7, "sha256 /2"])
+def test_a_malformed_state_digest_is_refused(spec):
+    with pytest.raises(MalformedInput, match="state digest"):
+        parse_digest(spec)
+
+
+def test_a_manifest_names_row_shards_only_for_its_own_fsdp_ranks(honest_bundle, signing_key, tmp_path):
+    import shutil
+
+    from helpers import edit_manifest
+
+    from witness.bundle.reader import open_bundle
+
+    bundle = tmp_path / "b"
+    shutil.copytree(honest_bundle, bundle)
+    for fields in ({"state_digest": "blake3/2"},  # one process
+                   {"state_digest": "blake3/2", "parallelism": "fsdp", "world_size": 4},
+                   {"state_digest": "sha256/4", "parallelism": "ddp", "world_size": 4},
+                   {"state_digest": "blake3/9999"}):
+        edit_manifest(bundle, signing_key, **fields)
+        with pytest.raises(MalformedInput, match="state_digest"):
+            open_bundle(bundle)

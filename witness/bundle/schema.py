@@ -7,7 +7,7 @@ from typing import Any
 
 from ..commit.hashing import parse_hex
 from ..errors import MalformedInput
-from .state import DIGESTS
+from .state import parse_digest
 
 MANIFEST_VERSION = 2
 NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -123,8 +123,12 @@ class Manifest:
             raise _fail(w, "r_source must be trainer or ticket")
         if obj["parallelism"] not in ("none", "ddp", "fsdp"):
             raise _fail(w, "parallelism must be none, ddp or fsdp")
-        if obj["state_digest"] not in DIGESTS:
-            raise _fail(w, f"state_digest must be one of {', '.join(DIGESTS)}")
+        try:
+            _, shards = parse_digest(obj["state_digest"])
+        except MalformedInput as e:
+            raise _fail(w, f"state_digest: {e}") from None
+        if shards > 1 and (obj["parallelism"] != "fsdp" or shards != obj["world_size"]):
+            raise _fail(w, "state_digest: row shards are an FSDP2 run's, one shard per rank")
         state_every = _int(obj["state_every"], f"{w}.state_every", 1)
         checkpoint_every = _int(obj["checkpoint_every"], f"{w}.checkpoint_every", 1)
         if checkpoint_every % state_every:

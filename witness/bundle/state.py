@@ -6,6 +6,12 @@ Merkle root over one leaf per tensor, sorted by name; a leaf is the canonical JS
 tensor's name, dtype, shape and the digest of its raw bytes. The digest is BLAKE3 (fast, and
 multi-threaded on large tensors) where the ``blake3`` package is installed, else SHA-256; the
 manifest names the one a run used, and the verifier uses that one.
+
+An FSDP2 run over W ranks names its digest ``"<hash>/W"`` (``"blake3/8"``): a tensor's digest is
+then the hash of the concatenated digests of its W row shards, FSDP2's split of dim 0 into
+chunks of ceil(rows / W) rows (the last ones short or empty), so that each rank hashes the rows
+it holds and no rank gathers the state. A 0-dimensional tensor is hashed whole. One process
+holding the whole tensors computes the same root by splitting them the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import hashlib
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +38,7 @@ except ImportError:  # the fallback: SHA-256 is always there
     _blake3 = None
 
 DIGESTS = ("blake3", "sha256")
+MAX_SHARDS = 1024  # the most row shards a state digest may name (each one is a hash call per tensor)
 # Whole tensors are hashed several at once on a pool of threads (both hashes release the GIL);
 # a tensor this large also has its chunks spread over BLAKE3's own threads.
 _PARALLEL_BYTES = 16 << 20
@@ -58,27 +67,63 @@ def _raw(t: torch.Tensor):
         return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def tensor_digest(t: torch.Tensor, digest: str) -> str:
-    """Hex digest of a tensor's raw bytes."""
-    raw = _raw(t)
-    if digest == "sha256":
+def parse_digest(spec: str) -> tuple[str, int]:
+    """A state digest's hash and row-shard count: ``"blake3"`` is (blake3, 1), ``"blake3/8"`` (blake3, 8)."""
+    name, slash, shards = spec.partition("/") if isinstance(spec, str) else ("", "", "")
+    if name not in DIGESTS:
+        raise MalformedInput(f"unknown state digest {spec!r}; known: {', '.join(DIGESTS)}, optionally /<shards>")
+    if not slash:
+        return name, 1
+    if not (shards.isdigit() and shards[0] != "0" and 2 <= int(shards) <= MAX_SHARDS):
+        raise MalformedInput(f"state digest {spec!r}: the shard count must be 2 to {MAX_SHARDS}")
+    return name, int(shards)
+
+
+def shard_rows(rows: int, shards: int) -> list[tuple[int, int]]:
+    """The rows ``[start, end)`` of each shard: FSDP2's chunks of ceil(rows / shards) rows."""
+    size = -(-rows // shards)
+    return [(min(r * size, rows), min((r + 1) * size, rows)) for r in range(shards)]
+
+
+def bytes_digest(raw, name: str) -> str:
+    """Hex digest of a buffer with the hash ``name`` (no shards)."""
+    if name == "sha256":
         return hashlib.sha256(raw).hexdigest()
-    if digest == "blake3":
+    if name == "blake3":
         if _blake3 is None:
             raise MalformedInput("this run's states are hashed with BLAKE3: install the blake3 package")
-        threads = _blake3.blake3.AUTO if raw.nbytes >= _PARALLEL_BYTES else 1
+        size = raw.nbytes if hasattr(raw, "nbytes") else len(raw)
+        threads = _blake3.blake3.AUTO if size >= _PARALLEL_BYTES else 1
         return _blake3.blake3(raw, max_threads=threads).hexdigest()
-    raise MalformedInput(f"unknown state digest {digest!r}; known: {', '.join(DIGESTS)}")
+    raise MalformedInput(f"unknown state digest {name!r}; known: {', '.join(DIGESTS)}")
+
+
+def combine_shards(shard_digests: list[str], name: str) -> str:
+    """A sharded tensor's digest: the hash of its shards' digests, in rank order."""
+    return bytes_digest(b"".join(bytes.fromhex(d) for d in shard_digests), name)
+
+
+def tensor_digest(t: torch.Tensor, digest: str) -> str:
+    """Hex digest of a tensor's raw bytes (of its row shards' digests, for a sharded digest)."""
+    name, shards = parse_digest(digest)
+    if shards == 1 or t.dim() == 0:
+        return bytes_digest(_raw(t), name)
+    return combine_shards([bytes_digest(_raw(t[a:b]), name) for a, b in shard_rows(t.shape[0], shards)], name)
+
+
+def leaf(name: str, dtype: torch.dtype, shape, digest: str, hexdigest: str) -> bytes:
+    """Leaf of the state tree from a tensor's description and digest."""
+    return leaf_hash(canonical_json({
+        "name": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": list(shape),
+        digest: hexdigest,
+    }))
 
 
 def tensor_leaf(name: str, t: torch.Tensor, digest: str) -> bytes:
     """Leaf of the state tree: canonical JSON of name, dtype, shape and the digest of the bytes."""
-    return leaf_hash(canonical_json({
-        "name": name,
-        "dtype": str(t.dtype).removeprefix("torch."),
-        "shape": list(t.shape),
-        digest: tensor_digest(t, digest),
-    }))
+    return leaf(name, t.dtype, t.shape, digest, tensor_digest(t, digest))
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -94,11 +139,17 @@ def state_hash(tensors: dict[str, torch.Tensor], digest: str) -> bytes:
     The tensors are hashed on as many threads as torch may use (``torch.get_num_threads()``),
     so the trainer's own thread bound also bounds the hash; the root does not depend on it.
     """
+    leaves = on_threads(tensors, lambda n, t: tensor_leaf(n, t, digest))
+    return merkle_root([leaves[n] for n in sorted(tensors)])
+
+
+def on_threads(tensors: dict[str, torch.Tensor], fn: Callable[[str, torch.Tensor], Any]) -> dict[str, Any]:
+    """``{name: fn(name, tensor)}``, computed on up to ``torch.get_num_threads()`` threads."""
     names = sorted(tensors)
     size = {n: tensors[n].numel() * tensors[n].element_size() for n in names}
     workers = torch.get_num_threads()
     if workers < 2 or sum(size.values()) < _POOL_MIN_BYTES:
-        return merkle_root([tensor_leaf(n, tensors[n], digest) for n in names])
+        return {n: fn(n, tensors[n]) for n in names}
     # One share of about equal bytes per thread (the largest tensors dealt first): a task per
     # tensor would cost more in hand-offs than the hashing of a small tensor takes.
     shares: list[list[str]] = [[] for _ in range(workers)]
@@ -108,19 +159,42 @@ def state_hash(tensors: dict[str, torch.Tensor], digest: str) -> bytes:
         shares[i].append(n)
         loads[i] += size[n]
 
-    def hash_share(share: list[str]) -> list[tuple[str, bytes]]:
-        return [(n, tensor_leaf(n, tensors[n], digest)) for n in share]
+    def run_share(share: list[str]) -> list[tuple[str, Any]]:
+        return [(n, fn(n, tensors[n])) for n in share]
 
-    pending = [_pool(workers - 1).submit(hash_share, share) for share in shares[1:]]
-    leaves = dict(hash_share(shares[0]))  # the calling thread takes a share too
+    pending = [_pool(workers - 1).submit(run_share, share) for share in shares[1:]]
+    out = dict(run_share(shares[0]))  # the calling thread takes a share too
     for f in pending:
-        leaves.update(f.result())
-    return merkle_root([leaves[n] for n in names])
+        out.update(f.result())
+    return out
+
+
+def shard_digests(pieces: dict[str, torch.Tensor], digest: str) -> dict[str, str]:
+    """One rank's part of a sharded state digest: the hex digest of each of its row pieces."""
+    name = parse_digest(digest)[0]
+    return on_threads(pieces, lambda _, t: bytes_digest(_raw(t), name))
+
+
+def root_from_shards(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], ranks: list[dict[str, str]],
+                     digest: str) -> bytes:
+    """The state's root from every rank's ``shard_digests`` (rank order) and each tensor's dtype and
+    full shape: what ``state_hash`` gives on the whole tensors with the same sharded digest."""
+    name, shards = parse_digest(digest)
+    if len(ranks) != shards or any(set(r) != set(layout) for r in ranks):
+        raise ValueError("every rank must hash a piece of every tensor of the state")
+    leaves = []
+    for n in sorted(layout):
+        dtype, shape = layout[n]
+        # a 0-dimensional tensor is hashed whole (every rank holds it): rank 0's digest is its
+        d = ranks[0][n] if not shape else combine_shards([r[n] for r in ranks], name)
+        leaves.append(leaf(n, dtype, shape, digest, d))
+    return merkle_root(leaves)
 
 
 def model_hash(tensors: dict[str, torch.Tensor], digest: str) -> bytes:
-    """Hash of the model part of a state (what a released weights file holds)."""
-    return state_hash({k: v for k, v in tensors.items() if k.startswith("model.")}, digest)
+    """Hash of the model part of a state (what a released weights file holds). It is taken
+    without shards: the same weights have the same identity however many ranks trained them."""
+    return state_hash({k: v for k, v in tensors.items() if k.startswith("model.")}, parse_digest(digest)[0])
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:

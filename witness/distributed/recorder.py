@@ -13,13 +13,17 @@ Usage, inside a script started by ``torchrun`` after ``dist.init_process_group``
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..bundle.layout import due
+from ..bundle.state import default_digest, root_from_shards, shard_digests
 from ..data.order import derive_run_seed
+from ..record.overlap import StateSnapshots
 from ..record.recorder import HeadCallback, Recorder
 from ..task.base import StepOutput, Task
 from .session import DistSession
@@ -31,8 +35,9 @@ class DistRecorder:
     def __init__(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, r: bytes,
                  checkpoint_every: int = 50, state_every: int | None = None, parallelism: str = "ddp",
                  on_head: HeadCallback | None = None):
-        """``state_every`` defaults to every step under DDP (rank 0 holds the whole state) and to
-        ``checkpoint_every`` under FSDP2, where committing a state gathers it from every rank."""
+        """``state_every`` defaults to every step. Under DDP rank 0 holds the whole state; under
+        FSDP2 every rank hashes the rows it holds and sends rank 0 their digests (no gather), and
+        only a checkpoint gathers the whole state."""
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
         self.task = task
@@ -40,7 +45,10 @@ class DistRecorder:
         self.session = DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism)
         self.rank = self.session.rank
         self.checkpoint_every = checkpoint_every
-        self.state_every = state_every or (checkpoint_every if parallelism == "fsdp" else 1)
+        self.state_every = state_every or 1
+        self.sharded = parallelism == "fsdp" and self.session.world_size > 1
+        # every rank names the same digest: the same code and packages run on all of them
+        self.digest = default_digest() + (f"/{self.session.world_size}" if self.sharded else "")
         self.inner: Recorder | None = None
         if self.rank == 0:
             if key is None:
@@ -48,8 +56,25 @@ class DistRecorder:
             self.inner = Recorder.create(task, out, key, r=r, checkpoint_every=checkpoint_every,
                                          state_every=self.state_every, session=self.session,
                                          init_state=self.session.init_state, parallelism=parallelism,
-                                         on_head=on_head)
+                                         on_head=on_head, shards=self.session.world_size if self.sharded else 1)
+            if self.inner.digest != self.digest:
+                raise RuntimeError(f"rank 0 hashes states with {self.inner.digest}, the others with {self.digest}")
+        # Off the training stream on a GPU (a side-stream copy, hashed in a background thread)
+        self._overlap = self.session.device.type == "cuda"
+        self._snapshots: StateSnapshots | None = None
+        self._unsettled: tuple[Future, Future | None, dict | None] | None = None
         dist.barrier()
+
+    @property
+    def overlap(self) -> bool:
+        """Whether committed states are hashed off the training stream (on by default on a GPU)."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self._overlap = on
+        if self.inner is not None:
+            self.inner.overlap = on
 
     @property
     def model(self):
@@ -75,17 +100,64 @@ class DistRecorder:
 
     def log_step(self, step: int, out: StepOutput) -> None:
         """Collectives (loss, fingerprint, sketch, the state where it is committed), then rank 0 records."""
-        committed = due(step, self.state_every, self.task.config.steps)
+        self._settle()  # the previous state's root, before its record is written
+        steps = self.task.config.steps
+        committed = due(step, self.state_every, steps)
         total = self.session.global_output(out)
         fp = self.session.fingerprint()
         sketch = self.session.sketch()
-        state = self.session.full_state() if committed else None
+        state = root = None
+        if committed and self.sharded and not due(step, self.checkpoint_every, steps):
+            root = self._hash_shards()
+        elif committed:
+            state = self.session.full_state()  # a checkpoint's state is written whole: gathered
         if self.inner is not None:
             self.inner.log_step(step, total, fingerprint=fp, sketch=sketch, state=state,
-                                live=self.session.holds_whole_state())
+                                live=self.session.holds_whole_state(), state_root=root)
+
+    def _hash_shards(self) -> bytes | Future | None:
+        """Every rank hashes the rows it holds; rank 0 gets the root (or a future of it, when the
+        hashing runs off the training stream: settled at the next record)."""
+        pieces = self.session.shard_pieces()
+        layout = self.session.state_layout() if self.rank == 0 else None
+        if not self.overlap:
+            return self._exchange(shard_digests(pieces, self.digest), layout)
+        if self._snapshots is None:
+            self._snapshots = StateSnapshots(self.session.optimizer, self.digest)
+        local = self._snapshots.submit(pieces, reduce=lambda copies: shard_digests(copies, self.digest))
+        root: Future | None = Future() if self.rank == 0 else None
+        self._unsettled = (local, root, layout)
+        return root
+
+    def _settle(self) -> None:
+        """Collective: finish the state root that is still being hashed, if there is one."""
+        if self._unsettled is None:
+            return
+        local, root, layout = self._unsettled
+        self._unsettled = None
+        value = self._exchange(local.result(), layout)
+        if root is not None:
+            root.set_result(value)
+
+    def _exchange(self, digests: dict[str, str], layout: dict | None) -> bytes | None:
+        """Collective: every rank's digests to every rank (fixed-size rows); rank 0 composes the root."""
+        names = sorted(digests)
+        mine = torch.frombuffer(bytearray(b"".join(bytes.fromhex(digests[n]) for n in names)), dtype=torch.uint8)
+        mine = mine.to(self.session.device)  # nccl sends device tensors
+        rows = [torch.empty_like(mine) for _ in range(self.session.world_size)]
+        dist.all_gather(rows, mine)
+        if layout is None:
+            return None
+        size = len(mine) // len(names)
+        table = [bytes(r.cpu().numpy()) for r in rows]  # one copy to the host per rank, then slices
+        ranks = [{n: t[i * size:(i + 1) * size].hex() for i, n in enumerate(names)} for t in table]
+        return root_from_shards(layout, ranks, self.digest)
 
     def finish(self) -> None:
         """Rank 0 signs the end; everyone waits for it."""
+        self._settle()
+        if self._snapshots is not None:
+            self._snapshots.close()
         if self.inner is not None:
             self.inner.finish()
         dist.barrier()

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
-from ..bundle.state import state_tensors
+from ..bundle.state import shard_rows, state_tensors
 from ..fingerprint.probes import Fingerprint
 from ..fingerprint.sketch import ParameterSketch
 from ..session import TrainingSession, deterministic_device
@@ -105,6 +105,7 @@ class DistSession(TrainingSession):
         self.optimizer = task.build_optimizer(self.model)
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
         self._shard_offsets: dict[str, int] | None = None
+        self._rows_checked: set[str] = set()
 
     def my_share(self, indices: list[int]) -> list[int]:
         """This rank's micro-batch of the global batch (rank order)."""
@@ -162,6 +163,35 @@ class DistSession(TrainingSession):
         """Whether rank 0's own tensors are the whole state (DDP, or FSDP2 on one rank): then
         committing it needs no gather, and ``full_state`` returns those tensors, not copies."""
         return self.parallelism == "ddp" or self.world_size == 1
+
+    def shard_pieces(self) -> dict[str, torch.Tensor]:
+        """FSDP2 over several ranks: this rank's rows of every state tensor, where they lie (its
+        shards of the parameters and moments, its share of the rows of a replicated tensor, and
+        0-dimensional tensors whole), checked against the row split of the sharded state digest."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        pieces = {}
+        for name, t in state_tensors(self.model, self.optimizer).items():
+            if t.dim() == 0:
+                pieces[name] = t.to_local() if isinstance(t, DTensor) else t
+                continue
+            start, end = shard_rows(t.shape[0], self.world_size)[self.rank]
+            if not isinstance(t, DTensor):
+                pieces[name] = t[start:end]
+                continue
+            local = t.to_local()
+            if name not in self._rows_checked:  # a shard's rows are fixed for the whole run
+                first = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1][0]
+                if local.shape[0] != end - start or (local.shape[0] and first != start):
+                    raise RuntimeError(f"{name}: FSDP2 holds rows {first}..{first + local.shape[0]} on rank "
+                                       f"{self.rank}, the sharded state digest expects {start}..{end}")
+                self._rows_checked.add(name)
+            pieces[name] = local
+        return pieces
+
+    def state_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Every state tensor's dtype and full shape (a sharded tensor's shape is the whole one's)."""
+        return {name: (t.dtype, tuple(t.shape)) for name, t in state_tensors(self.model, self.optimizer).items()}
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full (unsharded) model and optimizer state, on rank 0."""

@@ -14,7 +14,9 @@ is only where training leaves a core idle.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -40,11 +42,13 @@ class StateSnapshots:
             self.buffers[name] = buf
         return buf
 
-    def submit(self, state: dict[str, torch.Tensor], early: frozenset[str] = frozenset()) -> Future:
+    def submit(self, state: dict[str, torch.Tensor], early: frozenset[str] = frozenset(),
+               reduce: Callable[[dict[str, torch.Tensor]], Any] | None = None) -> Future:
         """Start hashing ``state`` as it is now; the caller must have collected the previous hash.
 
         ``early`` names tensors the next forward may change before the optimizer steps (BatchNorm's
         running statistics): on a GPU they are copied on the training stream, ahead of that forward.
+        ``reduce`` turns the copy into the result (default: the state's root).
         """
         if self.pending is not None and not self.pending.done():
             raise RuntimeError("the previous state's hash was not collected before the buffers are reused")
@@ -72,7 +76,7 @@ class StateSnapshots:
         def digest() -> bytes:
             for e in events:
                 e.synchronize()  # this thread waits for the copies; the training stream does not
-            return state_hash(copies, self.digest)
+            return reduce(copies) if reduce is not None else state_hash(copies, self.digest)
 
         self.pending = self.pool.submit(digest)
         return self.pending

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +70,12 @@ class Recorder:
                r_source: str = "trainer", checkpoint_every: int = 50, state_every: int = 1,
                threads: int | None = None, on_head: HeadCallback | None = None,
                session: TrainingSession | None = None, init_state: dict | None = None,
-               parallelism: str = "none", device: str | torch.device = "cpu") -> Recorder:
+               parallelism: str = "none", device: str | torch.device = "cpu", shards: int = 1) -> Recorder:
         """Start a new run: derive the seed, build the initial state, sign the manifest.
 
         A distributed run passes its own ``session`` (wrapped model) and the ``init_state`` taken
-        before wrapping; everything else is the same.
+        before wrapping, and an FSDP2 run over several ranks the number of row ``shards`` its state
+        digest splits tensors into (one per rank); everything else is the same.
         """
         if len(r) != 32:
             raise ValueError("r must be 32 bytes")
@@ -95,7 +97,7 @@ class Recorder:
         writer = BundleWriter(Path(out), create=True)
         if init_state is None:
             init_state = state_tensors(session.model, session.optimizer)
-        digest = default_digest()
+        digest = default_digest() + (f"/{shards}" if shards > 1 else "")
         init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), init_state, 0, digest)
         manifest = {
             "type": "manifest",
@@ -219,14 +221,16 @@ class Recorder:
         return due(step, self.state_every, self.task.config.steps)
 
     def log_step(self, step: int, out: StepOutput, *, fingerprint: Any = None, sketch: list[float] | None = None,
-                 state: dict | None = None, live: bool = False) -> None:
+                 state: dict | None = None, live: bool = False, state_root: bytes | Future | None = None) -> None:
         """Append the record of ``step`` (call right after the optimizer stepped).
 
         A distributed run computes the fingerprint, sketch and (where a state is committed) the
         full state with collectives on every rank and hands them in; a single process lets the
         recorder do it. ``live`` says the handed-in state is the training's own tensors (which
         stay put until the optimizer steps again), not a copy: it may then be hashed off the
-        training stream, like the state the recorder takes itself.
+        training stream, like the state the recorder takes itself. An FSDP2 run over several ranks
+        hands in the ``state_root`` its ranks computed from their shards instead (or a future of
+        it, which it settles before the next record), never at a checkpoint.
         """
         if self._pending is None or self._pending[0] != step:
             raise ValueError(f"log_step({step}) without batch({step}) first")
@@ -247,7 +251,15 @@ class Recorder:
         done = step + 1
         checkpoint = self.checkpoint_due(step)
         self.flush()  # the previous record first: the log keeps step order
-        if self.state_due(step):
+        if state_root is not None:
+            if not self.state_due(step) or checkpoint:
+                raise ValueError("a state root comes with a committed state between checkpoints")
+            if isinstance(state_root, Future):
+                self._deferred = (record, state_root)
+                self.next_step = done
+                return
+            record["state_hash"] = state_root.hex()
+        elif self.state_due(step):
             if state is None:
                 state, live = state_tensors(self.model, self.optimizer), True
             if live and self.overlap and not checkpoint:
