@@ -15,6 +15,7 @@ from witness.task import build_task
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parallelism", required=True)
+    ap.add_argument("--task", default="tiny", choices=["tiny", "tinygpt"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--key", required=True)
     ap.add_argument("--steps", type=int, default=12)
@@ -26,11 +27,21 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})  # 16 splits over 1, 2, 4 ranks
+    if args.task == "tinygpt":  # FSDP2 units per block, each recomputed in the backward pass
+        task = build_task("tinygpt", {"steps": args.steps, "batch_size": 4, "block": 16, "n_layer": 2, "d_model": 16,
+                                      "n_head": 2, "dropout": 0.0, "probes": 2, "probe_len": 8, "grad_clip": args.grad_clip,
+                                      "corpus_max_bytes": 50_000, "activation_checkpointing": True})
+    else:
+        task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})  # 16 splits over 1, 2, 4 ranks
     key = load_key(args.key) if dist.get_rank() == 0 else None
     rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32, checkpoint_every=args.checkpoint_every,
                        state_every=args.state_every, parallelism=args.parallelism)
     rec.overlap = args.overlap
+    if args.parallelism == "fsdp":  # the root, and a unit of its own for each block the task names
+        from torch.distributed.fsdp import FSDPModule
+
+        units = sum(isinstance(m, FSDPModule) for m in rec.model.modules())
+        assert units == 1 + len(task.fsdp_units(rec.session.module)), units
     ds = task.dataset()
     for t in range(args.steps):
         batch = rec.batch(t)

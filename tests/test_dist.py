@@ -117,6 +117,16 @@ def test_the_state_is_hashed_off_the_training_stream(runs):
     assert v.accepted and v.exact and v.replayed_steps == 12
 
 
+def test_fsdp_units_per_block_with_recomputed_activations_replay_bit_exactly(runs):
+    # tinygpt under FSDP2: a unit per block (each reduce-scatters in rank order) and activation
+    # checkpointing inside each block; one process, unsharded, replays every bit.
+    out = torchrun(runs["dir"] / "gpt_fsdp", runs["key"], "fsdp", "--task", "tinygpt", "--steps", "4")
+    m = open_bundle(out).manifest
+    assert m.task_config["activation_checkpointing"] and m.state_digest.endswith("/2")
+    v = verify_bundle(out, challenges=100)
+    assert v.accepted and v.exact and v.replayed_steps == 4, v.failures
+
+
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_a_rank_training_on_another_batch_is_rejected(runs, parallelism):
     out = torchrun(runs["dir"] / f"cheat_{parallelism}", runs["key"], parallelism, "--cheat-step", "6")

@@ -100,8 +100,10 @@ class DistSession(TrainingSession):
         else:
             from torch.distributed.fsdp import fully_shard
 
+            units = [fully_shard(unit) for unit in task.fsdp_units(base)]
             self.model = fully_shard(base)
-            self.model.set_custom_reduce_scatter(OrderedReduceScatter())
+            for unit in (*units, self.model):  # each unit reduce-scatters its own gradients
+                unit.set_custom_reduce_scatter(OrderedReduceScatter())
         self.optimizer = task.build_optimizer(self.model)
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
         self._shard_offsets: dict[str, int] | None = None

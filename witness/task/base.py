@@ -197,6 +197,11 @@ class Task:
         """The model with initial weights that are a function of ``seed`` only."""
         raise NotImplementedError
 
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """The submodules FSDP2 shards as units of their own (gathered one at a time), inside the
+        root unit; none by default (the whole model is one unit)."""
+        return []
+
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """AdamW with the recipe's hyper-parameters (single-tensor loop: same kernels everywhere)."""
         c = self.config

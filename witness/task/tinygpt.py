@@ -112,9 +112,18 @@ class Block(nn.Module):
         self.fc = nn.Linear(c.d_model, 4 * c.d_model)
         self.out = nn.Linear(4 * c.d_model, c.d_model)
         self.n_head, self.p = c.n_head, c.dropout
+        self.recompute = c.activation_checkpointing
 
     def forward(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """Attention then MLP, each with a residual."""
+        """Attention then MLP, each with a residual (recomputed in the backward pass if asked)."""
+        if self.recompute and torch.is_grad_enabled():
+            # inside the block: under FSDP2 its parameters are gathered again for the backward
+            # pass before the recomputation runs, as for any backward through the block
+            return checkpoint(self.compute, x, generator, use_reentrant=False)
+        return self.compute(x, generator)
+
+    def compute(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """The block's arithmetic."""
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         h = self.n_head
@@ -137,7 +146,6 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = LayerNorm(c.d_model)
         self.p = c.dropout
-        self.recompute = c.activation_checkpointing
 
     def forward(self, idx: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Logits over the next byte."""
@@ -146,10 +154,7 @@ class GPT(nn.Module):
         gen = generator  # dropout only with the step's generator: probes pass none
         x = dropout(x, self.p, gen)
         for b in self.blocks:
-            if self.recompute and torch.is_grad_enabled():
-                x = checkpoint(b, x, gen, use_reentrant=False)
-            else:
-                x = b(x, gen)
+            x = b(x, gen)
         return self.ln_f(x) @ self.tok.weight.t()
 
 
@@ -196,6 +201,10 @@ class TinyGPTTask(Task):
         model = GPT(self.config)
         init_parameters(model, seed)
         return model
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """Each transformer block: FSDP2 holds one block's full parameters at a time."""
+        return list(model.blocks)
 
     def collate(self, samples: list[bytes]) -> torch.Tensor:
         """Windows of ``block + 1`` bytes -> a [B, block + 1] token tensor."""
