@@ -6,7 +6,8 @@ SHA-256, each as a fraction of the step. Then, for both tinygpt configurations, 
 interleaved blocks: plain steps, steps that hash the state inline (what the recorder does), and
 steps that hash it on a thread of its own while the next step's forward and backward run (the
 optimizer step waits for it). The ratios decide between committing every step and every K
-steps, and whether hashing off the training thread pays.
+steps, and whether hashing off the training thread pays. Also what an FSDP2 run over 8 ranks
+pays for its sharded digest: one rank's rows, and the verifier's split of the whole tensors.
 
     python bench/state_hash.py [--threads 2] [--repeat 20] [--json out.json]
 """
@@ -20,7 +21,7 @@ import time
 import torch
 from common import parser, report
 
-from witness.bundle.state import state_hash, state_tensors
+from witness.bundle.state import shard_digests, shard_rows, state_hash, state_tensors
 from witness.session import TrainingSession
 from witness.task import build_task
 
@@ -61,7 +62,18 @@ def measure(session: TrainingSession, batch: list[bytes], repeat: int) -> dict:
     sha = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "sha256"), repeat)
     return {"state_bytes": size, "step_s": step, "blake3_s": blake, "sha256_s": sha,
             "blake3_fraction_of_step": blake / step, "sha256_fraction_of_step": sha / step,
-            "blake3_GBps": size / blake / 1e9, "sha256_GBps": size / sha / 1e9}
+            "blake3_GBps": size / blake / 1e9, "sha256_GBps": size / sha / 1e9,
+            "fsdp_8_ranks": sharded(state, 8, repeat)}
+
+
+def sharded(state: dict[str, torch.Tensor], ranks: int, repeat: int) -> dict:
+    """An FSDP2 run's sharded digest: what one rank hashes (its rows), and what a verifier holding
+    the whole tensors pays to split and hash them (the same bytes, ``ranks`` calls per tensor)."""
+    digest = f"blake3/{ranks}"
+    pieces = {n: t if t.dim() == 0 else t[slice(*shard_rows(t.shape[0], ranks)[0])] for n, t in state.items()}
+    rank = _median(lambda: shard_digests(pieces, digest), repeat)
+    whole = _median(lambda: state_hash(state, digest), repeat)
+    return {"one_rank_s": rank, "verifier_whole_state_s": whole}
 
 
 def per_config(repeat: int) -> dict:

@@ -106,9 +106,11 @@ def combine_shards(shard_digests: list[str], name: str) -> str:
 def tensor_digest(t: torch.Tensor, digest: str) -> str:
     """Hex digest of a tensor's raw bytes (of its row shards' digests, for a sharded digest)."""
     name, shards = parse_digest(digest)
+    raw = _raw(t)
     if shards == 1 or t.dim() == 0:
-        return bytes_digest(_raw(t), name)
-    return combine_shards([bytes_digest(_raw(t[a:b]), name) for a, b in shard_rows(t.shape[0], shards)], name)
+        return bytes_digest(raw, name)
+    row = raw.nbytes // t.shape[0] if t.shape[0] else 0  # rows are contiguous runs of bytes
+    return combine_shards([bytes_digest(raw[a * row:b * row], name) for a, b in shard_rows(t.shape[0], shards)], name)
 
 
 def leaf(name: str, dtype: torch.dtype, shape, digest: str, hexdigest: str) -> bytes:
