@@ -51,7 +51,7 @@ from witness.verify.challenges import challenges_needed
 from witness.verify.replay import Replayer
 
 SMALL = {"n_layer": 2, "n_head": 4, "d_model": 64, "block": 128, "batch_size": 8, "dropout": 0.0,
-         "precision": "bf16", "corpus_max_bytes": 2_000_000}
+         "precision": "bf16", "corpus_max_bytes": 300000}
 START = time.perf_counter()
 
 

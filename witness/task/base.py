@@ -180,7 +180,7 @@ class Task:
         return getattr(self.config, "precision", "fp32")
 
     def config_json(self) -> dict:
-        """The recipe as JSON. A field added to a recipe after runs were recorded with it is left
+        """The recipe as JSON. A field added to a recipe after runs were recorded without it is left
         out at its default (the Config's ``LATER_FIELDS``), so those runs' recipes stay canonical."""
         out = dataclasses.asdict(self.config)
         defaults = self.Config()
