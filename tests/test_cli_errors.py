@@ -54,7 +54,8 @@ def places(honest_bundle, tmp_path_factory, nested_endpoint) -> dict[str, str]:
     (tmp / "dir").mkdir()
     (tmp / "file").write_text("a file")
     answer = respond(honest_bundle, tmp / "answer", nonce=b"\x01", challenges=2)
-    state = next(answer.rglob("*.safetensors"))
+    # the earliest state: the verifier always loads it (a later one it may replay into instead)
+    state = sorted(answer.rglob("*.safetensors"))[0]
     _safetensors_with_metadata(state, "a string")
     return {"B": str(honest_bundle), "DIR": str(tmp / "dir"), "FILE": str(tmp / "file"), "OUT": str(tmp / "out"),
             "KEY": str(tmp / "key.pem"), "META_STR": str(_safetensors_with_metadata(tmp / "s.safetensors", "x")),
