@@ -50,9 +50,10 @@ _pools_lock = threading.Lock()
 os.register_at_fork(after_in_child=_pools.clear)
 
 
-def default_digest() -> str:
-    """The digest a new run uses: BLAKE3 where installed, else SHA-256."""
-    return "blake3" if _blake3 is not None else "sha256"
+def default_digest(shards: int = 1) -> str:
+    """The digest a new run uses: BLAKE3 where installed, else SHA-256; over ``shards`` row shards
+    (one per rank) for an FSDP2 run over several ranks."""
+    return ("blake3" if _blake3 is not None else "sha256") + (f"/{shards}" if shards > 1 else "")
 
 
 def _raw(t: torch.Tensor):

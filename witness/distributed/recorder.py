@@ -47,8 +47,9 @@ class DistRecorder:
         self.checkpoint_every = checkpoint_every
         self.state_every = state_every or 1
         self.sharded = parallelism == "fsdp" and self.session.world_size > 1
+        shards = self.session.world_size if self.sharded else 1
         # every rank names the same digest: the same code and packages run on all of them
-        self.digest = default_digest() + (f"/{self.session.world_size}" if self.sharded else "")
+        self.digest = default_digest(shards)
         self.inner: Recorder | None = None
         if self.rank == 0:
             if key is None:
@@ -56,9 +57,7 @@ class DistRecorder:
             self.inner = Recorder.create(task, out, key, r=r, checkpoint_every=checkpoint_every,
                                          state_every=self.state_every, session=self.session,
                                          init_state=self.session.init_state, parallelism=parallelism,
-                                         on_head=on_head, shards=self.session.world_size if self.sharded else 1)
-            if self.inner.digest != self.digest:
-                raise RuntimeError(f"rank 0 hashes states with {self.inner.digest}, the others with {self.digest}")
+                                         on_head=on_head, shards=shards)
         # Off the training stream on a GPU (a side-stream copy, hashed in a background thread)
         self._overlap = self.session.device.type == "cuda"
         self._snapshots: StateSnapshots | None = None
@@ -118,8 +117,9 @@ class DistRecorder:
     def _hash_shards(self) -> bytes | Future | None:
         """Every rank hashes the rows it holds; rank 0 gets the root (or a future of it, when the
         hashing runs off the training stream: settled at the next record)."""
-        pieces = self.session.shard_pieces()
-        layout = self.session.state_layout() if self.rank == 0 else None
+        pieces, layout = self.session.shard_pieces()
+        if self.rank != 0:
+            layout = None  # only rank 0 composes the root
         if not self.overlap:
             return self._exchange(shard_digests(pieces, self.digest), layout)
         if self._snapshots is None:

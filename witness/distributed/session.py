@@ -166,14 +166,16 @@ class DistSession(TrainingSession):
         committing it needs no gather, and ``full_state`` returns those tensors, not copies."""
         return self.parallelism == "ddp" or self.world_size == 1
 
-    def shard_pieces(self) -> dict[str, torch.Tensor]:
+    def shard_pieces(self) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
         """FSDP2 over several ranks: this rank's rows of every state tensor, where they lie (its
         shards of the parameters and moments, its share of the rows of a replicated tensor, and
-        0-dimensional tensors whole), checked against the row split of the sharded state digest."""
+        0-dimensional tensors whole), checked against the row split of the sharded state digest;
+        and every tensor's dtype and full shape (a sharded tensor's shape is the whole one's)."""
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         pieces = {}
-        for name, t in state_tensors(self.model, self.optimizer).items():
+        state = state_tensors(self.model, self.optimizer)
+        for name, t in state.items():
             if t.dim() == 0:
                 pieces[name] = t.to_local() if isinstance(t, DTensor) else t
                 continue
@@ -189,11 +191,7 @@ class DistSession(TrainingSession):
                                        f"{self.rank}, the sharded state digest expects {start}..{end}")
                 self._rows_checked.add(name)
             pieces[name] = local
-        return pieces
-
-    def state_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Every state tensor's dtype and full shape (a sharded tensor's shape is the whole one's)."""
-        return {name: (t.dtype, tuple(t.shape)) for name, t in state_tensors(self.model, self.optimizer).items()}
+        return pieces, {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full (unsharded) model and optimizer state, on rank 0."""

@@ -97,7 +97,7 @@ class Recorder:
         writer = BundleWriter(Path(out), create=True)
         if init_state is None:
             init_state = state_tensors(session.model, session.optimizer)
-        digest = default_digest() + (f"/{shards}" if shards > 1 else "")
+        digest = default_digest(shards)
         init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), init_state, 0, digest)
         manifest = {
             "type": "manifest",
