@@ -18,7 +18,7 @@ from helpers import edit_manifest, train_tiny
 from witness.bundle.reader import open_bundle
 from witness.bundle.state import state_hash, state_tensors
 from witness.cli import main
-from witness.errors import MalformedInput
+from witness.errors import MalformedInput, VerificationError
 from witness.session import TrainingSession, deterministic_device, device_info, same_hardware
 from witness.task import build_task
 from witness.task.base import to_device
@@ -101,6 +101,16 @@ def test_a_run_from_other_hardware_replays_only_in_tolerance_mode(gpt, signing_k
     # the claim buys nothing: the CPU replay still has to land within the thresholds on every state
     v = verify_bundle(bundle, challenges=3, exact=False, nonce=b"\x02")
     assert v.accepted and any("recorded on NVIDIA H200" in n and "tolerance mode" in n for n in v.notes)
+
+
+def test_a_recipe_naming_a_later_field_at_its_default_is_not_canonical(gpt, signing_key, tmp_path):
+    # one recipe, one form: the field added later is left out at its default, never written out
+    bundle = tmp_path / "b"
+    shutil.copytree(gpt, bundle)
+    config = open_bundle(gpt).manifest.task_config
+    edit_manifest(bundle, signing_key, task_config=dict(config, activation_checkpointing=False))
+    with pytest.raises(VerificationError, match="not in canonical form"):
+        verify_bundle(bundle, challenges=1)
 
 
 def test_a_false_device_record_is_malformed(gpt, signing_key, tmp_path):
