@@ -3,6 +3,7 @@ trainer (who holds its own key) can write: re-signed logs and responses of its o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,3 +127,27 @@ def resign_certificate(cert: dict, key) -> dict:
     from witness.evals.certificate import sign_certificate
 
     return sign_certificate({k: v for k, v in cert.items() if k not in ("signature", "evaluator")}, key)
+
+
+# A statistical test fails in one run in 1/FALSE_ALARM at most when the code is right: the
+# challenges are drawn from the run's signed head, and every run signs with a fresh key, so each
+# CI run draws afresh. A 4-sigma window failed about one run in a thousand across the suite.
+FALSE_ALARM = 1e-9
+
+
+def binomial_tails(hits: int, trials: int, p: float) -> tuple[float, float]:
+    """P(X <= hits) and P(X >= hits) for X ~ Binomial(trials, p), exactly (from log-probabilities)."""
+    if not 0 < p < 1:
+        raise ValueError("p must lie strictly between 0 and 1")
+    logs = [math.lgamma(trials + 1) - math.lgamma(k + 1) - math.lgamma(trials - k + 1)
+            + k * math.log(p) + (trials - k) * math.log1p(-p) for k in range(trials + 1)]
+    pmf = [math.exp(x) for x in logs]
+    return math.fsum(pmf[:hits + 1]), math.fsum(pmf[hits:])
+
+
+def assert_binomial(hits: int, trials: int, p: float, alpha: float = FALSE_ALARM) -> None:
+    """Fail only if ``hits`` of ``trials`` lies in a tail that a Binomial(trials, p) count reaches with
+    probability below ``alpha`` (two-sided)."""
+    low, high = binomial_tails(hits, trials, p)
+    assert min(low, high) >= alpha / 2, (f"{hits}/{trials} = {hits / trials:.4f} against p = {p:.4f}: "
+                                         f"tail probability {min(low, high):.3g}")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import resign_certificate, train_tiny
+from helpers import assert_binomial, resign_certificate, train_tiny
 from safetensors.torch import save_file
 
 from witness.bundle.checkpoint import read_checkpoint
@@ -16,7 +16,7 @@ from witness.cli import main
 from witness.commit.signing import generate_key
 from witness.errors import RunRejected, VerificationError
 from witness.evals.certificate import check_certificate, results_root
-from witness.evals.evaluate import evaluate, verify_eval
+from witness.evals.evaluate import draw_spots, evaluate, verify_eval
 from witness.evals.identity import identify
 from witness.evals.serve import create_app
 from witness.task import build_task
@@ -89,18 +89,22 @@ def test_one_forged_result_is_caught_when_spot_checked(run):
 def test_spot_check_detection_rate_matches_the_bound(run):
     bundle, cert, key, trainer = run
     n, forged_n, m, audits = 256, 26, 5, 120
-    forged = _forge(cert, key, set(range(0, 10 * forged_n, 10)))
+    bad = set(range(0, 10 * forged_n, 10))
+    forged = _forge(cert, key, bad)
     caught = 0
     for seed in range(audits):
+        drew = set(draw_spots(forged["signature"], seed.to_bytes(4, "big"), n, m)) & bad
         try:
             verify_eval(forged, bundle, spots=m, nonce=seed.to_bytes(4, "big"))
-        except RunRejected:
+        except RunRejected as e:
+            assert drew and {int(f.split(":")[0].split()[1]) for f in e.failures} == drew, (seed, e.failures)
             caught += 1
+            continue
+        assert not drew, seed
     g = forged_n / n
     exact = 1 - math.comb(n - forged_n, m) / math.comb(n, m)
-    sigma = math.sqrt(exact * (1 - exact) / audits)
     assert exact >= 1 - (1 - g) ** m
-    assert abs(caught / audits - exact) <= 4 * sigma, (caught / audits, exact)
+    assert_binomial(caught, audits, exact)
 
 
 def test_contaminated_run_gets_no_clean_certificate(tmp_path, capsys):
