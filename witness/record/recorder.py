@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from .. import __version__
+from .. import __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
 from ..bundle.layout import CHECKPOINTS, HEADS, LOG, checkpoint_name, due
 from ..bundle.schema import MANIFEST_VERSION
@@ -146,6 +146,9 @@ class Recorder:
         if manifest["world_size"] != 1:
             raise ValueError("resuming a distributed run is not supported yet")
         # the rest of the run must be trained by the same code as its start (a plugin may have changed)
+        if not replays(manifest["code_version"]):
+            raise ValueError(f"the run was started by witness {manifest['code_version']}, whose steps this "
+                             f"release ({__version__}) does not reproduce: resume it with that release")
         check_task_source(manifest["task"], manifest.get("task_source"))
         task = build_task(manifest["task"], manifest["task_config"])
         # the run's own thread count: a thread-dependent kernel would otherwise change its bits

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import __version__
+from .. import REPLAYS_RUNS_OF, __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint
 from ..bundle.reader import Bundle, as_bundle
 from ..bundle.state import load_state, model_hash, state_hash, state_tensors
@@ -69,10 +69,11 @@ def task_of(bundle: Bundle) -> Task:
     if m.world_size > 1 and (m.parallelism not in ("ddp", "fsdp") or task.config.batch_size % m.world_size):
         raise VerificationError(f"a {m.parallelism} run over {m.world_size} ranks cannot be replayed",
                                 check="manifest")
-    if m.code_version != __version__:
+    if not replays(m.code_version):
         # The registered tasks are code: another release may build or step them differently.
-        raise MalformedInput(f"the run was recorded by witness {m.code_version}; this is witness {__version__}: "
-                             f"replay needs the same task code (install witness {m.code_version})")
+        raise MalformedInput(f"the run was recorded by witness {m.code_version}; this is witness {__version__}, "
+                             f"which replays runs of {', '.join(REPLAYS_RUNS_OF)} only: replay needs the "
+                             f"same task code (install witness {m.code_version})")
     return task
 
 
