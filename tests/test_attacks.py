@@ -284,3 +284,22 @@ def test_a_signed_log_must_end_on_a_committed_state(tmp_path, signing_key):
     _sign_prefix(bundle, signing_key, 14)  # ends at step 12; states are committed after 4, 9, 14, ...
     with pytest.raises(VerificationError, match="step 12: log: the signed log ends at a step whose training state"):
         verify_bundle(bundle, challenges=1)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_run_from_an_initial_state_of_the_trainers_choosing_is_rejected(tmp_path, exact):
+    # The trainer starts from weights of its choosing (here another seed's), commits them as the
+    # initial state and trains honestly from there. Tolerance mode, which accepts another CPU's
+    # last bits in the seed's weights, must still refuse weights the seed does not give.
+    from witness.data.order import derive_run_seed
+    from witness.session import TrainingSession
+    from witness.task import build_task
+
+    task = build_task("tiny", {"steps": 8})
+    r = b"\x05" * 32
+    session = TrainingSession(task, derive_run_seed(task.dataset().root, r), len(task.dataset()))
+    session.model.load_state_dict(TrainingSession(task, b"\x09" * 32, len(task.dataset())).model.state_dict())
+    bundle = train_tiny(tmp_path / "b", r=r, config={"steps": 8}, checkpoint_every=4, session=session)
+    with pytest.raises(VerificationError, match="step 0: init: the initial state is not the one the run seed generates"
+                                          + ("" if exact else ": parameters distance")):
+        verify_bundle(bundle, challenges=ALL, exact=exact)

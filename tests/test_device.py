@@ -18,6 +18,7 @@ from helpers import edit_manifest, train_tiny
 from witness.bundle.reader import open_bundle
 from witness.bundle.state import state_hash, state_tensors
 from witness.cli import main
+from witness.commit.signing import load_key
 from witness.errors import MalformedInput, VerificationError
 from witness.session import TrainingSession, deterministic_device, device_info, same_hardware
 from witness.task import build_task
@@ -129,8 +130,11 @@ def test_hardware_comparison():
     cpu = device_info("cpu")
     assert same_hardware(cpu, cpu) and same_hardware({"kind": "cpu"}, cpu)  # older manifests name no machine
     assert not same_hardware(dict(cpu, machine="aarch64"), cpu)
+    assert "kernels" in cpu and not same_hardware(dict(cpu, kernels="GenuineIntel AVX512 avx512f"), cpu)
+    assert same_hardware({"kind": "cpu", "machine": cpu["machine"]}, cpu)  # recorded before kernels were
     assert not same_hardware(H200, cpu) and same_hardware(H200, dict(H200, driver="590.1"))  # the driver picks no kernel
     assert not same_hardware(H200, dict(H200, name="NVIDIA A100-SXM4-80GB"))
+    assert not same_hardware(dict(H200, kernels="AuthenticAMD AVX2"), dict(H200, kernels="GenuineIntel AVX512"))
 
 
 def test_batches_move_to_the_device_in_any_shape():
@@ -180,3 +184,33 @@ def test_the_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
     assert run["replay"]["replay_exact"] and run["replay"]["replayed_steps"] == 4 and run["state_every"] == 1
     assert set(run["parts_s"]) == {"loss all-gather", "fingerprint", "sketch", "state", "record"}
     assert drift["accepted"] and len(drift["segments"]) == 2 and drift["max_distance"]["parameters"] == 0.0
+
+
+def test_a_cpu_that_picks_other_kernels_is_other_hardware(tmp_path, capsys):
+    # ATen's portable kernels stand for another CPU: they draw the initial weights and step with
+    # other roundings, so a verifier on this CPU cannot replay the run exactly. The manifest says
+    # which kernels it used, and exact replay is refused (exit 2), never called dishonest.
+    other = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    key, run = tmp_path / "k.pem", tmp_path / "run"
+    train = [sys.executable, "-m", "witness.cli", "train", "--task", "tiny", "--steps", "4", "--checkpoint-every", "2",
+             "--threads", "1", "--quiet", "--key", str(key), "--out", str(run)]
+    assert subprocess.run(train, env=other, capture_output=True, timeout=300).returncode == 0
+    recorded = open_bundle(run).manifest.device
+    assert " DEFAULT" in recorded["kernels"] and recorded["kernels"] != device_info("cpu")["kernels"]
+    with pytest.raises(MalformedInput, match="needs the same hardware .*--tolerance"):
+        verify_bundle(run, challenges=4)
+    assert main(["verify", str(run), "--challenges", "4"]) == 2
+    assert "DEFAULT" in capsys.readouterr().err
+    # tolerance mode replays it here: the seed's weights, drawn by this CPU, lie within the thresholds
+    v = verify_bundle(run, challenges=4, exact=False)
+    assert v.accepted and any("initial state within tolerance" in c for c in v.checks), v.checks
+    # on a CPU that picks the same kernels, it replays bit for bit
+    verify = [sys.executable, "-m", "witness.cli", "verify", str(run), "--challenges", "4", "--json"]
+    r = subprocess.run(verify, env=other, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout)["accepted"], r.stderr
+    # why it is refused: with the kernels left out (as witness before 0.4.0 wrote it) this CPU
+    # would call the honest run dishonest at its very first state
+    edit_manifest(run, load_key(key), versions=dict(open_bundle(run).manifest.raw["versions"],
+                                                    device={"kind": "cpu", "machine": recorded["machine"]}))
+    with pytest.raises(VerificationError, match="initial state is not the one the run seed generates"):
+        verify_bundle(run, challenges=4)

@@ -101,16 +101,47 @@ def deterministic_device(device: str | torch.device) -> torch.device:
     return device
 
 
+# The CPU features that choose torch's CPU kernels: ATen's vectorised kernels follow its capability
+# level, oneDNN the ISA extensions, and MKL the vendor as well; MKL_CBWR and DNNL_MAX_CPU_ISA
+# override the last two. Two CPUs that differ in any of them may round differently: ATen's
+# portable kernels against its AVX2 ones change a tinygpt step's bits (measured).
+KERNEL_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+                          "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16",
+                          "amx_int8", "amx_fp16", "asimd", "asimdhp", "sve", "sve2", "bf16", "i8mm"})
+KERNEL_ENV = ("MKL_CBWR", "DNNL_MAX_CPU_ISA")
+
+
+def cpu_kernels() -> str:
+    """This CPU's kernel choice in words: vendor, ATen capability, ISA extensions, library overrides."""
+    import platform
+
+    vendor, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+                    break
+    except OSError:  # not Linux: the vendor string and torch's own capability
+        pass
+    pins = [f"{k}={os.environ[k]}" for k in KERNEL_ENV if os.environ.get(k)]
+    return " ".join([vendor, torch.backends.cpu.get_cpu_capability(), *sorted(flags & KERNEL_FLAGS), *pins])[:128]
+
+
 def device_info(device: str | torch.device = "cpu") -> dict[str, str]:
     """What the manifest records about the hardware and libraries a run's kernels came from."""
     device = torch.device(device)
     if device.type != "cuda":
         import platform
 
-        return {"kind": "cpu", "machine": platform.machine() or "unknown"}
+        return {"kind": "cpu", "machine": platform.machine() or "unknown", "kernels": cpu_kernels()}
     index = device.index if device.index is not None else torch.cuda.current_device()
+    # the host's kernels too: the weights are drawn on the host (randn's kernels differ by CPU)
     info = {"kind": "cuda", "name": torch.cuda.get_device_name(index), "cuda": str(torch.version.cuda),
-            "cudnn": str(torch.backends.cudnn.version())}
+            "cudnn": str(torch.backends.cudnn.version()), "kernels": cpu_kernels()}
     try:  # the driver version, where NVML can tell it
         import pynvml  # type: ignore[import-not-found]
 
@@ -122,18 +153,23 @@ def device_info(device: str | torch.device = "cpu") -> dict[str, str]:
 
 
 def same_hardware(recorded: dict[str, str], here: dict[str, str]) -> bool:
-    """Whether bit-exact replay may be expected: the same device kind, and for a GPU the same model
-    and CUDA and cuDNN releases (the driver does not choose kernels). This decides only what to
-    attempt: exact replay still has to match every committed bit."""
-    keys = ("kind", "machine") if recorded.get("kind") == "cpu" else ("kind", "name", "cuda", "cudnn")
+    """Whether bit-exact replay may be expected: the same device kind and host CPU kernel choice
+    (the initial weights are drawn on the host); for a CPU the same architecture; for a GPU the
+    same model and CUDA and cuDNN releases (the driver does not choose kernels). A field the run
+    did not record (an older release) is not compared. This decides only what to attempt: exact
+    replay still has to match every bit."""
+    gpu = ("kind", "name", "cuda", "cudnn", "kernels")
+    keys = ("kind", "machine", "kernels") if recorded.get("kind") == "cpu" else gpu
     return all(recorded[k] == here.get(k) for k in keys if k in recorded)
 
 
 def describe_device(info: dict[str, str]) -> str:
     """A device record in words."""
     if info.get("kind") != "cuda":
-        return f"the CPU ({info.get('machine', 'unknown architecture')})"
-    return f"{info.get('name', 'a GPU')} (CUDA {info.get('cuda', '?')}, cuDNN {info.get('cudnn', '?')})"
+        kernels = f"; {info['kernels']}" if "kernels" in info else ""
+        return f"the CPU ({info.get('machine', 'unknown architecture')}{kernels})"
+    host = f", host {info['kernels']}" if "kernels" in info else ""
+    return f"{info.get('name', 'a GPU')} (CUDA {info.get('cuda', '?')}, cuDNN {info.get('cudnn', '?')}{host})"
 
 
 def torch_version() -> str:
