@@ -42,6 +42,7 @@ from .replay import (
     SegmentPlan,
     check_state,
     check_thresholds,
+    limit_for,
 )
 from .response import Response, ResponseSamples
 from .verdict import ChallengeResult, Verdict
@@ -181,12 +182,10 @@ def _init_within_tolerance(bundle: Bundle, seeded: dict[str, torch.Tensor], sess
     """Tolerance mode: the committed initial state within the thresholds of the one the seed gives here.
 
     Another CPU draws the initial weights with other kernels (randn's last bits differ), so only
-    the distance can be asked for; the committed initial checkpoint is hashed against the
-    manifest with the others, and replays start from it.
+    the distance can be asked for; the committed initial checkpoint (every bundle has it: the
+    reader refuses one without it) is hashed against the manifest with the others, and replays
+    start from it.
     """
-    if 0 not in bundle.checkpoints:
-        raise MalformedInput("the seed gives this machine another initial state, as other hardware may; tolerance "
-                             "mode then compares it with the run's initial checkpoint, which this bundle lacks")
     committed = read_checkpoint(bundle.checkpoints[0])
     parameters = {f"model.{n}" for n, _ in session.model.named_parameters()}
     try:
@@ -195,7 +194,7 @@ def _init_within_tolerance(bundle: Bundle, seeded: dict[str, torch.Tensor], sess
         raise VerificationError(f"the initial state is not the one the run seed generates: {e}", step=0,
                                 check="init") from None
     for k, v in d.items():
-        limit = thresholds["optimizer" if k.startswith("optimizer.") else k]
+        limit = limit_for(k, thresholds)
         if not v <= limit:
             raise VerificationError(f"the initial state is not the one the run seed generates: {k} distance "
                                     f"{v:.3g} exceeds the threshold {limit:.3g}", step=0, check="init")

@@ -118,6 +118,11 @@ class SegmentPlan:
         return self.start(step), self.end(step + length)
 
 
+def limit_for(distance: str, thresholds: dict[str, float]) -> float:
+    """The threshold a state distance (``parameters``, ``buffers``, ``optimizer.<key>``) must stay within."""
+    return thresholds["optimizer" if distance.startswith("optimizer.") else distance]
+
+
 def check_state(bundle: Bundle, session: TrainingSession, step: int, exact: bool,
                 thresholds: dict[str, float]) -> None:
     """The session's state must be the one recorded after ``step`` updates (hash at 0, else fingerprint)."""
@@ -226,7 +231,7 @@ class Replayer:
             for k, v in d.items():
                 result.distances[k] = max(result.distances.get(k, 0.0), v)
         for k, v in d.items():
-            limit = self.thresholds["optimizer" if k.startswith("optimizer.") else k]
+            limit = limit_for(k, self.thresholds)
             if not v <= limit:
                 raise VerificationError(f"{k} distance {v:.3g} exceeds the threshold {limit:.3g}"
                                         + (f" {where}" if where else ""), step=step, check="replay")
