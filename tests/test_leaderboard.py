@@ -463,3 +463,32 @@ def test_refusals_name_files_inside_the_upload_not_the_server_store(tmp_path):
     staging = tmp_path / "store" / "incoming" / "abc"
     e = ValueError(f"{staging}/evaluation.json is not a certificate; {staging} is odd")
     assert _hide(e, staging) == "evaluation.json is not a certificate; the upload is odd"
+
+
+def test_a_worker_that_can_no_longer_replay_a_run_does_not_revoke_it(server, tmp_path, monkeypatch):
+    # The server upgraded torch (or a worker on other hardware joined): a re-challenge cannot
+    # replay the certified run exactly. That is the server's problem, never the trainer's: the
+    # job fails with the reason, and the run keeps its certificate and takes challenges later.
+    from witness.leaderboard.db import Job
+    from witness.verify import audit
+
+    lb, tc = server
+    alice, bob = register(tc, "alice"), register(tc, "bob")
+    run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "run")
+    submit(tc, alice, bundle, cert)
+    work(lb, once=True)
+    assert tc.get(f"/api/runs/{run_id}").json()["status"] == "certified"
+    monkeypatch.setattr(audit, "torch_version", lambda: "9.9.9")
+    job = Authed(tc, bob.token).post(f"/api/runs/{run_id}/challenges", json={"count": 2}).json()
+    assert work(lb, once=True) == 1
+    r = tc.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "certified" and not r["reason"], r
+    with lb.Session() as s:
+        failed = s.get(Job, job["job_id"])
+        assert failed.status == "failed" and "cannot replay" in failed.error and "torch" in failed.error
+    assert [h["kind"] for h in tc.get(f"/api/runs/{run_id}/challenges").json()] == ["certify"]  # no failed round
+    monkeypatch.undo()  # back on a machine that replays it: challenges go on as before
+    Authed(tc, bob.token).post(f"/api/runs/{run_id}/challenges", json={"count": 2})
+    work(lb, once=True)
+    hist = tc.get(f"/api/runs/{run_id}/challenges").json()
+    assert [h["kind"] for h in hist] == ["certify", "rechallenge"] and hist[-1]["passed"]

@@ -22,7 +22,7 @@ from sqlalchemy import select
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.dsse import read_json_or_envelope
 from ..commit.signing import SignedTreeHead
-from ..errors import RunRejected, VerificationError
+from ..errors import MalformedInput, RunRejected, VerificationError
 from ..evals.evaluate import verify_eval
 from ..evals.release import export_model
 from ..report import plot_fingerprints, plot_loss, plot_optimizer
@@ -35,6 +35,10 @@ from .service import Leaderboard
 from .store import EVALUATION
 
 log = logging.getLogger("witness.leaderboard.worker")
+
+
+class CannotCheckHere(RuntimeError):
+    """A re-challenge this worker cannot run (the server's environment changed, not the run)."""
 
 
 def worker_name() -> str:
@@ -68,6 +72,13 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
                                     ticket=bytes.fromhex(run.r))
         except RunRejected as e:
             verdict, failures = e.verdict, list(e.failures)
+        except MalformedInput as e:
+            if job.kind != "certify":
+                # The certified bundle cannot have changed; this worker can no longer replay it (other
+                # hardware, torch or witness release). That is the server's problem, never grounds to
+                # revoke: the job fails with the reason and the run keeps its certificate.
+                raise CannotCheckHere(f"this worker cannot replay run {run.id}: {e}") from None
+            failures = [str(e)]
         except VerificationError as e:
             failures = [str(e)]
         passed = not failures
@@ -184,7 +195,10 @@ def work(lb: Leaderboard, *, worker: str | None = None, once: bool = False, poll
             with _lease(lb, job.id, worker, lease_ms):
                 process(lb, job, worker)
         except Exception as e:  # an error of the server, not of the run: record it, keep working
-            log.exception("job %s failed", job.id)
+            if isinstance(e, CannotCheckHere):
+                log.warning("job %s: %s", job.id, e)  # no traceback: the reason says it all
+            else:
+                log.exception("job %s failed", job.id)
             with lb.Session() as s:
                 if queue.finish(s, job.id, worker, error=f"{type(e).__name__}: {e}"):
                     run = s.get(Run, job.run_id)
