@@ -1,6 +1,6 @@
 """Runs recorded by an older release verify under this one, exactly when the verifier's own list
 says it replays them (``witness.REPLAYS_RUNS_OF``); any other release is refused, and so is a
-resume that would mix two releases' steps in one run.
+resume that would mix two releases', torch releases' or kinds of hardware's steps in one run.
 
 ``tests/data/release-0.3.0`` holds what witness 0.3.0 (commit 06f7969) recorded: a whole ``tiny``
 bundle, and the manifest, first step and batch of a ``tinygpt`` run (its corpus is this machine's
@@ -72,3 +72,29 @@ def test_a_resume_continues_only_a_run_whose_steps_this_release_reproduces(tmp_p
     assert resumed.start_step == 4
     resumed.train(progress=False)
     assert verify_bundle(tmp_path / "b", challenges=8, nonce=b"all").accepted
+
+
+@pytest.mark.parametrize("change", ["torch", "kernels"])
+def test_a_resume_elsewhere_is_refused_before_it_touches_the_run(tmp_path, monkeypatch, change):
+    # Steps from two torch releases or two kinds of CPU would replay exactly on neither.
+    from witness.record import recorder
+
+    key = generate_key()
+    rec = Recorder.create(build_task("tiny", {"steps": 8}), tmp_path / "b", key, r=b"\x03" * 32, checkpoint_every=4)
+    for t in range(6):  # killed after step 5: the records of 4 and 5 are unsigned, and a resume would drop them
+        rec.log_step(t, rec.task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
+    del rec
+    before = {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
+    if change == "torch":
+        monkeypatch.setattr(recorder, "torch_version", lambda: "9.9.9")
+        why = "started with torch .* this is torch 9.9.9"
+    else:
+        other = dict(recorder.device_info("cpu"), kernels="GenuineIntel AVX512 avx512f")
+        monkeypatch.setattr(recorder, "device_info", lambda device: other)
+        why = "started on the CPU .* this is the CPU .*GenuineIntel AVX512.*: resume it on the same hardware"
+    with pytest.raises(ValueError, match=why):
+        Recorder.resume(tmp_path / "b", key)
+    assert {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()} == before  # nothing lost
+    monkeypatch.undo()
+    resumed = Recorder.resume(tmp_path / "b", key)
+    assert resumed.start_step == 4

@@ -32,7 +32,15 @@ from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
 from ..data.order import derive_run_seed
 from ..data.usage import UsageCommitment
-from ..session import TrainingSession, bounded_threads, device_info, torch_version
+from ..session import (
+    TrainingSession,
+    bounded_threads,
+    describe_device,
+    deterministic_device,
+    device_info,
+    same_hardware,
+    torch_version,
+)
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task, check_task_source, task_class, task_source
 
@@ -150,6 +158,17 @@ class Recorder:
             raise ValueError(f"the run was started by witness {manifest['code_version']}, whose steps this "
                              f"release ({__version__}) does not reproduce: resume it with that release")
         check_task_source(manifest["task"], manifest.get("task_source"))
+        # the rest of the run trains where its start did (a GPU run resumes on the GPU), with the same
+        # kernels: a run whose steps came from two kinds of hardware would replay on neither
+        recorded = manifest["versions"].get("device", {"kind": "cpu"})
+        kind = recorded.get("kind", "cpu")
+        if manifest["versions"]["torch"] != torch_version():
+            raise ValueError(f"the run was started with torch {manifest['versions']['torch']}; this is torch "
+                             f"{torch_version()}: resume it with the torch release that started it")
+        here = device_info(deterministic_device(kind))
+        if not same_hardware(recorded, here):
+            raise ValueError(f"the run was started on {describe_device(recorded)}; this is {describe_device(here)}: "
+                             "resume it on the same hardware")
         task = build_task(manifest["task"], manifest["task_config"])
         # the run's own thread count: a thread-dependent kernel would otherwise change its bits
         torch.set_num_threads(bounded_threads(threads or manifest["threads"]))
@@ -172,8 +191,6 @@ class Recorder:
         for f in (out / CHECKPOINTS).iterdir():
             if f.name.endswith(".tmp") or int(f.name.split(".")[0]) > resume_at:
                 f.unlink()
-        # the rest of the run trains where its start did (a GPU run resumes on the GPU)
-        kind = manifest["versions"].get("device", {}).get("kind", "cpu")
         session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"], device=kind)
         load_state(session.model, session.optimizer, read_checkpoint(out / checkpoint_name(resume_at)))
         log = RunLog(lines[:keep])
