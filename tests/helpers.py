@@ -151,3 +151,15 @@ def assert_binomial(hits: int, trials: int, p: float, alpha: float = FALSE_ALARM
     low, high = binomial_tails(hits, trials, p)
     assert min(low, high) >= alpha / 2, (f"{hits}/{trials} = {hits / trials:.4f} against p = {p:.4f}: "
                                          f"tail probability {min(low, high):.3g}")
+
+
+def nonce_drawing_elsewhere(bundle: Path, nonce: bytes, q: int) -> bytes:
+    """A nonce whose ``q`` challenges include a step that ``nonce``'s do not: a response made for
+    ``nonce`` cannot answer that audit (a random other nonce draws a subset now and then)."""
+    from witness.verify.challenges import draw_challenges
+
+    opened = open_bundle(bundle)
+    n = len(opened.steps)
+    answered = {c.step for c in draw_challenges(opened.final_head, nonce, n, q)}
+    return next(other for other in (i.to_bytes(2, "big") for i in range(1 << 16))
+                if {c.step for c in draw_challenges(opened.final_head, other, n, q)} - answered)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import nonce_drawing_elsewhere
 
 from witness.bundle.reader import open_bundle
 from witness.task import build_task
@@ -54,7 +55,8 @@ def test_interactive_round_trip_through_the_cli(gpt_run, tmp_path):
     assert v["mode"] == "interactive" and v["replayed_steps"] == 4
     # Another nonce asks other questions: the old response does not answer them (which answer is
     # missing first, a state or a batch, depends on the run's random seed and so on the draw).
-    res = _cli("verify", str(gpt_run), "--mode", "interactive", "--response", str(resp), "--nonce", "beef",
+    other = nonce_drawing_elsewhere(gpt_run, bytes.fromhex("abcd"), 4).hex()
+    res = _cli("verify", str(gpt_run), "--mode", "interactive", "--response", str(resp), "--nonce", other,
                "--challenges", "4", "--json")
     assert res.returncode == 1
     failure = json.loads(res.stdout)["failures"][0]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import nonce_drawing_elsewhere
 
 from witness.bundle.layout import MAX_LOG_BYTES
 from witness.cli import main
@@ -158,7 +159,8 @@ def test_responses_answer_the_audit_nonce_and_carry_none(honest_bundle, tmp_path
     assert "nonce" not in doc
     # made for another nonce: the states this audit draws are missing, and the verdict says why
     with pytest.raises(RunRejected, match="this audit's nonce"):
-        verify_bundle(honest_bundle, challenges=2, nonce=b"another", mode="interactive", response=resp)
+        verify_bundle(honest_bundle, challenges=2, nonce=nonce_drawing_elsewhere(honest_bundle, b"n", 2),
+                      mode="interactive", response=resp)
     # a version 2 response (with its unchecked nonce) is not read
     (resp / "response.json").write_bytes(canonical_json(dict(doc, version=2, nonce="6e")))
     with pytest.raises(MalformedInput, match="supported version"):
