@@ -155,11 +155,11 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
     """Every checkpoint: file hash, state hash, and its fingerprint and sketch against the record."""
     m = bundle.manifest
     seeded = state_tensors(session.model, session.optimizer)
-    init_check = "initial state regenerated from the seed"
+    init_check: str | None = "initial state regenerated from the seed"
     if not same(state_hash(seeded, m.state_digest), m.init_state_hash):
         if exact:
             raise VerificationError("the initial state is not the one the run seed generates", step=0, check="init")
-        init_check = _init_within_tolerance(bundle, seeded, session, thresholds)
+        init_check = None  # tolerance mode: judged against the initial checkpoint below
     for step in bundle.checkpoint_steps():
         sh, fh = bundle.committed_checkpoint(step)  # type: ignore[misc]
         path = bundle.checkpoints[step]
@@ -168,25 +168,27 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         tensors = read_checkpoint(path)
         if not same(state_hash(tensors, m.state_digest), sh):
             raise VerificationError(f"{path.name} does not hash to the committed state", step=step, check="checkpoint")
+        if step == 0 and init_check is None:  # first in the loop: the session still holds the seed's state
+            init_check = _init_within_tolerance(tensors, seeded, session, thresholds)
         if step > 0:
             load_state(session.model, session.optimizer, tensors)
             check_state(bundle, session, step, exact, thresholds)
         if bundle.end is not None and step == len(bundle.steps) and not same(model_hash(tensors, m.state_digest),
                                                                              bundle.end.final_model_hash):
             raise VerificationError("the final model hash is not that of the final checkpoint's model", check="end")
+    if init_check is None:  # fail closed: the reader refuses a bundle without its initial checkpoint
+        raise MalformedInput("the bundle has no initial checkpoint to compare the seed's state with")
     return [f"{init_check}; {len(bundle.checkpoints)} checkpoint(s) hashed and fingerprinted"]
 
 
-def _init_within_tolerance(bundle: Bundle, seeded: dict[str, torch.Tensor], session: TrainingSession,
-                           thresholds: dict[str, float]) -> str:
-    """Tolerance mode: the committed initial state within the thresholds of the one the seed gives here.
+def _init_within_tolerance(committed: dict[str, torch.Tensor], seeded: dict[str, torch.Tensor],
+                           session: TrainingSession, thresholds: dict[str, float]) -> str:
+    """Tolerance mode: the committed initial state (the initial checkpoint, its hashes checked) within
+    the thresholds of the one the seed gives here.
 
     Another CPU draws the initial weights with other kernels (randn's last bits differ), so only
-    the distance can be asked for; the committed initial checkpoint (every bundle has it: the
-    reader refuses one without it) is hashed against the manifest with the others, and replays
-    start from it.
+    the distance can be asked for; replays start from the committed state.
     """
-    committed = read_checkpoint(bundle.checkpoints[0])
     parameters = {f"model.{n}" for n, _ in session.model.named_parameters()}
     try:
         d = state_distances(committed, seeded, parameters)
