@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from .. import __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
 from ..bundle.layout import CHECKPOINTS, HEADS, LOG, checkpoint_name, due
-from ..bundle.schema import MANIFEST_VERSION
+from ..bundle.schema import MANIFEST_VERSION, Manifest
 from ..bundle.state import default_digest, load_state, model_hash, state_hash, state_tensors
 from ..bundle.writer import BundleWriter, head_sizes, read_lines, truncate_lines
 from ..commit.hashing import parse_canonical_json
@@ -153,22 +153,22 @@ class Recorder:
             raise ValueError("the run was signed with another key")
         if manifest["world_size"] != 1:
             raise ValueError("resuming a distributed run is not supported yet")
+        started = Manifest.parse(manifest)
         # the rest of the run must be trained by the same code as its start (a plugin may have changed)
-        if not replays(manifest["code_version"]):
-            raise ValueError(f"the run was started by witness {manifest['code_version']}, whose steps this "
+        if not replays(started.code_version):
+            raise ValueError(f"the run was started by witness {started.code_version}, whose steps this "
                              f"release ({__version__}) does not reproduce: resume it with that release")
         check_task_source(manifest["task"], manifest.get("task_source"))
         # the rest of the run trains where its start did (a GPU run resumes on the GPU), with the same
         # kernels: a run whose steps came from two kinds of hardware would replay on neither
-        recorded = manifest["versions"].get("device", {"kind": "cpu"})
-        kind = recorded.get("kind", "cpu")
-        if manifest["versions"]["torch"] != torch_version():
-            raise ValueError(f"the run was started with torch {manifest['versions']['torch']}; this is torch "
+        if started.torch_version != torch_version():
+            raise ValueError(f"the run was started with torch {started.torch_version}; this is torch "
                              f"{torch_version()}: resume it with the torch release that started it")
+        kind = started.device["kind"]
         here = device_info(deterministic_device(kind))
-        if not same_hardware(recorded, here):
-            raise ValueError(f"the run was started on {describe_device(recorded)}; this is {describe_device(here)}: "
-                             "resume it on the same hardware")
+        if not same_hardware(started.device, here):
+            raise ValueError(f"the run was started on {describe_device(started.device)}; this is "
+                             f"{describe_device(here)}: resume it on the same hardware")
         task = build_task(manifest["task"], manifest["task_config"])
         # the run's own thread count: a thread-dependent kernel would otherwise change its bits
         torch.set_num_threads(bounded_threads(threads or manifest["threads"]))
