@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from typing import TypeVar
 
 import torch
@@ -113,8 +114,6 @@ KERNEL_ENV = ("MKL_CBWR", "DNNL_MAX_CPU_ISA")
 
 def cpu_kernels() -> str:
     """This CPU's kernel choice in words: vendor, ATen capability, ISA extensions, library overrides."""
-    import platform
-
     vendor, flags = platform.processor() or "unknown", set()
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -135,8 +134,6 @@ def device_info(device: str | torch.device = "cpu") -> dict[str, str]:
     """What the manifest records about the hardware and libraries a run's kernels came from."""
     device = torch.device(device)
     if device.type != "cuda":
-        import platform
-
         return {"kind": "cpu", "machine": platform.machine() or "unknown", "kernels": cpu_kernels()}
     index = device.index if device.index is not None else torch.cuda.current_device()
     # the host's kernels too: the weights are drawn on the host (randn's kernels differ by CPU)
