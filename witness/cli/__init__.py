@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import sys
 
@@ -15,8 +16,10 @@ from . import audit, data, evals, run
 from .args import DEFAULT_KEY, one_line, unusable_or_rejected
 
 
+@functools.lru_cache(maxsize=1)
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
+    """The argument parser of every subcommand (built once: a parser parses any number of command
+    lines, and building this one costs more than most commands that fail on their input)."""
     p = argparse.ArgumentParser(prog="witness", description="Certify neural-network training runs.")
     sub = p.add_subparsers(dest="command", required=True)
     for group in (run, audit, data, evals):

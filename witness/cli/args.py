@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -37,9 +36,11 @@ def config_value(text: str):
     key, sep, raw = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError("use KEY=VALUE")
+    from ..commit.hashing import load_json
+
     try:
-        return key, json.loads(raw)
-    except json.JSONDecodeError:
+        return key, load_json(raw)
+    except ValueError:  # not JSON (or nested absurdly deep): the value is the text itself
         return key, raw
 
 

@@ -101,25 +101,57 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+# Deeper than anything witness writes (a data proof inside a DSSE statement nests about 7 levels):
+# the limit keeps every later walk over a parsed value (canonical re-encoding, schema checks)
+# far from Python's recursion limit, whatever an input nests.
+MAX_JSON_DEPTH = 64
+
+
+def check_depth(obj: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """Raise ``ValueError`` if ``obj`` nests arrays and objects more than ``limit`` deep (walked
+    without recursion, so any depth is safe to check)."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if depth > limit:
+            raise ValueError(f"nested more than {limit} levels deep")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
 def load_json(data: bytes | str) -> Any:
-    """``json.loads`` for untrusted bytes: anything that is not JSON, including nesting too deep
-    for the parser's recursion, is a ``ValueError``."""
+    """``json.loads`` for untrusted bytes: anything that is not JSON, including nesting deeper than
+    ``MAX_JSON_DEPTH`` or than the parser's recursion allows, is a ``ValueError``."""
     try:
-        return json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        obj = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep (too deep to parse)") from None
+    except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"not valid JSON ({type(e).__name__})") from None
+    if isinstance(obj, (dict, list)):
+        check_depth(obj)
+    return obj
 
 
 def parse_canonical_json(data: bytes) -> Any:
-    """Parse JSON and insist that ``data`` is exactly its canonical form."""
+    """Parse JSON and insist that ``data`` is exactly its canonical form (and nests at most
+    ``MAX_JSON_DEPTH`` deep)."""
     try:
         obj = json.loads(
             data.decode("utf-8"),
             object_pairs_hook=_no_duplicates,
             parse_constant=_no_constants,
         )
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep (too deep to parse)") from None
+    except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"not valid JSON ({e})") from None
-    if canonical_json(obj) != data:
+    if isinstance(obj, (dict, list)):
+        check_depth(obj)
+    try:
+        canonical = canonical_json(obj)
+    except (ValueError, RecursionError) as e:  # cannot happen within the depth limit: kept as a guard
+        raise ValueError(f"JSON cannot be re-encoded ({type(e).__name__})") from None
+    if canonical != data:
         raise ValueError("JSON is not in canonical form")
     return obj
