@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 from typing import TypeVar
@@ -114,6 +115,11 @@ KERNEL_ENV = ("MKL_CBWR", "DNNL_MAX_CPU_ISA")
 
 def cpu_kernels() -> str:
     """This CPU's kernel choice in words: vendor, ATen capability, ISA extensions, library overrides."""
+    return _fit(kernel_words())
+
+
+def kernel_words() -> str:
+    """``cpu_kernels`` at any length."""
     vendor, flags = platform.processor() or "unknown", set()
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -127,7 +133,23 @@ def cpu_kernels() -> str:
     except OSError:  # not Linux: the vendor string and torch's own capability
         pass
     pins = [f"{k}={os.environ[k]}" for k in KERNEL_ENV if os.environ.get(k)]
-    return " ".join([vendor, torch.backends.cpu.get_cpu_capability(), *sorted(flags & KERNEL_FLAGS), *pins])[:128]
+    return " ".join([vendor, torch.backends.cpu.get_cpu_capability(), *sorted(flags & KERNEL_FLAGS), *pins])
+
+
+KERNELS_MAX = 128  # what the manifest's schema allows a device field
+
+
+def _fit(words: str) -> str:
+    """The kernel choice in at most ``KERNELS_MAX`` characters: a longer one (a CPU with many of the
+    extensions above, and library pins) keeps its start and ends with a hash of the whole, so two
+    choices never read the same. Releases before 0.5 cut it off instead."""
+    if len(words) <= KERNELS_MAX:
+        return words
+    return f"{words[:KERNELS_MAX - 18].rstrip()} #{hashlib.sha256(words.encode()).hexdigest()[:16]}"
+
+
+def _legacy(words: str) -> str:
+    return words[:KERNELS_MAX]
 
 
 def device_info(device: str | torch.device = "cpu") -> dict[str, str]:
@@ -157,7 +179,9 @@ def same_hardware(recorded: dict[str, str], here: dict[str, str]) -> bool:
     replay still has to match every bit."""
     gpu = ("kind", "name", "cuda", "cudnn", "kernels")
     keys = ("kind", "machine", "kernels") if recorded.get("kind") == "cpu" else gpu
-    return all(recorded[k] == here.get(k) for k in keys if k in recorded)
+    # a run of a release before 0.5 names a long kernel choice cut off where this one hashes its tail
+    return all(recorded[k] == here.get(k) or (k == "kernels" and recorded[k] == _legacy(kernel_words()))
+               for k in keys if k in recorded)
 
 
 def describe_device(info: dict[str, str]) -> str:
