@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from witness.commit.hashing import tagged_hash  # witness
 from witness.commit.signing import load_or_create_key  # witness
-from witness.distributed import DistRecorder  # witness
+from witness.distributed import DistRecorder, exit_now  # witness
 from witness.task import build_task
 
 
@@ -48,7 +48,8 @@ def main() -> None:
         if dist.get_rank() == 0 and step % 10 == 0:
             print(f"step {step:5d}  loss {out.loss:.4f}", flush=True)
     rec.finish()  # witness
-    dist.destroy_process_group()
+    if rec.close():  # witness: the process group torn down in order (instead of destroy_process_group)
+        exit_now()  # witness: backend threads outlived it (FSDP2): skip the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from witness.commit.signing import load_key
-from witness.distributed import DistRecorder
+from witness.distributed import DistRecorder, exit_now
 from witness.task import build_task
 
 
@@ -52,7 +52,11 @@ def main() -> None:
             assert rec.inner._deferred is not None, "the state hash did not go off the training stream"
             assert rec.sharded == (rec._unsettled is not None)
     rec.finish()
-    dist.destroy_process_group()
+    left = rec.close()
+    if args.parallelism == "ddp":  # nothing else holds the group: its threads were joined here
+        assert not left, left
+    if left:  # FSDP2: DTensor's caches hold the group; the interpreter's teardown must not join its threads
+        exit_now()
 
 
 if __name__ == "__main__":

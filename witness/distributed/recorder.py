@@ -8,11 +8,15 @@ Usage, inside a script started by ``torchrun`` after ``dist.init_process_group``
         out = rec.train_step(t, batch)       # forward, backward (the wrapper averages), clip, step
         rec.log_step(t, out)                 # collectives, then rank 0 appends the record
     rec.finish()
+    if rec.close():                          # the process group destroyed in order; threads left?
+        exit_now()                           # then skip the interpreter's teardown
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from concurrent.futures import Future
 from typing import Any
 
@@ -161,3 +165,55 @@ class DistRecorder:
         if self.inner is not None:
             self.inner.finish()
         dist.barrier()
+
+    def close(self) -> list[str]:
+        """After ``finish``: tear the run down in order, and say which backend threads outlive it.
+
+        ``destroy_process_group`` alone leaves the group alive while anything still holds it (the
+        DDP wrapper's reducer does), so its C++ threads would be joined, and the last collectives'
+        tensors released, only while the interpreter shuts down. A C++ thread that then needs the
+        GIL is ended by CPython mid-call, which aborts the process ("terminate called without an
+        active exception"). So: drop the wrapped model and optimizer, collect them, then destroy
+        the group, whose threads are then joined here. Returns the names of the backend threads
+        still running (Linux; under FSDP2, DTensor's caches keep its device mesh, and with it the
+        group, alive): where there are any, end the process with ``exit_now``.
+        """
+        self._snapshots = self._unsettled = self.inner = None
+        self.session = None  # type: ignore[assignment]
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        return backend_threads()
+
+
+# thread names of the collective backends' own C++ threads (gloo's and nccl's)
+BACKEND_THREADS = ("gloo", "pt_gloo", "pt_nccl", "nccl")
+
+
+def backend_threads() -> list[str]:
+    """Names of this process's collective-backend threads still running (Linux; else none known)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm", encoding="ascii", errors="replace") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(BACKEND_THREADS):
+            names.append(name)
+    return sorted(names)
+
+
+def exit_now(code: int = 0) -> None:
+    """End the process at once, after flushing the standard streams: what a torchrun script does
+    after ``DistRecorder.close`` reports backend threads still running (the bundle is already
+    durable: ``finish`` fsyncs every signed head), so that the interpreter's teardown, during which
+    such a thread could abort the process, never runs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
