@@ -21,7 +21,7 @@ from witness.commit.sorted_tree import SortedTree
 from witness.session import TrainingSession
 from witness.task import build_task
 
-KINDS = ("steer", "backdoor", "hidden", "nudge", "omit")
+KINDS = ("steer", "backdoor", "hidden", "nudge", "omit")  # omit is caught in full, the others at the replay rate
 # tinygpt, small enough for tests: its position embeddings past the probes' length move no probe
 GPT = {"n_layer": 1, "d_model": 32, "n_head": 2, "block": 32, "batch_size": 4, "probe_len": 8, "probes": 2,
        "corpus_max_bytes": 200_000, "warmup": 2}

@@ -67,7 +67,7 @@ def resign(bundle: Path, key, lines: list[bytes]) -> None:
         if rec["type"] == "manifest" or "checkpoint_sha256" in rec:
             heads.append(canonical_json(log.sign_head(key).to_json()))
         elif rec["type"] == "end":
-            ext = {k: rec[k] for k in HEAD_EXTENSION_FIELDS}
+            ext = {k: rec[k] for k in HEAD_EXTENSION_FIELDS if k in rec}
             heads.append(canonical_json(log.sign_head(key, extensions=ext).to_json()))
     (bundle / "heads.jsonl").write_bytes(b"".join(h + b"\n" for h in heads))
 
@@ -87,8 +87,9 @@ def edit_manifest(bundle: Path, key, **changes) -> None:
 def attacker_response(bundle_dir: Path, out: Path, states: dict[int, dict[str, torch.Tensor]],
                       used_samples: SortedTree | None = None, used_documents: SortedTree | None = None) -> Path:
     """A well-formed response of the trainer's own making: the given states, and every step's
-    samples with their dataset proofs and proofs into the used-data trees it committed (a sample
-    left out of those trees gets the proof of the leaf where it would be: the best it can do)."""
+    samples (for a run before the dataset's leaves were committed: with their dataset proofs and
+    proofs into the used-data trees it committed, where a sample left out of those trees gets the
+    proof of the leaf where it would be: the best it can do)."""
     bundle = open_bundle(bundle_dir)
     m = bundle.manifest
     task = build_task(m.task, m.task_config)
@@ -99,6 +100,7 @@ def attacker_response(bundle_dir: Path, out: Path, states: dict[int, dict[str, t
         name = f"states/{step:08d}.safetensors"
         save_checkpoint(out / name, tensors, step, m.state_digest)
         names[str(step)] = name
+    proven = m.data_commitment < 2  # a run that commits its dataset's leaves is checked against them
     if used_samples is None:
         used_samples = SortedTree(ds.hashes[i] for r in bundle.steps for i in r.batch)
         used_documents = SortedTree(ds.document_of(ds.sample_bytes(i)) for r in bundle.steps for i in r.batch)
@@ -112,9 +114,9 @@ def attacker_response(bundle_dir: Path, out: Path, states: dict[int, dict[str, t
         samples = [ds.sample_bytes(i) for i in idx]
         steps[str(rec.step)] = {
             "indices": idx, "samples": [s.hex() for s in samples],
-            "proofs": [[h.hex() for h in ds.tree.inclusion_proof(i)] for i in idx],
+            "proofs": [[h.hex() for h in ds.tree.inclusion_proof(i)] if proven else [] for i in idx],
             "used": [{"sample": proof(used_samples, ds.hashes[i]), "document": proof(used_documents, ds.document_of(s))}
-                     for i, s in zip(idx, samples, strict=True)],
+                     for i, s in zip(idx, samples, strict=True)] if proven else None,
         }
     doc = {"format": FORMAT, "version": VERSION, "head_root": bundle.final_head.root.hex(),
            "head_size": bundle.final_head.size, "states": names, "steps": steps}

@@ -184,8 +184,6 @@ SAMPLED = {
                  "replayed training state does not hash to the committed one"),
     # a nudge in the null space of the fingerprint and the sketch, under tolerance mode (f = 0.25)
     "nudge": ({2, 7, 11, 15, 19, 24, 28, 33, 36, 38}, "parameters distance"),
-    # one sample of each of 10 steps left out of the end record's used-data trees (f = 0.25)
-    "omit": ({0, 5, 9, 14, 18, 22, 27, 31, 35, 39}, "is not in the committed used-sample tree"),
 }
 
 
@@ -210,9 +208,22 @@ def test_a_sampled_attack_is_caught_at_every_step_that_carries_it(sampled):
             if not r.passed:
                 assert all(r.distances[k] <= DEFAULT_THRESHOLDS[k] for k in ("loss", "fingerprint", "sketch", "update"))
                 assert r.distances["parameters"] > 50 * DEFAULT_THRESHOLDS["parameters"]
-    if kind == "omit":
-        with pytest.raises(VerificationError, match="data usage"):  # offline recomputes both trees in full
-            verify_bundle(bundle, challenges=1)
+
+
+def test_used_data_left_out_of_the_end_record_is_caught_in_full_whatever_is_drawn(tmp_path):
+    # One sample of each of 10 steps left out of the used-data trees (f = 0.25). It used to be caught
+    # only where a challenge replayed such a step; the trees are now rebuilt from the dataset's
+    # committed leaves in every mode, before any replay: every audit rejects it, offline and cheap.
+    omitted = {0, 5, 9, 14, 18, 22, 27, 31, 35, 39}
+    bundle, resp, _ = build("omit", tmp_path, omitted, STEPS)
+    opened = open_bundle(bundle)
+    clean = next(n.to_bytes(2, "big") for n in range(999)
+                 if not {c.step for c in draw_challenges(opened.final_head, n.to_bytes(2, "big"), STEPS, 1)} & omitted)
+    for nonce in (clean, b"a", b"b"):
+        for mode in ("offline", "interactive"):
+            with pytest.raises(VerificationError, match="used-sample tree .* leaves out data the run trained on") as info:
+                verify_bundle(opened, challenges=1, nonce=nonce, mode=mode, response=resp)
+            assert not isinstance(info.value, RunRejected)  # no replay was needed
 
 
 def test_a_sampled_attack_is_caught_at_the_stated_rate(sampled):

@@ -15,11 +15,11 @@ from witness.cli import main
 from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.signing import generate_key
 from witness.data.dataset import sample_hash
-from witness.data.proofs import check_proof
 from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.record import Recorder
 from witness.task import build_task
 from witness.verify import verify_bundle
+from witness.verify.data_queries import check_data_proof as check_proof
 
 SMALL = {"steps": 12, "n_layer": 1, "d_model": 32, "n_head": 2, "batch_size": 8,
          "corpus_max_bytes": 300_000, "warmup": 2}

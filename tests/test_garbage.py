@@ -9,11 +9,11 @@ import pytest
 from helpers import train_tiny
 
 from witness.commit.signing import generate_key
-from witness.data.proofs import check_proof
 from witness.errors import VerificationError
 from witness.evals.certificate import check_certificate, sign_certificate
 from witness.evals.evaluate import evaluate, verify_eval
 from witness.task import build_task
+from witness.verify.data_queries import check_data_proof as check_proof
 from witness.verify.data_queries import run_commitments
 
 JUNK = [None, 1, -1, "x", "ab" * 32, [], {}, [1, 2], {"a": 1}, True, 1.5]
@@ -126,13 +126,17 @@ def test_mutated_responses_are_unusable_input_not_crashes(tmp_path):
         assert path[0] in ("states", "steps", "head_root", "head_size"), path
 
 
-def test_mutated_used_data_proofs_are_refused_not_crashes(tmp_path):
+def test_mutated_used_data_proofs_are_refused_not_crashes(tmp_path, monkeypatch):
+    # A run as witness 0.4 recorded it (no committed leaves): its response proves every sample in the
+    # used-data trees, and every mutation of those proofs is refused.
     from witness.commit.hashing import canonical_json
     from witness.errors import RunRejected
     from witness.verify import verify_bundle
     from witness.verify.respond import respond
 
+    monkeypatch.setattr("witness.record.recorder.DATA_COMMITMENT", 1)
     bundle = train_tiny(tmp_path / "run", config={"steps": 8}, checkpoint_every=4)
+    monkeypatch.undo()
     respond(bundle, tmp_path / "resp", nonce=b"n", challenges=1)
     doc = json.loads((tmp_path / "resp" / "response.json").read_text())
     verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
@@ -148,3 +152,27 @@ def test_mutated_used_data_proofs_are_refused_not_crashes(tmp_path):
             assert "used-" in info.value.failures[0] or "used-data" in info.value.failures[0], path
         tried += 1
     assert tried > 50
+
+
+def test_a_response_to_a_run_with_committed_leaves_carries_no_proofs(tmp_path):
+    # Its samples are checked against the dataset's leaves: proofs where none belong are refused.
+    from witness.commit.hashing import canonical_json
+    from witness.errors import MalformedInput
+    from witness.verify import verify_bundle
+    from witness.verify.respond import respond
+
+    bundle = train_tiny(tmp_path / "run", config={"steps": 8}, checkpoint_every=4)
+    respond(bundle, tmp_path / "resp", nonce=b"n", challenges=1)
+    doc = json.loads((tmp_path / "resp" / "response.json").read_text())
+    verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+    (step,) = doc["steps"]
+    assert doc["steps"][step]["used"] is None and all(p == [] for p in doc["steps"][step]["proofs"])
+    tried = 0
+    for field, junk in [("used", j) for j in JUNK if j is not None] + [("proofs", [["ab" * 32]] * 16)]:
+        full = copy.deepcopy(doc)
+        full["steps"][step][field] = junk
+        (tmp_path / "resp" / "response.json").write_bytes(canonical_json(full))
+        with pytest.raises(MalformedInput):
+            verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+        tried += 1
+    assert tried == len(JUNK)

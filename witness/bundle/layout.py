@@ -12,6 +12,8 @@ MARKER = "bundle.json"
 LOG = "log.jsonl"
 HEADS = "heads.jsonl"
 CHECKPOINTS = "checkpoints"
+# the dataset's per-sample commitments (data/leaves.py), checked against the manifest's data root
+LEAVES = "dataset.leaves"
 
 MAX_LOG_BYTES = 512 * 1024 * 1024
 MAX_RECORD_BYTES = 4 * 1024 * 1024

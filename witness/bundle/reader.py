@@ -15,6 +15,7 @@ from ..errors import MalformedInput, VerificationError
 from .layout import (
     CHECKPOINTS,
     HEADS,
+    LEAVES,
     LOG,
     MARKER,
     MAX_FILES,
@@ -43,6 +44,7 @@ class Bundle:
     heads: list[SignedTreeHead]
     checkpoints: dict[int, Path]
     notes: list[str] = field(default_factory=list)
+    leaves: Path | None = None  # the dataset's leaves file, if the bundle carries one (read when checked)
 
     @property
     def complete(self) -> bool:
@@ -115,7 +117,7 @@ def _scan(root: Path) -> tuple[set[str], list[str]]:
             if rel.startswith(f"{CHECKPOINTS}/") and rel.endswith(".safetensors.tmp"):
                 temps.append(rel)
                 continue
-            if rel not in (MARKER, LOG, HEADS) and checkpoint_step(rel) is None:
+            if rel not in (MARKER, LOG, HEADS, LEAVES) and checkpoint_step(rel) is None:
                 raise MalformedInput(f"unexpected file {rel} in the bundle")
             files.add(rel)
             if len(files) > MAX_FILES:
@@ -252,7 +254,7 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     for i, h in enumerate(heads):
         wanted = None
         if end is not None and i == len(heads) - 1:
-            wanted = {k: end.raw[k] for k in HEAD_EXTENSION_FIELDS}
+            wanted = {k: end.raw[k] for k in HEAD_EXTENSION_FIELDS if k in end.raw}
         if h.extensions != wanted:
             raise VerificationError(f"tree head {i}'s extensions are not the run's used-data commitments", check="log")
     if end is not None and end.steps != len(steps):
@@ -294,4 +296,7 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
         # its last states bound by nothing but their fingerprints.
         raise VerificationError("the signed log ends at a step whose training state it does not commit",
                                 step=steps[-1].step, check="log")
-    return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes)
+    leaves = root / LEAVES if LEAVES in files else None
+    if leaves is not None and manifest.data_commitment < 2:
+        raise MalformedInput(f"{LEAVES} belongs to a run that commits its dataset's leaves (data_commitment 2)")
+    return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes, leaves)

@@ -88,6 +88,9 @@ class Manifest:
     init_checkpoint_sha256: bytes
     task_source: dict | None  # the plugin that provides the task (None: built into witness)
     device: dict  # where the run's kernels ran: {"kind": "cpu", "machine"} or the GPU and its libraries
+    # which dataset commitment data_root is: 2 binds each sample's documents into its leaf; 1 (runs
+    # recorded before witness 0.5, which do not name it) the sample alone
+    data_commitment: int = 1
 
     FIELDS = {
         "type", "format_version", "task", "task_config", "code_version", "r", "r_source", "run_seed",
@@ -100,7 +103,9 @@ class Manifest:
     def parse(cls, obj: Any) -> Manifest:
         """Strictly parse the manifest record."""
         w = "manifest"
-        _keys(obj, cls.FIELDS, {"task_source"}, w)
+        _keys(obj, cls.FIELDS, {"task_source", "data_commitment"}, w)
+        if "data_commitment" in obj and (type(obj["data_commitment"]) is not int or obj["data_commitment"] != 2):
+            raise _fail(w, "data_commitment must be 2 (or absent: version 1)")
         source = obj.get("task_source")
         if source is not None:
             _keys(source, {"distribution", "version", "files_sha256"}, set(), f"{w}.task_source")
@@ -157,6 +162,7 @@ class Manifest:
             init_checkpoint_sha256=parse_hex(obj["init_checkpoint_sha256"], f"{w}.init_checkpoint_sha256"),
             task_source=source,
             device=dict(device),
+            data_commitment=obj.get("data_commitment", 1),
         )
 
 
@@ -217,7 +223,11 @@ class StepRecord:
 
 # The end record's fields that the final tree head also signs as extensions, so certificates
 # and data proofs can bind to the head alone.
-HEAD_EXTENSION_FIELDS = ("document_rule", "used_documents", "used_samples", "final_state_hash", "final_model_hash")
+HEAD_EXTENSION_FIELDS = ("document_rule", "used_documents", "used_samples", "final_state_hash", "final_model_hash",
+                         "task")
+# ...of which runs before witness 0.5 lacked the task (a data proof's checker takes the document
+# rule from the task the head names)
+LATER_END_FIELDS = ("task",)
 
 
 @dataclass(frozen=True)
@@ -239,11 +249,12 @@ class EndRecord:
     document_rule: str
     used_documents: TreeCommitment
     used_samples: TreeCommitment
+    task: str | None = None
 
     @classmethod
     def parse(cls, obj: Any, where: str) -> EndRecord:
         """Strictly parse the end record."""
-        _keys(obj, {"type", "steps", *HEAD_EXTENSION_FIELDS}, set(), where)
+        _keys(obj, {"type", "steps", *HEAD_EXTENSION_FIELDS} - set(LATER_END_FIELDS), set(LATER_END_FIELDS), where)
         if obj["type"] != "end":
             raise _fail(where, "expected the end record")
         if obj["document_rule"] not in ("self", "prefix32"):
@@ -256,4 +267,5 @@ class EndRecord:
         return cls(obj, _int(obj["steps"], f"{where}.steps", 1),
                    parse_hex(obj["final_state_hash"], f"{where}.final_state_hash"),
                    parse_hex(obj["final_model_hash"], f"{where}.final_model_hash"),
-                   obj["document_rule"], tree("used_documents"), tree("used_samples"))
+                   obj["document_rule"], tree("used_documents"), tree("used_samples"),
+                   _str(obj["task"], f"{where}.task", 64) if "task" in obj else None)

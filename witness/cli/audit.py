@@ -49,7 +49,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.bundle, challenges=challenges_q(args), confidence=args.confidence, bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
         response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
         threads=args.threads, device=args.device, public_key=read_public_key(args.signer) if args.signer else None, ticket=args.ticket,
-        published_heads=[read_head(p) for p in args.published_head or []], progress=not args.json,
+        published_heads=[read_head(p) for p in args.published_head or []], leaves=args.leaves,
+        progress=not args.json,
     ))
 
 
@@ -121,6 +122,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--signer", help="pin the signer's public key: raw hex or PEM, or a file holding either")
     v.add_argument("--published-head", action="append",
                    help="a tree head published earlier (JSON); the log must extend it (repeatable)")
+    v.add_argument("--leaves", help="the dataset's leaves file (witness data commit), where the bundle carries "
+                                    "no dataset.leaves: every batch root and the used-data trees are checked "
+                                    "against it")
     v.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     v.set_defaults(func=cmd_verify)
 

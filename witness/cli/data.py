@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import VerificationError
-from .args import DEFAULT_KEY, unusable_or_rejected
+from ..errors import MalformedInput, VerificationError
+from .args import DEFAULT_KEY, positive, unusable_or_rejected
 from .audit import read_head
 
 
@@ -26,11 +26,11 @@ def _write_proof(doc: dict, out: Path, subject: dict, key_path: str) -> None:
 
 def cmd_data(args: argparse.Namespace) -> int:
     """Data inclusion and exclusion proofs."""
-    from ..data.proofs import check_proof, prove_exclusion, prove_inclusion
-    from ..verify.data_queries import query_document, run_commitments
+    from ..data.proofs import prove_exclusion, prove_inclusion
+    from ..verify.data_queries import check_data_proof, query_document, run_commitments
 
     if args.data_command == "check":
-        return _check_data_proof(args, check_proof)
+        return _check_data_proof(args, check_data_proof)
     run, task = run_commitments(args.bundle)
     document = query_document(task, args.file, args.text)
     if args.data_command == "include":
@@ -65,17 +65,26 @@ def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
     from ..commit.dsse import read_json_or_envelope, read_with_statement
     from ..data.proofs import MAX_PROOF_BYTES
 
-    head, key, digest = None, None, None
+    head, key, digest, task, usage = None, None, None, None, []
     try:
         obj, stmt = read_with_statement(args.proof, MAX_PROOF_BYTES, "proof")
         if args.bundle:
+            from ..verify.audit import task_of
+            from ..verify.usage import check_data_usage, committed_leaves
+
             b = open_bundle(args.bundle)
-            head, key, digest = b.final_head, b.manifest.public_key, b.manifest.state_digest
+            head, key, digest, task = b.final_head, b.manifest.public_key, b.manifest.state_digest, task_of(b)
+            if b.end is None:
+                raise MalformedInput("the bundle is not a finished run: no end record commits its used data")
+            if b.leaves is not None:  # the used-data trees the proof relies on, rebuilt from the leaves
+                usage = check_data_usage(b, task, committed_leaves(b, task))
         elif args.tree_head:
             head = read_head(args.tree_head)
             pinned = read_json_or_envelope(args.tree_head, 1 << 20, "tree-head")
             key = pinned.get("public_key") if isinstance(pinned, dict) else None
-        summary = check_proof(obj, head=head, public_key=key)
+        summary = check_proof(obj, head=head, public_key=key, task=task)
+        if usage:
+            summary["used_data"] = usage
         if args.model:
             from ..commit.hashing import parse_hex
             from ..evals.release import check_subject
@@ -93,10 +102,41 @@ def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
 
 
 
+def cmd_commit(args: argparse.Namespace) -> int:
+    """Commit a token corpus: its root, and the leaves file that publishes its per-sample commitments."""
+    import time
+
+    from ..data.tokens import TokenCorpus, shard_paths
+
+    corpus = TokenCorpus(args.source, args.block, eot=args.eot, fmt=args.format)
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ValueError(f"{out} exists (pass --force to replace it)")
+    started = time.perf_counter()
+    root = corpus.commit(out, progress=True)
+    took = time.perf_counter() - started
+    print(json.dumps({"root": root.hex(), "samples": len(corpus), "tokens": corpus.tokens_total,
+                      "shards": len(shard_paths(args.source)), "block": args.block, "token_bytes": corpus.width,
+                      "leaves": str(out), "leaves_bytes": out.stat().st_size, "seconds": round(took, 3)}, indent=2))
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add this group's subcommands."""
-    dq = sub.add_parser("data", help="exact data inclusion and exclusion proofs")
+    dq = sub.add_parser("data", help="exact data inclusion and exclusion proofs, and corpus commitments")
     dsub = dq.add_subparsers(dest="data_command", required=True)
+    cm = dsub.add_parser("commit", help="commit a token corpus (llm.c shards or nanoGPT .bin files): its root "
+                                        "and the leaves file a verifier checks every batch against")
+    cm.add_argument("source", help="a shard, or a directory of .bin shards (read in name order as one stream)")
+    cm.add_argument("--block", type=positive, required=True, help="tokens per window (a sample is block + 1 tokens)")
+    cm.add_argument("--eot", type=int, default=50256, help="the end-of-text token that separates documents "
+                                                           "(default: GPT-2's 50256)")
+    cm.add_argument("--format", choices=["auto", "llmc", "u16", "u32"], default="auto",
+                    help="llmc: a 256-int32 header (magic 20240520 or 20240801); u16: nanoGPT's headerless "
+                         "uint16; auto (default): llmc where the header fits, else u16")
+    cm.add_argument("--out", required=True, help="the leaves file to write")
+    cm.add_argument("--force", action="store_true", help="replace --out if it exists")
+    cm.set_defaults(func=cmd_commit)
     for name, what in (("include", "prove a document was used (exit 1 if it was not)"),
                        ("exclude", "prove a document was never used (exit 1 if it was)")):
         q = dsub.add_parser(name, help=what)

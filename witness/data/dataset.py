@@ -5,15 +5,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cached_property
 
+import numpy as np
+
+from ..commit.batch import tagged_many
 from ..commit.hashing import leaf_hash, tagged_hash
 from ..commit.merkle import MerkleTree, merkle_root
+from .leaves import CHUNK, DatasetLeaves, documents_key
 
 SAMPLE_TAG = "witness/sample/v1"
+# The dataset commitment a run names in its manifest (``data_commitment``): version 2 binds each
+# sample's documents into its leaf; version 1 (runs before witness 0.5) bound the sample alone.
+DATA_COMMITMENT = 2
 
 
 def sample_hash(canonical: bytes) -> bytes:
     """The hash that names a sample: tagged SHA-256 of its canonical bytes."""
     return tagged_hash(SAMPLE_TAG, canonical)
+
+
+def sample_hashes(samples: Sequence[bytes]) -> np.ndarray:
+    """``sample_hash`` of every sample, ``[n, 32]``, hashed in batches (natively where built)."""
+    out = np.empty((len(samples), 32), np.uint8)
+    for lo in range(0, len(samples), CHUNK):
+        part = samples[lo:lo + CHUNK]
+        offsets = np.zeros(len(part) + 1, "<u8")
+        np.cumsum([len(s) for s in part], out=offsets[1:])
+        out[lo:lo + len(part)] = np.frombuffer(tagged_many(SAMPLE_TAG, b"".join(part), offsets), np.uint8).reshape(-1, 32)
+    return out
 
 
 def batch_root(sample_hashes: Sequence[bytes]) -> bytes:
@@ -24,8 +42,9 @@ def batch_root(sample_hashes: Sequence[bytes]) -> bytes:
 class Dataset:
     """A dataset in its own order: index -> canonical bytes, committed by a Merkle root.
 
-    Subclasses implement ``__len__`` and ``sample_bytes``; the commitment is a Merkle tree
-    whose leaf ``i`` is ``leaf_hash(sample_hash(sample_bytes(i)))``.
+    Subclasses implement ``__len__`` and ``sample_bytes``; the commitment is a Merkle tree whose
+    leaf ``i`` is ``leaf_hash(sample_hash(sample_bytes(i)) ‖ document key of sample i)``
+    (``leaves.py``). A corpus too large to hold as Python objects builds its ``leaves`` itself.
     """
 
     name = "dataset"
@@ -44,17 +63,42 @@ class Dataset:
     @cached_property
     def hashes(self) -> list[bytes]:
         """Every sample's hash, in dataset order."""
-        return [sample_hash(self.sample_bytes(i)) for i in range(len(self))]
+        return [bytes(h) for h in self.leaves.hashes]
+
+    @cached_property
+    def leaves(self) -> DatasetLeaves:
+        """The commitment's columns: every sample's hash and its documents, in index order."""
+        samples = [self.sample_bytes(i) for i in range(len(self))]
+        hashes = sample_hashes(samples)
+        if self.DOCUMENT_RULE == "self":
+            return DatasetLeaves("self", hashes)
+        first, count = np.empty(len(self), np.uint64), np.empty(len(self), np.uint16)
+        table: list[bytes] = []
+        previous: list[bytes] = []
+        for i, s in enumerate(samples):
+            docs = self.sample_documents(i, s)
+            if documents_key(docs) != self.document_of(s):
+                raise ValueError(f"sample {i} names other documents in its bytes than the dataset lists")
+            if docs != previous:  # windows of one document share its table entry
+                previous = docs
+                table.extend(docs)
+            first[i], count[i] = len(table) - len(docs), len(docs)
+        table_array = np.frombuffer(b"".join(table), np.uint8).reshape(-1, 32)
+        return DatasetLeaves("prefix32", hashes, first, count, table_array)
+
+    @cached_property
+    def root(self) -> bytes:
+        """The dataset commitment (version 2: each leaf binds a sample and its documents)."""
+        return self.leaves.root(DATA_COMMITMENT)
+
+    def commitment_root(self, version: int) -> bytes:
+        """The dataset root under commitment ``version`` (1: what runs before witness 0.5 committed)."""
+        return self.root if version == DATA_COMMITMENT else self.tree.root()
 
     @cached_property
     def tree(self) -> MerkleTree:
-        """The dataset commitment tree (index order)."""
+        """The version 1 commitment tree (leaf ``i`` is the sample's hash alone), for older runs."""
         return MerkleTree([leaf_hash(h) for h in self.hashes])
-
-    @property
-    def root(self) -> bytes:
-        """The dataset commitment."""
-        return self.tree.root()
 
     def batch_root(self, indices: Sequence[int]) -> bytes:
         """Batch root for the given sample indices."""
@@ -66,8 +110,14 @@ class Dataset:
     DOCUMENT_RULE = "self"
 
     def document_of(self, canonical: bytes) -> bytes:
-        """Hash of the document a sample (canonical bytes) belongs to."""
+        """The document key a sample (canonical bytes) names: its document's hash, or under rule
+        ``prefix32`` the key of its documents' list (``leaves.documents_key``)."""
         return document_of(self.DOCUMENT_RULE, canonical)
+
+    def sample_documents(self, index: int, canonical: bytes) -> list[bytes]:
+        """The documents sample ``index`` (with these canonical bytes) belongs to: by default the
+        one its key names. A dataset whose samples may span documents says which."""
+        return [self.document_of(canonical)]
 
     def document_hash(self, content: bytes) -> bytes:
         """Hash of a document given as raw bytes (what a query names with --file or --text)."""

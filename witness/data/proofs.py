@@ -6,9 +6,14 @@ checkpoints:
 
 * the run's final signed tree head, whose signed extensions state the root and size of the
   sorted tree of used documents (the same values the log's end record holds);
+* that head names the run's task (since witness 0.5): the task, never the run, decides what a
+  document is (its document rule), so the checker takes the rule from the registered task of
+  that name and refuses a head that claims another (an audit holds the head's task to the
+  manifest's);
 * inclusion: the document's leaf in that tree, and every step that used it — the step record
-  with its log inclusion proof, the sample's canonical bytes (which name the document), and the
-  sample's path to the record's batch root;
+  with its log inclusion proof, the sample's canonical bytes (which name its documents), the list
+  of those documents where the sample spans several, and the sample's path to the record's
+  batch root;
 * exclusion: the leaf of the used-document tree whose two adjacent values bracket the document,
   with its audit path.
 """
@@ -16,6 +21,7 @@ checkpoints:
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +32,11 @@ from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_he
 from ..commit.sorted_tree import PairProof, verify_absent, verify_member
 from ..errors import MalformedInput, VerificationError
 from .dataset import Dataset, document_of, sample_hash
+from .leaves import documents_key
 from .usage import UsageCommitment
 
 FORMAT = "witness-data-proof"
-VERSION = 1
+VERSION = 2  # 2: every use lists the documents of its sample (a window may span several)
 MAX_PROOF_BYTES = 64 * 1024 * 1024
 
 
@@ -64,10 +71,15 @@ def unpack(value: Any, where: str, limit: int = 256) -> list[bytes]:
     return [raw[i : i + 32] for i in range(0, len(raw), 32)]
 
 
+def _version(run: RunCommitments) -> int:
+    # a run before witness 0.5 has a head that names no task: its proofs stay version 1
+    return VERSION if isinstance(run.head.extensions, dict) and "task" in run.head.extensions else 1
+
+
 def _header(run: RunCommitments, kind: str, document: bytes) -> dict:
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": _version(run),
         "kind": kind,
         "document": document.hex(),
         "public_key": run.public_key,
@@ -93,23 +105,23 @@ def prove_inclusion(run: RunCommitments, document: bytes) -> dict:
     """Inclusion proof for a used document; ValueError if the run never used it."""
     member = run.usage.documents.prove_member(document)
     uses = []
-    ds = run.dataset
+    leaves = run.dataset.leaves
     for rec in run.steps:
         batch = rec["batch"]
-        positions = [j for j, i in enumerate(batch) if ds.document_of(ds.sample_bytes(i)) == document]
+        positions = [j for j, i in enumerate(batch) if document in leaves.documents(i)]
         if not positions:
             continue
         j = positions[0]  # one sample per step shows the step used the document
-        tree = MerkleTree([leaf_hash(ds.hashes[i]) for i in batch])
+        tree = MerkleTree([leaf_hash(leaves.sample_hash(i)) for i in batch])
         t = rec["step"]
         uses.append({
             "step": t,
             "record": rec,
             "log_proof": pack(run.log.tree.inclusion_proof(t + 1, run.head.size)),
             "position": j,
-            "sample": ds.sample_bytes(batch[j]).hex(),
+            "sample": run.dataset.sample_bytes(batch[j]).hex(),
             "batch_proof": pack(tree.inclusion_proof(j)),
-        })
+        } | ({"documents": pack(leaves.documents(batch[j]))} if _version(run) >= 2 else {}))
     doc = _header(run, "inclusion", document)
     doc["member"] = pair_to_json(member)
     doc["uses"] = uses
@@ -133,15 +145,24 @@ def _get(obj: Any, key: str, kind: type, where: str) -> Any:
     return obj[key]
 
 
-def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: str | None = None) -> dict:
+RuleOf = Callable[[str], str]
+
+
+def check_proof(proof: Any, *, document_rule: str | RuleOf, head: SignedTreeHead | None = None,
+                public_key: str | None = None) -> dict:
     """Check a data proof against the public commitments; returns a summary or raises.
 
-    ``head`` and ``public_key`` pin what the checker trusts (a published head, the trainer's
-    key); without them the proof's own head and key are used, and reported.
+    ``document_rule`` is the rule of the run's task (what a document is): the rule itself, or a
+    function from the task's name, which the final head of a run since witness 0.5 signs, to its
+    rule.
+    The head's claimed rule must be it. ``head`` and ``public_key`` pin what the checker trusts
+    (a published head, the trainer's key); without them the proof's own head and key are used,
+    and reported.
     """
     if not isinstance(proof, dict) or proof.get("format") != FORMAT or type(proof.get("version")) is not int \
-            or proof["version"] != VERSION:
+            or proof["version"] not in (1, VERSION):
         raise MalformedInput("not a witness data proof of a supported version")
+    version = proof["version"]
     kind = _get(proof, "kind", str, "proof")
     allowed = {"format", "version", "kind", "document", "public_key", "tree_head"}
     allowed |= {"member", "uses"} if kind == "inclusion" else {"absence"} if kind == "exclusion" else set()
@@ -163,10 +184,29 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
                                 check="tree head")
     used = ext["used_documents"]
     root, size = parse_hex(used.get("root"), "used_documents.root"), _get(used, "size", int, "used_documents")
-    rule = _get(ext, "document_rule", str, "extensions")
+    claimed = _get(ext, "document_rule", str, "extensions")
+    task = ext.get("task")
+    if task is not None and not isinstance(task, str):
+        raise MalformedInput("the tree head's task is not a name")
+    if (version >= 2) != (task is not None):  # the release that signs the task writes version 2
+        raise MalformedInput(f"a version {version} proof cannot be of a run whose head "
+                             f"{'names' if task is not None else 'does not name'} its task")
+    if isinstance(document_rule, str):
+        rule = document_rule
+    elif task is None:
+        raise MalformedInput("the run's head does not name its task (a run before witness 0.5), whose rule "
+                             "decides what a document is: check the proof against the run's bundle")
+    else:
+        rule = document_rule(task)
+    if claimed != rule:
+        raise VerificationError(f"the run's head gives documents under rule {claimed!r}, but its task "
+                                f"{task or 'the run names'!r} decides rule {rule!r}: the task, never the run, says "
+                                "what a document is", check="data usage")
 
     summary = {"kind": kind, "document": document.hex(), "signer": key_fingerprint(key_hex),
-               "tree_head": sth.to_json(), "used_documents": size}
+               "tree_head": sth.to_json(), "used_documents": size, "document_rule": rule}
+    if task is not None:
+        summary["task"] = task
     if kind == "exclusion":
         verify_absent(document, pair_from_json(proof["absence"], size, "absence"), root, size)
         return summary
@@ -178,6 +218,9 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
     steps = []
     for k, use in enumerate(uses):
         where = f"uses[{k}]"
+        fields = {"step", "record", "log_proof", "position", "sample", "batch_proof"} | ({"documents"} if version >= 2 else set())
+        if not isinstance(use, dict) or set(use) != fields:
+            raise MalformedInput(f"{where}: needs exactly {sorted(fields)}")
         t = _get(use, "step", int, where)
         rec = _get(use, "record", dict, where)
         if rec.get("type") != "step" or rec.get("step") != t or not 0 <= t < sth.size - 2:
@@ -197,10 +240,12 @@ def check_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: s
         except VerificationError:
             raise VerificationError(f"step {t}: the sample is not in the step's batch", check="proof") from None
         try:
-            owner = document_of(rule, sample)
+            key = document_of(rule, sample)
         except ValueError as e:
             raise VerificationError(f"step {t}: {e}", check="proof") from None
-        if not same(owner, document):
+        # the sample's bytes name its documents by their key; a window that spans several lists them
+        documents = unpack(use["documents"], f"{where}.documents", 65535) if version >= 2 else [key]
+        if not same(documents_key(documents), key) or document not in documents:
             raise VerificationError(f"step {t}: the sample belongs to another document", check="proof")
         steps.append(t)
     if len(set(steps)) != len(steps):

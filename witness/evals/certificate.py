@@ -136,6 +136,8 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
         raise VerificationError("the certificate's tree head is not a finished run's final head", check="binding")
     used = _obj(ext["used_documents"], {"root", "size"}, "used_documents")
     root, size = parse_hex(used["root"], "used_documents.root"), _count(used["size"], "used_documents.size")
+    if not isinstance(ext.get("document_rule"), str):
+        raise MalformedInput("certificate: the run's final head names no document rule")
     final_state = parse_hex(ext.get("final_state_hash"), "final_state_hash")
     final_model = parse_hex(ext.get("final_model_hash"), "final_model_hash")
 
@@ -173,7 +175,7 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
         "head": sth, "public_key": run["public_key"], "examples": examples, "aggregates": recomputed,
         "eval_root": eval_root, "eval_size": eval_size, "documents": documents,
         "final_state_hash": final_state, "final_model_hash": final_model,
-        "evaluator": key_fingerprint(cert["evaluator"]), "task": cert["task"],
+        "evaluator": key_fingerprint(cert["evaluator"]), "task": cert["task"], "document_rule": ext["document_rule"],
     }
 
 

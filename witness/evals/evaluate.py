@@ -18,6 +18,7 @@ from ..task.base import Task
 from ..verify.audit import task_of
 from ..verify.challenges import sample_indices, weak_bound_warning
 from ..verify.data_queries import run_commitments
+from ..verify.usage import check_data_usage, check_document_rule, committed_leaves
 from .certificate import build_body, check_certificate, sign_certificate, spot_probability
 from .contamination import contaminated, near_duplicates
 from .release import final_model_tensors
@@ -110,6 +111,11 @@ def verify_eval(cert: dict, bundle_dir: str | os.PathLike | Bundle, *, spots: in
     c = check_certificate(cert, task.aggregates, head=bundle.final_head, public_key=bundle.manifest.public_key)
     if c["task"] != task.name:
         raise VerificationError(f"the certificate names task {c['task']!r}; the run is {task.name!r}", check="binding")
+    # The absence proofs are against the run's used-document tree, under the run's claimed rule:
+    # the rule must be the task's, and the tree (rebuilt from the dataset's leaves, where the
+    # bundle carries them) the one the run's batches give.
+    check_document_rule(c["document_rule"], task, "the run's final head")
+    check_data_usage(bundle, task, committed_leaves(bundle, task) if bundle.leaves is not None else None)
     eval_set = task.eval_dataset()
     if not same(c["eval_root"], eval_set.root) or c["eval_size"] != len(eval_set):
         raise VerificationError("the certificate's evaluation set is not the task's committed split", check="eval set")

@@ -23,15 +23,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .. import __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
-from ..bundle.layout import CHECKPOINTS, HEADS, LOG, checkpoint_name, due
+from ..bundle.layout import CHECKPOINTS, HEADS, LEAVES, LOG, checkpoint_name, due
 from ..bundle.schema import MANIFEST_VERSION, Manifest
 from ..bundle.state import default_digest, load_state, model_hash, state_hash, state_tensors
 from ..bundle.writer import BundleWriter, head_sizes, read_lines, truncate_lines
 from ..commit.hashing import parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
+from ..data.dataset import DATA_COMMITMENT
 from ..data.order import derive_run_seed
-from ..data.usage import UsageCommitment
+from ..data.usage import used_roots
 from ..session import (
     TrainingSession,
     bounded_threads,
@@ -78,8 +79,13 @@ class Recorder:
                r_source: str = "trainer", checkpoint_every: int = 50, state_every: int = 1,
                threads: int | None = None, on_head: HeadCallback | None = None,
                session: TrainingSession | None = None, init_state: dict | None = None,
-               parallelism: str = "none", device: str | torch.device = "cpu", shards: int = 1) -> Recorder:
+               parallelism: str = "none", device: str | torch.device = "cpu", shards: int = 1,
+               leaves: bool = True) -> Recorder:
         """Start a new run: derive the seed, build the initial state, sign the manifest.
+
+        ``leaves`` writes the dataset's per-sample commitments into the bundle (``dataset.leaves``,
+        64 bytes a sample): without them a verifier needs the file from elsewhere (``--leaves``),
+        which suits a large corpus whose leaves are published once for all its runs.
 
         A distributed run passes its own ``session`` (wrapped model) and the ``init_state`` taken
         before wrapping, and an FSDP2 run over several ranks the number of row ``shards`` its state
@@ -97,12 +103,22 @@ class Recorder:
             raise ValueError(f"the task {task.name!r} being recorded is not the registered class of that name")
         source = task_source(task.name)
         dataset = task.dataset()
-        run_seed = derive_run_seed(dataset.root, r)
+        if dataset.DOCUMENT_RULE != task.document_rule:
+            raise ValueError(f"the task {task.name!r} decides document rule {task.document_rule!r}, but its "
+                             f"dataset gives documents under {dataset.DOCUMENT_RULE!r}: a verifier would reject "
+                             "every data claim of the run")
+        # the commitment this release writes (a test may ask for an older release's, to check that
+        # runs recorded by it still verify)
+        version = DATA_COMMITMENT
+        data_root = dataset.commitment_root(version)
+        run_seed = derive_run_seed(data_root, r)
         if session is None:
             session = TrainingSession(task, run_seed, len(dataset), device=device)
         elif session.run_seed != run_seed:
             raise ValueError("the session was built from another run seed")
         writer = BundleWriter(Path(out), create=True)
+        if leaves and version >= 2:  # the per-sample commitments, which the cheap audit checks every step against
+            dataset.leaves.write(Path(out) / LEAVES, data_root)
         if init_state is None:
             init_state = state_tensors(session.model, session.optimizer)
         digest = default_digest(shards)
@@ -116,7 +132,7 @@ class Recorder:
             "r": r.hex(),
             "r_source": r_source,
             "run_seed": run_seed.hex(),
-            "data_root": dataset.root.hex(),
+            "data_root": data_root.hex(),
             "dataset_size": len(dataset),
             "probe_hash": task.probe_hash().hex(),
             "fingerprint_spec": task.fingerprint_spec(),
@@ -132,6 +148,8 @@ class Recorder:
             "init_state_hash": init_hash.hex(),
             "init_checkpoint_sha256": init_file.hex(),
         }
+        if version >= 2:
+            manifest["data_commitment"] = version
         if source is not None:  # a plugin task: pin the exact installed code a verifier must have
             manifest["task_source"] = source.to_json()
         log = RunLog()
@@ -323,11 +341,11 @@ class Recorder:
         if self.next_step != self.task.config.steps:
             raise ValueError(f"the recipe has {self.task.config.steps} steps; {self.next_step} were logged")
         records = [parse_canonical_json(line) for line in self.log.lines[1:]]
-        usage = UsageCommitment.from_batches(self.task.dataset(), (r["batch"] for r in records))
+        usage = used_roots(self.task.dataset().leaves, (r["batch"] for r in records))
         final_state = read_checkpoint(self.out / checkpoint_name(self.next_step))
         final = {"final_state_hash": records[-1]["state_hash"],
                  "final_model_hash": model_hash(final_state, self.digest).hex()}
-        ext = usage.to_json() | final
+        ext = usage | final | {"task": self.task.name}  # the head names its task: whose rule decides documents
         self.writer.append_record(self.log.append({"type": "end", "steps": self.next_step} | ext))
         head = self._publish_head(extensions=ext)
         self.writer.close()

@@ -136,6 +136,11 @@ class Task:
 
     name: ClassVar[str]
     Config: ClassVar[type]
+    # What a document of the training data is (``data/dataset.py``): "self" (each sample is one)
+    # or "prefix32" (a sample's first 32 bytes name its documents). The task decides it, never a
+    # bundle: every data-usage claim is checked under this rule, and a run claiming another is
+    # rejected. The dataset the task builds must follow it.
+    document_rule: ClassVar[str] = "self"
 
     def __init__(self, config: Any):
         self.config = config

@@ -163,6 +163,7 @@ class TinyGPTTask(Task):
 
     name = "tinygpt"
     Config = TinyGPTConfig
+    document_rule = StdlibWindows.DOCUMENT_RULE  # a window's document is the source file it comes from
 
     def check_limits(self) -> None:
         """Refuse recipes no verifier should be made to build."""

@@ -17,9 +17,7 @@ from ..bundle.reader import Bundle, as_bundle
 from ..bundle.state import load_state, model_hash, state_distances, state_hash, state_tensors
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
-from ..data.dataset import Dataset
 from ..data.order import derive_run_seed
-from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..session import (
     TrainingSession,
@@ -45,6 +43,7 @@ from .replay import (
     limit_for,
 )
 from .response import Response, ResponseSamples
+from .usage import check_data_usage, committed_leaves
 from .verdict import ChallengeResult, Verdict
 
 DEFAULT_CONFIDENCE = 0.99
@@ -97,8 +96,8 @@ def use_threads(recorded: int, asked: int | None, notes: list[str] | None = None
         torch.set_num_threads(before)
 
 
-def check_records(bundle: Bundle, task: Task, session: TrainingSession, local: LocalSamples | None) -> list[str]:
-    """Schedule, data order, batch roots (with local data), shapes and stagnation: every step."""
+def check_records(bundle: Bundle, task: Task, session: TrainingSession) -> list[str]:
+    """Schedule, data order, shapes and stagnation of every step, and the end record's totals."""
     checks = []
     m = bundle.manifest
     init_sketch = tuple(session.sketch())
@@ -116,39 +115,18 @@ def check_records(bundle: Bundle, task: Task, session: TrainingSession, local: L
         if rec.sketch == prev_sketch and rec.lr > 0:
             raise VerificationError("the parameters did not change: the optimizer did not step", step=t, check="record")
         prev_sketch = rec.sketch
-        if local is not None and not same(local.dataset.batch_root(rec.batch), rec.batch_root):
-            raise VerificationError("the batch root is not that of the committed samples", step=t, check="data")
     checks.append(f"learning-rate schedule recomputed for all {len(bundle.steps)} steps")
     checks.append(f"data order recomputed from the run seed for all {len(bundle.steps)} steps")
-    if local is not None:
-        checks.append(f"batch roots recomputed from the dataset for all {len(bundle.steps)} steps")
     if bundle.end is not None:
         last = bundle.steps[-1]
+        if bundle.end.task is not None and bundle.end.task != m.task:
+            raise VerificationError(f"the end record names task {bundle.end.task!r}; the run is {m.task!r}",
+                                    check="end")
         if bundle.end.steps != m.steps_planned:
             raise VerificationError(f"the run ended after {bundle.end.steps} of {m.steps_planned} planned steps", check="end")
         if last.state_hash is None or not same(last.state_hash, bundle.end.final_state_hash):
             raise VerificationError("the final state hash is not the last checkpoint's", check="end")
-        if local is not None:
-            check_usage(bundle, local.dataset)
-            checks.append(f"used-sample and used-document trees recomputed from all {len(bundle.steps)} batches")
     return checks
-
-
-def check_usage(bundle: Bundle, dataset: Dataset) -> UsageCommitment:
-    """The end record's used-sample and used-document trees must be those of the logged batches."""
-    usage = UsageCommitment.from_batches(dataset, (r.batch for r in bundle.steps))
-    end = bundle.end
-    if end is None:
-        raise MalformedInput("the run is not finished: no end record commits the used data")
-    if end.document_rule != usage.document_rule:
-        raise VerificationError("the end record's document rule is not the dataset's", check="data usage")
-    for name, tree, committed in (("sample", usage.samples, end.used_samples),
-                                  ("document", usage.documents, end.used_documents)):
-        if tree.size != committed.size or not same(tree.root, committed.root):
-            raise VerificationError(
-                f"the committed used-{name} tree is not the one the logged batches give "
-                f"({committed.size} committed, {tree.size} used)", check="data usage")
-    return usage
 
 
 def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thresholds: dict[str, float]) -> list[str]:
@@ -221,6 +199,7 @@ def verify_bundle(
     public_key: str | None = None,
     published_heads: list[SignedTreeHead] | None = None,
     ticket: bytes | None = None,
+    leaves: str | os.PathLike | None = None,
     progress: bool = False,
 ) -> Verdict:
     """Audit a bundle. Returns an accepted verdict or raises a ``VerificationError``.
@@ -232,6 +211,8 @@ def verify_bundle(
     ``published_heads`` are tree heads the trainer published earlier (to a leaderboard, in a
     paper): the log must extend every one of them, so it cannot have been rewritten since.
     ``ticket`` is the r a ticket issuer handed out: the run seed must be derived from it.
+    ``leaves`` is the dataset's leaves file where the bundle carries none (a large corpus's,
+    published once): every batch root and the used-data trees are checked against it in full.
     """
     started = time.perf_counter()
     if mode not in ("offline", "interactive"):
@@ -245,6 +226,10 @@ def verify_bundle(
     nonce = os.urandom(16) if nonce is None else nonce
 
     bundle = as_bundle(path, public_key)
+    if mode == "interactive":  # read (strictly) before any work: an unreadable response is unusable input
+        if response is None:
+            raise MalformedInput("interactive mode needs the trainer's response (witness respond)")
+        response = response if isinstance(response, Response) else Response(response)
     m = bundle.manifest
     task = task_of(bundle)
     notes = list(bundle.notes)
@@ -285,25 +270,30 @@ def verify_bundle(
 
     with use_threads(m.threads, threads, notes) as used_threads:
         return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
-                      checks, used_threads, started, progress, confidence, device)
+                      checks, used_threads, started, progress, confidence, device, leaves)
 
 
 def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | Response | None, exact: bool,
            thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
            notes: list[str], checks: list[str], threads: int, started: float, progress: bool,
-           confidence: float | None, device: str) -> Verdict:
+           confidence: float | None, device: str, leaves_path: str | os.PathLike | None) -> Verdict:
     m = bundle.manifest
     local: LocalSamples | None = None
     if mode == "offline":
         dataset = task.dataset()
-        if not same(dataset.root, m.data_root) or len(dataset) != m.dataset_size:
+        if len(dataset) != m.dataset_size or not same(dataset.commitment_root(m.data_commitment), m.data_root):
             raise MalformedInput(
                 f"the committed dataset (root {m.data_root.hex()[:16]}…) is not the one here "
                 f"(root {dataset.root.hex()[:16]}…); verify with --mode interactive and the trainer's response"
             )
         local = LocalSamples(dataset)
     session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
-    checks += check_records(bundle, task, session, local)
+    checks += check_records(bundle, task, session)
+    leaves = committed_leaves(bundle, task, local.dataset if local else None, leaves_path)
+    checks += check_data_usage(bundle, task, leaves, local.dataset if local else None)
+    if leaves is None and local is None and bundle.complete:
+        notes.append("the run was recorded before its dataset's leaves were committed (witness 0.4 and "
+                     "earlier): its used-data trees are checked only at the replayed samples")
     limits = dict(DEFAULT_THRESHOLDS, **(thresholds or {}))
     checks += check_checkpoints(bundle, session, exact, limits)
 
@@ -317,7 +307,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         state_every=m.state_every, threads=threads, confidence=confidence,
     )
     if local is None and bundle.complete:
-        verdict.checks.append("every replayed sample proven in the used-sample and used-document trees")
+        verdict.checks.append("every replayed sample is the committed dataset's, with its documents")
     if not bundle.complete:
         verdict.notes.append(f"incomplete run: {n} of {m.steps_planned} planned steps are signed; verified as a {n}-step run")
 
@@ -328,12 +318,11 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         plan = SegmentPlan(checkpoints, committed if exact else checkpoints)
         replayer = Replayer(bundle, task, local, CheckpointStates(bundle), plan, exact, limits, device)  # type: ignore[arg-type]
     else:
-        if response is None:
-            raise MalformedInput("interactive mode needs the trainer's response (witness respond)")
-        resp = response if isinstance(response, Response) else Response(response)
+        resp = response
+        assert isinstance(resp, Response)
         if resp.head_root != bundle.final_head.root or resp.head_size != bundle.final_head.size:
             raise MalformedInput("the response was made for another tree head")
-        samples = ResponseSamples(resp, m.data_root, m.dataset_size, bundle.end)
+        samples = ResponseSamples(resp, m.data_root, m.dataset_size, bundle.end, leaves, task.document_rule)
         replayer = Replayer(bundle, task, samples, resp, SegmentPlan(committed, committed), exact, limits, device)
 
     for ch in tqdm(drawn, desc="replay challenges", unit="challenge", disable=not progress):

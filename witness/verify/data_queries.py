@@ -1,32 +1,56 @@
-"""Answering data queries about a finished bundle: build the commitments, write the proofs."""
+"""Answering data queries about a finished bundle: build the commitments, write and check the proofs."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.hashing import same
-from ..data.proofs import RunCommitments
+from ..commit.signing import SignedTreeHead
+from ..data.proofs import RunCommitments, check_proof
+from ..data.usage import UsageCommitment
 from ..errors import MalformedInput
 from ..task.base import Task
-from .audit import check_usage, task_of
+from ..task.registry import task_class
+from .audit import task_of
+from .usage import check_data_usage, committed_leaves
 
 
 def run_commitments(bundle: Bundle | str | os.PathLike) -> tuple[RunCommitments, Task]:
-    """A finished bundle (opened here if given as a path) with its used-data trees rebuilt locally."""
+    """A finished bundle (opened here if given as a path) with its used-data trees rebuilt locally
+    and checked against the end record (under the task's document rule)."""
     if not isinstance(bundle, Bundle):
         bundle = open_bundle(bundle)
     if bundle.end is None:
         raise MalformedInput("data queries need a finished run (its end record commits the used data)")
     task = task_of(bundle)
     dataset = task.dataset()
-    if not same(dataset.root, bundle.manifest.data_root):
+    m = bundle.manifest
+    if len(dataset) != m.dataset_size or not same(dataset.commitment_root(m.data_commitment), m.data_root):
         raise MalformedInput("this machine's dataset is not the one the run committed to")
-    usage = check_usage(bundle, dataset)
-    run = RunCommitments(bundle.manifest.public_key, bundle.final_head, bundle.log, bundle.end.raw,
+    check_data_usage(bundle, task, committed_leaves(bundle, task, dataset), dataset)
+    usage = UsageCommitment.from_batches(dataset, (r.batch for r in bundle.steps))
+    run = RunCommitments(m.public_key, bundle.final_head, bundle.log, bundle.end.raw,
                          [r.raw for r in bundle.steps], dataset, usage)
     return run, task
+
+
+def task_rule(name: str) -> str:
+    """The document rule of the registered task ``name`` (unusable input where it is not installed)."""
+    try:
+        return task_class(name).document_rule
+    except (ValueError, ImportError) as e:
+        raise MalformedInput(f"the proof's run is of task {name!r}, which cannot be built here: {e}") from None
+
+
+def check_data_proof(proof: Any, *, head: SignedTreeHead | None = None, public_key: str | None = None,
+                     task: Task | None = None) -> dict:
+    """Check a data proof under the document rule of its run's task: ``task`` (a bundle's), or the
+    registered task that the run's final head names."""
+    return check_proof(proof, document_rule=task.document_rule if task is not None else task_rule,
+                       head=head, public_key=public_key)
 
 
 def query_document(task: Task, file: str | None, text: str | None) -> bytes:

@@ -32,9 +32,12 @@ def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: byt
     m = bundle.manifest
     task = task_of(bundle)
     dataset = task.dataset()
-    if dataset.root != m.data_root or derive_run_seed(m.data_root, m.r) != m.run_seed:
+    if dataset.commitment_root(m.data_commitment) != m.data_root or derive_run_seed(m.data_root, m.r) != m.run_seed:
         raise MalformedInput("this machine's dataset is not the one the run committed to")
-    usage = UsageCommitment.from_batches(dataset, (r.batch for r in bundle.steps)) if bundle.complete else None
+    # A run that commits its dataset's leaves is checked against them: its samples need no proofs.
+    proven = m.data_commitment < 2
+    usage = UsageCommitment.from_batches(dataset, (r.batch for r in bundle.steps)) \
+        if bundle.complete and proven else None
     drawn = draw_challenges(bundle.final_head, nonce, len(bundle.steps), challenges, length)
     plan = SegmentPlan(bundle.state_steps(), bundle.state_steps())
     wanted: set[int] = set()
@@ -74,7 +77,7 @@ def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: byt
         answers[str(t)] = {
             "indices": idx,
             "samples": [s.hex() for s in samples],
-            "proofs": [[h.hex() for h in dataset.tree.inclusion_proof(i)] for i in idx],
+            "proofs": [[h.hex() for h in dataset.tree.inclusion_proof(i)] if proven else [] for i in idx],
             "used": None if usage is None else [
                 {"sample": pair_to_json(usage.samples.prove_member(dataset.hashes[i])),
                  "document": pair_to_json(usage.documents.prove_member(dataset.document_of(s)))}

@@ -6,8 +6,9 @@ Layout of a response folder::
     states/<step:08d>.safetensors       the committed state after <step> updates, where a
                                         challenged segment starts (and, for tolerance mode, ends)
 
-Every sample comes with its inclusion proof in the dataset commitment and, for a finished run,
-its membership proofs in the used-sample and used-document trees of the end record.
+A run that commits its dataset's leaves needs no proofs beside the samples (the verifier checks
+each against its leaf). An older run's samples come with their inclusion proofs in the dataset
+commitment and, for a finished run, their membership proofs in the used-data trees.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..commit.hashing import from_hex, leaf_hash, parse_canonical_json, same
 from ..commit.merkle import verify_inclusion
 from ..commit.sorted_tree import PairProof, verify_member
 from ..data.dataset import batch_root, document_of, sample_hash
+from ..data.leaves import DatasetLeaves
 from ..data.proofs import pair_from_json
 from ..errors import MalformedInput, VerificationError
 
@@ -133,11 +135,20 @@ def _member(value: bytes, proof: object, tree, what: str, step: int, index: int)
 
 
 class ResponseSamples:
-    """Samples from a response: each proven to sit at its index in the committed dataset and, for a
-    finished run, to be in the end record's used-sample and used-document trees."""
+    """Samples from a response, each proven to be the committed dataset's sample at its index.
 
-    def __init__(self, response: Response, data_root: bytes, dataset_size: int, end: EndRecord | None):
+    A run that commits its dataset's leaves (``data_commitment`` 2) is checked against them, which
+    the audit has already checked against the data root: every sample must hash to its leaf, and
+    the documents its bytes name (under the task's rule) must be the ones its leaf lists. Every
+    step's batch root and the used-data trees were checked in full from the same leaves, so the
+    response carries no proofs. An older run's samples carry an inclusion proof in the dataset
+    tree and membership proofs in the used-data trees.
+    """
+
+    def __init__(self, response: Response, data_root: bytes, dataset_size: int, end: EndRecord | None,
+                 leaves: DatasetLeaves | None = None, rule: str | None = None):
         self.response, self.data_root, self.n, self.end = response, data_root, dataset_size, end
+        self.leaves, self.rule = leaves, rule
 
     def samples(self, step: int, indices: Sequence[int], root: bytes) -> list[bytes]:
         """The batch of ``step``, every sample proven to sit at its index in the committed dataset."""
@@ -147,6 +158,8 @@ class ResponseSamples:
                                     check="response")
         if list(indices) != got.indices or len(got.samples) != len(indices) or len(got.proofs) != len(indices):
             raise VerificationError("the response's samples are not the committed batch", step=step, check="data")
+        if self.leaves is not None:
+            return self._against_leaves(step, indices, got)
         hashes = []
         for i, s, p in zip(indices, got.samples, got.proofs, strict=True):
             h = sample_hash(s)
@@ -166,8 +179,25 @@ class ResponseSamples:
                     raise MalformedInput(f"response.json step {step}: used proofs need sample and document")
                 _member(h, proofs["sample"], self.end.used_samples, "sample", step, i)
                 try:
-                    doc = document_of(self.end.document_rule, s)
+                    doc = document_of(self.rule or self.end.document_rule, s)
                 except ValueError as e:
                     raise VerificationError(f"sample {i}: {e}", step=step, check="data usage") from None
                 _member(doc, proofs["document"], self.end.used_documents, "document", step, i)
+        return got.samples
+
+    def _against_leaves(self, step: int, indices: Sequence[int], got: ResponseStep) -> list[bytes]:
+        leaves = self.leaves
+        if any(p for p in got.proofs) or got.used is not None:
+            raise MalformedInput(f"response.json step {step}: a run that commits its dataset's leaves needs no "
+                                 "proofs (empty lists, used null)")
+        for i, s in zip(indices, got.samples, strict=True):
+            if not same(sample_hash(s), leaves.sample_hash(i)):  # type: ignore[union-attr]
+                raise VerificationError(f"sample {i} is not the committed dataset's", step=step, check="data")
+            try:
+                key = document_of(self.rule, s)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise VerificationError(f"sample {i}: {e}", step=step, check="data usage") from None
+            if not same(key, leaves.key(i)):  # type: ignore[union-attr]
+                raise VerificationError(f"sample {i} names other documents than the dataset's committed leaves "
+                                        "list for it", step=step, check="data usage")
         return got.samples

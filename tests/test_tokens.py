@@ -1,0 +1,162 @@
+"""Token corpora as pretraining publishes them: llm.c / modded-nanogpt shards, nanoGPT's .bin, a
+directory of shards as one dataset, documents at the end-of-text token, committed in a stream."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from witness.cli import main
+from witness.commit.hashing import tagged_hash
+from witness.data import tokens as T
+from witness.data.dataset import Dataset, sample_hash
+from witness.data.leaves import documents_key, read_leaves
+from witness.data.tokens import DOCUMENT_TAGS, TokenCorpus, open_shard, write_llmc_shard
+from witness.errors import MalformedInput, VerificationError
+
+EOT = 7
+
+
+def _reference(stream: np.ndarray, block: int, width: int) -> tuple[list[bytes], list[list[bytes]], list[bytes]]:
+    """Every window's canonical bytes and documents, and every document's hash, the slow obvious way."""
+    docs, i = [], 0
+    while i < len(stream):
+        if stream[i] == EOT:
+            i += 1
+            continue
+        j = i
+        while j < len(stream) and stream[j] != EOT:
+            j += 1
+        docs.append((i, j))
+        i = j
+    hashes = [tagged_hash(DOCUMENT_TAGS[width], stream[a:b].tobytes()) for a, b in docs]
+    canonical, touched = [], []
+    for w in range((len(stream) - 1) // block):
+        s0 = w * block
+        mine = [hashes[k] for k, (a, b) in enumerate(docs) if a < s0 + block + 1 and b > s0]
+        canonical.append(documents_key(mine) + s0.to_bytes(8, "big") + stream[s0:s0 + block + 1].tobytes())
+        touched.append(mine)
+    return canonical, touched, hashes
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_directory_of_shards_commits_as_one_stream_exactly(tmp_path, monkeypatch, width, seed):
+    rng = np.random.default_rng(seed)
+    dtype = "<u2" if width == 2 else "<u4"
+    stream = rng.integers(0, 12, size=int(rng.integers(50, 3000))).astype(dtype)
+    if seed == 3:  # a document far longer than a batch, and runs of end-of-text tokens
+        stream[:2000] = np.where(stream[:2000] == EOT, 1, stream[:2000])
+        stream[2500:2520] = EOT
+    parts = np.split(stream, sorted(rng.choice(np.arange(1, len(stream)), size=3, replace=False)))
+    for k, part in enumerate(parts):  # llm.c shards and nanoGPT's headerless files, mixed
+        if width == 2 and k % 2:
+            part.tofile(tmp_path / f"s{k:02d}.bin")
+        else:
+            write_llmc_shard(tmp_path / f"s{k:02d}.bin", part)
+    block = int(rng.integers(1, 40))
+    monkeypatch.setattr(T, "STREAM_BYTES", int(rng.integers(8, 200)))  # tiny batches: every boundary case
+    corpus = TokenCorpus(tmp_path, block, eot=EOT)
+    canonical, touched, _ = _reference(stream, block, width)
+    assert len(corpus) == len(canonical) and corpus.width == width
+    assert [corpus.sample_bytes(i) for i in range(len(corpus))] == canonical
+    assert [corpus.leaves.documents(i) for i in range(len(corpus))] == touched
+    assert [bytes(h) for h in corpus.leaves.hashes] == [sample_hash(c) for c in canonical]
+
+    class Reference(Dataset):  # the generic, per-sample path to the same commitment
+        DOCUMENT_RULE = "prefix32"
+
+        def __len__(self):
+            return len(canonical)
+
+        def sample_bytes(self, i):
+            return canonical[i]
+
+        def sample_documents(self, i, c):
+            return touched[i]
+
+    assert corpus.root == Reference().root
+    out = tmp_path.parent / f"{tmp_path.name}.leaves"
+    assert corpus.commit(out) == corpus.root
+    leaves, named = read_leaves(out, samples=len(corpus), rule="prefix32")
+    assert named == corpus.root and leaves.root() == corpus.root
+    reread = TokenCorpus(tmp_path, block, eot=EOT, leaves_path=out)
+    assert reread.root == corpus.root and reread.sample_bytes(len(corpus) - 1) == canonical[-1]
+
+
+def test_the_shard_formats(tmp_path):
+    tokens = np.arange(1000, dtype="<u2")
+    write_llmc_shard(tmp_path / "a.bin", tokens)
+    header = np.fromfile(tmp_path / "a.bin", "<i4", 256)
+    assert (header[0], header[1], header[2]) == (20240520, 1, 1000) and (header[3:] == 0).all()
+    assert (open_shard(tmp_path / "a.bin") == tokens).all() and open_shard(tmp_path / "a.bin").dtype == "<u2"
+    write_llmc_shard(tmp_path / "b.bin", tokens.astype("<u4") + 70_000)
+    assert np.fromfile(tmp_path / "b.bin", "<i4", 1)[0] == 20240801
+    assert (open_shard(tmp_path / "b.bin") == tokens.astype("<u4") + 70_000).all()
+    tokens.tofile(tmp_path / "raw.bin")  # nanoGPT's headerless uint16
+    assert (open_shard(tmp_path / "raw.bin") == tokens).all()
+    with pytest.raises(ValueError, match="not an llm.c token shard"):
+        open_shard(tmp_path / "raw.bin", "llmc")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(ValueError, match="whole number"):
+        open_shard(tmp_path / "odd.bin", "u16")
+    # a header whose count does not fit the file is not taken for one: the file is raw tokens
+    (tmp_path / "lie.bin").write_bytes(np.array([20240520, 1, 5], "<i4").tobytes() + bytes(4 * 253 + 20))
+    assert len(open_shard(tmp_path / "lie.bin")) == (4 * 256 + 20) // 2
+    (tmp_path / "odd.bin").unlink()
+    with pytest.raises(ValueError, match="mix 16- and 32-bit"):
+        TokenCorpus(tmp_path, 4)
+    with pytest.raises(ValueError, match="too few"):
+        TokenCorpus(tmp_path / "a.bin", 5000)
+
+
+def test_a_window_of_end_of_text_tokens_names_no_document(tmp_path):
+    np.array([1, 2, EOT, EOT, EOT, EOT, EOT, 3], "<u2").tofile(tmp_path / "s.bin")
+    corpus = TokenCorpus(tmp_path, 2, eot=EOT)  # windows [0:3] [2:5] [4:7]
+    assert [len(corpus.leaves.documents(i)) for i in range(len(corpus))] == [1, 0, 0]
+    assert corpus.sample_bytes(1)[:32] == documents_key([])
+
+
+def test_the_leaves_file_is_read_strictly(tmp_path):
+    np.arange(200, dtype="<u2").tofile(tmp_path / "s.bin")
+    corpus = TokenCorpus(tmp_path / "s.bin", 8, eot=50)
+    path = tmp_path / "c.leaves"
+    corpus.commit(path)
+    good = path.read_bytes()
+    read_leaves(path, samples=len(corpus), rule="prefix32")
+    with pytest.raises(VerificationError, match="rule 'prefix32'; the run's task decides 'self'"):
+        read_leaves(path, samples=len(corpus), rule="self")
+    with pytest.raises(MalformedInput, match="holds 24 samples"):
+        read_leaves(path, samples=25, rule="prefix32")
+    for bad, why in ((good[:-1], "bytes"), (b"XLEAVES1" + good[8:], "not a witness dataset leaves"),
+                     (good[:24] + b"\x09" + good[25:], "unknown document rule")):
+        path.write_bytes(bad)
+        with pytest.raises(MalformedInput, match=why):
+            read_leaves(path, samples=len(corpus), rule="prefix32")
+    # a sample whose documents lie outside the table
+    n = len(corpus)
+    first_at = 64 + 32 * n
+    path.write_bytes(good[:first_at] + (10**6).to_bytes(8, "little") + good[first_at + 8:])
+    with pytest.raises(MalformedInput, match="outside the document table"):
+        read_leaves(path, samples=n, rule="prefix32")
+    # a flipped bit in a hash reads, and then fails the root
+    path.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+    leaves, _ = read_leaves(path, samples=n, rule="prefix32")
+    with pytest.raises(VerificationError, match="do not hash to the committed data root"):
+        leaves.check_root(corpus.root)
+
+
+def test_witness_data_commit(tmp_path, capsys):
+    rng = np.random.default_rng(5)
+    for k in range(3):
+        write_llmc_shard(tmp_path / f"fineweb_train_{k:06d}.bin", rng.integers(0, 50257, 5000).astype("<u2"))
+    out = tmp_path / "corpus.leaves"
+    assert main(["data", "commit", str(tmp_path), "--block", "64", "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    corpus = TokenCorpus(tmp_path, 64)
+    assert report["root"] == corpus.root.hex() and report["samples"] == len(corpus) == (15_000 - 1) // 64
+    assert report["shards"] == 3 and report["leaves_bytes"] == out.stat().st_size
+    assert main(["data", "commit", str(tmp_path), "--block", "64", "--out", str(out)]) == 2  # never overwrites
+    assert "exists" in capsys.readouterr().err
