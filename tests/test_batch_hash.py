@@ -50,6 +50,19 @@ def test_batches_are_the_one_at_a_time_hashes(impl, threads):
         assert batch.tree_root(leaves, threads) == merkle_root([leaves[i:i + 32] for i in range(0, 32 * n, 32)])
 
 
+@pytest.mark.parametrize("token", [2, 4])
+def test_packed_windows_hash_as_their_assembled_bytes(impl, token):
+    tokens = os.urandom(token * 1001)
+    keys = os.urandom(32 * 100)
+    block = 10
+    got = batch.tagged_windows("witness/sample/v1", keys, tokens, 7 * block, block, token, (block + 1) * token)
+    hashes = [tagged_hash("witness/sample/v1", keys[32 * i:32 * i + 32] + (7 * block + i * block).to_bytes(8, "big")
+                          + tokens[i * block * token:(i * block + block + 1) * token]) for i in range(100)]
+    assert got == b"".join(h + leaf_hash(h + keys[32 * i:32 * i + 32]) for i, h in enumerate(hashes))
+    with pytest.raises(ValueError):  # the last window would run past the tokens
+        batch.tagged_windows("t", keys + os.urandom(32), tokens, 0, block, token, (block + 1) * token)
+
+
 def test_a_root_streamed_in_chunks_is_the_whole_tree_root(impl):
     for n, chunk in ((1, 4), (16, 4), (17, 4), (1000, 64), (4096, 1024), (4097, 1024)):
         leaves = os.urandom(32 * n)

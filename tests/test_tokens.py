@@ -160,3 +160,21 @@ def test_witness_data_commit(tmp_path, capsys):
     assert report["shards"] == 3 and report["leaves_bytes"] == out.stat().st_size
     assert main(["data", "commit", str(tmp_path), "--block", "64", "--out", str(out)]) == 2  # never overwrites
     assert "exists" in capsys.readouterr().err
+
+
+def test_the_commitment_benchmark_runs_end_to_end(tmp_path):
+    # its smoke test: a corpus of 2,000 windows, every phase, the figures it reports
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parent.parent / "bench" / "data_commit.py"
+    r = subprocess.run([sys.executable, str(bench), "--samples", "2000", "--block", "16", "--proofs", "2",
+                        "--dir", str(tmp_path), "--json", str(tmp_path / "out.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["samples"] == out["commit"]["samples"] == 2000 and out["commit"]["native"]
+    assert out["commit_vs_plain_sha256"] > 0 and out["proof"]["exclusion_proof_bytes_max"] < 2048
+    assert out["read"]["used_samples"] == 200
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # the corpus is gone

@@ -30,6 +30,10 @@ typedef struct {
     const unsigned char *prefix; /* hashed before every message */
     Py_ssize_t prefix_len;
     int length_prefix; /* 1: the message's length as 8 big-endian bytes after the prefix */
+    /* windows mode (keys != NULL): message i is keys[i] (32 bytes) || the 8 big-endian bytes of
+     * first + i * stride (a position, in tokens) || data[i * stride * token : ... + width] */
+    const unsigned char *keys;
+    uint64_t first, stride, token;
     unsigned char *out;
     /* this thread's range of messages */
     Py_ssize_t lo, hi;
@@ -42,6 +46,29 @@ static void hash_range(const Job *j) {
     for (Py_ssize_t i = j->lo; i < j->hi; i++) {
         const unsigned char *msg;
         uint64_t len;
+        if (j->keys) {
+            uint64_t pos = j->first + (uint64_t)i * j->stride;
+            unsigned char head[40];
+            memcpy(head, j->keys + (size_t)i * 32, 32);
+            for (int b = 0; b < 8; b++) head[32 + b] = (unsigned char)(pos >> (56 - 8 * b));
+            uint64_t total = 40 + (uint64_t)j->width;
+            unsigned char be[8];
+            for (int b = 0; b < 8; b++) be[b] = (unsigned char)(total >> (56 - 8 * b));
+            ctx = base;
+            SHA256_Update(&ctx, be, 8);
+            SHA256_Update(&ctx, head, 40);
+            SHA256_Update(&ctx, j->data + (size_t)i * j->stride * j->token, (size_t)j->width);
+            unsigned char *out = j->out + (size_t)i * 64;
+            SHA256_Final(out, &ctx);
+            /* and its dataset leaf, SHA-256(0x00 || sample hash || key), while both are at hand */
+            static const unsigned char zero = 0;
+            SHA256_Init(&ctx);
+            SHA256_Update(&ctx, &zero, 1);
+            SHA256_Update(&ctx, out, 32);
+            SHA256_Update(&ctx, j->keys + (size_t)i * 32, 32);
+            SHA256_Final(out + 32, &ctx);
+            continue;
+        }
         if (j->offsets) {
             msg = j->data + j->offsets[i];
             len = j->offsets[i + 1] - j->offsets[i];
@@ -167,6 +194,42 @@ done:
     return result;
 }
 
+/* windows(tag, keys, tokens, first, stride, token, width, threads) -> bytes
+ * The tagged hash of each packed window's canonical bytes, without assembling them, followed by
+ * its dataset leaf SHA-256(0x00 || that hash || keys[i]): 64 bytes a window. Window i is
+ * keys[i] || first + i * stride as 8 big-endian bytes || `width` bytes of `tokens` from
+ * i * stride tokens of `token` bytes each (n = len(keys) / 32 windows; they may overlap). */
+static PyObject *py_windows(PyObject *self, PyObject *args) {
+    Py_buffer tag, keys, tokens;
+    unsigned long long first, stride, token;
+    Py_ssize_t width;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*KKKni", &tag, &keys, &tokens, &first, &stride, &token, &width, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    unsigned char prefix[MAX_TAG + 1];
+    Py_ssize_t n = keys.len / 32;
+    if (tag.len > MAX_TAG || keys.len % 32 || width < 0 || token == 0 ||
+        (n && (uint64_t)(n - 1) * stride * token + (uint64_t)width > (uint64_t)tokens.len)) {
+        PyErr_SetString(PyExc_ValueError, "windows must lie within the tokens, keys be 32-byte hashes");
+        goto done;
+    }
+    memcpy(prefix, tag.buf, (size_t)tag.len);
+    prefix[tag.len] = 0;
+    result = PyBytes_FromStringAndSize(NULL, n * 64);
+    if (!result) goto done;
+    Job job = {.data = tokens.buf, .width = width, .prefix = prefix, .prefix_len = tag.len + 1, .keys = keys.buf,
+               .first = first, .stride = stride, .token = token, .out = (unsigned char *)PyBytes_AS_STRING(result)};
+    Py_BEGIN_ALLOW_THREADS
+    run_jobs(&job, n, threads);
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&tag);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&tokens);
+    return result;
+}
+
 /* leaves(data, width, threads) -> bytes: the RFC 6962 leaf hash SHA-256(0x00 || record) of every
  * `width`-byte record of data. */
 static PyObject *py_leaves(PyObject *self, PyObject *args) {
@@ -253,6 +316,7 @@ static PyObject *py_root(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"tagged", py_tagged, METH_VARARGS, "Tagged SHA-256 of many messages."},
+    {"windows", py_windows, METH_VARARGS, "Tagged SHA-256 of packed token windows."},
     {"leaves", py_leaves, METH_VARARGS, "RFC 6962 leaf hashes of many fixed-width records."},
     {"root", py_root, METH_VARARGS, "RFC 6962 root of a list of leaf hashes."},
     {NULL, NULL, 0, NULL},

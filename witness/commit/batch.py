@@ -19,6 +19,8 @@ try:
     from . import _native
 except ImportError:  # built optionally (setup.py): no compiler or no OpenSSL headers there
     _native = None
+if os.environ.get("WITNESS_NATIVE") == "0":  # to measure (or rule out) the native module: the same bytes
+    _native = None
 
 NATIVE = _native is not None
 Buffer = bytes | bytearray | memoryview
@@ -66,6 +68,28 @@ def tagged_many(tag: str, data: Buffer, cut: int | Buffer, threads: int | None =
         h.update((hi - lo).to_bytes(8, "big"))
         h.update(view[lo:hi])
         out += h.digest()
+    return bytes(out)
+
+
+def tagged_windows(tag: str, keys: Buffer, tokens: Buffer, first: int, stride: int, token: int, width: int,
+                   threads: int | None = None) -> bytes:
+    """For every 32-byte key, the hash ``h = tagged_hash(tag, keys[i] ‖ (first + i·stride) as 8
+    big-endian bytes ‖ window i)`` and then its leaf ``SHA-256(0x00 ‖ h ‖ keys[i])``: 64 bytes a
+    window. Window i is ``width`` bytes of ``tokens`` from ``i·stride`` tokens of ``token`` bytes
+    each (packed windows of a token stream, hashed without assembling their bytes)."""
+    if _native is not None:
+        return _native.windows(tag.encode("ascii"), keys, tokens, first, stride, token, width, _threads(threads))
+    k, t = memoryview(keys).cast("B"), memoryview(tokens).cast("B")
+    n = len(k) // 32
+    if len(k) % 32 or token <= 0 or width < 0 or (n and (n - 1) * stride * token + width > len(t)):
+        raise ValueError("windows must lie within the tokens, keys be 32-byte hashes")
+    parts = [bytes(k[32 * i:32 * i + 32]) + (first + i * stride).to_bytes(8, "big") +
+             bytes(t[i * stride * token:i * stride * token + width]) for i in range(n)]
+    hashes = tagged_many(tag, b"".join(parts), 40 + width) if parts else b""
+    out = bytearray()
+    for i in range(n):
+        h = hashes[32 * i:32 * i + 32]
+        out += h + hashlib.sha256(LEAF_PREFIX + h + bytes(k[32 * i:32 * i + 32])).digest()
     return bytes(out)
 
 

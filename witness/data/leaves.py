@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..commit.batch import StreamingRoot, leaf_hashes, tagged_many, tree_root
+from ..commit.batch import StreamingRoot, leaf_hashes, tagged_many
 from ..commit.hashing import leaf_hash, same, tagged_hash
 from ..commit.merkle import merkle_root
 from ..commit.sorted_tree import pair_leaf
@@ -69,19 +69,24 @@ def _sorted_unique(rows: np.ndarray) -> np.ndarray:
 
 
 def sorted_tree_root(values: np.ndarray) -> tuple[bytes, int]:
-    """Root and size of the sorted tree (``SortedTree``) over distinct sorted 32-byte rows."""
+    """Root and size of the sorted tree (``SortedTree``) over distinct sorted 32-byte rows, its
+    ``n + 1`` pair leaves hashed ``CHUNK`` at a time (memory stays bounded)."""
     m = len(values)
     if m == 0:
         return merkle_root([pair_leaf(None, None)]), 0
-    ends = [pair_leaf(None, bytes(values[0]))]
-    if m > 1:  # interior leaves: flag 3, then the two adjacent values
-        pairs = np.empty((m - 1, 65), np.uint8)
+    acc = StreamingRoot()
+    pending = pair_leaf(None, bytes(values[0]))  # leaves go out in power-of-two chunks, the rest carried
+    for lo in range(1, m, CHUNK):  # interior leaves lo..hi-1: flag 3, then the two adjacent values
+        hi = min(m, lo + CHUNK)
+        pairs = np.empty((hi - lo, 65), np.uint8)
         pairs[:, 0] = 3
-        pairs[:, 1:33], pairs[:, 33:] = values[:-1], values[1:]
-        interior = leaf_hashes(pairs, 65)
-    else:
-        interior = b""
-    return tree_root(ends[0] + interior + pair_leaf(bytes(values[-1]), None)), m
+        pairs[:, 1:33], pairs[:, 33:] = values[lo - 1:hi - 1], values[lo:hi]
+        pending += leaf_hashes(pairs, 65)
+        while len(pending) >= 32 * CHUNK:
+            acc.add(pending[:32 * CHUNK])
+            pending = pending[32 * CHUNK:]
+    acc.add(pending + pair_leaf(bytes(values[-1]), None))
+    return acc.root(), m
 
 
 def document_keys(first: np.ndarray, count: np.ndarray, table: np.ndarray) -> np.ndarray:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..commit.batch import StreamingRoot, leaf_hashes, tagged_many
+from ..commit.batch import StreamingRoot, tagged_many, tagged_windows
 from ..commit.hashing import tagged_hash
 from .dataset import SAMPLE_TAG, Dataset
 from .leaves import (
@@ -223,8 +225,8 @@ class TokenCorpus(Dataset):
                     yield (np.array([pos]), np.array([end]), self._long_document(pos, end, tag), end + 1)
                     pos = end + 1
                     continue
-                span = span[:eots[-1] + 1]
-                eots, hi = eots, pos + len(span)
+                span = span[:eots[-1] + 1]  # the document open here starts the next batch
+                hi = pos + len(span)
             bounds = np.concatenate([[-1], eots, [len(span)]])
             starts, ends = bounds[:-1] + 1, bounds[1:]
             keep = ends > starts
@@ -264,11 +266,10 @@ class TokenCorpus(Dataset):
         n, L = len(self), self.block + 1
         if L > 2 * 65535:
             raise ValueError("a window this long could touch more documents than the leaves file counts")
-        width = 40 + L * self.width
-        chunk = 1 << max(0, (STREAM_BYTES // width).bit_length() - 1)  # a power of two (StreamingRoot)
+        chunk = 1 << max(0, (STREAM_BYTES // (L * self.width)).bit_length() - 1)  # a power of two (StreamingRoot)
         path = Path(path)
         table_tmp = path.with_name(path.name + ".table")
-        batches = self._document_batches()
+        batches = _ahead(self._document_batches())  # the next documents hash while these windows do
         # the documents the current windows may touch: starts, ends, hashes, and the global
         # index of the first of them (their place in the document table)
         starts = ends = np.zeros(0, np.int64)
@@ -292,13 +293,11 @@ class TokenCorpus(Dataset):
                 first = np.searchsorted(ends, w0, "right")  # the first document still open at the window
                 count = np.searchsorted(starts, w0 + L, "left") - first
                 keys = document_keys(first, count, hashes)
-                span = self.tokens(a, b)
-                canonical = np.empty((hi - lo, width), np.uint8)
-                canonical[:, :32] = keys
-                canonical[:, 32:40] = w0.astype(">u8").view(np.uint8).reshape(-1, 8)
-                canonical[:, 40:] = np.lib.stride_tricks.sliding_window_view(span, L)[::self.block].view(np.uint8)
-                sample = np.frombuffer(tagged_many(SAMPLE_TAG, canonical, width), np.uint8).reshape(-1, 32)
-                acc.add(leaf_hashes(np.concatenate([sample, keys], axis=1), 64))
+                span = np.ascontiguousarray(self.tokens(a, b))  # a memory map's pages, or one copy across shards
+                both = np.frombuffer(tagged_windows(SAMPLE_TAG, keys, span, a, self.block, self.width,
+                                                    L * self.width), np.uint8).reshape(-1, 64)
+                sample = both[:, :32]
+                acc.add(np.ascontiguousarray(both[:, 32:]))  # the windows' leaves of the dataset tree
                 f.seek(HEADER.size + 32 * lo)
                 f.write(sample.tobytes())
                 f.seek(HEADER.size + 32 * n + 8 * lo)
@@ -317,5 +316,42 @@ class TokenCorpus(Dataset):
             with open(table_tmp, "rb") as t:
                 while piece := t.read(1 << 24):
                     f.write(piece)
+        batches.close()  # the producer thread, if it ran ahead of the last windows
         table_tmp.unlink()
         return root
+
+
+def _ahead(items: Iterator, depth: int = 2) -> Iterator:
+    """``items``, produced in a thread of their own up to ``depth`` ahead of the consumer (their
+    numpy and hashing work release the GIL, so the two overlap on the cores); an error in the
+    producer is raised in the consumer."""
+    done = object()
+    q: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put(e)
+            return
+        q.put(done)
+
+    thread = threading.Thread(target=produce, name="witness-documents", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
