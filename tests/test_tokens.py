@@ -7,14 +7,23 @@ import json
 
 import numpy as np
 import pytest
+import torch
+from helpers import train_tiny
 
+from witness.bundle.reader import open_bundle
 from witness.cli import main
 from witness.commit.hashing import tagged_hash
 from witness.data import tokens as T
 from witness.data.dataset import Dataset, sample_hash
 from witness.data.leaves import documents_key, read_leaves
+from witness.data.proofs import pack, unpack
 from witness.data.tokens import DOCUMENT_TAGS, TokenCorpus, open_shard, write_llmc_shard
 from witness.errors import MalformedInput, VerificationError
+from witness.task import registry
+from witness.task.generic import GenericTask
+from witness.verify import verify_bundle
+from witness.verify.data_queries import check_data_proof, run_commitments
+from witness.verify.respond import respond
 
 EOT = 7
 
@@ -178,3 +187,76 @@ def test_the_commitment_benchmark_runs_end_to_end(tmp_path):
     assert out["commit_vs_plain_sha256"] > 0 and out["proof"]["exclusion_proof_bytes_max"] < 2048
     assert out["read"]["used_samples"] == 200
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # the corpus is gone
+
+
+# --- a run on a token corpus, end to end -------------------------------------------------------
+
+class CorpusLM(GenericTask):
+    """A bigram model on a token corpus of packed windows (a task a plugin would register)."""
+
+    name = "corpus-lm-test"
+    document_rule = "prefix32"
+    probes = 2
+    source = None  # set by the test: the shards' folder
+
+    def make_model(self):
+        return torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+
+    def make_dataset(self):
+        return TokenCorpus(self.source, 8, eot=EOT)
+
+    def collate(self, samples):
+        tokens = np.stack([np.frombuffer(s[40:], "<u2") for s in samples]).astype(np.int64)
+        t = torch.from_numpy(tokens)
+        return {"x": t[:, :-1], "y": t[:, 1:]}
+
+    def example_losses(self, outputs, batch):
+        return torch.nn.functional.cross_entropy(outputs.transpose(1, 2), batch["y"], reduction="none").mean(dim=1)
+
+
+@pytest.fixture
+def corpus_task(tmp_path, monkeypatch):
+    rng = np.random.default_rng(9)
+    for k in range(2):  # short documents: most windows span two or three of them
+        shard = rng.integers(0, 7, 600).astype("<u2")
+        shard[rng.choice(600, 60, replace=False)] = EOT
+        write_llmc_shard(tmp_path / f"s{k}.bin", shard)
+    monkeypatch.setattr(CorpusLM, "source", tmp_path)
+    monkeypatch.setitem(registry.BUILTIN, CorpusLM.name, CorpusLM)  # as a plugin would register it
+    registry._built.cache_clear()
+    yield
+    registry._built.cache_clear()
+
+
+def test_a_run_on_a_token_corpus_verifies_and_answers_data_queries(corpus_task, tmp_path, capsys):
+    bundle = train_tiny(tmp_path / "run", task=CorpusLM.name, config={"steps": 6, "batch_size": 4}, checkpoint_every=3)
+    v = verify_bundle(bundle, challenges=100)
+    assert v.accepted and v.replayed_steps == 6
+    respond(bundle, tmp_path / "resp", nonce=b"r", challenges=100)
+    assert verify_bundle(bundle, challenges=100, nonce=b"r", mode="interactive", response=tmp_path / "resp").accepted
+    run, _ = run_commitments(bundle)
+    leaves = run.dataset.leaves
+    used = {i for r in open_bundle(bundle).steps for i in r.batch}
+    spanning = next(i for i in sorted(used) if len(leaves.documents(i)) > 1)
+    doc = leaves.documents(spanning)[-1]  # a document this window only touches at its end
+    tokens = next(t for _, _, t in run.dataset._documents(0, run.dataset.tokens_total)
+                  if run.dataset.document_hash(t.tobytes()) == doc)
+    (tmp_path / "doc.bin").write_bytes(tokens.tobytes())
+    assert main(["data", "include", str(bundle), "--file", str(tmp_path / "doc.bin"), "--out", str(tmp_path / "inc.json"),
+                 "--key", str(tmp_path / "k.pem")]) == 0
+    proof = json.loads((tmp_path / "inc.json").read_text())
+    assert proof["version"] == 2 and all(use["documents"] for use in proof["uses"])
+    summary = check_data_proof(proof)
+    assert summary["task"] == CorpusLM.name and summary["document_rule"] == "prefix32"
+    # the document is in the window's list, not its key: a proof that drops it from the list fails
+    forged = json.loads(json.dumps(proof))
+    for use in forged["uses"]:
+        use["documents"] = pack([d for d in unpack(use["documents"], "d") if d != doc] or [doc[::-1]])
+    with pytest.raises(VerificationError, match="belongs to another document"):
+        check_data_proof(forged)
+    never = np.array([1, 2, 3, 4, 5, 6, 1], "<u2").tobytes()
+    (tmp_path / "never.bin").write_bytes(never)
+    assert main(["data", "exclude", str(bundle), "--file", str(tmp_path / "never.bin"), "--out",
+                 str(tmp_path / "exc.json"), "--key", str(tmp_path / "k.pem")]) == 0
+    assert check_data_proof(json.loads((tmp_path / "exc.json").read_text()))["kind"] == "exclusion"
+    capsys.readouterr()
