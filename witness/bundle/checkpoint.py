@@ -53,6 +53,12 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
 
 def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], step: int, digest: str) -> tuple[bytes, bytes]:
     """Write atomically (temp file, fsync, rename); returns (state hash, file SHA-256)."""
+    write_state(path, tensors, step)
+    return state_hash(tensors, digest), file_sha256(path)
+
+
+def write_state(path: Path, tensors: dict[str, torch.Tensor], step: int) -> None:
+    """Write a state atomically (temp file, fsync, rename), in the checkpoint format."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -68,7 +74,6 @@ def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], step: int, dig
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return state_hash(tensors, digest), file_sha256(path)
 
 
 def file_sha256(path: Path) -> bytes:

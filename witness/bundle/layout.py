@@ -51,3 +51,33 @@ def due(step: int, every: int, steps: int) -> bool:
     ``every`` updates, and after the last step of the recipe."""
     done = step + 1
     return done % every == 0 or done == steps
+
+
+# Online challenges: the beacon's statements as received, and for every step they select the
+# committed state before it and its batch's samples (what the verifier replays it from).
+ONLINE = "online"
+STATEMENTS = f"{ONLINE}/statements.jsonl"
+ONLINE_STATES = f"{ONLINE}/states"
+ONLINE_SAMPLES = f"{ONLINE}/samples"
+MAX_STATEMENTS_BYTES = 64 * 1024 * 1024
+ONLINE_RE = re.compile(r"^online/(states|samples)/([0-9]{8,12})\.(safetensors|json)$")
+
+
+def online_state_name(step: int) -> str:
+    """Relative path of the state before ``step`` (after ``step`` updates), kept because a beacon selected it."""
+    return f"{ONLINE_STATES}/{step:08d}.safetensors"
+
+
+def online_samples_name(step: int) -> str:
+    """Relative path of the samples of the batch of ``step``, a selected step."""
+    return f"{ONLINE_SAMPLES}/{step:08d}.json"
+
+
+def online_file(rel: str) -> tuple[str, int] | None:
+    """("states" or "samples", step) for a name ``online_state_name`` or ``online_samples_name`` writes."""
+    m = ONLINE_RE.match(rel)
+    if m is None:
+        return None
+    kind, step = m.group(1), int(m.group(2))
+    want = online_state_name(step) if kind == "states" else online_samples_name(step)
+    return (kind, step) if rel == want else None

@@ -23,9 +23,15 @@ from .layout import (
     MAX_LOG_BYTES,
     MAX_RECORD_BYTES,
     MAX_SAFETENSORS_HEADER,
+    MAX_STATEMENTS_BYTES,
+    ONLINE,
+    ONLINE_SAMPLES,
+    ONLINE_STATES,
+    STATEMENTS,
     checkpoint_step,
     due,
     marker_bytes,
+    online_file,
 )
 from .schema import HEAD_EXTENSION_FIELDS, EndRecord, Manifest, StepRecord
 
@@ -45,6 +51,21 @@ class Bundle:
     checkpoints: dict[int, Path]
     notes: list[str] = field(default_factory=list)
     leaves: Path | None = None  # the dataset's leaves file, if the bundle carries one (read when checked)
+    # online challenges: the beacon's statements (read when checked) and the states and samples kept
+    # for the steps they selected, by step
+    statements: Path | None = None
+    online_states: dict[int, Path] = field(default_factory=dict)
+    online_samples: dict[int, Path] = field(default_factory=dict)
+
+    def read_statements(self) -> list[bytes]:
+        """The statement lines as the trainer received them (bounded; a torn last line is refused)."""
+        if self.statements is None:
+            return []
+        data = _read_bounded(self.statements, MAX_STATEMENTS_BYTES, STATEMENTS)
+        lines, torn = _lines(data, STATEMENTS)
+        if torn:
+            raise MalformedInput(f"{STATEMENTS} is truncated: its last line is not complete")
+        return lines
 
     @property
     def complete(self) -> bool:
@@ -107,17 +128,19 @@ def _scan(root: Path) -> tuple[set[str], list[str]]:
             if stat.S_ISLNK(st.st_mode):
                 raise MalformedInput(f"{rel} is a link; a bundle may not point outside itself")
             if stat.S_ISDIR(st.st_mode):
-                if rel != CHECKPOINTS:
+                if rel not in (CHECKPOINTS, ONLINE, ONLINE_STATES, ONLINE_SAMPLES):
                     raise MalformedInput(f"unexpected folder {rel} in the bundle")
                 continue
             if not stat.S_ISREG(st.st_mode):
                 raise MalformedInput(f"{rel} is not a regular file")
             if Path(name).suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(full):
                 raise MalformedInput(f"{rel} looks like a pickle; witness never unpickles anything")
-            if rel.startswith(f"{CHECKPOINTS}/") and rel.endswith(".safetensors.tmp"):
+            if (rel.startswith(f"{CHECKPOINTS}/") and rel.endswith(".safetensors.tmp")) or \
+                    (rel.startswith(f"{ONLINE}/") and online_file(rel.removesuffix(".tmp")) and rel.endswith(".tmp")):
                 temps.append(rel)
                 continue
-            if rel not in (MARKER, LOG, HEADS, LEAVES) and checkpoint_step(rel) is None:
+            if rel not in (MARKER, LOG, HEADS, LEAVES, STATEMENTS) and checkpoint_step(rel) is None \
+                    and online_file(rel) is None:
                 raise MalformedInput(f"unexpected file {rel} in the bundle")
             files.add(rel)
             if len(files) > MAX_FILES:
@@ -299,4 +322,12 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     leaves = root / LEAVES if LEAVES in files else None
     if leaves is not None and manifest.data_commitment < 2:
         raise MalformedInput(f"{LEAVES} belongs to a run that commits its dataset's leaves (data_commitment 2)")
-    return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes, leaves)
+    online: dict[str, dict[int, Path]] = {"states": {}, "samples": {}}
+    for rel in files:
+        found = online_file(rel)
+        if found is not None:
+            online[found[0]][found[1]] = root / rel
+    if manifest.online is None and (STATEMENTS in files or online["states"] or online["samples"]):
+        raise MalformedInput(f"the bundle holds {ONLINE}/ files, but its manifest takes no online challenges")
+    return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes, leaves,
+                  root / STATEMENTS if STATEMENTS in files else None, online["states"], online["samples"])

@@ -91,6 +91,8 @@ class Manifest:
     # which dataset commitment data_root is: 2 binds each sample's documents into its leaf; 1 (runs
     # recorded before witness 0.5, which do not name it) the sample alone
     data_commitment: int = 1
+    # online challenges (a beacon's statements select steps while the run trains): p, every, ring
+    online: dict | None = None
 
     FIELDS = {
         "type", "format_version", "task", "task_config", "code_version", "r", "r_source", "run_seed",
@@ -103,7 +105,8 @@ class Manifest:
     def parse(cls, obj: Any) -> Manifest:
         """Strictly parse the manifest record."""
         w = "manifest"
-        _keys(obj, cls.FIELDS, {"task_source", "data_commitment"}, w)
+        _keys(obj, cls.FIELDS, {"task_source", "data_commitment", "online"}, w)
+        online = parse_online(obj["online"], f"{w}.online") if "online" in obj else None
         if "data_commitment" in obj and (type(obj["data_commitment"]) is not int or obj["data_commitment"] != 2):
             raise _fail(w, "data_commitment must be 2 (or absent: version 1)")
         source = obj.get("task_source")
@@ -138,6 +141,8 @@ class Manifest:
         checkpoint_every = _int(obj["checkpoint_every"], f"{w}.checkpoint_every", 1)
         if checkpoint_every % state_every:
             raise _fail(w, "checkpoint_every must be a multiple of state_every (every checkpoint is a committed state)")
+        if online is not None and state_every != 1:
+            raise _fail(w, "online challenges need the whole state committed at every step (state_every 1)")
         return cls(
             raw=obj,
             task=_str(obj["task"], f"{w}.task", 64),
@@ -163,7 +168,25 @@ class Manifest:
             task_source=source,
             device=dict(device),
             data_commitment=obj.get("data_commitment", 1),
+            online=online,
         )
+
+
+MAX_ONLINE_RING = 1 << 16
+
+
+def parse_online(obj: Any, where: str) -> dict:
+    """The online-challenge settings: selection probability p in (0, 1], a head every ``every``
+    steps, and a ring of ``ring`` > ``every`` host states."""
+    _keys(obj, {"p", "every", "ring"}, set(), where)
+    p = obj["p"]
+    if type(p) is not float or not 0.0 < p <= 1.0:
+        raise _fail(where, "p must be a number in (0, 1]")
+    every = _int(obj["every"], f"{where}.every", 1, MAX_ONLINE_RING)
+    ring = _int(obj["ring"], f"{where}.ring", 2, MAX_ONLINE_RING)
+    if ring <= every:
+        raise _fail(where, "the ring must hold more states than a head covers steps (ring > every)")
+    return {"p": p, "every": every, "ring": ring}
 
 
 @dataclass(frozen=True)

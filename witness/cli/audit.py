@@ -45,12 +45,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.rtol is not None:
         thresholds["fingerprint"] = args.rtol
     check_thresholds(thresholds)  # before any work: a bad threshold is unusable input (exit 2)
+    beacon_key = None
+    if args.mode == "online":
+        if not args.beacon_key:
+            print("witness verify --mode online needs --beacon-key: the key of the beacon you trust (a beacon the "
+                  "bundle names, or the trainer runs, proves nothing)", file=sys.stderr)
+            return 2
+        beacon_key = read_public_key(args.beacon_key)
+    elif args.beacon_key:
+        print("--beacon-key is for --mode online", file=sys.stderr)
+        return 2
     return report_verdict(args, lambda: verify_bundle(
         args.bundle, challenges=challenges_q(args), confidence=args.confidence, bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
         response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
         threads=args.threads, device=args.device, public_key=read_public_key(args.signer) if args.signer else None, ticket=args.ticket,
         published_heads=[read_head(p) for p in args.published_head or []], leaves=args.leaves,
-        progress=not args.json,
+        beacon_key=beacon_key, progress=not args.json,
     ))
 
 
@@ -102,9 +112,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser("verify", help="audit a bundle (exit 0 accepted, 1 rejected, 2 unusable input)")
     v.add_argument("bundle", help="the bundle folder")
     challenge_args(v)
-    v.add_argument("--mode", choices=["offline", "interactive"], default="offline",
+    v.add_argument("--mode", choices=["offline", "interactive", "online"], default="offline",
                    help="offline: replay from the bundle's checkpoints with the data here (default); interactive: "
-                        "the cheap audit, from the states and samples in the trainer's --response")
+                        "the cheap audit, from the states and samples in the trainer's --response; online: replay "
+                        "the steps a beacon selected while the run trained (needs --beacon-key)")
+    v.add_argument("--beacon-key", help="online mode: the public key of the beacon you trust (raw hex or PEM, or a "
+                                        "file holding either; the leaderboard's server key for its beacon)")
     v.add_argument("--response", help="the trainer's response folder (interactive mode)")
     v.add_argument("--tolerance", action="store_true",
                    help="replay on other hardware: compare within reported thresholds, and the whole state at "

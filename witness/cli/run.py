@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..errors import RunRejected, VerificationError
-from .args import DEFAULT_KEY, config_value, positive, trainer_r
+from .args import DEFAULT_KEY, config_value, positive, probability, trainer_r
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -61,8 +61,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         from ..leaderboard.cli import train_with_leaderboard
 
         return train_with_leaderboard(args, key)
+    beacon = _beacon(args)
     if args.resume:
-        rec = Recorder.resume(args.out, key, threads=args.threads)
+        rec = Recorder.resume(args.out, key, threads=args.threads, beacon=beacon)
         print(f"resuming {args.out} at step {rec.start_step}", file=sys.stderr)
     else:
         config = dict(args.config or [])
@@ -76,10 +77,40 @@ def cmd_train(args: argparse.Namespace) -> int:
             config["steps"] = args.steps
         task = build_task(args.task, config)
         rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed), checkpoint_every=args.checkpoint_every,
-                              state_every=args.state_every, threads=args.threads, device=args.device)
+                              state_every=args.state_every, threads=args.threads, device=args.device, beacon=beacon,
+                              online=_online_spec(args, task.config.steps) if beacon else None)
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
+    if rec.online is not None:
+        print(online_summary(rec.online), file=sys.stderr)
     return 0
+
+
+def _beacon(args: argparse.Namespace):
+    """The beacon client ``--beacon`` names (its key pinned with ``--beacon-key``), or None."""
+    if not args.beacon:
+        if args.beacon_key or args.online_p or args.online_every:
+            raise ValueError("--beacon-key, --online-p and --online-every go with --beacon URL")
+        return None
+    from ..beacon.client import BeaconClient
+    from ..commit.signing import read_public_key
+
+    return BeaconClient(args.beacon, read_public_key(args.beacon_key) if args.beacon_key else None)
+
+
+def _online_spec(args: argparse.Namespace, steps: int):
+    from ..record.online import OnlineSpec
+
+    return OnlineSpec.for_steps(steps, **({"every": args.online_every} if args.online_every else {}), p=args.online_p)
+
+
+def online_summary(online) -> str:
+    """What answering the beacon cost the trainer, in a line."""
+    r = online.report()
+    return (f"online challenges: {r['statements']} beacon statement(s) selected {r['selected']} step(s); kept "
+            f"{r['written']} state(s) ({r['bytes_written'] / 1e6:.1f} MB), at most {r['peak_ring']} in the ring; "
+            f"training waited for the beacon {r['waits']} time(s) ({r['wait_seconds']:.2f} s)"
+            + (f"; {r['rebuilt']} lost state(s) rebuilt from a checkpoint" if r["rebuilt"] else ""))
 
 
 
@@ -266,6 +297,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "bf16 autocast, 65,536 tokens per step")
     t.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--beacon", metavar="URL", help="take online challenges: stream a head to this beacon every "
+                                                   "--online-every steps and keep the states it selects")
+    t.add_argument("--beacon-key", help="pin the beacon's public key (raw hex or PEM, or a file holding either)")
+    t.add_argument("--online-p", type=probability,
+                   help="the probability a beacon selects each step (default: enough for 99%% against 5%% bad steps)")
+    t.add_argument("--online-every", type=positive, help="steps between heads streamed to the beacon (default 10)")
     t.add_argument("--leaderboard", metavar="URL", help="take the run ticket from this leaderboard and stream heads to it")
     t.add_argument("--track", help="the leaderboard track (its recipe replaces --task, --steps and --config)")
     t.add_argument("--token", help="leaderboard API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")

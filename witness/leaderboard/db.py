@@ -20,12 +20,10 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
-    create_engine,
-    event,
-    make_url,
 )
-from sqlalchemy.exc import ArgumentError
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from ..database import check_db_url, make_engine, sessions  # noqa: F401 - re-exported for the leaderboard's modules
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -166,37 +164,6 @@ class ChallengeRow(Base):
     failure: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
-def check_db_url(url: str) -> str:
-    """``url`` if it names a database this server runs on (SQLite or PostgreSQL), else ValueError."""
-    try:
-        backend = make_url(url).get_backend_name()
-    except ArgumentError:
-        raise ValueError(f"{url[:100]!r} is not a database URL (sqlite:///PATH or postgresql://…)") from None
-    if backend not in ("sqlite", "postgresql"):
-        raise ValueError(f"the leaderboard runs on SQLite or PostgreSQL, not {backend[:40]!r}")
-    return url
-
-
-def make_engine(url: str) -> Engine:
-    """An engine for ``url``; SQLite gets WAL and a busy timeout so several processes can share it."""
-    check_db_url(url)
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://"):]
-    if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-
-        @event.listens_for(engine, "connect")
-        def _pragmas(conn, _record) -> None:  # noqa: ANN001 - DB-API connection
-            cur = conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.close()
-
-        return engine
-    return create_engine(url, pool_pre_ping=True)
-
-
 def migrate(engine: Engine) -> None:
     """Bring the schema up to date with Alembic (``upgrade head``)."""
     from alembic import command
@@ -207,8 +174,3 @@ def migrate(engine: Engine) -> None:
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
-
-
-def sessions(engine: Engine) -> sessionmaker:
-    """A session factory whose objects stay readable after commit."""
-    return sessionmaker(engine, expire_on_commit=False)

@@ -23,11 +23,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .. import __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
-from ..bundle.layout import CHECKPOINTS, HEADS, LEAVES, LOG, checkpoint_name, due
+from ..bundle.layout import CHECKPOINTS, HEADS, LEAVES, LOG, ONLINE, checkpoint_name, due
 from ..bundle.schema import MANIFEST_VERSION, Manifest
 from ..bundle.state import default_digest, load_state, model_hash, state_hash, state_tensors
-from ..bundle.writer import BundleWriter, head_sizes, read_lines, truncate_lines
-from ..commit.hashing import parse_canonical_json
+from ..bundle.writer import BundleWriter, read_lines, truncate_lines
+from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
 from ..data.dataset import DATA_COMMITMENT
@@ -44,6 +44,7 @@ from ..session import (
 )
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task, check_task_source, task_class, task_source
+from .online import BeaconLink, OnlineChallenges, OnlineSpec
 
 HeadCallback = Callable[[SignedTreeHead, RunLog], None]
 
@@ -57,7 +58,7 @@ class Recorder:
 
     def __init__(self, task: Task, out: Path, key: Ed25519PrivateKey, session: TrainingSession,
                  writer: BundleWriter, log: RunLog, manifest: dict, start_step: int,
-                 on_head: HeadCallback | None):
+                 on_head: HeadCallback | None, online: OnlineChallenges | None = None):
         self.task, self.out, self.key = task, Path(out), key
         self.session, self.writer, self.log, self.manifest = session, writer, log, manifest
         self.start_step = self.next_step = start_step
@@ -72,6 +73,10 @@ class Recorder:
         self._snapshots = None
         self._early: frozenset[str] = frozenset()  # buffers a forward changes: copied ahead of it
         self._deferred: tuple[dict, Any] | None = None  # a record waiting for its state hash
+        self.online = online  # the beacon's statements and the ring of states they may select
+        # a resumed run passes its signed records again from a checkpoint: each must come out the same
+        self._signed = len(log) - 1
+        self._old_heads: dict[int, SignedTreeHead] = {}
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -80,7 +85,7 @@ class Recorder:
                threads: int | None = None, on_head: HeadCallback | None = None,
                session: TrainingSession | None = None, init_state: dict | None = None,
                parallelism: str = "none", device: str | torch.device = "cpu", shards: int = 1,
-               leaves: bool = True) -> Recorder:
+               leaves: bool = True, beacon: BeaconLink | None = None, online: OnlineSpec | None = None) -> Recorder:
         """Start a new run: derive the seed, build the initial state, sign the manifest.
 
         ``leaves`` writes the dataset's per-sample commitments into the bundle (``dataset.leaves``,
@@ -90,9 +95,19 @@ class Recorder:
         A distributed run passes its own ``session`` (wrapped model) and the ``init_state`` taken
         before wrapping, and an FSDP2 run over several ranks the number of row ``shards`` its state
         digest splits tensors into (one per rank); everything else is the same.
+
+        ``beacon`` turns on online challenges: a head goes to it every ``online.every`` steps
+        (default settings: ``OnlineSpec.for_steps``), and the states its statements select are kept.
         """
         if len(r) != 32:
             raise ValueError("r must be 32 bytes")
+        if online is not None and beacon is None:
+            raise ValueError("online challenges need a beacon")
+        if beacon is not None:
+            online = online or OnlineSpec.for_steps(task.config.steps)
+            if state_every != 1 or shards != 1:
+                raise ValueError("online challenges need the whole state committed at every step (state_every 1, "
+                                 "one state digest shard)")
         if state_every < 1 or checkpoint_every < 1 or checkpoint_every % state_every:
             raise ValueError("checkpoint_every must be a multiple of state_every (every checkpoint is a committed state)")
         if threads:
@@ -152,16 +167,27 @@ class Recorder:
             manifest["data_commitment"] = version
         if source is not None:  # a plugin task: pin the exact installed code a verifier must have
             manifest["task_source"] = source.to_json()
+        if online is not None:
+            manifest["online"] = online.to_json()
         log = RunLog()
         writer.append_record(log.append(manifest))
         rec = cls(task, Path(out), key, session, writer, log, manifest, 0, on_head)
+        if beacon is not None:
+            rec.online = rec._online(online, beacon)  # type: ignore[arg-type]
+            rec.online.keep(0, init_state)
         rec._publish_head()  # the manifest is signed before step 0
         return rec
 
     @classmethod
     def resume(cls, out: str | os.PathLike, key: Ed25519PrivateKey, *, threads: int | None = None,
-               on_head: HeadCallback | None = None) -> Recorder:
-        """Continue a killed run from its last intact checkpoint, keeping every signed head valid."""
+               on_head: HeadCallback | None = None, beacon: BeaconLink | None = None) -> Recorder:
+        """Continue a killed run from an intact checkpoint, keeping every signed head valid.
+
+        Records that a head signed already are trained again from the checkpoint before them and
+        must come out bit for bit the same. An online run resumes from the checkpoint before the
+        first state it may still be asked for (a selected state the crash lost, or the first step no
+        statement covers), with every statement the beacon gave kept or fetched again.
+        """
         out = Path(out)
         lines = read_lines(out / LOG)
         if not lines:
@@ -193,26 +219,51 @@ class Recorder:
         records = [parse_canonical_json(line) for line in lines[1:]]
         if records and records[-1]["type"] == "end":
             raise ValueError(f"the run in {out} is already complete")
-        resume_at = 0
+        intact = [0]
+        steps = 0
         for i, rec in enumerate(records):
             if rec.get("type") != "step" or rec.get("step") != i:
                 break
+            steps = i + 1
             if "checkpoint_sha256" in rec:
                 path = out / checkpoint_name(i + 1)
                 if path.exists() and file_sha256(path).hex() == rec["checkpoint_sha256"]:
-                    resume_at = i + 1
-        keep = resume_at + 1
-        if any(size > keep for size in head_sizes(out / HEADS)):
-            raise ValueError("a signed head covers records past the last intact checkpoint; cannot resume")
+                    intact.append(i + 1)
+        heads = [SignedTreeHead.from_json(parse_canonical_json(line)) for line in read_lines(out / HEADS)]
+        signed = max((h.size for h in heads), default=1)  # records a head signed stay, whatever happens
+        if signed > steps + 1:
+            raise ValueError("a signed head covers records that are not in the log; cannot resume")
+        online = None
+        if started.online is not None:
+            if beacon is None:
+                raise ValueError("the run takes online challenges: resume it with its beacon")
+            online = OnlineChallenges(out, OnlineSpec(**started.online), beacon, RunLog(lines[:signed]),
+                                      started.steps_planned, task.dataset(), started.checkpoint_every)
+            online.load()
+        last = max(signed - 1, intact[-1])  # steps kept in the log
+        limit = min(last, online.first_needed()) if online is not None else last
+        resume_at = max(c for c in intact if c <= limit)
+        keep = last + 1
         truncate_lines(out / LOG, keep)
-        truncate_lines(out / HEADS, len(head_sizes(out / HEADS)))
+        truncate_lines(out / HEADS, len(heads))
         for f in (out / CHECKPOINTS).iterdir():
-            if f.name.endswith(".tmp") or int(f.name.split(".")[0]) > resume_at:
+            if f.name.endswith(".tmp") or int(f.name.split(".")[0]) > last:
                 f.unlink()
+        for f in (out / ONLINE).glob("*/*.tmp"):  # a selected state or samples file the crash cut short
+            f.unlink()
         session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"], device=kind)
         load_state(session.model, session.optimizer, read_checkpoint(out / checkpoint_name(resume_at)))
         log = RunLog(lines[:keep])
-        return cls(task, out, key, session, BundleWriter(out, create=False), log, manifest, resume_at, on_head)
+        rec = cls(task, out, key, session, BundleWriter(out, create=False), log, manifest, resume_at, on_head, online)
+        rec._old_heads = {h.size: h for h in heads}
+        if online is not None:
+            online.log = log
+            online.keep(resume_at, state_tensors(session.model, session.optimizer))
+        return rec
+
+    def _online(self, spec: OnlineSpec, beacon: BeaconLink) -> OnlineChallenges:
+        return OnlineChallenges(self.out, spec, beacon, self.log, self.task.config.steps, self.task.dataset(),
+                                self.checkpoint_every)
 
     # --- what the trainer's loop calls --------------------------------------------------
     @property
@@ -274,6 +325,8 @@ class Recorder:
             raise ValueError(f"log_step({step}) without batch({step}) first")
         _, idx, root = self._pending
         self._pending = None
+        if self.online is not None:
+            self.online.drain()
         fp = fingerprint if fingerprint is not None else self.session.fingerprint()
         record: dict[str, Any] = {
             "type": "step",
@@ -290,6 +343,8 @@ class Recorder:
         checkpoint = self.checkpoint_due(step)
         self.flush()  # the previous record first: the log keeps step order
         if state_root is not None:
+            if self.online is not None:
+                raise ValueError("online challenges need the whole state at every step, not a root of shards")
             if not self.state_due(step) or checkpoint:
                 raise ValueError("a state root comes with a committed state between checkpoints")
             if isinstance(state_root, Future):
@@ -300,7 +355,9 @@ class Recorder:
         elif self.state_due(step):
             if state is None:
                 state, live = state_tensors(self.model, self.optimizer), True
-            if live and self.overlap and not checkpoint:
+            if self.online is not None:
+                self.online.keep(done, state)  # a host copy, before training changes it
+            if live and self.overlap and not checkpoint and step >= self._signed:
                 self._hash_later(record, state)
                 self.next_step = done
                 return
@@ -309,9 +366,23 @@ class Recorder:
                 record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
             else:
                 record["state_hash"] = state_hash(state, self.digest).hex()
-        self.writer.append_record(self.log.append(record))
+        self._append_step(record)
         self.next_step = done
-        if checkpoint:
+
+    def _append_step(self, record: dict) -> None:
+        """Append a step record (or, resuming, check it against the one signed before), then stream
+        the head that its cadence or its checkpoint asks for."""
+        step = record["step"]
+        if step < self._signed:
+            if canonical_json(record) != self.log.lines[step + 1]:
+                raise ValueError(f"resuming: step {step} does not come out as its signed record did (another "
+                                 "machine, thread count or library?): the run cannot be continued here")
+            old = self._old_heads.get(step + 2)
+            if old is not None and self.online is not None:
+                self.online.send(old)  # a head the beacon may not have stamped before the crash
+            return
+        self.writer.append_record(self.log.append(record))
+        if "checkpoint_sha256" in record or (self.online is not None and (step + 1) % self.online.spec.every == 0):
             self._publish_head()
 
     def _hash_later(self, record: dict, state: dict) -> None:
@@ -331,7 +402,7 @@ class Recorder:
             record, pending = self._deferred
             self._deferred = None
             record["state_hash"] = pending.result().hex()
-            self.writer.append_record(self.log.append(record))
+            self._append_step(record)
 
     def finish(self) -> SignedTreeHead:
         """Append the end record and sign the final tree head."""
@@ -348,6 +419,8 @@ class Recorder:
         ext = usage | final | {"task": self.task.name}  # the head names its task: whose rule decides documents
         self.writer.append_record(self.log.append({"type": "end", "steps": self.next_step} | ext))
         head = self._publish_head(extensions=ext)
+        if self.online is not None:
+            self.online.finish()  # every statement received, every selected state written
         self.writer.close()
         return head
 
@@ -368,4 +441,7 @@ class Recorder:
         self.writer.append_head(head)
         if self.on_head is not None:
             self.on_head(head, self.log)
+        if self.online is not None:
+            self.online.send(head)
         return head
+

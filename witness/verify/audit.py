@@ -15,6 +15,7 @@ from .. import REPLAYS_RUNS_OF, __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint
 from ..bundle.reader import Bundle, as_bundle
 from ..bundle.state import load_state, model_hash, state_distances, state_hash, state_tensors
+from ..commit.beacon import online_bound
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
 from ..data.order import derive_run_seed
@@ -31,7 +32,8 @@ from ..session import (
 )
 from ..task.base import Task
 from ..task.registry import build_task, check_task_source
-from .challenges import challenges_needed, detection_probability, draw_challenges
+from .challenges import ReplayChallenge, challenges_needed, detection_probability, draw_challenges
+from .online import OnlineSamples, OnlineStates, check_statements
 from .replay import (
     DEFAULT_THRESHOLDS,
     CheckpointStates,
@@ -200,6 +202,7 @@ def verify_bundle(
     published_heads: list[SignedTreeHead] | None = None,
     ticket: bytes | None = None,
     leaves: str | os.PathLike | None = None,
+    beacon_key: str | None = None,
     progress: bool = False,
 ) -> Verdict:
     """Audit a bundle. Returns an accepted verdict or raises a ``VerificationError``.
@@ -213,10 +216,17 @@ def verify_bundle(
     ``ticket`` is the r a ticket issuer handed out: the run seed must be derived from it.
     ``leaves`` is the dataset's leaves file where the bundle carries none (a large corpus's,
     published once): every batch root and the used-data trees are checked against it in full.
+
+    ``mode="online"`` replays the steps that the statements of the beacon whose key is
+    ``beacon_key`` (hex; the verifier's choice, never the bundle's) selected while the run trained,
+    from the states the trainer kept for them; ``challenges`` and ``nonce`` play no part.
     """
     started = time.perf_counter()
-    if mode not in ("offline", "interactive"):
+    if mode not in ("offline", "interactive", "online"):
         raise MalformedInput(f"unknown mode {mode!r}")
+    if (mode == "online") != (beacon_key is not None):
+        raise MalformedInput("online mode needs the key of the beacon the verifier trusts (--beacon-key), and "
+                             "only online mode takes one")
     f = DEFAULT_BAD_FRACTION if bad_fraction is None else bad_fraction
     check_thresholds(thresholds or {})
     if challenges is None:
@@ -270,15 +280,17 @@ def verify_bundle(
 
     with use_threads(m.threads, threads, notes) as used_threads:
         return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
-                      checks, used_threads, started, progress, confidence, device, leaves)
+                      checks, used_threads, started, progress, confidence, device, leaves, beacon_key)
 
 
 def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | Response | None, exact: bool,
            thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
            notes: list[str], checks: list[str], threads: int, started: float, progress: bool,
-           confidence: float | None, device: str, leaves_path: str | os.PathLike | None) -> Verdict:
+           confidence: float | None, device: str, leaves_path: str | os.PathLike | None,
+           beacon_key: str | None) -> Verdict:
     m = bundle.manifest
     local: LocalSamples | None = None
+    online = check_statements(bundle, beacon_key) if mode == "online" else None
     if mode == "offline":
         dataset = task.dataset()
         if len(dataset) != m.dataset_size or not same(dataset.commitment_root(m.data_commitment), m.data_root):
@@ -298,15 +310,28 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     checks += check_checkpoints(bundle, session, exact, limits)
 
     n = len(bundle.steps)
-    drawn = draw_challenges(bundle.final_head, nonce, n, challenges, length)
+    if online is None:
+        drawn = draw_challenges(bundle.final_head, nonce, n, challenges, length)
+        bound = detection_probability(f, len(drawn), n)
+    else:
+        drawn = [ReplayChallenge(t, 1) for t in online.selected]
+        bound = online_bound(online.p, f, n, len(online.unaudited))
+        checks.append(online.describe())
+        if online.unaudited:
+            notes.append(f"steps {online.unaudited.start}..{online.unaudited.stop - 1} have no beacon statement: not "
+                         "audited online (the bound counts them as bad steps the audit cannot see)")
     verdict = Verdict(
         accepted=False, mode=mode, exact=exact, task=m.task, steps=n, complete=bundle.complete,
         signer=key_fingerprint(m.public_key), challenges=len(drawn), bad_fraction=f,
-        detection_probability=detection_probability(f, len(drawn), n), nonce=nonce.hex(),
+        detection_probability=bound, nonce=nonce.hex() if online is None else "",
         notes=notes, checks=checks, thresholds={} if exact else limits,
         state_every=m.state_every, threads=threads, confidence=confidence,
     )
-    if local is None and bundle.complete:
+    if online is not None:
+        verdict.online = {"beacon": online.beacon, "p": online.p, "every": online.every, "windows": online.windows,
+                          "selected": online.selected, "covered": online.covered,
+                          "unaudited": len(online.unaudited), "final": online.final}
+    if local is None and bundle.complete and mode != "offline":
         verdict.checks.append("every replayed sample is the committed dataset's, with its documents")
     if not bundle.complete:
         verdict.notes.append(f"incomplete run: {n} of {m.steps_planned} planned steps are signed; verified as a {n}-step run")
@@ -317,6 +342,14 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         # tolerance mode needs the committed tensors at the end, so it replays to a checkpoint.
         plan = SegmentPlan(checkpoints, committed if exact else checkpoints)
         replayer = Replayer(bundle, task, local, CheckpointStates(bundle), plan, exact, limits, device)  # type: ignore[arg-type]
+    elif mode == "online":
+        if leaves is None:
+            raise MalformedInput("the online audit needs the dataset's leaves (the bundle's dataset.leaves or "
+                                 "--leaves), which the samples kept for the selected steps are checked against")
+        source = OnlineSamples(bundle, leaves, task.document_rule)
+        # every state is committed (the manifest says so for an online run): a selected step replays alone
+        replayer = Replayer(bundle, task, source, OnlineStates(bundle), SegmentPlan(committed, committed), exact,
+                            limits, device)
     else:
         resp = response
         assert isinstance(resp, Response)

@@ -44,18 +44,35 @@ class Verdict:
     replay_flops: float = 0.0
     training_flops: float = 0.0
     confidence: float | None = None  # the bound the user asked for, if any
+    online: dict | None = None  # the online audit: beacon, p, windows, selected steps, what no statement covers
 
     @property
     def warning(self) -> str | None:
         """The weak-audit warning, when the bound is below the confidence asked for (or 90 %)."""
-        from .challenges import weak_bound_warning
+        from .challenges import WEAK_BOUND, weak_bound_warning
 
-        return weak_bound_warning(self.detection_probability, self.bad_fraction, self.confidence)
+        if self.online is None:
+            return weak_bound_warning(self.detection_probability, self.bad_fraction, self.confidence)
+        from ..commit.beacon import p_needed
+
+        floor = WEAK_BOUND if self.confidence is None else self.confidence
+        if self.detection_probability >= floor:
+            return None
+        need = p_needed(floor, self.bad_fraction, self.steps - self.online["unaudited"])
+        return (f"WARNING: weak audit: the online bound {100 * self.detection_probability:.2f}% is below the "
+                f"{100 * floor:g}% {'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
+                f"the run's beacon selected steps with p = {self.online['p']:g}, and {100 * floor:g}% needs "
+                f"p >= {need:.3g} with every step under a statement (or add an after-the-fact audit)")
 
     @property
     def cost_fraction(self) -> float:
         """Replay compute as a fraction of the training compute."""
         return self.replay_flops / self.training_flops if self.training_flops else 0.0
+
+    def _formula(self) -> str:
+        if self.online is not None:
+            return "1-(1-p)^ceil(fT)" + (" less the steps not audited" if self.online["unaudited"] else "")
+        return "every step replayed" if self.steps and self.challenges >= self.steps else "1-(1-f)^q"
 
     def to_json(self) -> dict:
         """The ``--json`` form."""
@@ -77,8 +94,14 @@ class Verdict:
                f"(the whole state is committed every {self.state_every} steps)"),
             f"  bound: had >= {100 * self.bad_fraction:g}% of the steps been bad, this audit would have caught it "
             f"with probability >= {100 * self.detection_probability:.2f}% "
-            f"({'every step replayed' if self.steps and self.challenges >= self.steps else '1-(1-f)^q'})",
+            f"({self._formula()})",
         ]
+        if self.online is not None:
+            o = self.online
+            lines.insert(2, f"  online: beacon {o['beacon']}, {o['windows']} statement(s), p = {o['p']:g}, selected "
+                            f"steps {_steps(o['selected'])}"
+                            + (f"; {o['unaudited']} step(s) after the last statement not audited online"
+                               if o["unaudited"] else ""))
         if self.warning:
             lines.insert(1, f"  {self.warning}")
         if self.thresholds:
@@ -92,3 +115,9 @@ class Verdict:
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  FAILED: {f}" for f in self.failures]
         return "\n".join(lines)
+
+
+def _steps(steps: list[int], most: int = 12) -> str:
+    """A list of steps, cut short when long."""
+    shown = ", ".join(map(str, steps[:most]))
+    return (shown + f", … ({len(steps)} in all)") if len(steps) > most else (shown or "none")

@@ -1,0 +1,327 @@
+"""Online challenges: a beacon's signed randomness selects steps while the run trains, the trainer
+keeps their states, and the verifier replays exactly those. Each attack is a signed, well-formed
+run (or beacon exchange) whose only flaw is the dishonesty."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_binomial
+from starlette.testclient import TestClient
+
+from witness.beacon.app import create_app
+from witness.beacon.client import BeaconClient, BeaconError
+from witness.bundle.layout import STATEMENTS, online_samples_name, online_state_name
+from witness.commit.beacon import BeaconStatement, online_bound, run_id, selected, selected_steps
+from witness.commit.hashing import canonical_json, parse_canonical_json
+from witness.commit.log import RunLog
+from witness.commit.signing import SignedTreeHead, generate_key, public_hex, save_key
+from witness.errors import MalformedInput, RunRejected, VerificationError
+from witness.record.online import OnlineSpec
+from witness.record.recorder import Recorder
+from witness.task import build_task
+from witness.verify import verify_bundle
+from witness.web import start_uvicorn, stop_uvicorn
+
+STEPS, P, EVERY = 24, 0.25, 4
+SPEC = OnlineSpec(p=P, every=EVERY, ring=2 * EVERY + 1)
+
+
+class Beacon:
+    """A beacon app on its own SQLite file, reached in-process; ``steer`` fixes the draws."""
+
+    def __init__(self, folder: Path):
+        self.key = generate_key()
+        self.app = create_app(f"sqlite:///{folder / 'beacon.db'}", self.key)
+        self.http = TestClient(self.app)
+        self.public_key = public_hex(self.key.public_key())
+
+    def link(self) -> BeaconClient:
+        return BeaconClient(self.http)
+
+    def steer(self, avoid: set[int] = frozenset(), hit: set[int] = frozenset(), steps: int = STEPS) -> None:
+        """Draw betas that leave the steps in ``avoid`` unselected and select those in ``hit``."""
+        def draw(prev_size: int, size: int) -> bytes:
+            window = range(max(prev_size - 1, 0), max(min(size - 1, steps), 0))
+            while True:
+                beta = os.urandom(32)
+                if all(not selected(beta, t, P) for t in avoid if t in window) and \
+                        all(selected(beta, t, P) for t in hit if t in window):
+                    return beta
+        self.app.state.beacon.draw = draw
+
+
+@pytest.fixture
+def beacon(tmp_path):
+    return Beacon(tmp_path)
+
+
+def train(out: Path, link, *, bad: set[int] = frozenset(), key=None, steps: int = STEPS, spec: OnlineSpec = SPEC,
+          r: bytes = b"\x05" * 32):
+    """A tiny run with online challenges; at each step in ``bad`` the trainer nudges the weights
+    before training it (the committed state before the step is the honest one)."""
+    task = build_task("tiny", {"steps": steps})
+    rec = Recorder.create(task, out, key or generate_key(), r=r, checkpoint_every=8, beacon=link, online=spec)
+    for t in range(steps):
+        if t in bad:
+            with torch.no_grad():
+                for p in rec.model.parameters():
+                    p.add_(0.01)
+        out_ = task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t))
+        rec.log_step(t, out_)
+    rec.finish()
+    return rec
+
+
+def online(bundle, key: str, **kw):
+    return verify_bundle(bundle, mode="online", beacon_key=key, **kw)
+
+
+def statements(bundle: Path) -> list[BeaconStatement]:
+    return [BeaconStatement.from_json(parse_canonical_json(x)) for x in (bundle / STATEMENTS).read_bytes().splitlines()]
+
+
+# --- honest runs -----------------------------------------------------------------------------
+
+def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_comparisons(tmp_path, beacon):
+    rec = train(tmp_path / "b", beacon.link())
+    sts = statements(tmp_path / "b")
+    want = sorted(t for s in sts for t in selected_steps(s, P, STEPS))
+    assert [s.size for s in sts] == sorted({1, *range(EVERY + 1, STEPS + 2, EVERY), 9, 17, 25, STEPS + 2})
+    assert sts[-1].final and all(not s.final for s in sts[:-1])
+    report = rec.online.report()
+    assert report["selected"] == len(want) and report["waits"] == 0 and report["peak_ring"] <= SPEC.ring
+    for exact in (True, False):
+        v = online(tmp_path / "b", beacon.public_key, exact=exact)
+        assert v.accepted and v.mode == "online" and v.replayed_steps == len(want)
+        assert [r.step for r in v.results] == want
+        assert v.online["selected"] == want and v.online["unaudited"] == 0 and v.online["final"]
+        assert v.detection_probability == pytest.approx(online_bound(P, 0.05, STEPS))
+        assert "1-(1-p)^ceil(fT)" in v.summary() and f"p = {P:g}" in v.summary()
+    # the cheap checks still run in full, and the after-the-fact audits still work on the same bundle
+    assert verify_bundle(tmp_path / "b", challenges=3).accepted
+    # the beacon lists the run, ended with its final head
+    runs = beacon.http.get("/api/beacon/runs").json()
+    assert runs[0]["run"] == sts[0].run.hex() and runs[0]["final"] and runs[0]["last_size"] == STEPS + 2
+
+
+def test_the_selection_is_a_fair_coin_of_p_per_step():
+    # 4,000 fresh betas: each step is selected with probability p, independently of the others
+    rng = random.Random(3)
+    betas = [rng.randbytes(32) for _ in range(4000)]
+    assert_binomial(sum(selected(b, 7, P) for b in betas), len(betas), P)
+    both = sum(selected(b, 7, P) and selected(b, 8, P) for b in betas)
+    assert_binomial(both, len(betas), P * P)
+    # k bad steps escape with probability (1 - p)^k: the bound is exact for independent draws
+    k = 5
+    caught = sum(any(selected(b, t, P) for t in range(10, 10 + k)) for b in betas)
+    assert_binomial(caught, len(betas), 1 - (1 - P) ** k)
+    assert online_bound(P, 0.05, 100) == pytest.approx(1 - (1 - P) ** 5)
+
+
+# --- bad steps the trainer hopes are not selected --------------------------------------------
+
+@pytest.mark.parametrize("drawn", ["selected", "missed"])
+def test_a_bad_step_is_caught_exactly_when_the_beacon_selects_it(tmp_path, beacon, drawn):
+    bad = {9}
+    beacon.steer(hit=bad) if drawn == "selected" else beacon.steer(avoid=bad)
+    train(tmp_path / "b", beacon.link(), bad=bad)
+    if drawn == "selected":
+        with pytest.raises(RunRejected, match="step 9"):
+            online(tmp_path / "b", beacon.public_key)
+    else:  # the draw missed it: accepted, within the stated bound (1 - p of the time for one bad step)
+        v = online(tmp_path / "b", beacon.public_key)
+        assert v.accepted and 9 not in v.online["selected"]
+
+
+def test_a_kept_state_from_another_step_or_another_run_is_rejected(tmp_path, beacon):
+    beacon.steer(hit={5, 13}, avoid={4, 12})  # replay starts at 5 (a replay passing through it checks it itself)
+    train(tmp_path / "b", beacon.link())
+    train(tmp_path / "other", beacon.link(), r=b"\x06" * 32)
+    b = tmp_path / "b"
+    shutil.copy(b / online_state_name(13), b / online_state_name(5))  # another step's state
+    with pytest.raises(RunRejected, match="does not hash to the committed state"):
+        online(b, beacon.public_key)
+    shutil.copy(tmp_path / "other" / online_state_name(13) if (tmp_path / "other" / online_state_name(13)).exists()
+                else tmp_path / "other" / "checkpoints" / "00000008.safetensors", b / online_state_name(5))
+    with pytest.raises(RunRejected, match="does not hash to the committed state"):
+        online(b, beacon.public_key)
+    (b / online_state_name(5)).unlink()  # or none at all
+    with pytest.raises(RunRejected, match="kept no state after 5"):
+        online(b, beacon.public_key)
+
+
+def test_kept_samples_that_are_not_the_committed_batch_are_rejected(tmp_path, beacon):
+    beacon.steer(hit={6})
+    train(tmp_path / "b", beacon.link())
+    path = tmp_path / "b" / online_samples_name(6)
+    doc = parse_canonical_json(path.read_bytes())
+    doc["samples"][0] = bytes(len(bytes.fromhex(doc["samples"][0]))).hex()
+    path.write_bytes(canonical_json(doc))
+    with pytest.raises(RunRejected, match="sample .* is not the committed dataset's"):
+        online(tmp_path / "b", beacon.public_key)
+
+
+# --- statements: whose key, which run, all of them -------------------------------------------
+
+def test_statements_signed_by_a_beacon_the_verifier_did_not_name_prove_nothing(tmp_path, beacon):
+    (tmp_path / "own").mkdir()
+    own = Beacon(tmp_path / "own")  # a beacon the trainer runs itself
+    train(tmp_path / "b", own.link())
+    with pytest.raises(VerificationError, match="not by the beacon key the verifier named"):
+        online(tmp_path / "b", beacon.public_key)
+    assert online(tmp_path / "b", own.public_key).accepted  # only under the key that signed them
+    with pytest.raises(MalformedInput, match="--beacon-key"):
+        verify_bundle(tmp_path / "b", mode="online")
+
+
+def test_a_statement_replayed_from_another_run_or_edited_is_rejected(tmp_path, beacon):
+    train(tmp_path / "a", beacon.link())
+    train(tmp_path / "b", beacon.link(), r=b"\x09" * 32)
+    a, b = tmp_path / "a", tmp_path / "b"
+    lines = (a / STATEMENTS).read_bytes().splitlines()
+    other = (b / STATEMENTS).read_bytes().splitlines()
+    (a / STATEMENTS).write_bytes(b"\n".join([*lines[:3], other[3], *lines[4:]]) + b"\n")
+    with pytest.raises(VerificationError, match="answers another run"):
+        online(a, beacon.public_key)
+    st = json.loads(lines[3])
+    st["beta"] = "00" * 32  # a trainer choosing its own draw
+    (a / STATEMENTS).write_bytes(b"\n".join([*lines[:3], canonical_json(st), *lines[4:]]) + b"\n")
+    with pytest.raises(VerificationError, match="signature on its statement"):
+        online(a, beacon.public_key)
+
+
+def test_a_withheld_statement_breaks_the_chain_and_missing_ones_are_not_audited_online(tmp_path, beacon):
+    train(tmp_path / "b", beacon.link())
+    b = tmp_path / "b"
+    lines = (b / STATEMENTS).read_bytes().splitlines()
+    # dropping a draw it disliked (and letting the next statement's beta judge those steps)
+    (b / STATEMENTS).write_bytes(b"\n".join([*lines[:3], *lines[4:]]) + b"\n")
+    with pytest.raises(VerificationError, match="a statement was withheld"):
+        online(b, beacon.public_key)
+    # the last windows without a statement: accepted, but those steps are not audited online and the
+    # bound counts them as bad steps the audit cannot see
+    (b / STATEMENTS).write_bytes(b"\n".join(lines[:4]) + b"\n")
+    v = online(b, beacon.public_key)
+    covered = statements(b)[-1].window(STEPS).stop
+    assert v.online["unaudited"] == STEPS - covered and not v.online["final"]
+    assert v.detection_probability == pytest.approx(online_bound(P, 0.05, STEPS, STEPS - covered))
+    assert any("not audited online" in n for n in v.notes) and v.warning
+    (b / STATEMENTS).unlink()
+    v = online(b, beacon.public_key)
+    assert v.online["windows"] == 0 and v.replayed_steps == 0 and v.detection_probability == 0.0
+
+
+# --- the beacon itself -----------------------------------------------------------------------
+
+def _head_log(key, records: int, salt: bytes = b"") -> RunLog:
+    log = RunLog()
+    log.append({"type": "manifest", "public_key": public_hex(key.public_key()), "n": 1})
+    for i in range(1, records):
+        log.append({"type": "step", "step": i - 1, "salt": salt.hex()})
+    return log
+
+
+def test_equivocation_is_refused_kept_as_proof_and_ends_the_run(beacon):
+    key = generate_key()
+    honest, fork = _head_log(key, 6), _head_log(key, 6, b"x")
+    link = beacon.link()
+    link.stamp(_prefix(honest, 1).sign_head(key), honest)
+    assert link.stamp(_prefix(honest, 4).sign_head(key), honest).size == 4
+    with pytest.raises(BeaconError, match="equivocation"):
+        link.stamp(_prefix(fork, 4).sign_head(key), fork)
+    run = beacon.http.get(f"/api/beacon/runs/{run_id(honest.lines[0]).hex()}").json()
+    assert run["equivocated"]
+    ev = run["evidence"][0]
+    a, b = SignedTreeHead.from_json(ev["stamped"]), SignedTreeHead.from_json(ev["other"])
+    a.verify(key.public_key())
+    b.verify(key.public_key())  # both signed by the run's key: a fork anyone can check
+    assert a.size == b.size == 4 and a.root != b.root
+    with pytest.raises(BeaconError, match="equivocated"):
+        link.stamp(honest.sign_head(key), honest)
+
+
+def test_the_beacon_refuses_heads_that_do_not_extend_are_not_the_runs_or_go_back(beacon):
+    key = generate_key()
+    log = _head_log(key, 8)
+    link = beacon.link()
+    link.stamp(_prefix(log, 1).sign_head(key), log)
+    link.stamp(_prefix(log, 5).sign_head(key), log)
+    rewritten = _head_log(key, 8, b"r")  # a log rewritten after the stamped head: no consistency proof
+    with pytest.raises(BeaconError, match="does not extend"):
+        link.stamp(rewritten.sign_head(key), rewritten)
+    with pytest.raises(BeaconError, match="signature"):
+        link.stamp(log.sign_head(generate_key()), log)  # signed by another key than the manifest's
+    with pytest.raises(BeaconError, match="older than the last"):
+        link.stamp(_prefix(log, 3).sign_head(key), _prefix(log, 3))
+    again = link.stamp(_prefix(log, 5).sign_head(key), log)  # the same head again: the same statement
+    assert again == BeaconStatement.from_json(beacon.http.get(
+        f"/api/beacon/runs/{run_id(log.lines[0]).hex()}").json()["statements"][1])
+    resp = beacon.http.post("/api/beacon/heads", json={"tree_head": {"size": 1}})
+    assert resp.status_code == 400
+    assert beacon.http.get("/api/beacon/runs/" + "ab" * 32).status_code == 404
+
+
+def _prefix(log: RunLog, n: int) -> RunLog:
+    return RunLog(log.lines[:n])
+
+
+# --- killed and resumed ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads,lose", [(1, False), (2, True)])
+def test_an_honest_run_killed_and_resumed_verifies_online(tmp_path, threads, lose):
+    key = tmp_path / "key.pem"
+    save_key(generate_key(), key)
+    bkey = generate_key()
+    server, thread, url = start_uvicorn(create_app(f"sqlite:///{tmp_path / 'beacon.db'}", bkey))
+    try:
+        out = tmp_path / "run"
+        cmd = [sys.executable, "-m", "witness.cli", "train", "--task", "tiny", "--steps", "100", "--checkpoint-every",
+               "25", "--seed", "online", "--key", str(key), "--out", str(out), "--quiet", "--threads", str(threads),
+               "--beacon", url, "--online-p", "0.2", "--online-every", "4"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            st = out / STATEMENTS
+            if st.exists() and st.read_bytes().count(b"\n") >= 8 and any((out / "online" / "states").glob("*")):
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kept = sorted((out / "online" / "states").glob("*.safetensors"))
+        if lose:  # a selected state the crash lost: rebuilt from the checkpoint before it
+            kept[0].unlink()
+        res = subprocess.run([*cmd, "--resume"], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        # (a statement the beacon signed as the process died, fetched again, can ask for ring states too)
+        assert not lose or "lost state(s) rebuilt from a checkpoint" in res.stderr
+        v = online(out, public_hex(bkey.public_key()))
+        assert v.accepted and v.complete and v.online["final"] and v.online["unaudited"] == 0
+        assert v.threads == threads
+    finally:
+        stop_uvicorn(server, thread)
+
+
+def test_beacon_serve_prints_and_serves_its_key(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "witness.cli", "beacon", "serve", "--port", "0", "--db",
+                             f"sqlite:///{tmp_path / 'b.db'}", "--key", str(tmp_path / "bk.pem")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("beacon public key ")
+        pub = line.split()[3]
+        assert (tmp_path / "bk.pem").exists() and len(pub) == 64
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -1,0 +1,100 @@
+"""The beacon's HTTP routes (the standalone server and the leaderboard mount the same router)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy.orm import Session
+
+from .. import __version__
+from ..commit.signing import public_pem
+from ..web import BodyLimit
+from .service import Beacon, BeaconRefused
+
+SessionFactory = Callable[[], AbstractContextManager[Session]]
+
+
+class HeadIn(BaseModel):
+    """A streamed head: with its manifest the first time, else with its run; and a consistency proof
+    from the last head the beacon stamped for the run."""
+
+    model_config = ConfigDict(extra="forbid")
+    tree_head: dict
+    consistency: list[str] = []
+    manifest: str | None = None
+    run: str | None = None
+
+
+def router(beacon: Beacon, sessions: SessionFactory, prefix: str = "/api/beacon") -> APIRouter:
+    """The routes: ``GET key``, ``POST heads``, ``GET runs``, ``GET runs/{run}``."""
+    r = APIRouter(prefix=prefix, tags=["beacon"])
+
+    def db() -> Iterator[Session]:
+        with sessions() as s:
+            yield s
+
+    @r.get("/key")
+    def key() -> dict:
+        """The public key the beacon signs its statements with (raw hex and PEM)."""
+        return {"public_key": beacon.public_key, "pem": public_pem(beacon.key.public_key())}
+
+    @r.post("/heads")
+    def heads(body: HeadIn, request: Request) -> dict:
+        """Stamp a head: its signed statement (beta and the window it opens)."""
+        with sessions() as s:
+            return beacon.stamp(s, body.tree_head, body.consistency, body.manifest, body.run).to_json()
+
+    @r.get("/runs")
+    def runs() -> list[dict]:
+        """Every run answered for: aborted runs show as runs whose last head is not final."""
+        with sessions() as s:
+            return beacon.runs(s)
+
+    @r.get("/runs/{run}")
+    def run(run: str) -> dict:
+        """One run's statements, in order, and any evidence of equivocation."""
+        with sessions() as s:
+            return beacon.run(s, run)
+
+    return r
+
+
+def install_handlers(app: FastAPI) -> None:
+    """JSON errors for refused heads and malformed requests (a 400 with a readable message)."""
+
+    @app.exception_handler(BeaconRefused)
+    async def _refused(request: Request, e: BeaconRefused) -> Response:
+        body: dict[str, Any] = {"detail": e.message}
+        if e.evidence is not None:
+            body["evidence"] = e.evidence
+        return JSONResponse(body, e.status)
+
+
+def create_app(db_url: str, key) -> FastAPI:  # noqa: ANN001 - an Ed25519 private key
+    """A standalone beacon on the database at ``db_url`` (its tables created if missing)."""
+    from ..database import make_engine, sessions
+    from .db import create_tables
+
+    engine = make_engine(db_url)
+    create_tables(engine)
+    factory = sessions(engine)
+    beacon = Beacon(key)
+    app = FastAPI(title="witness beacon", version=__version__,
+                  description="Stamps the tree heads a training run streams with fresh, signed randomness.")
+    install_handlers(app)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> Response:
+        msgs = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        return JSONResponse({"detail": f"bad request: {msgs}"}, 400)
+
+    app.include_router(router(beacon, factory))
+    app.add_middleware(BodyLimit)
+    app.state.beacon = beacon
+    return app

@@ -1,0 +1,101 @@
+"""The trainer's side of a beacon: stream heads, receive statements, fetch them again after a crash."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from ..commit.beacon import BeaconStatement, run_id
+from ..commit.hashing import same
+from ..commit.log import RunLog
+from ..commit.signing import SignedTreeHead, public_key_from_hex
+from ..errors import VerificationError
+
+
+class BeaconError(Exception):
+    """The beacon refused a head or could not be reached."""
+
+
+class BeaconClient:
+    """A beacon at ``url`` (or behind an ``httpx.Client`` a test or a leaderboard session made).
+
+    ``expected_key`` pins the beacon's public key (hex); otherwise the client takes the key the
+    beacon serves. Every statement is checked against that key and the head it answers.
+    """
+
+    def __init__(self, url_or_client: str | httpx.Client, expected_key: str | None = None, *, prefix: str = "/api/beacon",
+                 retries: int = 5, timeout: float = 60.0):
+        self.http = url_or_client if isinstance(url_or_client, httpx.Client) else \
+            httpx.Client(base_url=url_or_client.rstrip("/"), timeout=timeout)
+        self.prefix, self.retries = prefix, retries
+        served = self._get("/key")["public_key"]
+        if expected_key is not None and served != expected_key:
+            raise BeaconError(f"the beacon serves key {served[:16]}…, not the pinned {expected_key[:16]}…")
+        self.public_key = served
+        self._public = public_key_from_hex(served)
+        self.last_size = 0  # the size of the last head the beacon stamped for this client's run
+
+    def _request(self, method: str, path: str, **kw) -> httpx.Response:  # noqa: ANN003 - httpx keywords
+        for attempt in range(self.retries):
+            try:
+                return self.http.request(method, self.prefix + path, **kw)
+            except httpx.TransportError:
+                if attempt == self.retries - 1:
+                    raise
+                time.sleep(min(2 ** attempt, 8))
+        raise AssertionError("unreachable")
+
+    def _get(self, path: str) -> dict:
+        resp = self._request("GET", path)
+        if resp.status_code != 200:
+            raise BeaconError(f"beacon: {resp.status_code} {_detail(resp)}")
+        return resp.json()
+
+    def stamp(self, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
+        """Send ``head`` with its proof of extending the last stamped head; the checked statement."""
+        body: dict = {"tree_head": head.to_json()}
+        if self.last_size == 0:
+            body["manifest"] = log.lines[0].decode()
+            body["consistency"] = [h.hex() for h in log.tree.consistency_proof(1, head.size)] if head.size > 1 else []
+        else:
+            body["run"] = run_id(log.lines[0]).hex()
+            body["consistency"] = [h.hex() for h in log.tree.consistency_proof(self.last_size, head.size)] \
+                if head.size > self.last_size else []
+        resp = self._request("POST", "/heads", json=body)
+        if resp.status_code != 200:
+            raise BeaconError(f"the beacon refused the head of size {head.size}: {resp.status_code} {_detail(resp)}")
+        st = self.check(resp.json(), log)
+        if st.size != head.size or not same(st.root, head.root):
+            raise BeaconError("the beacon's statement answers another head")
+        self.last_size = max(self.last_size, st.size)
+        return st
+
+    def check(self, obj: object, log: RunLog) -> BeaconStatement:
+        """A statement for this run, signed by this beacon (else ``BeaconError``)."""
+        try:
+            st = BeaconStatement.from_json(obj)
+            st.verify(self._public)
+        except VerificationError as e:
+            raise BeaconError(f"the beacon's statement does not verify: {e}") from None
+        if not same(st.run, run_id(log.lines[0])):
+            raise BeaconError("the beacon's statement names another run")
+        return st
+
+    def statements(self, log: RunLog) -> list[BeaconStatement]:
+        """Every statement the beacon holds for the run (none if it never answered for it)."""
+        resp = self._request("GET", f"/runs/{run_id(log.lines[0]).hex()}")
+        if resp.status_code == 404:
+            return []
+        if resp.status_code != 200:
+            raise BeaconError(f"beacon: {resp.status_code} {_detail(resp)}")
+        out = [self.check(s, log) for s in resp.json()["statements"]]
+        self.last_size = max([self.last_size, *(s.size for s in out)])
+        return out
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json().get("detail"))[:500]
+    except ValueError:
+        return resp.text[:200]

@@ -1,0 +1,198 @@
+"""The beacon's logic: check a streamed head, refuse and keep equivocation, sign fresh randomness.
+
+A head is stamped only if the run's own key signed it and it extends the last head stamped for the
+run (an RFC 6962 consistency proof); the first head of a run comes with its manifest (whose key
+signs every later head) and a proof that it extends the manifest's one-leaf log. The beta of each
+statement is drawn here, after the head reached the beacon, from the operating system's CSPRNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from ..commit.beacon import BETA_BYTES, BeaconStatement, run_id
+from ..commit.hashing import canonical_json, from_hex, parse_canonical_json, same
+from ..commit.merkle import verify_consistency
+from ..commit.signing import SignedTreeHead, public_hex, public_key_from_hex
+from ..errors import VerificationError
+from .db import BeaconEvidence, BeaconHead, BeaconRun
+
+MAX_CONSISTENCY_HASHES = 64
+MAX_MANIFEST_BYTES = 1 << 20
+FINAL_EXTENSION = "final_state_hash"  # a run's last head states its final state in its extensions
+
+
+class BeaconRefused(Exception):
+    """A refused head: an HTTP status and a message for the trainer."""
+
+    def __init__(self, status: int, message: str, evidence: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.evidence = status, message, evidence
+
+
+def fresh_beta(prev_size: int, size: int) -> bytes:
+    """32 bytes from the operating system's CSPRNG (the window's sizes play no part)."""
+    return os.urandom(BETA_BYTES)
+
+
+def now_ms() -> int:
+    """The beacon's clock, in milliseconds."""
+    return int(time.time() * 1000)
+
+
+@dataclass
+class Beacon:
+    """Stamps heads with signed statements, keeping everything in the database ``sessions`` open."""
+
+    key: Ed25519PrivateKey
+    # where beta comes from, given the window's sizes (a test fixes it to steer the draw)
+    draw: Callable[[int, int], bytes] = field(default=fresh_beta)
+
+    @property
+    def public_key(self) -> str:
+        """The key its statements are signed with (hex)."""
+        return public_hex(self.key.public_key())
+
+    def stamp(self, s: Session, tree_head: object, consistency: object = (), manifest: str | None = None,
+              run: str | None = None) -> BeaconStatement:
+        """Check ``tree_head`` and answer it with a signed statement (the same one again for a head
+        already stamped). Raises ``BeaconRefused``."""
+        try:
+            head = SignedTreeHead.from_json(tree_head)
+            proof = self._proof(consistency)
+        except (VerificationError, ValueError) as e:
+            raise BeaconRefused(400, f"tree head refused: {e}") from None
+        row = self._run(s, head, proof, manifest, run)
+        if row is None:  # a new run, its first head checked against its manifest
+            return self._new_run(s, head, proof, manifest)  # type: ignore[arg-type]
+        return self._extend(s, row, head, proof)
+
+    @staticmethod
+    def _proof(consistency: object) -> list[bytes]:
+        if not isinstance(consistency, (list, tuple)) or len(consistency) > MAX_CONSISTENCY_HASHES:
+            raise ValueError(f"consistency must be a list of at most {MAX_CONSISTENCY_HASHES} hex hashes")
+        return [from_hex(h, "consistency hash") for h in consistency]
+
+    def _run(self, s: Session, head: SignedTreeHead, proof: list[bytes], manifest: str | None,
+             run: str | None) -> BeaconRun | None:
+        if manifest is not None:
+            if not isinstance(manifest, str) or len(manifest) > MAX_MANIFEST_BYTES:
+                raise BeaconRefused(400, "the manifest must be its log line, at most 1 MiB")
+            run = run_id(manifest.encode()).hex()
+        if not isinstance(run, str):
+            raise BeaconRefused(400, "a head comes with its run (or, the first time, with its manifest)")
+        found = s.scalar(select(BeaconRun).where(BeaconRun.run == run))
+        if found is None and manifest is None:
+            raise BeaconRefused(404, f"this beacon has answered for no run {run[:64]!r}: send the first head with "
+                                     "its manifest")
+        return found
+
+    def _new_run(self, s: Session, head: SignedTreeHead, proof: list[bytes], manifest: str) -> BeaconStatement:
+        line = manifest.encode()
+        try:
+            m = parse_canonical_json(line)
+        except ValueError as e:
+            raise BeaconRefused(400, f"manifest: {e}") from None
+        if not isinstance(m, dict) or m.get("type") != "manifest":
+            raise BeaconRefused(400, "the log's first record is not a manifest")
+        try:
+            public = public_key_from_hex(m.get("public_key"))
+            head.verify(public)
+            verify_consistency(1, head.size, run_id(line), head.root, proof)
+        except VerificationError as e:
+            raise BeaconRefused(400, f"tree head refused: {e}") from None
+        t = now_ms()
+        row = BeaconRun(run=run_id(line).hex(), public_key=m["public_key"], manifest=manifest, first_ms=t, last_ms=t,
+                        last_size=0, last_root="", final=False, equivocated=False)
+        s.add(row)
+        try:
+            s.flush()
+        except IntegrityError:  # the same first head raced in twice: answer as for a known run
+            s.rollback()
+            known = s.scalar(select(BeaconRun).where(BeaconRun.run == run_id(line).hex()))
+            assert known is not None
+            return self._extend(s, known, head, proof)
+        return self._answer(s, row, head, t)
+
+    def _extend(self, s: Session, row: BeaconRun, head: SignedTreeHead, proof: list[bytes]) -> BeaconStatement:
+        try:
+            head.verify(public_key_from_hex(row.public_key))
+        except VerificationError as e:
+            raise BeaconRefused(400, f"tree head refused: {e}") from None
+        stamped = s.scalar(select(BeaconHead).where(BeaconHead.run_id == row.id, BeaconHead.size == head.size))
+        if stamped is not None:
+            if same(bytes.fromhex(stamped.root), head.root):
+                return BeaconStatement.from_json(json.loads(stamped.statement_json))  # the same head again
+            return self._equivocation(s, row, stamped, head)
+        if row.equivocated:
+            raise BeaconRefused(409, f"run {row.run[:16]}… equivocated: this beacon stamps none of its heads")
+        if row.final:
+            raise BeaconRefused(409, f"run {row.run[:16]}… ended with its head of size {row.last_size}")
+        if head.size < row.last_size:
+            raise BeaconRefused(409, f"a head of size {head.size} is older than the last one stamped for the run "
+                                     f"({row.last_size})")
+        try:
+            verify_consistency(row.last_size, head.size, bytes.fromhex(row.last_root), head.root, proof)
+        except VerificationError as e:
+            raise BeaconRefused(400, f"the tree head does not extend the last one stamped for the run "
+                                     f"(size {row.last_size}): {e}") from None
+        return self._answer(s, row, head, now_ms())
+
+    def _answer(self, s: Session, row: BeaconRun, head: SignedTreeHead, t: int) -> BeaconStatement:
+        final = head.extensions is not None and FINAL_EXTENSION in head.extensions
+        statement = BeaconStatement(self.public_key, bytes.fromhex(row.run), head.size, head.root, row.last_size,
+                                    self.draw(row.last_size, head.size), t, final).signed(self.key)
+        s.add(BeaconHead(run_id=row.id, size=head.size, root=head.root.hex(),
+                         head_json=canonical_json(head.to_json()).decode(),
+                         statement_json=canonical_json(statement.to_json()).decode(), received_ms=t))
+        row.last_size, row.last_root, row.last_ms, row.final = head.size, head.root.hex(), t, final
+        try:
+            s.commit()
+        except IntegrityError:  # another request stamped this size first: answer with what it stamped
+            s.rollback()
+            return self.stamp(s, head.to_json(), [], None, row.run)
+        return statement
+
+    def _equivocation(self, s: Session, row: BeaconRun, stamped: BeaconHead, other: SignedTreeHead) -> BeaconStatement:
+        evidence = {"run": row.run, "size": other.size, "stamped": json.loads(stamped.head_json),
+                    "other": other.to_json()}
+        s.add(BeaconEvidence(run_id=row.id, size=other.size, stamped_json=stamped.head_json,
+                             other_json=canonical_json(other.to_json()).decode(), received_ms=now_ms()))
+        row.equivocated = True
+        s.commit()
+        raise BeaconRefused(409, f"equivocation: the run's key signed two heads of size {other.size} with different "
+                                 "roots; both are kept as proof and the run is refused", evidence)
+
+    # --- what anyone may read -------------------------------------------------------------
+    def runs(self, s: Session) -> list[dict]:
+        """Every run this beacon answered for, newest first, with its last head and whether it ended."""
+        rows = s.scalars(select(BeaconRun).order_by(BeaconRun.first_ms.desc(), BeaconRun.id.desc()))
+        return [run_json(r) for r in rows]
+
+    def run(self, s: Session, run: str) -> dict:
+        """One run: its statements in order and any evidence of equivocation."""
+        row = s.scalar(select(BeaconRun).where(BeaconRun.run == run)) if isinstance(run, str) else None
+        if row is None:
+            raise BeaconRefused(404, f"this beacon has answered for no run {str(run)[:64]!r}")
+        heads = s.scalars(select(BeaconHead).where(BeaconHead.run_id == row.id).order_by(BeaconHead.size))
+        evidence = s.scalars(select(BeaconEvidence).where(BeaconEvidence.run_id == row.id).order_by(BeaconEvidence.id))
+        return run_json(row) | {
+            "statements": [json.loads(h.statement_json) for h in heads],
+            "evidence": [{"size": e.size, "stamped": json.loads(e.stamped_json), "other": json.loads(e.other_json)}
+                         for e in evidence],
+        }
+
+
+def run_json(r: BeaconRun) -> dict:
+    """A run's public summary."""
+    return {"run": r.run, "public_key": r.public_key, "first_ms": r.first_ms, "last_ms": r.last_ms,
+            "last_size": r.last_size, "final": r.final, "equivocated": r.equivocated}

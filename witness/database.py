@@ -1,0 +1,44 @@
+"""Databases of witness's servers (the leaderboard and the beacon): SQLite, the embedded default, or
+PostgreSQL to scale out."""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.orm import sessionmaker
+
+
+def check_db_url(url: str) -> str:
+    """``url`` if it names a database this server runs on (SQLite or PostgreSQL), else ValueError."""
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        raise ValueError(f"{url[:100]!r} is not a database URL (sqlite:///PATH or postgresql://…)") from None
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"witness's servers run on SQLite or PostgreSQL, not {backend[:40]!r}")
+    return url
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``; SQLite gets WAL and a busy timeout so several processes can share it."""
+    check_db_url(url)
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://"):]
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn, _record) -> None:  # noqa: ANN001 - DB-API connection
+            cur = conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def sessions(engine: Engine) -> sessionmaker:
+    """A session factory whose objects stay readable after commit."""
+    return sessionmaker(engine, expire_on_commit=False)

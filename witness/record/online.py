@@ -1,0 +1,219 @@
+"""The trainer's side of online challenges: a ring of recent states, answered as statements arrive.
+
+Every state the run commits is copied to the host into a ring as soon as its record is written.
+The recorder streams a signed head every ``every`` steps; a background thread sends it to the
+beacon, whose statement selects some steps of the window the head covers. For each selected step
+the state before it and its batch's samples are written into the bundle (``online/``); the rest of
+the window's states are freed. Training waits on the beacon only when the ring is full, and those
+waits are counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..bundle.checkpoint import write_state
+from ..bundle.layout import STATEMENTS, online_samples_name, online_state_name
+from ..bundle.writer import read_lines
+from ..commit.beacon import BeaconStatement, p_needed, selected_steps
+from ..commit.hashing import canonical_json, parse_canonical_json
+from ..commit.log import RunLog
+from ..commit.signing import SignedTreeHead
+from ..data.dataset import Dataset
+
+DEFAULT_EVERY = 10
+DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION = 0.99, 0.05
+
+
+class BeaconLink(Protocol):
+    """What the recorder needs of a beacon (``witness.beacon.client.BeaconClient`` is one)."""
+
+    public_key: str
+
+    def stamp(self, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
+        """Send a head; the beacon's checked statement for it."""
+
+    def statements(self, log: RunLog) -> list[BeaconStatement]:
+        """Every statement the beacon holds for the run."""
+
+    def check(self, obj: object, log: RunLog) -> BeaconStatement:
+        """A statement of this beacon for the run, parsed and its signature checked."""
+
+
+@dataclass(frozen=True)
+class OnlineSpec:
+    """The manifest's online settings: selection probability, head cadence, ring size."""
+
+    p: float
+    every: int = DEFAULT_EVERY
+    ring: int = 2 * DEFAULT_EVERY + 1
+
+    @classmethod
+    def for_steps(cls, steps: int, every: int = DEFAULT_EVERY, p: float | None = None,
+                  ring: int | None = None) -> OnlineSpec:
+        """Settings whose bound reaches 99 % against 5 % bad steps over ``steps`` steps (unless p is given)."""
+        every = max(1, min(every, steps))
+        if p is None:
+            p = min(1.0, p_needed(DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION, steps) * (1 + 1e-9))
+        return cls(float(p), every, ring or 2 * every + 1)
+
+    def to_json(self) -> dict:
+        """The manifest's ``online`` field."""
+        return {"p": self.p, "every": self.every, "ring": self.ring}
+
+
+def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of a state that training cannot change (on the host)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+class OnlineChallenges:
+    """The ring, the beacon's statements and the selected states of one run (in its bundle folder)."""
+
+    def __init__(self, out: Path, spec: OnlineSpec, link: BeaconLink, log: RunLog, steps: int, dataset: Dataset,
+                 checkpoint_every: int):
+        self.out, self.spec, self.link, self.log, self.steps, self.dataset = out, spec, link, log, steps, dataset
+        self.checkpoint_every = checkpoint_every
+        self.ring: dict[int, dict[str, torch.Tensor]] = {}  # state after n updates, for steps not yet covered
+        self.statements: dict[int, BeaconStatement] = {}  # by head size
+        self.wanted: set[int] = set()  # states of selected steps still to come (after a resume)
+        self.selected: set[int] = set()  # every step a statement selected
+        self.covered = 0  # steps 0 .. covered - 1 are in a statement's window
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="witness-beacon")  # one: heads go out in order
+        self._pending: deque[Future] = deque()
+        self.waits, self.wait_seconds, self.written, self.bytes_written, self.rebuilt = 0, 0.0, 0, 0, 0
+        self.peak_ring = 0
+
+    # --- statements -----------------------------------------------------------------------
+    def load(self) -> None:
+        """The statements already received (a resume): the file's intact lines, then the beacon's own list."""
+        path = self.out / STATEMENTS
+        lines = read_lines(path) if path.exists() else []
+        kept = []
+        for line in lines:
+            try:
+                st = self.link.check(parse_canonical_json(line), self.log)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - a line torn by the crash ends what was kept
+                break
+            kept.append(line)
+            self.statements[st.size] = st
+        intact = b"".join(line + b"\n" for line in kept)
+        if path.exists() and path.read_bytes() != intact:  # a line the crash tore: later ones start clean
+            path.write_bytes(intact)
+        for st in self.link.statements(self.log):
+            if st.size not in self.statements:
+                self._save(st)
+        for st in sorted(self.statements.values(), key=lambda s: s.size):
+            self.covered = max(self.covered, st.window(self.steps).stop)
+            self.wanted |= {n for n in self._needed(st) if not (self.out / online_state_name(n)).exists()}
+
+    def _needed(self, st: BeaconStatement) -> set[int]:
+        """The states a statement asks for: before each selected step, and after it (what a verifier in
+        tolerance mode compares with), unless that is a checkpoint the bundle holds anyway."""
+        out = set()
+        for t in selected_steps(st, self.spec.p, self.steps):
+            self.selected.add(t)
+            out.add(t)
+            if t + 1 < self.steps and (t + 1) % self.checkpoint_every:
+                out.add(t + 1)
+        return out
+
+    def _save(self, st: BeaconStatement) -> None:
+        self.statements[st.size] = st
+        path = self.out / STATEMENTS
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(canonical_json(st.to_json()) + b"\n")
+
+    def first_needed(self) -> int:
+        """The earliest state a resumed run must pass again: a selected one it lost, or the first uncovered."""
+        return min([self.covered, *self.wanted])
+
+    # --- the ring -------------------------------------------------------------------------
+    def keep(self, n: int, state: dict[str, torch.Tensor], *, resumed: bool = False) -> None:
+        """The committed state after ``n`` updates (the state before step ``n``)."""
+        self.drain()
+        if n in self.wanted:  # selected before a crash lost it: rebuilt from the checkpoint before it
+            self._write(n, state)
+            self.wanted.discard(n)
+            self.rebuilt += 1
+            return
+        if n < self.covered or n >= self.steps:
+            return  # already covered by a statement (and not selected), or after the last step
+        while len(self.ring) >= self.spec.ring:
+            if not self._pending:
+                raise RuntimeError(f"the ring of {self.spec.ring} states is full and no head is out to the beacon")
+            started = time.perf_counter()
+            self._pending[0].result()
+            self.waits += 1
+            self.wait_seconds += time.perf_counter() - started
+            self.drain()
+        self.ring[n] = host_copy(state)
+        self.peak_ring = max(self.peak_ring, len(self.ring))
+
+    def send(self, head: SignedTreeHead) -> None:
+        """Stream a signed head to the beacon in the background."""
+        if head.size <= max(self.statements, default=0):
+            return  # stamped already (a resumed run passing its old heads again)
+        self._pending.append(self._pool.submit(self.link.stamp, head, self.log))
+
+    def drain(self) -> None:
+        """Act on every statement that has arrived, in order (raises what the beacon raised)."""
+        while self._pending and self._pending[0].done():
+            self._received(self._pending.popleft().result())
+
+    def _received(self, st: BeaconStatement) -> None:
+        if st.size in self.statements:
+            return
+        self._save(st)
+        for n in sorted(self._needed(st)):
+            if n in self.ring:
+                self._write(n, self.ring[n])
+            elif not (self.out / online_state_name(n)).exists():
+                self.wanted.add(n)
+        self.covered = max(self.covered, st.window(self.steps).stop)
+        for n in [n for n in self.ring if n < self.covered]:
+            del self.ring[n]
+
+    def _write(self, n: int, state: dict[str, torch.Tensor]) -> None:
+        """The state after ``n`` updates and the samples of step ``n`` (the samples first: a state file
+        present means both are)."""
+        if n in self.selected:
+            idx = parse_canonical_json(self.log.lines[n + 1])["batch"]  # the record of the step, written already
+            doc = {"step": n, "indices": idx, "samples": [self.dataset.sample_bytes(i).hex() for i in idx]}
+            path = self.out / online_samples_name(n)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(canonical_json(doc))
+            tmp.replace(path)
+            self.bytes_written += path.stat().st_size
+        write_state(self.out / online_state_name(n), state, n)
+        self.written += 1
+        self.bytes_written += (self.out / online_state_name(n)).stat().st_size
+
+    def finish(self) -> None:
+        """Wait for every statement; every selected state must then be written."""
+        while self._pending:
+            self._pending[0].result()
+            self.drain()
+        self._pool.shutdown()
+        if self.wanted:
+            raise RuntimeError(f"selected steps {sorted(self.wanted)[:10]} have no kept state: they were lost and "
+                               "not passed again")
+
+    def close(self) -> None:
+        """Stop the background thread (after a failure)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def report(self) -> dict:
+        """What answering cost the trainer."""
+        return {"statements": len(self.statements), "selected": len(self.selected), "written": self.written,
+                "bytes_written": self.bytes_written, "rebuilt": self.rebuilt, "waits": self.waits,
+                "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring}
