@@ -35,6 +35,7 @@ class BeaconClient:
         self.public_key = served
         self._public = public_key_from_hex(served)
         self.last_size = 0  # the size of the last head the beacon stamped for this client's run
+        self.sent_size = 0  # the size of the last head a request was made for
 
     def _request(self, method: str, path: str, **kw) -> httpx.Response:  # noqa: ANN003 - httpx keywords
         for attempt in range(self.retries):
@@ -54,16 +55,27 @@ class BeaconClient:
 
     def stamp(self, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
         """Send ``head`` with its proof of extending the last stamped head; the checked statement."""
+        return self.post(self.body(head, log), head, log)
+
+    def body(self, head: SignedTreeHead, log: RunLog) -> dict:
+        """The request for ``head``: its proof that it extends the head sent before it (built while
+        the log is not being appended to; the request itself may go out later, in order)."""
         body: dict = {"tree_head": head.to_json()}
-        if self.last_size == 0:
+        if self.sent_size == 0:
             body["manifest"] = log.lines[0].decode()
             body["consistency"] = [h.hex() for h in log.tree.consistency_proof(1, head.size)] if head.size > 1 else []
         else:
             body["run"] = run_id(log.lines[0]).hex()
-            body["consistency"] = [h.hex() for h in log.tree.consistency_proof(self.last_size, head.size)] \
-                if head.size > self.last_size else []
+            body["consistency"] = [h.hex() for h in log.tree.consistency_proof(self.sent_size, head.size)] \
+                if head.size > self.sent_size else []
+        self.sent_size = max(self.sent_size, head.size)
+        return body
+
+    def post(self, body: dict, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
+        """Send a request ``body`` made for ``head``; the checked statement."""
         resp = self._request("POST", "/heads", json=body)
         if resp.status_code != 200:
+            self.sent_size = self.last_size  # the next request proves from what the beacon did stamp
             raise BeaconError(f"the beacon refused the head of size {head.size}: {resp.status_code} {_detail(resp)}")
         st = self.check(resp.json(), log)
         if st.size != head.size or not same(st.root, head.root):
@@ -91,6 +103,7 @@ class BeaconClient:
             raise BeaconError(f"beacon: {resp.status_code} {_detail(resp)}")
         out = [self.check(s, log) for s in resp.json()["statements"]]
         self.last_size = max([self.last_size, *(s.size for s in out)])
+        self.sent_size = max(self.sent_size, self.last_size)
         return out
 
 

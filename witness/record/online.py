@@ -10,6 +10,7 @@ waits are counted.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,8 +38,11 @@ class BeaconLink(Protocol):
 
     public_key: str
 
-    def stamp(self, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
-        """Send a head; the beacon's checked statement for it."""
+    def body(self, head: SignedTreeHead, log: RunLog) -> dict:
+        """The request for a head (built on the training thread, sent later in order)."""
+
+    def post(self, body: dict, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
+        """Send a request; the beacon's checked statement for its head."""
 
     def statements(self, log: RunLog) -> list[BeaconStatement]:
         """Every statement the beacon holds for the run."""
@@ -69,13 +73,39 @@ class OnlineSpec:
         return {"p": self.p, "every": self.every, "ring": self.ring}
 
 
-def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of a state that training cannot change (on the host)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+class StatePool:
+    """Host buffers for states, reused: a copy into one is a single fused copy, with no allocation."""
+
+    def __init__(self) -> None:
+        self.free: list[dict[str, torch.Tensor]] = []
+
+    def copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A host copy of ``state`` that training cannot change."""
+        slot = self.free.pop() if self.free else None
+        if slot is None or slot.keys() != state.keys() or any(
+                slot[k].shape != v.shape or slot[k].dtype != v.dtype for k, v in state.items()):
+            slot = {k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in state.items()}
+        dst, src = list(slot.values()), [state[k].detach() for k in slot]
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is not None:
+            foreach(dst, src)
+        else:  # pragma: no cover - older torch
+            for d, t in zip(dst, src, strict=True):
+                d.copy_(t)
+        return slot
+
+    def release(self, slot: dict[str, torch.Tensor]) -> None:
+        """Give a buffer back once nothing reads it."""
+        self.free.append(slot)
 
 
 class OnlineChallenges:
-    """The ring, the beacon's statements and the selected states of one run (in its bundle folder)."""
+    """The ring, the beacon's statements and the selected states of one run (in its bundle folder).
+
+    The training thread copies states into the ring and builds each head's request; one background
+    thread sends the requests in order and, as each statement arrives, writes the states it selects
+    and frees the rest of its window. A lock guards the ring and the bookkeeping they share.
+    """
 
     def __init__(self, out: Path, spec: OnlineSpec, link: BeaconLink, log: RunLog, steps: int, dataset: Dataset,
                  checkpoint_every: int):
@@ -86,10 +116,13 @@ class OnlineChallenges:
         self.wanted: set[int] = set()  # states of selected steps still to come (after a resume)
         self.selected: set[int] = set()  # every step a statement selected
         self.covered = 0  # steps 0 .. covered - 1 are in a statement's window
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="witness-beacon")  # one: heads go out in order
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="witness-beacon")  # one: heads go out in order
         self._pending: deque[Future] = deque()
+        self._lock = threading.Lock()
+        self._buffers = StatePool()
         self.waits, self.wait_seconds, self.written, self.bytes_written, self.rebuilt = 0, 0.0, 0, 0, 0
         self.peak_ring = 0
+        self.copy_seconds = self.write_seconds = 0.0  # copies on the training thread; writes in the background
 
     # --- statements -----------------------------------------------------------------------
     def load(self) -> None:
@@ -99,7 +132,7 @@ class OnlineChallenges:
         kept = []
         for line in lines:
             try:
-                st = self.link.check(parse_canonical_json(line), self.log)  # type: ignore[attr-defined]
+                st = self.link.check(parse_canonical_json(line), self.log)
             except Exception:  # noqa: BLE001 - a line torn by the crash ends what was kept
                 break
             kept.append(line)
@@ -113,6 +146,9 @@ class OnlineChallenges:
         for st in sorted(self.statements.values(), key=lambda s: s.size):
             self.covered = max(self.covered, st.window(self.steps).stop)
             self.wanted |= {n for n in self._needed(st) if not (self.out / online_state_name(n)).exists()}
+        for t in sorted(self.selected):
+            if not (self.out / online_samples_name(t)).exists():
+                self._write_samples(t)
 
     def _needed(self, st: BeaconStatement) -> set[int]:
         """The states a statement asks for: before each selected step, and after it (what a verifier in
@@ -136,17 +172,20 @@ class OnlineChallenges:
         """The earliest state a resumed run must pass again: a selected one it lost, or the first uncovered."""
         return min([self.covered, *self.wanted])
 
-    # --- the ring -------------------------------------------------------------------------
-    def keep(self, n: int, state: dict[str, torch.Tensor], *, resumed: bool = False) -> None:
+    # --- the ring (training thread) ---------------------------------------------------------
+    def keep(self, n: int, state: dict[str, torch.Tensor]) -> None:
         """The committed state after ``n`` updates (the state before step ``n``)."""
         self.drain()
-        if n in self.wanted:  # selected before a crash lost it: rebuilt from the checkpoint before it
+        with self._lock:
+            rebuild = n in self.wanted
+            if not rebuild and (n < self.covered or n >= self.steps):
+                return  # covered by a statement (and not selected), or after the last step
+        if rebuild:  # selected before a crash lost it: rebuilt from the checkpoint before it
             self._write(n, state)
-            self.wanted.discard(n)
+            with self._lock:
+                self.wanted.discard(n)
             self.rebuilt += 1
             return
-        if n < self.covered or n >= self.steps:
-            return  # already covered by a statement (and not selected), or after the last step
         while len(self.ring) >= self.spec.ring:
             if not self._pending:
                 raise RuntimeError(f"the ring of {self.spec.ring} states is full and no head is out to the beacon")
@@ -155,65 +194,87 @@ class OnlineChallenges:
             self.waits += 1
             self.wait_seconds += time.perf_counter() - started
             self.drain()
-        self.ring[n] = host_copy(state)
-        self.peak_ring = max(self.peak_ring, len(self.ring))
+        started = time.perf_counter()
+        with self._lock:
+            slot = self._buffers.copy(state)
+            self.ring[n] = slot
+            self.peak_ring = max(self.peak_ring, len(self.ring))
+        self.copy_seconds += time.perf_counter() - started
 
     def send(self, head: SignedTreeHead) -> None:
-        """Stream a signed head to the beacon in the background."""
+        """Stream a signed head to the beacon in the background (its request is built here, in order)."""
         if head.size <= max(self.statements, default=0):
             return  # stamped already (a resumed run passing its old heads again)
-        self._pending.append(self._pool.submit(self.link.stamp, head, self.log))
+        body = self.link.body(head, self.log)
+        self._pending.append(self._worker.submit(self._stamp, body, head))
 
     def drain(self) -> None:
-        """Act on every statement that has arrived, in order (raises what the beacon raised)."""
+        """Forget the requests that are answered (raises what the beacon or a write raised)."""
         while self._pending and self._pending[0].done():
-            self._received(self._pending.popleft().result())
+            self._pending.popleft().result()
 
-    def _received(self, st: BeaconStatement) -> None:
-        if st.size in self.statements:
-            return
-        self._save(st)
-        for n in sorted(self._needed(st)):
-            if n in self.ring:
-                self._write(n, self.ring[n])
-            elif not (self.out / online_state_name(n)).exists():
-                self.wanted.add(n)
-        self.covered = max(self.covered, st.window(self.steps).stop)
-        for n in [n for n in self.ring if n < self.covered]:
-            del self.ring[n]
+    # --- the background thread ----------------------------------------------------------------
+    def _stamp(self, body: dict, head: SignedTreeHead) -> None:
+        st = self.link.post(body, head, self.log)
+        with self._lock:
+            if st.size in self.statements:
+                return
+            self._save(st)
+            write = []
+            before = set(self.selected)
+            needed = self._needed(st)
+            for t in sorted(self.selected - before):
+                self._write_samples(t)
+            for n in sorted(needed):
+                if n in self.ring:
+                    write.append((n, self.ring.pop(n)))
+                elif not (self.out / online_state_name(n)).exists():
+                    self.wanted.add(n)
+            self.covered = max(self.covered, st.window(self.steps).stop)
+            for n in [n for n in self.ring if n < self.covered]:
+                self._buffers.release(self.ring.pop(n))
+        for n, slot in write:
+            self._write(n, slot)
+            with self._lock:
+                self._buffers.release(slot)
+
+    def _write_samples(self, t: int) -> None:
+        """The samples of selected step ``t``, from its record's batch (written already) and the dataset."""
+        started = time.perf_counter()
+        idx = parse_canonical_json(self.log.lines[t + 1])["batch"]
+        doc = {"step": t, "indices": idx, "samples": [self.dataset.sample_bytes(i).hex() for i in idx]}
+        path = self.out / online_samples_name(t)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(canonical_json(doc))
+        tmp.replace(path)
+        self.bytes_written += path.stat().st_size
+        self.write_seconds += time.perf_counter() - started
 
     def _write(self, n: int, state: dict[str, torch.Tensor]) -> None:
-        """The state after ``n`` updates and the samples of step ``n`` (the samples first: a state file
-        present means both are)."""
-        if n in self.selected:
-            idx = parse_canonical_json(self.log.lines[n + 1])["batch"]  # the record of the step, written already
-            doc = {"step": n, "indices": idx, "samples": [self.dataset.sample_bytes(i).hex() for i in idx]}
-            path = self.out / online_samples_name(n)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(canonical_json(doc))
-            tmp.replace(path)
-            self.bytes_written += path.stat().st_size
+        """The state after ``n`` updates."""
+        started = time.perf_counter()
         write_state(self.out / online_state_name(n), state, n)
         self.written += 1
         self.bytes_written += (self.out / online_state_name(n)).stat().st_size
+        self.write_seconds += time.perf_counter() - started
 
     def finish(self) -> None:
         """Wait for every statement; every selected state must then be written."""
         while self._pending:
-            self._pending[0].result()
-            self.drain()
-        self._pool.shutdown()
+            self._pending.popleft().result()
+        self._worker.shutdown()
         if self.wanted:
             raise RuntimeError(f"selected steps {sorted(self.wanted)[:10]} have no kept state: they were lost and "
                                "not passed again")
 
     def close(self) -> None:
         """Stop the background thread (after a failure)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
     def report(self) -> dict:
         """What answering cost the trainer."""
         return {"statements": len(self.statements), "selected": len(self.selected), "written": self.written,
                 "bytes_written": self.bytes_written, "rebuilt": self.rebuilt, "waits": self.waits,
-                "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring}
+                "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring, "copy_seconds": self.copy_seconds,
+                "write_seconds": self.write_seconds}
