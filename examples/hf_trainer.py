@@ -13,6 +13,7 @@ import os
 
 from transformers import Trainer, TrainingArguments
 
+from witness.beacon.client import BeaconClient
 from witness.commit.signing import load_or_create_key
 from witness.integrations.hf import attach, committed_dataset  # witness
 from witness.record import Recorder  # witness
@@ -24,11 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--key", default="witness-key.pem")
+    p.add_argument("--beacon", help="take online challenges from the beacon at this URL")
     a = p.parse_args(argv)
     recipe = {"steps": a.steps, "batch_size": 8, "block": 32, "n_layer": 2, "n_head": 2, "d_model": 64,
               "warmup": 4, "corpus_max_bytes": 300_000}
     task = build_task("hf-gpt2", recipe)
-    rec = Recorder.create(task, a.out, load_or_create_key(a.key), r=os.urandom(32), checkpoint_every=10)  # witness
+    rec = Recorder.create(task, a.out, load_or_create_key(a.key), r=os.urandom(32), checkpoint_every=10,  # witness
+                          beacon=BeaconClient(a.beacon) if a.beacon else None)  # witness: online challenges
     c = task.config
     args = TrainingArguments(output_dir=os.path.join(a.out + ".trainer"), max_steps=c.steps, learning_rate=c.lr,
                              per_device_train_batch_size=c.batch_size, warmup_steps=c.warmup, weight_decay=0.0,

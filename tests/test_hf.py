@@ -9,25 +9,33 @@ from pathlib import Path
 
 import pytest
 
+from witness.beacon.app import create_app
 from witness.cli import main as witness
 from witness.commit.hashing import canonical_json
-from witness.commit.signing import load_key
+from witness.commit.signing import generate_key as _beacon_key
+from witness.commit.signing import load_key, public_hex
 from witness.verify import verify_bundle
 from witness.verify.respond import respond
+from witness.web import start_uvicorn, stop_uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import hf_trainer  # noqa: E402 - the example script itself
 
 
 @pytest.fixture(scope="module")
-def hf_run(tmp_path_factory) -> tuple[Path, Path]:
+def hf_run(tmp_path_factory) -> tuple[Path, Path, str]:
     tmp = tmp_path_factory.mktemp("hf")
-    assert hf_trainer.main(["--out", str(tmp / "run"), "--steps", "12", "--key", str(tmp / "k.pem")]) == 0
-    return tmp / "run", tmp / "k.pem"
+    bkey = _beacon_key()
+    beacon = start_uvicorn(create_app(f"sqlite:///{tmp / 'beacon.db'}", bkey))
+    try:  # with a beacon: the callback's recorder takes online challenges too
+        assert hf_trainer.main(["--out", str(tmp / "run"), "--steps", "12", "--key", str(tmp / "k.pem"), "--beacon", beacon[2]]) == 0
+    finally:
+        stop_uvicorn(*beacon[:2])
+    return tmp / "run", tmp / "k.pem", public_hex(bkey.public_key())
 
 
 def test_the_trainer_run_replays_bit_for_bit(hf_run, tmp_path):
-    run, _ = hf_run
+    run, *_ = hf_run
     manifest = json.loads((run / "log.jsonl").read_text().splitlines()[0])
     assert manifest["task"] == "hf-gpt2" and "task_source" not in manifest  # built in, pinned by the release
     v = verify_bundle(run, challenges=12, nonce=b"all")  # offline, every step
@@ -41,7 +49,7 @@ def test_a_tampered_trainer_run_is_rejected(hf_run, tmp_path, capsys):
 
     from helpers import resign
 
-    run, key = hf_run
+    run, key, _ = hf_run
     bad = tmp_path / "bad"
     shutil.copytree(run, bad)
     lines = (bad / "log.jsonl").read_bytes().split(b"\n")[:-1]
@@ -57,3 +65,9 @@ def test_hf_gpt2_refuses_a_precision_its_trainer_step_would_not_replay():
 
     with pytest.raises(ValueError, match="trains in fp32"):
         build_task("hf-gpt2", {"precision": "bf16"})
+
+
+def test_the_trainer_run_took_online_challenges(hf_run):
+    run, _, beacon_key = hf_run
+    v = verify_bundle(run, mode="online", beacon_key=beacon_key)
+    assert v.accepted and v.online["final"] and v.online["unaudited"] == 0 and v.replayed_steps == len(v.online["selected"])

@@ -11,25 +11,33 @@ from pathlib import Path
 import pytest
 from helpers import resign
 
+from witness.beacon.app import create_app
 from witness.cli import main as witness
 from witness.commit.hashing import canonical_json
-from witness.commit.signing import load_key
+from witness.commit.signing import generate_key as _beacon_key
+from witness.commit.signing import load_key, public_hex
 from witness.verify import verify_bundle
 from witness.verify.respond import respond
+from witness.web import start_uvicorn, stop_uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import lightning_train  # noqa: E402 - the example script itself
 
 
 @pytest.fixture(scope="module")
-def pl_run(tmp_path_factory) -> tuple[Path, Path]:
+def pl_run(tmp_path_factory) -> tuple[Path, Path, str]:
     tmp = tmp_path_factory.mktemp("pl")
-    assert lightning_train.main(["--out", str(tmp / "run"), "--steps", "12", "--key", str(tmp / "k.pem")]) == 0
-    return tmp / "run", tmp / "k.pem"
+    bkey = _beacon_key()
+    beacon = start_uvicorn(create_app(f"sqlite:///{tmp / 'beacon.db'}", bkey))
+    try:  # with a beacon: the callback's recorder takes online challenges too
+        assert lightning_train.main(["--out", str(tmp / "run"), "--steps", "12", "--key", str(tmp / "k.pem"), "--beacon", beacon[2]]) == 0
+    finally:
+        stop_uvicorn(*beacon[:2])
+    return tmp / "run", tmp / "k.pem", public_hex(bkey.public_key())
 
 
 def test_the_lightning_run_replays_bit_for_bit(pl_run, tmp_path):
-    run, _ = pl_run
+    run, *_ = pl_run
     v = verify_bundle(run, challenges=12, nonce=b"all")  # offline, every step (dropout included)
     assert v.accepted and v.exact and v.replayed_steps == 12
     respond(run, tmp_path / "answer", nonce=b"cheap", challenges=6)
@@ -37,7 +45,7 @@ def test_the_lightning_run_replays_bit_for_bit(pl_run, tmp_path):
 
 
 def test_a_tampered_lightning_run_is_rejected(pl_run, tmp_path, capsys):
-    run, key = pl_run
+    run, key, _ = pl_run
     bad = tmp_path / "bad"
     shutil.copytree(run, bad)
     lines = (bad / "log.jsonl").read_bytes().split(b"\n")[:-1]
@@ -93,3 +101,9 @@ def test_a_bf16_recipe_under_lightning_replays_bit_for_bit(tmp_path):
     trainer.fit(TaskModule(rec))
     v = verify_bundle(tmp_path / "run", challenges=3, nonce=b"bf16")  # replay applies the recipe's autocast
     assert v.accepted and v.replayed_steps == 3
+
+
+def test_the_lightning_run_took_online_challenges(pl_run):
+    run, _, beacon_key = pl_run
+    v = verify_bundle(run, mode="online", beacon_key=beacon_key)
+    assert v.accepted and v.online["final"] and v.online["unaudited"] == 0 and v.replayed_steps == len(v.online["selected"])

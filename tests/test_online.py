@@ -93,7 +93,7 @@ def statements(bundle: Path) -> list[BeaconStatement]:
 
 # --- honest runs -----------------------------------------------------------------------------
 
-def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_comparisons(tmp_path, beacon):
+def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_comparisons(tmp_path, beacon, capsys):
     rec = train(tmp_path / "b", beacon.link())
     sts = statements(tmp_path / "b")
     want = sorted(t for s in sts for t in selected_steps(s, P, STEPS))
@@ -110,6 +110,11 @@ def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_compari
         assert "1-(1-p)^ceil(fT)" in v.summary() and f"p = {P:g}" in v.summary()
     # the cheap checks still run in full, and the after-the-fact audits still work on the same bundle
     assert verify_bundle(tmp_path / "b", challenges=3).accepted
+    # inspect shows the online audit's state
+    from witness.cli import main
+    assert main(["inspect", str(tmp_path / "b"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["online"]
+    assert shown["selected"] == want and shown["statements"] == len(sts) and not shown["missing"] and shown["final"]
     # the beacon lists the run, ended with its final head
     runs = beacon.http.get("/api/beacon/runs").json()
     assert runs[0]["run"] == sts[0].run.hex() and runs[0]["final"] and runs[0]["last_size"] == STEPS + 2
