@@ -25,7 +25,13 @@ from witness.bundle.layout import STATEMENTS, online_samples_name, online_state_
 from witness.commit.beacon import BeaconStatement, online_bound, run_id, selected, selected_steps
 from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.log import RunLog
-from witness.commit.signing import SignedTreeHead, generate_key, public_hex, save_key
+from witness.commit.signing import (
+    SignedTreeHead,
+    generate_key,
+    public_hex,
+    public_key_from_hex,
+    save_key,
+)
 from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.record.online import OnlineSpec
 from witness.record.recorder import Recorder
@@ -330,3 +336,33 @@ def test_beacon_serve_prints_and_serves_its_key(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_leaderboard_answers_each_streamed_head_with_its_beacons_statement(tmp_path):
+    from lbhelpers import Authed, make_settings, register
+
+    from witness.leaderboard import client as C
+    from witness.leaderboard.app import create_app as leaderboard_app
+
+    client = TestClient(leaderboard_app(make_settings("sqlite", tmp_path)))
+    trainer = register(client, "alice")
+    run_id, _ = C.train_ticketed(Authed(client, trainer.token), "quick", trainer.key, tmp_path / "run",
+                                 checkpoint_every=5, online=True)
+    bundle = tmp_path / "run"
+    server_key = client.get("/api/server-key").json()["public_key"]
+    assert client.get("/api/beacon/key").json()["public_key"] == server_key  # one key for both
+    heads = client.get(f"/api/runs/{run_id}/heads").json()
+    run = client.get(f"/api/beacon/runs/{run_id_of(bundle)}").json()
+    sts = [BeaconStatement.from_json(x) for x in run["statements"]]
+    assert [s.size for s in sts] == [h["size"] for h in heads] and run["final"]
+    for st in sts:
+        st.verify(public_key_from_hex(server_key))
+    assert [s.prev_size for s in sts] == [0] + [s.size for s in sts[:-1]]
+    # the run streamed each head once, and the statements it kept are the server's
+    assert statements(bundle) == sts
+    v = online(bundle, server_key)
+    assert v.accepted and v.online["final"] and v.online["unaudited"] == 0
+
+
+def run_id_of(bundle: Path) -> str:
+    return run_id((bundle / "log.jsonl").read_bytes().split(b"\n")[0]).hex()

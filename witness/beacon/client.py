@@ -26,8 +26,8 @@ class BeaconClient:
 
     def __init__(self, url_or_client: str | httpx.Client, expected_key: str | None = None, *, prefix: str = "/api/beacon",
                  retries: int = 5, timeout: float = 60.0):
-        self.http = url_or_client if isinstance(url_or_client, httpx.Client) else \
-            httpx.Client(base_url=url_or_client.rstrip("/"), timeout=timeout)
+        self.http = httpx.Client(base_url=url_or_client.rstrip("/"), timeout=timeout) \
+            if isinstance(url_or_client, str) else url_or_client
         self.prefix, self.retries = prefix, retries
         served = self._get("/key")["public_key"]
         if expected_key is not None and served != expected_key:
@@ -40,7 +40,7 @@ class BeaconClient:
     def _request(self, method: str, path: str, **kw) -> httpx.Response:  # noqa: ANN003 - httpx keywords
         for attempt in range(self.retries):
             try:
-                return self.http.request(method, self.prefix + path, **kw)
+                return getattr(self.http, method.lower())(self.prefix + path, **kw)
             except httpx.TransportError:
                 if attempt == self.retries - 1:
                     raise

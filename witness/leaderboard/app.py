@@ -18,6 +18,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from .. import __version__
+from ..beacon.app import install_handlers as install_beacon_handlers
+from ..beacon.app import router as beacon_router
 from ..commit.signing import public_pem
 from ..errors import MalformedInput
 from ..report import FINGERPRINT_CAPTION
@@ -167,7 +169,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     def add_head(run_id: int, body: HeadIn, s: DB, acct: Acct) -> dict:
         """Stream a signed tree head; the server checks it extends the last one and stamps its time."""
         h = lb.add_head(s, acct, run_id, body.tree_head, body.consistency, body.manifest)
-        return {"run_id": run_id, "size": h.size, "root": h.root, "received_ms": h.received_ms}
+        statement = lb.stamp(s, h, body.consistency, body.manifest)
+        return {"run_id": run_id, "size": h.size, "root": h.root, "received_ms": h.received_ms, "statement": statement}
 
     @app.get("/api/runs/{run_id}/heads", tags=["runs"])
     def heads(run_id: int, s: DB) -> list[dict]:
@@ -324,6 +327,9 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
             raise ApiError(404, f"run {run_id} has no {name}")
         return FileResponse(files[name], filename=f"run-{run_id}-{name}")
 
+    # the online-challenge beacon, the same code as `witness beacon serve`, signing with the server key
+    app.include_router(beacon_router(lb.beacon, lb.Session))
+    install_beacon_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_JSON_BODY, exempt=("/api/submissions",))
     return app
 

@@ -176,7 +176,8 @@ def train_with_leaderboard(args: argparse.Namespace, key) -> int:  # noqa: ANN00
         raise ValueError("--resume with --leaderboard is not supported: the streamed heads pin the first try")
     with _client(args) as c:
         run_id, head = train_ticketed(c, args.track, key, args.out, checkpoint_every=args.checkpoint_every,
-                                      threads=args.threads, progress=not args.quiet, info=run_info(args))
+                                      threads=args.threads, progress=not args.quiet, info=run_info(args),
+                                      online=True)  # the leaderboard's beacon selects steps while it trains
     print(f"wrote {args.out}: {head.size - 2} steps, run {run_id}; submit it with "
           f"`witness submit {args.out} --leaderboard {args.leaderboard}`")
     return 0

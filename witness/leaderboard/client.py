@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from ..beacon.client import BeaconClient, BeaconError
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
 from .store import pack
@@ -81,8 +82,13 @@ def describe(client: httpx.Client, run_id: int, info: dict) -> dict:
 def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike, *,  # noqa: ANN001 - key
                    checkpoint_every: int = 50, threads: int | None = None, stream: bool = True,
                    lr_factor: Callable[[int, int], float] | None = None,
-                   progress: bool = False, info: dict | None = None) -> tuple[int, SignedTreeHead]:
+                   progress: bool = False, info: dict | None = None,
+                   online: bool = False) -> tuple[int, SignedTreeHead]:
     """Take a ticket for ``track`` and train its recipe with the recorder, streaming every head.
+
+    ``online`` takes online challenges from the leaderboard's beacon: every head streamed (every
+    10 steps, and at checkpoints) is answered with the server's signed statement, and the states
+    it selects are kept in the bundle.
 
     Returns (run id, final head). ``lr_factor(step, steps)`` makes a dishonest trainer, for
     demonstrations and tests: it scales the learning rate in secret while the schedule's rate
@@ -95,9 +101,10 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
 
     tk = ticket(client, track, info)
     task = build_task(tk["task"], tk["config"])
+    link = LeaderboardBeacon(client, tk["run_id"]) if online and stream else None
     rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
                           checkpoint_every=checkpoint_every, threads=threads,
-                          on_head=HeadStreamer(client, tk["run_id"]) if stream else None)
+                          on_head=HeadStreamer(client, tk["run_id"]) if stream and not link else None, beacon=link)
     if lr_factor is None:
         return tk["run_id"], rec.train(progress)
     n = task.config.steps
@@ -141,6 +148,32 @@ class HeadStreamer:
                 if attempt == self.retries - 1:
                     raise
                 time.sleep(2 ** attempt)
+
+
+class LeaderboardBeacon(BeaconClient):
+    """The leaderboard's beacon as the recorder's link: each head goes to the run's head endpoint
+    (which stamps its time and answers with the beacon's statement), so it is streamed once."""
+
+    def __init__(self, client: httpx.Client, run_id: int):
+        super().__init__(client)  # the beacon's key is the server's: fetched from /api/beacon/key
+        self.run_id = run_id
+
+    def post(self, body: dict, head: SignedTreeHead, log: RunLog):  # noqa: ANN201 - a BeaconStatement
+        """Stream the head to the run (with the proof from the last one it stamped)."""
+        body = {k: v for k, v in body.items() if k != "run"}
+        for attempt in range(self.retries):
+            try:
+                answer = _ok(self.http.post(f"/api/runs/{self.run_id}/heads", json=body))
+                break
+            except httpx.TransportError:
+                if attempt == self.retries - 1:
+                    raise
+                time.sleep(2 ** attempt)
+        st = self.check(answer["statement"], log)
+        if st.size != head.size or st.root != head.root:
+            raise BeaconError("the leaderboard's statement answers another head")
+        self.last_size = max(self.last_size, st.size)
+        return st
 
 
 def submit(client: httpx.Client, bundle_dir: str | os.PathLike, evaluation: str | os.PathLike) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import re
 import secrets
@@ -15,6 +16,7 @@ from typing import NoReturn
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
+from ..beacon.service import Beacon, BeaconRefused
 from ..bundle.reader import open_bundle
 from ..commit.dsse import read_json_or_envelope
 from ..commit.hashing import canonical_json, from_hex, leaf_hash, parse_canonical_json, same
@@ -131,6 +133,7 @@ class Leaderboard:
         self.store = Store(settings.store)
         self.key = load_or_create_key(settings.server_key or self.store.root / "server_key.pem")
         self.public_key = public_hex(self.key.public_key())
+        self.beacon = Beacon(self.key)  # the same beacon as `witness beacon serve`, signing with the server key
         self.randomness = os.urandom  # the server's own randomness: tickets and challenge nonces
         if sync_tracks:
             self.sync_tracks()
@@ -259,6 +262,18 @@ class Leaderboard:
         s.add(row)
         s.commit()
         return row
+
+    def stamp(self, s: Session, head: Head, consistency: list, manifest: str | None) -> dict:
+        """The beacon's signed statement for a head the server stamped (its randomness selects the
+        steps of the head's window for online challenges)."""
+        first = s.scalar(select(Head).where(Head.run_id == head.run_id, Head.size == 1))
+        if first is None:
+            raise ApiError(409, "the run's first streamed head is missing")
+        try:
+            st = self.beacon.stamp(s, json.loads(head.head_json), consistency, manifest, first.root)
+        except BeaconRefused as e:
+            raise ApiError(e.status, e.message) from None
+        return st.to_json()
 
     def _check_first_head(self, s: Session, run: Run, acct: Account, head: SignedTreeHead, manifest: str | None) -> None:
         """The first streamed head covers exactly the manifest, which must use this ticket and track."""

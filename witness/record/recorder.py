@@ -234,6 +234,8 @@ class Recorder:
         if signed > steps + 1:
             raise ValueError("a signed head covers records that are not in the log; cannot resume")
         online = None
+        if started.online is None and beacon is not None:
+            raise ValueError("the run was started without online challenges; it cannot take them from the middle")
         if started.online is not None:
             if beacon is None:
                 raise ValueError("the run takes online challenges: resume it with its beacon")
