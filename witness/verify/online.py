@@ -42,6 +42,8 @@ class OnlinePlan:
     def describe(self) -> str:
         """One line for the verdict."""
         gap = f"; steps {self.unaudited.start}..{self.unaudited.stop - 1} not audited online" if self.unaudited else ""
+        if not self.windows:
+            return f"no beacon statement by {self.beacon}: no step audited online{gap}"
         return (f"{self.windows} beacon statement(s) by {self.beacon} chain over steps 0..{self.covered - 1}, "
                 f"selecting {len(self.selected)} step(s) at p = {self.p:g}{gap}")
 
