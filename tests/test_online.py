@@ -372,3 +372,14 @@ def test_the_leaderboard_answers_each_streamed_head_with_its_beacons_statement(t
 
 def run_id_of(bundle: Path) -> str:
     return run_id((bundle / "log.jsonl").read_bytes().split(b"\n")[0]).hex()
+
+
+def test_the_online_benchmark_runs_end_to_end(tmp_path):
+    # its smoke test: a short run, every phase, the figures it reports
+    bench = Path(__file__).parent.parent / "bench" / "online_cost.py"
+    r = subprocess.run([sys.executable, str(bench), "--steps", "30", "--checkpoint-every", "10", "--every", "5",
+                        "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["steps"] == 30 and out["statements"] >= 7 and out["verify_online_replayed_steps"] == out["selected_steps"]
+    assert out["respond_s"] > 0 and out["peak_ring_states"] <= out["ring"] and out["detection_probability"] >= 0.99
