@@ -165,3 +165,18 @@ def nonce_drawing_elsewhere(bundle: Path, nonce: bytes, q: int) -> bytes:
     answered = {c.step for c in draw_challenges(opened.final_head, nonce, n, q)}
     return next(other for other in (i.to_bytes(2, "big") for i in range(1 << 16))
                 if {c.step for c in draw_challenges(opened.final_head, other, n, q)} - answered)
+
+
+def with_beacon(folder: Path, train: Callable[[str], None]) -> str:
+    """Run ``train(url)`` against a beacon served on loopback for it; returns the beacon's public key."""
+    from witness.beacon.app import create_app
+    from witness.commit.signing import public_hex
+    from witness.web import start_uvicorn, stop_uvicorn
+
+    key = generate_key()
+    server, thread, url = start_uvicorn(create_app(f"sqlite:///{folder / 'beacon.db'}", key))
+    try:
+        train(url)
+    finally:
+        stop_uvicorn(server, thread)
+    return public_hex(key.public_key())

@@ -9,16 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import resign
+from helpers import resign, with_beacon
 
-from witness.beacon.app import create_app
 from witness.cli import main as witness
 from witness.commit.hashing import canonical_json
-from witness.commit.signing import generate_key as _beacon_key
-from witness.commit.signing import load_key, public_hex
+from witness.commit.signing import load_key
 from witness.verify import verify_bundle
 from witness.verify.respond import respond
-from witness.web import start_uvicorn, stop_uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import lightning_train  # noqa: E402 - the example script itself
@@ -27,13 +24,10 @@ import lightning_train  # noqa: E402 - the example script itself
 @pytest.fixture(scope="module")
 def pl_run(tmp_path_factory) -> tuple[Path, Path, str]:
     tmp = tmp_path_factory.mktemp("pl")
-    bkey = _beacon_key()
-    beacon = start_uvicorn(create_app(f"sqlite:///{tmp / 'beacon.db'}", bkey))
-    try:  # with a beacon: the callback's recorder takes online challenges too
-        assert lightning_train.main(["--out", str(tmp / "run"), "--steps", "12", "--key", str(tmp / "k.pem"), "--beacon", beacon[2]]) == 0
-    finally:
-        stop_uvicorn(*beacon[:2])
-    return tmp / "run", tmp / "k.pem", public_hex(bkey.public_key())
+    def train(url: str) -> None:  # with a beacon: the callback's recorder takes online challenges too
+        assert lightning_train.main(["--out", str(tmp / "run"), "--steps", "12", "--key", str(tmp / "k.pem"), "--beacon", url]) == 0
+
+    return tmp / "run", tmp / "k.pem", with_beacon(tmp, train)
 
 
 def test_the_lightning_run_replays_bit_for_bit(pl_run, tmp_path):
