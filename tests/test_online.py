@@ -383,3 +383,16 @@ def test_the_online_benchmark_runs_end_to_end(tmp_path):
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["steps"] == 30 and out["statements"] >= 7 and out["verify_online_replayed_steps"] == out["selected_steps"]
     assert out["respond_s"] > 0 and out["peak_ring_states"] <= out["ring"] and out["detection_probability"] >= 0.99
+
+
+def test_a_beacon_that_is_not_the_pinned_one_stops_training_before_it_starts(tmp_path, capsys):
+    from helpers import with_beacon
+
+    from witness.cli import main
+
+    pinned = public_hex(generate_key().public_key())
+    codes = []
+    with_beacon(tmp_path, lambda url: codes.append(main(
+        ["train", "--task", "tiny", "--steps", "4", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "k.pem"),
+         "--quiet", "--beacon", url, "--beacon-key", pinned])))
+    assert codes == [2] and "not the pinned" in capsys.readouterr().err and not (tmp_path / "run").exists()

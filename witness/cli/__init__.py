@@ -86,12 +86,17 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:
         import httpx
 
+        from ..beacon.client import BeaconError
         from ..leaderboard.client import LeaderboardError
 
         if isinstance(e, LeaderboardError):
             print(f"the leaderboard refused: {e}", file=sys.stderr)
             return 2
+        if isinstance(e, BeaconError):
+            print(f"error: {one_line(str(e))}", file=sys.stderr)
+            return 2
         if isinstance(e, httpx.TransportError):
-            print(f"cannot reach the leaderboard: {e}", file=sys.stderr)
+            where = "the beacon" if getattr(args, "beacon", None) else "the leaderboard"
+            print(f"cannot reach {where}: {e}", file=sys.stderr)
             return 2
         raise
