@@ -127,6 +127,9 @@ def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_compari
     assert main(["inspect", str(tmp_path / "b"), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["online"]
     assert shown["selected"] == want and shown["statements"] == len(sts) and not shown["missing"] and shown["final"]
+    assert main(["inspect", str(tmp_path / "b")]) == 0
+    assert f"{len(sts)} beacon statement(s) over steps 0..{STEPS - 1}, {len(want)} step(s) selected" in \
+        capsys.readouterr().out
     # the beacon lists the run, ended with its final head
     runs = beacon.http.get("/api/beacon/runs").json()
     assert runs[0]["run"] == sts[0].run.hex() and runs[0]["final"] and runs[0]["last_size"] == STEPS + 2

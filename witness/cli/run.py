@@ -168,9 +168,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  recipe        {json.dumps(m.task_config, sort_keys=True)}")
     if info["online"] is not None:
         o = info["online"]
-        print(f"  online        p = {o['p']:g}, a head every {o['every']} steps, a ring of {o['ring']} states; "
-              f"{o['statements']} beacon statement(s) over steps 0..{o['covered'] - 1}, {len(o['selected'])} step(s) "
-              f"selected, {o['states_kept']} state(s) kept" + (f"; missing {o['missing']}" if o["missing"] else "")
+        chain = (f"{o['statements']} beacon statement(s) over steps 0..{o['covered'] - 1}" if o["statements"]
+                 else "no beacon statement")
+        print(f"  online        p = {o['p']:g}, a head every {o['every']} steps, a ring of {o['ring']} states; {chain}, "
+              f"{len(o['selected'])} step(s) selected, {o['states_kept']} state(s) kept"
+              + (f"; missing {o['missing']}" if o["missing"] else "")
               + " (signatures unchecked: witness verify --mode online --beacon-key KEY checks them)")
     for n in b.notes:
         print(f"  note          {n}")
