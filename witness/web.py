@@ -63,6 +63,16 @@ def json_depth(data: bytes) -> int:
     return int(np.cumsum(step).max(initial=0)) if len(step) else 0
 
 
+def readable_validation_errors(app) -> None:  # noqa: ANN001 - a FastAPI app
+    """A malformed request gets a 400 with a readable message, not a 422 with the framework's internals."""
+    from fastapi.exceptions import RequestValidationError
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError) -> JSONResponse:  # noqa: ANN001 - a Request
+        msgs = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        return JSONResponse({"detail": f"bad request: {msgs}"}, 400)
+
+
 def start_uvicorn(app, host: str = "127.0.0.1", port: int = 0):  # noqa: ANN001 - ASGI app
     """uvicorn serving ``app`` in a background thread; returns (server, thread, base URL)."""
     import uvicorn

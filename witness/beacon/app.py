@@ -7,14 +7,13 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
 from .. import __version__
 from ..commit.signing import public_pem
-from ..web import BodyLimit
+from ..web import BodyLimit, readable_validation_errors
 from .service import Beacon, BeaconRefused
 
 SessionFactory = Callable[[], AbstractContextManager[Session]]
@@ -89,10 +88,7 @@ def create_app(db_url: str, key) -> FastAPI:  # noqa: ANN001 - an Ed25519 privat
                   description="Stamps the tree heads a training run streams with fresh, signed randomness.")
     install_handlers(app)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> Response:
-        msgs = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        return JSONResponse({"detail": f"bad request: {msgs}"}, 400)
+    readable_validation_errors(app)
 
     app.include_router(router(beacon, factory))
     app.add_middleware(BodyLimit)

@@ -29,6 +29,7 @@ class BeaconClient:
         self.http = httpx.Client(base_url=url_or_client.rstrip("/"), timeout=timeout) \
             if isinstance(url_or_client, str) else url_or_client
         self.prefix, self.retries = prefix, retries
+        self.heads_path = f"{prefix}/heads"  # where heads go (the leaderboard takes them per run)
         served = self._get("/key")["public_key"]
         if expected_key is not None and served != expected_key:
             raise BeaconError(f"the beacon serves key {served[:16]}…, not the pinned {expected_key[:16]}…")
@@ -40,7 +41,7 @@ class BeaconClient:
     def _request(self, method: str, path: str, **kw) -> httpx.Response:  # noqa: ANN003 - httpx keywords
         for attempt in range(self.retries):
             try:
-                return getattr(self.http, method.lower())(self.prefix + path, **kw)
+                return getattr(self.http, method.lower())(path, **kw)
             except httpx.TransportError:
                 if attempt == self.retries - 1:
                     raise
@@ -48,7 +49,7 @@ class BeaconClient:
         raise AssertionError("unreachable")
 
     def _get(self, path: str) -> dict:
-        resp = self._request("GET", path)
+        resp = self._request("GET", self.prefix + path)
         if resp.status_code != 200:
             raise BeaconError(f"beacon: {resp.status_code} {_detail(resp)}")
         return resp.json()
@@ -73,15 +74,20 @@ class BeaconClient:
 
     def post(self, body: dict, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
         """Send a request ``body`` made for ``head``; the checked statement."""
-        resp = self._request("POST", "/heads", json=body)
-        if resp.status_code != 200:
+        resp = self._request("POST", self.heads_path, json=body)
+        if not 200 <= resp.status_code < 300:
             self.sent_size = self.last_size  # the next request proves from what the beacon did stamp
             raise BeaconError(f"the beacon refused the head of size {head.size}: {resp.status_code} {_detail(resp)}")
-        st = self.check(resp.json(), log)
+        st = self.check(self.statement_of(resp.json()), log)
         if st.size != head.size or not same(st.root, head.root):
             raise BeaconError("the beacon's statement answers another head")
         self.last_size = max(self.last_size, st.size)
         return st
+
+    @staticmethod
+    def statement_of(answer: object) -> object:
+        """The statement in the answer to a head (the beacon's answer is the statement itself)."""
+        return answer
 
     def check(self, obj: object, log: RunLog) -> BeaconStatement:
         """A statement for this run, signed by this beacon (else ``BeaconError``)."""
@@ -96,7 +102,7 @@ class BeaconClient:
 
     def statements(self, log: RunLog) -> list[BeaconStatement]:
         """Every statement the beacon holds for the run (none if it never answered for it)."""
-        resp = self._request("GET", f"/runs/{run_id(log.lines[0]).hex()}")
+        resp = self._request("GET", f"{self.prefix}/runs/{run_id(log.lines[0]).hex()}")
         if resp.status_code == 404:
             return []
         if resp.status_code != 200:

@@ -185,12 +185,11 @@ def _online_info(b) -> dict | None:  # noqa: ANN001 - a Bundle
     m = b.manifest
     if m.online is None:
         return None
-    from ..commit.beacon import BeaconStatement, selected_steps
-    from ..commit.hashing import parse_canonical_json
+    from ..verify.online import parse_statements, selected_by
 
-    sts = sorted((BeaconStatement.from_json(parse_canonical_json(x)) for x in b.read_statements()), key=lambda s: s.size)
+    sts = sorted(parse_statements(b), key=lambda s: s.size)
     n = len(b.steps)
-    selected = sorted(t for st in sts for t in selected_steps(st, m.online["p"], n))
+    selected = selected_by(sts, m.online["p"], n)
     missing = [t for t in selected if t not in b.online_states or t not in b.online_samples]
     return dict(m.online, statements=len(sts), covered=sts[-1].window(n).stop if sts else 0, selected=selected,
                 states_kept=len(b.online_states), missing=missing,

@@ -9,7 +9,6 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from jinja2 import Environment, FileSystemLoader
@@ -23,7 +22,7 @@ from ..beacon.app import router as beacon_router
 from ..commit.signing import public_pem
 from ..errors import MalformedInput
 from ..report import FINGERPRINT_CAPTION
-from ..web import MAX_JSON_BODY, BodyLimit
+from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
 from .db import Account, ChallengeRow, Head, Round, Run, Track
 from .service import ApiError, Leaderboard, Settings
 from .store import EVALUATION, UploadTooLarge
@@ -123,11 +122,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return HTMLResponse(pages.get_template("error.html").render(status=e.status, message=e.message), e.status,
                             headers={"Content-Security-Policy": CSP})
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> Response:
-        # 400 and a readable message, not a 422 with the framework's internals
-        msgs = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        return JSONResponse({"detail": f"bad request: {msgs}"}, 400)
+    readable_validation_errors(app)
 
     def html(name: str, **ctx: Any) -> HTMLResponse:
         return HTMLResponse(pages.get_template(name).render(**ctx), headers={"Content-Security-Policy": CSP})

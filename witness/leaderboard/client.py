@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from ..beacon.client import BeaconClient, BeaconError
+from ..beacon.client import BeaconClient
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
 from .store import pack
@@ -156,24 +156,16 @@ class LeaderboardBeacon(BeaconClient):
 
     def __init__(self, client: httpx.Client, run_id: int):
         super().__init__(client)  # the beacon's key is the server's: fetched from /api/beacon/key
-        self.run_id = run_id
+        self.heads_path = f"/api/runs/{run_id}/heads"
 
-    def post(self, body: dict, head: SignedTreeHead, log: RunLog):  # noqa: ANN201 - a BeaconStatement
-        """Stream the head to the run (with the proof from the last one it stamped)."""
-        body = {k: v for k, v in body.items() if k != "run"}
-        for attempt in range(self.retries):
-            try:
-                answer = _ok(self.http.post(f"/api/runs/{self.run_id}/heads", json=body))
-                break
-            except httpx.TransportError:
-                if attempt == self.retries - 1:
-                    raise
-                time.sleep(2 ** attempt)
-        st = self.check(answer["statement"], log)
-        if st.size != head.size or st.root != head.root:
-            raise BeaconError("the leaderboard's statement answers another head")
-        self.last_size = max(self.last_size, st.size)
-        return st
+    def body(self, head: SignedTreeHead, log: RunLog) -> dict:
+        """The beacon's request, less the run's name (the endpoint names the run)."""
+        return {k: v for k, v in super().body(head, log).items() if k != "run"}
+
+    @staticmethod
+    def statement_of(answer: object) -> object:
+        """The statement in the endpoint's answer."""
+        return answer.get("statement") if isinstance(answer, dict) else None
 
 
 def submit(client: httpx.Client, bundle_dir: str | os.PathLike, evaluation: str | os.PathLike) -> dict:

@@ -48,6 +48,23 @@ class OnlinePlan:
                 f"selecting {len(self.selected)} step(s) at p = {self.p:g}{gap}")
 
 
+def parse_statements(bundle: Bundle) -> list[BeaconStatement]:
+    """The bundle's statements, strictly parsed, as the trainer kept them (signatures not checked)."""
+    out = []
+    for i, line in enumerate(bundle.read_statements()):
+        try:
+            obj = parse_canonical_json(line)
+        except ValueError as e:
+            raise MalformedInput(f"online statement {i}: {e}") from None
+        out.append(BeaconStatement.from_json(obj))
+    return out
+
+
+def selected_by(statements: list[BeaconStatement], p: float, steps: int) -> list[int]:
+    """Every step the statements select, ascending."""
+    return sorted(t for st in statements for t in selected_steps(st, p, steps))
+
+
 def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     """Every statement: the named beacon's signature, this run, a head of this log, an unbroken chain."""
     m = bundle.manifest
@@ -60,12 +77,7 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     run = run_id(bundle.log.lines[0])
     signed = bundle.final_head.size
     statements: dict[int, BeaconStatement] = {}
-    for i, line in enumerate(bundle.read_statements()):
-        try:
-            obj = parse_canonical_json(line)
-        except ValueError as e:
-            raise MalformedInput(f"online statement {i}: {e}") from None
-        st = BeaconStatement.from_json(obj)
+    for i, st in enumerate(parse_statements(bundle)):
         st.verify(public)
         if not same(st.run, run):
             raise VerificationError(f"beacon statement {i} answers another run's head (a statement replayed from "
@@ -87,7 +99,7 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     n = len(bundle.steps)
     p = m.online["p"]
     covered = chain[-1].window(n).stop if chain else 0
-    selected = sorted(t for st in chain for t in selected_steps(st, p, n))
+    selected = selected_by(chain, p, n)
     final = bool(chain) and chain[-1].size == signed and bundle.complete
     return OnlinePlan(key_fingerprint(public_hex(public)), p, m.online["every"], len(chain), selected,
                       covered, range(covered, n), final)
