@@ -70,6 +70,10 @@ class Authed:
         """GET with the token."""
         return self.client.get(url, headers=self.headers, **kw)
 
+    def put(self, url: str, **kw):
+        """PUT with the token."""
+        return self.client.put(url, headers=self.headers | kw.pop("headers", {}), **kw)
+
 
 def train_and_certify(client, trainer: Trainer, out: Path, track: str = "quick", *, lr_cheat: dict | None = None,
                       key=None, stream: bool = True, checkpoint_every: int = 5) -> tuple[int, Path, Path]:

@@ -17,15 +17,16 @@ MAX_JSON_BODY = 1 << 20
 
 class BodyLimit:
     """ASGI middleware: request bodies over ``limit`` bytes get a 413, and bodies nested deeper
-    than ``depth`` a 400, before anything parses them (paths in ``exempt`` stream their bodies
-    under limits of their own)."""
+    than ``depth`` a 400, before anything parses them (paths that match a regular expression in
+    ``exempt`` in full stream their bodies under limits of their own)."""
 
     def __init__(self, app, limit: int = MAX_JSON_BODY, exempt: tuple[str, ...] = (),  # noqa: ANN001 - ASGI app
                  depth: int = MAX_JSON_DEPTH):
-        self.app, self.limit, self.exempt, self.depth = app, limit, exempt, depth
+        self.app, self.limit, self.depth = app, limit, depth
+        self.exempt = [re.compile(p) for p in exempt]
 
     async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI signature
-        if scope["type"] != "http" or scope["path"] in self.exempt:
+        if scope["type"] != "http" or any(p.fullmatch(scope["path"]) for p in self.exempt):
             return await self.app(scope, receive, send)
         # Read the whole (small) body first, so an oversized one gets a 413 before any parsing.
         messages, seen = [], 0

@@ -56,6 +56,12 @@ class Bundle:
     statements: Path | None = None
     online_states: dict[int, Path] = field(default_factory=dict)
     online_samples: dict[int, Path] = field(default_factory=dict)
+    # committed checkpoints an online run left out (it is audited from its selected states)
+    missing_checkpoints: list[int] = field(default_factory=list)
+
+    def held_states(self) -> list[int]:
+        """Steps whose state the bundle holds as tensors (checkpoints and online states), ascending."""
+        return sorted(set(self.checkpoints) | set(self.online_states))
 
     def read_statements(self) -> list[bytes]:
         """The statement lines as the trainer received them (bounded; a torn last line is refused)."""
@@ -308,7 +314,17 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
         else:
             notes.append(f"ignored {rel}, which no signed record commits")
     missing = sorted(committed - set(checkpoints))
-    if missing:
+    if manifest.online is not None:
+        # An online run is audited from the states kept for its selected steps: it may leave out
+        # its checkpoints, all but the final one (the released model), which a finished run carries.
+        final = len(steps) if end is not None else None
+        if final in missing:
+            raise VerificationError(f"the final checkpoint (after step {final}) is committed but missing",
+                                    check="checkpoint")
+        if missing:
+            notes.append(f"{len(missing)} committed checkpoint(s) left out (an online run is audited from the "
+                         "states kept for its selected steps)")
+    elif missing:
         raise VerificationError(f"the checkpoint after step {missing[0]} is committed but missing", check="checkpoint")
     if not steps:
         # Nothing is claimed yet: a run stopped before its first signed head is unusable, not dishonest.
@@ -330,4 +346,5 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     if manifest.online is None and (STATEMENTS in files or online["states"] or online["samples"]):
         raise MalformedInput(f"the bundle holds {ONLINE}/ files, but its manifest takes no online challenges")
     return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes, leaves,
-                  root / STATEMENTS if STATEMENTS in files else None, online["states"], online["samples"])
+                  root / STATEMENTS if STATEMENTS in files else None, online["states"], online["samples"],
+                  missing if manifest.online is not None else [])

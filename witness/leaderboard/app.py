@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as Path_
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -22,8 +23,10 @@ from ..beacon.app import router as beacon_router
 from ..commit.signing import public_pem
 from ..errors import MalformedInput
 from ..report import FINGERPRINT_CAPTION
+from ..verify.online import MAX_SAMPLES_JSON
 from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
 from .db import Account, ChallengeRow, Head, Round, Run, Track
+from .online import online_progress
 from .service import ApiError, Leaderboard, Settings
 from .store import EVALUATION, UploadTooLarge
 
@@ -68,6 +71,8 @@ class HeadIn(StrictModel):
     tree_head: dict[str, Any]
     consistency: list[str] = Field(default_factory=list, max_length=64)
     manifest: str | None = Field(default=None, max_length=MAX_JSON_BODY)
+    # a run with online challenges: the log's records this head newly covers
+    records: list[str] = Field(default_factory=list, max_length=10_000)
 
 
 class ChallengeIn(StrictModel):
@@ -163,9 +168,36 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.post("/api/runs/{run_id}/heads", status_code=201, tags=["runs"])
     def add_head(run_id: int, body: HeadIn, s: DB, acct: Acct) -> dict:
         """Stream a signed tree head; the server checks it extends the last one and stamps its time."""
-        h = lb.add_head(s, acct, run_id, body.tree_head, body.consistency, body.manifest)
+        h = lb.add_head(s, acct, run_id, body.tree_head, body.consistency, body.manifest, body.records)
         statement = lb.stamp(s, h, body.consistency, body.manifest)
         return {"run_id": run_id, "size": h.size, "root": h.root, "received_ms": h.received_ms, "statement": statement}
+
+    @app.put("/api/runs/{run_id}/online/{kind}/{step}", status_code=201, tags=["runs"],
+             openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {
+                 "schema": {"type": "string", "format": "binary"}}}}})
+    async def online_upload(run_id: int, kind: Annotated[str, Path_(pattern="^(states|samples)$")],
+                            step: Annotated[int, Path_(ge=0, le=2**31 - 1)], request: Request, acct: Acct) -> dict:
+        """Upload, while the run trains, the state before a step the beacon selected (``states``: a
+        safetensors file) or its batch's samples (``samples``: JSON); once both are here the server's
+        workers replay the step. Each is taken once."""
+        limit = lb.settings.max_upload if kind == "states" else MAX_SAMPLES_JSON
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise ApiError(413, f"the upload is over the server's limit of {limit} bytes")
+        try:
+            path, sha, _ = await lb.store.receive(request.stream(), limit)
+        except UploadTooLarge as e:
+            raise ApiError(413, str(e)) from None
+
+        def keep() -> dict:
+            try:
+                with lb.Session() as s:
+                    row = lb.upload_online(s, s.get(Account, acct.id), run_id, kind, step, path, sha)
+                    return {"run_id": run_id, "step": step, "kind": kind, "sha256": sha, "status": row.status}
+            finally:
+                lb.store.discard(path)  # kept files were moved away already
+
+        return await run_in_threadpool(keep)
 
     @app.get("/api/runs/{run_id}/heads", tags=["runs"])
     def heads(run_id: int, s: DB) -> list[dict]:
@@ -205,6 +237,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         out = run_json(r, s.get(Account, r.account_id), s.get(Track, r.track))
         out["verdict"] = json.loads(r.verdict_json) if r.verdict_json else None
         out["heads"] = [head_json(h) for h in lb.heads(s, run_id)]
+        out["online"] = online_progress(s, r.id) | {"p": r.online_p} if r.online_p is not None else None
         return out
 
     @app.patch("/api/runs/{run_id}", tags=["runs"])
@@ -262,7 +295,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                     since=since or "", until=until or "", page=page, pages=max(1, -(-total // PAGE_SIZE)),
                     ranks=ranks(s, t), recipe=json.loads(t.config_json),
                     rejected=[(r, a) for r, a in others if r.status in ("rejected", "revoked")],
-                    waiting=[(r, a) for r, a in others if r.status not in ("rejected", "revoked")])
+                    waiting=[(r, a) for r, a in others if r.status not in ("rejected", "revoked")],
+                    online={r.id: online_progress(s, r.id) for r, _ in others if r.online_p is not None})
 
     @app.get("/tracks/{name}/history.svg", include_in_schema=False)
     def record_history(name: str, s: DB) -> Response:
@@ -286,7 +320,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                     has_plots=(plots / "loss.svg").exists(), has_bundle=lb.store.archive(r.id).exists(),
                     has_model=lb.store.model_file(r.id).exists(), bad_fraction=lb.settings.bad_fraction,
                     recipe=json.loads(t.config_json), base=base_url(request), server_key=lb.public_key,
-                    fingerprint_caption=FINGERPRINT_CAPTION)
+                    fingerprint_caption=FINGERPRINT_CAPTION,
+                    online=online_progress(s, r.id) if r.online_p is not None else None)
 
     @app.get("/runs/{run_id}/badge.svg", include_in_schema=False)
     def badge(run_id: int, s: DB) -> Response:
@@ -325,7 +360,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     # the online-challenge beacon, the same code as `witness beacon serve`, signing with the server key
     app.include_router(beacon_router(lb.beacon, lb.Session))
     install_beacon_handlers(app)
-    app.add_middleware(BodyLimit, limit=MAX_JSON_BODY, exempt=("/api/submissions",))
+    app.add_middleware(BodyLimit, limit=MAX_JSON_BODY,
+                       exempt=("/api/submissions", r"/api/runs/[0-9]+/online/(states|samples)/[0-9]+"))
     return app
 
 
@@ -418,7 +454,7 @@ def track_json(t: Track) -> dict:
     """JSON form of a track."""
     return {"track": t.name, "task": t.task, "config": json.loads(t.config_json), "data_root": t.data_root,
             "eval_root": t.eval_root, "eval_size": t.eval_size, "metric": t.metric,
-            "higher_is_better": t.higher_is_better, "description": t.description}
+            "higher_is_better": t.higher_is_better, "description": t.description, "online_p": t.online_p}
 
 
 def run_json(r: Run, a: Account, t: Track) -> dict:

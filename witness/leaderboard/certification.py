@@ -119,13 +119,18 @@ def read_certification(path: str | os.PathLike) -> Any:
         raise MalformedInput(f"{p} is not JSON") from None
 
 
-def record_decision(lb, s, run, rnd=None, verdict=None, bundle=None) -> str:  # noqa: ANN001 - server objects
-    """Sign the run's current decision (after this round, if any) and keep it on the run and the round."""
+def record_decision(lb, s, run, rnd=None, verdict=None, bundle=None, subjects=None) -> str:  # noqa: ANN001 - server objects
+    """Sign the run's current decision (after this round, if any) and keep it on the run and the round.
+
+    ``subjects`` names what was decided on where the run has neither a model nor a submission yet
+    (a step replayed while the run trained: the uploaded state it failed from)."""
     from .db import Account, ChallengeRow, Track
 
     acct, track = s.get(Account, run.account_id), s.get(Track, run.track)
     model = lb.store.model_file(run.id)
-    if model.exists():
+    if subjects:
+        pass
+    elif model.exists():
         subjects = [subject_of(model) | {"name": f"run-{run.id}-model.safetensors"}]
     elif run.bundle_sha256:  # refused before it had a model: the statement names what was submitted
         subjects = [{"name": f"run-{run.id}-submission.tar", "digest": {"sha256": run.bundle_sha256}}]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from ..beacon.client import BeaconClient
+from ..beacon.client import BeaconClient, BeaconError, _detail
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
 from .store import pack
@@ -101,10 +101,18 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
 
     tk = ticket(client, track, info)
     task = build_task(tk["task"], tk["config"])
+    from ..record.online import OnlineSpec
+
     link = LeaderboardBeacon(client, tk["run_id"]) if online and stream else None
+    spec = None
+    if link is not None:  # the track's least p, where it asks for more than the default's 99 % bound
+        spec = OnlineSpec.for_steps(task.config.steps)
+        if tk.get("online_p") is not None and spec.p < tk["online_p"]:
+            spec = OnlineSpec.for_steps(task.config.steps, p=float(tk["online_p"]))
     rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
                           checkpoint_every=checkpoint_every, threads=threads,
-                          on_head=HeadStreamer(client, tk["run_id"]) if stream and not link else None, beacon=link)
+                          on_head=HeadStreamer(client, tk["run_id"]) if stream and not link else None, beacon=link,
+                          online=spec)
     if lr_factor is None:
         return tk["run_id"], rec.train(progress)
     n = task.config.steps
@@ -156,11 +164,28 @@ class LeaderboardBeacon(BeaconClient):
 
     def __init__(self, client: httpx.Client, run_id: int):
         super().__init__(client)  # the beacon's key is the server's: fetched from /api/beacon/key
+        self.run_id = run_id
         self.heads_path = f"/api/runs/{run_id}/heads"
 
     def body(self, head: SignedTreeHead, log: RunLog) -> dict:
-        """The beacon's request, less the run's name (the endpoint names the run)."""
-        return {k: v for k, v in super().body(head, log).items() if k != "run"}
+        """The beacon's request, less the run's name (the endpoint names the run), with the records
+        the head newly covers (the server's workers replay the selected steps against them)."""
+        since = max(self.sent_size, 1)
+        body = {k: v for k, v in super().body(head, log).items() if k != "run"}
+        body["records"] = [line.decode() for line in log.lines[since:head.size]]
+        return body
+
+    def publish(self, kind: str, step: int, path: Path) -> None:
+        """Upload what the trainer kept for a selected step: the state before it (``states``) or its
+        batch's samples (``samples``), so the server replays it while the run trains."""
+        with open(path, "rb") as f:
+            data = f.read()
+        resp = self._request("PUT", f"/api/runs/{self.run_id}/online/{kind}/{step}", content=data,
+                             headers={"Content-Type": "application/octet-stream"})
+        if resp.status_code == 409 and "came already" in resp.text:
+            return  # sent before a retry or a crash: the server has it
+        if resp.status_code >= 300:
+            raise BeaconError(f"the leaderboard refused the {kind} of step {step}: {resp.status_code} {_detail(resp)}")
 
     @staticmethod
     def statement_of(answer: object) -> object:
@@ -168,10 +193,27 @@ class LeaderboardBeacon(BeaconClient):
         return answer.get("statement") if isinstance(answer, dict) else None
 
 
+def online_leave_out(bundle_dir: str | os.PathLike) -> frozenset[str]:
+    """The checkpoints an online run need not submit: all but the initial and the final one and
+    those that end a selected step (a verifier in tolerance mode compares with them); the server
+    audits it from the states kept for its selected steps, and re-challenges start from those."""
+    from ..bundle.layout import checkpoint_name
+    from ..bundle.reader import open_bundle
+    from ..verify.online import parse_statements, selected_by
+
+    b = open_bundle(bundle_dir)
+    if b.manifest.online is None or not b.complete:
+        return frozenset()
+    n = len(b.steps)
+    keep = {0, n} | {t + 1 for t in selected_by(parse_statements(b), b.manifest.online["p"], n)}
+    return frozenset(checkpoint_name(k) for k in b.checkpoint_steps() if k not in keep)
+
+
 def submit(client: httpx.Client, bundle_dir: str | os.PathLike, evaluation: str | os.PathLike) -> dict:
-    """Pack and upload a finished bundle with its evaluation certificate (streamed from a file)."""
+    """Pack and upload a finished bundle with its evaluation certificate (streamed from a file); an
+    online run leaves out the checkpoints its audit does not need."""
     with tempfile.TemporaryDirectory() as tmp:
-        archive = pack(bundle_dir, Path(tmp) / "submission.tar", evaluation)
+        archive = pack(bundle_dir, Path(tmp) / "submission.tar", evaluation, online_leave_out(bundle_dir))
         with open(archive, "rb") as f:
             return _ok(client.post("/api/submissions", content=_chunks(f),
                                    headers={"Content-Type": "application/x-tar",

@@ -65,6 +65,8 @@ class Track(Base):
     metric: Mapped[str] = mapped_column(String(64))
     higher_is_better: Mapped[bool] = mapped_column(Boolean)
     description: Mapped[str] = mapped_column(Text)
+    # the least selection probability of online challenges a run must take (None: not required)
+    online_p: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Run(Base):
@@ -99,6 +101,8 @@ class Run(Base):
     description: Mapped[str | None] = mapped_column(Text, nullable=True)
     code_url: Mapped[str | None] = mapped_column(String(300), nullable=True)
     statement: Mapped[str | None] = mapped_column(Text, nullable=True)  # the server's latest signed decision
+    # the run's online-challenge probability (its manifest's), when it takes them from this server's beacon
+    online_p: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Head(Base):
@@ -114,13 +118,40 @@ class Head(Base):
     received_ms: Mapped[int] = mapped_column(BigInteger)
 
 
+class LogLine(Base):
+    """A record of an online run's log, streamed with the head that covers it (what the server's
+    workers replay the selected steps against while the run trains)."""
+
+    __tablename__ = "log_lines"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    line: Mapped[str] = mapped_column(Text)
+
+
+class OnlineStep(Base):
+    """A step the server's beacon selected for a run: its uploads, then its replay's outcome."""
+
+    __tablename__ = "online_steps"
+    __table_args__ = (UniqueConstraint("run_id", "step"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    # selected -> ready (its state and samples arrived) -> passed | failed
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    selected_ms: Mapped[int] = mapped_column(BigInteger)
+    state_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    has_samples: Mapped[bool] = mapped_column(Boolean, default=False)
+    round_id: Mapped[int | None] = mapped_column(ForeignKey("rounds.id"), nullable=True)
+    failure: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
 class Job(Base):
     """A unit of verification work in the queue: certify a submission, or re-challenge a run."""
 
     __tablename__ = "jobs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
-    kind: Mapped[str] = mapped_column(String(16))  # certify | rechallenge
+    kind: Mapped[str] = mapped_column(String(16))  # certify | rechallenge | online
     count: Mapped[int] = mapped_column(Integer)
     requested_by: Mapped[int | None] = mapped_column(ForeignKey("accounts.id"), nullable=True, index=True)
     status: Mapped[str] = mapped_column(String(16), index=True)  # queued | running | done | failed

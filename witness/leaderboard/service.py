@@ -17,9 +17,13 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from ..beacon.service import Beacon, BeaconRefused
+from ..bundle.layout import MAX_RECORD_BYTES, STATEMENTS
 from ..bundle.reader import open_bundle
+from ..bundle.schema import parse_online
+from ..commit.beacon import BeaconStatement, selected_steps
 from ..commit.dsse import read_json_or_envelope
 from ..commit.hashing import canonical_json, from_hex, leaf_hash, parse_canonical_json, same
+from ..commit.log import RunLog
 from ..commit.merkle import verify_consistency
 from ..commit.signing import (
     SignedTreeHead,
@@ -31,7 +35,19 @@ from ..commit.signing import (
 from ..errors import VerificationError
 from ..verify.challenges import challenges_needed
 from . import queue
-from .db import Account, Head, Job, Run, Track, make_engine, migrate, now_ms, sessions
+from .db import (
+    Account,
+    Head,
+    Job,
+    LogLine,
+    OnlineStep,
+    Run,
+    Track,
+    make_engine,
+    migrate,
+    now_ms,
+    sessions,
+)
 from .store import DEFAULT_MAX_UPLOAD, EVALUATION, Store
 from .tracks import DEFAULT_TRACKS, TrackSpec
 
@@ -228,12 +244,17 @@ class Leaderboard:
         return run
 
     def add_head(self, s: Session, acct: Account, run_id: int, tree_head: object, consistency: list,
-                 manifest: str | None) -> Head:
-        """Stamp a streamed tree head, after checking its signature and that it extends the last one."""
+                 manifest: str | None, records: list | None = None) -> Head:
+        """Stamp a streamed tree head, after checking its signature and that it extends the last one.
+
+        A run with online challenges sends the log's records the head newly covers (``records``):
+        the server's workers replay its selected steps against them while it trains."""
         run = self.run(s, run_id)
         if run.account_id != acct.id:
             raise ApiError(403, f"run {run_id} belongs to another account")
         if run.status != "ticketed":
+            if run.status == "rejected":
+                raise ApiError(409, f"run {run_id} was rejected: {run.reason}")
             raise ApiError(409, f"run {run_id} was submitted already; its log is closed")
         try:
             head = SignedTreeHead.from_json(tree_head)
@@ -245,7 +266,12 @@ class Leaderboard:
             raise ApiError(400, "the tree head's timestamp lies before the ticket was issued or in the future")
         prev = s.scalar(select(Head).where(Head.run_id == run.id).order_by(Head.size.desc()).limit(1))
         if prev is None:
-            self._check_first_head(s, run, acct, head, manifest)
+            m = self._check_first_head(s, run, acct, head, manifest)
+            if records:
+                raise ApiError(400, "the first streamed head covers the manifest alone: it comes with no records")
+            if m.get("online") is not None:
+                run.online_p = m["online"]["p"]
+                s.add(LogLine(run_id=run.id, position=0, line=manifest))
         else:
             if not isinstance(consistency, list) or len(consistency) > MAX_CONSISTENCY_HASHES:
                 raise ApiError(400, "consistency must be a list of at most 64 hex hashes")
@@ -257,15 +283,39 @@ class Leaderboard:
                                     f"(size {prev.size}): {e}") from None
             if head.size == prev.size:
                 return prev  # the same head again: nothing new to stamp
+            if run.online_p is not None:
+                self._add_records(s, run, prev.size, head, records)
+            elif records:
+                raise ApiError(400, "only a run with online challenges streams its records")
         row = Head(run_id=run.id, size=head.size, root=head.root.hex(),
                    head_json=canonical_json(head.to_json()).decode(), received_ms=t)
         s.add(row)
         s.commit()
         return row
 
+    def _add_records(self, s: Session, run: Run, prev_size: int, head: SignedTreeHead, records: list | None) -> None:
+        """Keep the records a head of an online run newly covers, after checking that they are the
+        ones it signs (the log the server holds then hashes to the head's root)."""
+        want = head.size - prev_size
+        if not isinstance(records, list) or len(records) != want:
+            raise ApiError(400, f"a run with online challenges streams the records each head newly covers: this head "
+                                f"covers {want} more, and {len(records or [])} came with it")
+        new = []
+        for i, r in enumerate(records):
+            if not isinstance(r, str) or "\n" in r or len(r) > MAX_RECORD_BYTES:
+                raise ApiError(400, f"record {prev_size + i} is not one log line of at most {MAX_RECORD_BYTES} bytes")
+            new.append(r.encode())
+        lines = [x.encode() for x in s.scalars(select(LogLine.line).where(LogLine.run_id == run.id)
+                                               .order_by(LogLine.position))]
+        if len(lines) != prev_size:
+            raise ApiError(409, f"the server holds {len(lines)} records of run {run.id}, not the last head's {prev_size}")
+        if not same(RunLog(lines + new).root(head.size), head.root):
+            raise ApiError(400, "the records sent are not the ones the tree head signs")
+        s.add_all(LogLine(run_id=run.id, position=prev_size + i, line=r) for i, r in enumerate(records))
+
     def stamp(self, s: Session, head: Head, consistency: list, manifest: str | None) -> dict:
         """The beacon's signed statement for a head the server stamped (its randomness selects the
-        steps of the head's window for online challenges)."""
+        steps of the head's window for online challenges, which the run then uploads)."""
         first = s.scalar(select(Head).where(Head.run_id == head.run_id, Head.size == 1))
         if first is None:
             raise ApiError(409, "the run's first streamed head is missing")
@@ -273,10 +323,66 @@ class Leaderboard:
             st = self.beacon.stamp(s, json.loads(head.head_json), consistency, manifest, first.root)
         except BeaconRefused as e:
             raise ApiError(e.status, e.message) from None
+        run = s.get(Run, head.run_id)
+        if run is not None and run.online_p is not None:
+            self._select(s, run, st)
         return st.to_json()
 
-    def _check_first_head(self, s: Session, run: Run, acct: Account, head: SignedTreeHead, manifest: str | None) -> None:
-        """The first streamed head covers exactly the manifest, which must use this ticket and track."""
+    def _select(self, s: Session, run: Run, st: BeaconStatement) -> None:
+        """Note the steps a statement selects (once: the same head again gets the same statement)."""
+        planned = json.loads(s.get(LogLine, (run.id, 0)).line)["steps_planned"]
+        have = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id)))
+        t = now_ms()
+        s.add_all(OnlineStep(run_id=run.id, step=n, status="selected", selected_ms=t, has_samples=False)
+                  for n in selected_steps(st, run.online_p, planned) if n not in have)  # type: ignore[arg-type]
+        s.commit()
+
+    def statements(self, s: Session, run: Run, up_to: int | None = None) -> list[bytes]:
+        """The beacon's statements for a run, in order, as canonical JSON lines (those of heads of at
+        most ``up_to`` records, if given)."""
+        first = s.scalar(select(Head).where(Head.run_id == run.id, Head.size == 1))
+        if first is None:
+            return []
+        try:
+            found = self.beacon.run(s, first.root)
+        except BeaconRefused:
+            return []
+        return [canonical_json(st) for st in found["statements"] if up_to is None or st["size"] <= up_to]
+
+    def upload_online(self, s: Session, acct: Account, run_id: int, kind: str, step: int, path: Path,
+                      sha256: str) -> OnlineStep:
+        """Keep the state before a selected step, or its batch's samples, uploaded while the run
+        trains; once both are here the step is queued for replay. Each is taken once."""
+        run = self.run(s, run_id)
+        if run.account_id != acct.id:
+            raise ApiError(403, f"run {run_id} belongs to another account")
+        if run.online_p is None:
+            raise ApiError(409, f"run {run_id} takes no online challenges")
+        if run.status != "ticketed":
+            raise ApiError(409, f"run {run_id} is {run.status}: its online uploads are closed")
+        row = s.scalar(select(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.step == step)) \
+            if type(step) is int else None
+        if row is None:
+            raise ApiError(404, f"the beacon selected no step {step} of run {run_id}")
+        if (row.state_sha256 if kind == "states" else row.has_samples):
+            raise ApiError(409, f"the {'state' if kind == 'states' else 'samples'} of step {step} came already")
+        self.store.keep_online(run.id, kind, step, sha256, path)
+        if kind == "states":
+            row.state_sha256 = sha256
+        else:
+            row.has_samples = True
+        if row.state_sha256 and row.has_samples and row.status == "selected":
+            row.status = "ready"
+            waiting = s.scalar(select(Job.id).where(Job.run_id == run.id, Job.kind == "online",
+                                                    Job.status == "queued").limit(1))
+            if waiting is None:
+                queue.enqueue(s, run.id, "online", 1)
+        s.commit()
+        return row
+
+    def _check_first_head(self, s: Session, run: Run, acct: Account, head: SignedTreeHead, manifest: str | None) -> dict:
+        """The first streamed head covers exactly the manifest, which must use this ticket and track;
+        returns the manifest."""
         if head.size != 1 or not isinstance(manifest, str):
             raise ApiError(400, "the first streamed head must be the manifest's (size 1), sent with the manifest")
         line = manifest.encode()
@@ -287,6 +393,7 @@ class Leaderboard:
         except (VerificationError, ValueError) as e:  # ValueError: not canonical JSON
             raise ApiError(400, f"manifest: {e}") from None
         self._check_manifest(s, run, acct, m)
+        return m  # type: ignore[return-value]
 
     def _check_manifest(self, s: Session, run: Run, acct: Account, m: object) -> None:
         track = self.track(s, run.track)
@@ -300,6 +407,18 @@ class Leaderboard:
             raise ApiError(400, f"the run's recipe is not track {track.name!r}'s ({track.task} {track.config_json})")
         if m.get("data_root") != track.data_root:
             raise ApiError(400, "the run's data root is not the track's")
+        online = m.get("online")
+        if online is not None:
+            try:
+                online = parse_online(online, "manifest.online")
+            except (VerificationError, ValueError) as e:
+                raise ApiError(400, f"manifest: {e}") from None
+            if m.get("state_every") != 1:
+                raise ApiError(400, "a run with online challenges commits its state at every step (state_every 1)")
+        if track.online_p is not None and (online is None or online["p"] < track.online_p):
+            got = "none" if online is None else f"p = {online['p']:g}"
+            raise ApiError(400, f"track {track.name!r} requires online challenges with p >= {track.online_p:g} (the run "
+                                f"takes {got}): train with `witness train --leaderboard URL --track {track.name}`")
 
     def heads(self, s: Session, run_id: int) -> list[Head]:
         """The heads streamed for a run, in order."""
@@ -356,6 +475,10 @@ class Leaderboard:
                 s.rollback()
                 raise ApiError(409, f"run {run.id} was submitted already")
             (staging / EVALUATION).write_bytes(canonical_json(cert) + b"\n")
+            if run.online_p is not None:
+                # The server's own statements, not the trainer's copy: none can have been left out.
+                (bundle_dir / STATEMENTS).parent.mkdir(parents=True, exist_ok=True)
+                (bundle_dir / STATEMENTS).write_bytes(b"".join(line + b"\n" for line in self.statements(s, run)))
             self.store.accept(run.id, archive, staging)
             staging = None
             fh = bundle.final_head

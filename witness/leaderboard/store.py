@@ -55,6 +55,26 @@ class Store:
         """The plots drawn when the run was verified."""
         return self.run_dir(run_id) / "plots"
 
+    def online_file(self, run_id: int, kind: str, step: int, sha256: str) -> Path:
+        """An upload of a run with online challenges: the state before a selected step
+        (``kind`` "states") or its batch's samples ("samples"), named by its SHA-256 too, so
+        that a file is never replaced under the row that names it."""
+        suffix = "safetensors" if kind == "states" else "json"
+        return self.root / "online" / str(int(run_id)) / kind / f"{int(step):08d}.{sha256}.{suffix}"
+
+    def keep_online(self, run_id: int, kind: str, step: int, sha256: str, upload: Path) -> Path:
+        """Move a received online upload to its place (before the row that names it is committed)."""
+        if kind not in ("states", "samples") or len(sha256) != 64:
+            raise ValueError(f"not an online upload: {kind} {sha256}")
+        dest = self.online_file(run_id, kind, step, sha256)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(upload, dest)
+        return dest
+
+    def leaves_file(self, data_root: str) -> Path:
+        """Where a track's dataset leaves are kept once written (named by the data root they commit)."""
+        return self.root / "leaves" / f"{data_root}.leaves"
+
     async def receive(self, chunks: AsyncIterator[bytes], limit: int) -> tuple[Path, str, int]:
         """Stream an upload to a temporary file; (path, sha256, bytes). Stops at ``limit`` bytes."""
         fd, name = _mkstemp(self.root / "incoming")
@@ -162,11 +182,18 @@ def _unpack(archive: Path, dest: Path, limit: int) -> None:
         raise MalformedInput("the archive has no bundle/ folder")
 
 
-def pack(bundle_dir: str | os.PathLike, out: str | os.PathLike, evaluation: str | os.PathLike | None = None) -> Path:
-    """Pack a bundle (and its evaluation certificate) the way the server expects it."""
+def pack(bundle_dir: str | os.PathLike, out: str | os.PathLike, evaluation: str | os.PathLike | None = None,
+         leave_out: frozenset[str] = frozenset()) -> Path:
+    """Pack a bundle (and its evaluation certificate) the way the server expects it, less the
+    files named in ``leave_out`` (paths relative to the bundle)."""
     out = Path(out)
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        rel = info.name.removeprefix("bundle").lstrip("/")
+        return None if rel in leave_out else _plain(info)
+
     with tarfile.open(out, "w") as tf:
-        tf.add(str(bundle_dir), arcname="bundle", recursive=True, filter=_plain)
+        tf.add(str(bundle_dir), arcname="bundle", recursive=True, filter=keep)
         if evaluation is not None:
             tf.add(str(evaluation), arcname=EVALUATION, filter=_plain)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..commit.beacon import p_needed
 from ..commit.hashing import canonical_json
 from ..task.registry import build_task
 
@@ -19,6 +20,9 @@ class TrackSpec:
     metric: str = "mean_loss"
     higher_is_better: bool = False
     description: str = ""
+    # Online challenges required, with at least this selection probability (None: not required;
+    # a run that takes them from this server's beacon is audited online either way).
+    online_p: float | None = None
 
     def resolve(self) -> dict:
         """The row the database stores: exact recipe, dataset root, evaluation split."""
@@ -34,8 +38,12 @@ class TrackSpec:
             "metric": self.metric,
             "higher_is_better": self.higher_is_better,
             "description": self.description,
+            "online_p": self.online_p,
         }
 
+
+# 99 % against 5 % bad steps over the tiny recipe's 60 steps: 1 - 0.01^(1/3) = 0.785
+ONLINE_P_TINY = p_needed(0.99, 0.05, 60)
 
 DEFAULT_TRACKS = (
     TrackSpec("tinygpt-stdlib-300", "tinygpt", {"steps": 300}, "bits_per_byte", False,
@@ -43,11 +51,15 @@ DEFAULT_TRACKS = (
               "ranked by bits per byte on held-out stdlib files"),
     TrackSpec("tiny-mlp", "tiny", {}, "accuracy", True,
               "two-layer perceptron on a synthetic teacher, 60 steps; ranked by held-out accuracy"),
+    TrackSpec("tiny-mlp-online", "tiny", {}, "accuracy", True,
+              "the tiny-mlp recipe, audited online: the server's beacon selects steps while the run trains and its "
+              "workers replay them as their states arrive", online_p=ONLINE_P_TINY),
 )
 
 
 def parse_track(text: str) -> TrackSpec:
-    """``NAME=TASK[:KEY=VALUE,...][@METRIC[+|-]]``, e.g. ``quick=tiny:steps=20@accuracy+``."""
+    """``NAME=TASK[:KEY=VALUE,...][@METRIC[+|-]]``, e.g. ``quick=tiny:steps=20@accuracy+``; the field
+    ``online=P`` is not the recipe's: it requires online challenges with at least probability P."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
         raise ValueError(f"a track is NAME=TASK[:KEY=VALUE,...][@METRIC+|-], not {text!r}")
@@ -64,5 +76,9 @@ def parse_track(text: str) -> TrackSpec:
             config[k] = v
     higher = metric.endswith("+")
     metric = metric.rstrip("+-") or ("accuracy" if higher else "mean_loss")
+    online = config.pop("online", None)
+    if online is not None and (type(online) not in (int, float) or not 0 < online <= 1):
+        raise ValueError(f"online=P takes a probability in (0, 1], not {online!r}")
     build_task(task, config)  # fails now, not at the first submission
-    return TrackSpec(name, task, config, metric, higher, f"{task} with {config or 'its default recipe'}")
+    about = f"{task} with {config or 'its default recipe'}" + (f", audited online (p >= {online:g})" if online else "")
+    return TrackSpec(name, task, config, metric, higher, about, None if online is None else float(online))

@@ -30,7 +30,7 @@ from ..verify.audit import verify_bundle
 from ..verify.challenges import detection_probability
 from . import queue
 from .certification import record_decision
-from .db import Account, ChallengeRow, Head, Job, Round, Run, Track, now_ms
+from .db import Account, ChallengeRow, Head, Job, OnlineStep, Round, Run, Track, now_ms
 from .service import Leaderboard
 from .store import EVALUATION
 
@@ -53,6 +53,10 @@ def _verdict_rows(verdict) -> list[ChallengeRow]:  # noqa: ANN001 - Verdict or N
 
 def process(lb: Leaderboard, job: Job, worker: str) -> None:
     """Run one claimed job to its end and record the outcome (commits)."""
+    if job.kind == "online":
+        from .online import process_online
+
+        return process_online(lb, job, worker)
     with lb.Session() as s:
         job = s.get(Job, job.id)
         run = s.get(Run, job.run_id)
@@ -65,11 +69,18 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             s.commit()
         nonce = lb.randomness(16)
         bundle, verdict, failures = None, None, []
+        # A run that took online challenges from this server's beacon is certified by the online
+        # audit, less the selected steps its workers replayed while it trained; re-challenges are
+        # drawn after the fact, as for every run.
+        online = job.kind == "certify" and run.online_p is not None
+        replayed = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id,
+                                                               OnlineStep.status == "passed"))) if online else set()
         try:  # opened (parsed, every hash and signature checked) once, for the audit, evaluation and plots
             bundle = open_bundle(lb.store.bundle_dir(run.id), acct.public_key)
-            verdict = verify_bundle(bundle, challenges=job.count, bad_fraction=lb.settings.bad_fraction,
-                                    nonce=nonce, public_key=acct.public_key, published_heads=heads,
-                                    ticket=bytes.fromhex(run.r))
+            how = {"mode": "online", "beacon_key": lb.public_key, "skip": replayed} if online else \
+                {"challenges": job.count, "nonce": nonce}
+            verdict = verify_bundle(bundle, bad_fraction=lb.settings.bad_fraction, public_key=acct.public_key,
+                                    published_heads=heads, ticket=bytes.fromhex(run.r), **how)
         except RunRejected as e:
             verdict, failures = e.verdict, list(e.failures)
         except MalformedInput as e:
@@ -100,7 +111,11 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             run.decided_ms = now_ms()
         elif run.status == "certified":  # a round queued before a revocation adds nothing to it
             run.challenges_passed += rnd.count
-            run.bound = run_bound(lb, run.challenges_passed, run.steps or 0, run.bound == 1.0 or rnd.count >= (run.steps or 0))
+            if run.online_p is not None:  # independent rounds: a bad run escapes all of them
+                run.bound = 1.0 - (1.0 - (run.bound or 0.0)) * (1.0 - rnd.bound)
+            else:
+                run.bound = run_bound(lb, run.challenges_passed, run.steps or 0,
+                                      run.bound == 1.0 or rnd.count >= (run.steps or 0))
         s.flush()
         if job.kind == "certify" or run.status in ("certified", "revoked"):
             record_decision(lb, s, run, rnd, verdict, bundle)  # the server signs every decision it makes
@@ -146,7 +161,8 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
     else:
         run.status, run.reason = "certified", None
         run.challenges_passed = verdict.challenges
-        run.bound = run_bound(lb, verdict.challenges, verdict.steps, verdict.challenges >= verdict.steps)
+        run.bound = verdict.detection_probability if verdict.online else \
+            run_bound(lb, verdict.challenges, verdict.steps, verdict.challenges >= verdict.steps)
 
 
 def run_bound(lb: Leaderboard, challenges: int, steps: int, every_step: bool) -> float:

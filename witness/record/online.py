@@ -50,6 +50,9 @@ class BeaconLink(Protocol):
     def check(self, obj: object, log: RunLog) -> BeaconStatement:
         """A statement of this beacon for the run, parsed and its signature checked."""
 
+    # A link may also have ``publish(kind, step, path)``: each file kept for a selected step is
+    # passed to it once written (a leaderboard replays the step while the run trains).
+
 
 @dataclass(frozen=True)
 class OnlineSpec:
@@ -122,7 +125,8 @@ class OnlineChallenges:
         self._buffers = StatePool()
         self.waits, self.wait_seconds, self.written, self.bytes_written, self.rebuilt = 0, 0.0, 0, 0, 0
         self.peak_ring = 0
-        self.copy_seconds = self.write_seconds = 0.0  # copies on the training thread; writes in the background
+        # copies on the training thread; writes and uploads (to a leaderboard) in the background
+        self.copy_seconds = self.write_seconds = self.publish_seconds = 0.0
 
     # --- statements -----------------------------------------------------------------------
     def load(self) -> None:
@@ -251,6 +255,15 @@ class OnlineChallenges:
         tmp.replace(path)
         self.bytes_written += path.stat().st_size
         self.write_seconds += time.perf_counter() - started
+        self._publish("samples", t, path)
+
+    def _publish(self, kind: str, step: int, path: Path) -> None:
+        """Pass a kept file to the link, if it takes them (what it costs is the upload's time)."""
+        publish = getattr(self.link, "publish", None)
+        if publish is not None:
+            started = time.perf_counter()
+            publish(kind, step, path)
+            self.publish_seconds += time.perf_counter() - started
 
     def _write(self, n: int, state: dict[str, torch.Tensor]) -> None:
         """The state after ``n`` updates."""
@@ -259,11 +272,18 @@ class OnlineChallenges:
         self.written += 1
         self.bytes_written += (self.out / online_state_name(n)).stat().st_size
         self.write_seconds += time.perf_counter() - started
+        if n in self.selected:  # the state before a selected step (the one after it serves tolerance mode)
+            self._publish("states", n, self.out / online_state_name(n))
+
+    def wait(self) -> None:
+        """Wait until every head sent so far is answered and what it selected is written (and passed
+        to the link); raises what the beacon or a write raised."""
+        while self._pending:
+            self._pending.popleft().result()
 
     def finish(self) -> None:
         """Wait for every statement; every selected state must then be written."""
-        while self._pending:
-            self._pending.popleft().result()
+        self.wait()
         self._worker.shutdown()
         if self.wanted:
             raise RuntimeError(f"selected steps {sorted(self.wanted)[:10]} have no kept state: they were lost and "
@@ -278,4 +298,4 @@ class OnlineChallenges:
         return {"statements": len(self.statements), "selected": len(self.selected), "written": self.written,
                 "bytes_written": self.bytes_written, "rebuilt": self.rebuilt, "waits": self.waits,
                 "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring, "copy_seconds": self.copy_seconds,
-                "write_seconds": self.write_seconds}
+                "write_seconds": self.write_seconds, "publish_seconds": self.publish_seconds}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -204,6 +204,7 @@ def verify_bundle(
     leaves: str | os.PathLike | None = None,
     beacon_key: str | None = None,
     progress: bool = False,
+    skip: Collection[int] = (),
 ) -> Verdict:
     """Audit a bundle. Returns an accepted verdict or raises a ``VerificationError``.
 
@@ -219,7 +220,9 @@ def verify_bundle(
 
     ``mode="online"`` replays the steps that the statements of the beacon whose key is
     ``beacon_key`` (hex; the verifier's choice, never the bundle's) selected while the run trained,
-    from the states the trainer kept for them; ``challenges`` and ``nonce`` play no part.
+    from the states the trainer kept for them; ``challenges`` and ``nonce`` play no part. ``skip``
+    names selected steps not to replay now: a leaderboard replayed them from the same commitments
+    as their states arrived while the run trained (or replays them when their states arrive).
     """
     started = time.perf_counter()
     if mode not in ("offline", "interactive", "online"):
@@ -280,14 +283,14 @@ def verify_bundle(
 
     with use_threads(m.threads, threads, notes) as used_threads:
         return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
-                      checks, used_threads, started, progress, confidence, device, leaves, beacon_key)
+                      checks, used_threads, started, progress, confidence, device, leaves, beacon_key, set(skip))
 
 
 def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | Response | None, exact: bool,
            thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
            notes: list[str], checks: list[str], threads: int, started: float, progress: bool,
            confidence: float | None, device: str, leaves_path: str | os.PathLike | None,
-           beacon_key: str | None) -> Verdict:
+           beacon_key: str | None, skip: set[int]) -> Verdict:
     m = bundle.manifest
     local: LocalSamples | None = None
     online = check_statements(bundle, beacon_key) if mode == "online" else None
@@ -314,15 +317,19 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         drawn = draw_challenges(bundle.final_head, nonce, n, challenges, length)
         bound = detection_probability(f, len(drawn), n)
     else:
-        drawn = [ReplayChallenge(t, 1) for t in online.selected]
+        drawn = [ReplayChallenge(t, 1) for t in online.selected if t not in skip]
         bound = online_bound(online.p, f, n, len(online.unaudited))
         checks.append(online.describe())
+        if skip & set(online.selected):
+            checks.append(f"{len(skip & set(online.selected))} selected step(s) replayed apart from this audit, "
+                          "as their states arrived")
         if online.unaudited:
             notes.append(f"steps {online.unaudited.start}..{online.unaudited.stop - 1} have no beacon statement: not "
                          "audited online (the bound counts them as bad steps the audit cannot see)")
     verdict = Verdict(
         accepted=False, mode=mode, exact=exact, task=m.task, steps=n, complete=bundle.complete,
-        signer=key_fingerprint(m.public_key), challenges=len(drawn), bad_fraction=f,
+        signer=key_fingerprint(m.public_key), challenges=len(drawn) if online is None else len(online.selected),
+        bad_fraction=f,
         detection_probability=bound, nonce=nonce.hex() if online is None else "",
         notes=notes, checks=checks, thresholds={} if exact else limits,
         state_every=m.state_every, threads=threads, confidence=confidence,
@@ -341,7 +348,13 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         # Offline replay starts from checkpoints; exact replay may end on any committed hash, while
         # tolerance mode needs the committed tensors at the end, so it replays to a checkpoint.
         plan = SegmentPlan(checkpoints, committed if exact else checkpoints)
-        replayer = Replayer(bundle, task, local, CheckpointStates(bundle), plan, exact, limits, device)  # type: ignore[arg-type]
+        states: CheckpointStates | OnlineStates = CheckpointStates(bundle)
+        if bundle.missing_checkpoints:
+            # An online run that left out checkpoints: replay starts from any state it holds (the
+            # selected steps' states are committed by hash, as every state of an online run is).
+            held = bundle.held_states()
+            plan, states = SegmentPlan(held, committed if exact else held), OnlineStates(bundle)
+        replayer = Replayer(bundle, task, local, states, plan, exact, limits, device)  # type: ignore[arg-type]
     elif mode == "online":
         if leaves is None:
             raise MalformedInput("the online audit needs the dataset's leaves (the bundle's dataset.leaves or "

@@ -1,0 +1,214 @@
+"""Leaderboard tracks that require online challenges: the server's workers replay the selected
+steps while the run trains, a failed one rejects the run at once, and the submission carries no
+intermediate checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import tarfile
+
+import pytest
+from fastapi.testclient import TestClient
+from lbhelpers import Authed, make_settings, register
+from sqlalchemy import select
+
+from witness.leaderboard import client as C
+from witness.leaderboard.app import create_app
+from witness.leaderboard.db import OnlineStep, Run
+from witness.leaderboard.service import Leaderboard
+from witness.leaderboard.tracks import parse_track
+from witness.leaderboard.worker import work
+
+ONLINE = "live=tiny:steps=100,online=0.5@accuracy+"  # the trainer's default p at 100 steps: 0.60
+EVERY_STEP = "all=tiny:steps=20,online=1.0@accuracy+"  # p = 1: every step is selected (deterministic tests)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def server(request, tmp_path):
+    """A leaderboard with two online tracks and the after-the-fact quick track."""
+    settings = make_settings(request.param, tmp_path, tracks=(parse_track(ONLINE), parse_track(EVERY_STEP),
+                                                               parse_track("quick=tiny:steps=20@accuracy+")))
+    lb = Leaderboard(settings)
+    with TestClient(create_app(lb=lb)) as tc:
+        yield lb, tc
+    lb.engine.dispose()
+
+
+def _train(tc, trainer, track, out, lr_factor=None, checkpoint_every=5):
+    return C.train_ticketed(Authed(tc, trainer.token), track, trainer.key, out, checkpoint_every=checkpoint_every,
+                            online=True, lr_factor=lr_factor)[0]
+
+
+def _steps(lb, run_id) -> dict[int, str]:
+    with lb.Session() as s:
+        return {r.step: r.status for r in s.scalars(select(OnlineStep).where(OnlineStep.run_id == run_id))}
+
+
+def test_selected_steps_are_replayed_before_submission_and_not_again(server, tmp_path):
+    lb, tc = server
+    alice = register(tc, "alice")
+    run_id = _train(tc, alice, "live", tmp_path / "run", checkpoint_every=2)
+    steps = _steps(lb, run_id)
+    assert steps and set(steps.values()) == {"ready"}  # every selected state and batch arrived while training
+    # the statements select what the bundle kept, with the track's p
+    bundle = tmp_path / "run"
+    kept = sorted(int(p.name[:8]) for p in (bundle / "online" / "samples").iterdir())
+    assert kept == sorted(steps)
+    assert json.loads((bundle / "log.jsonl").read_text().split("\n")[0])["online"]["p"] >= 0.5
+    # the workers replay them while the run is still open (here: before it is submitted)
+    assert work(lb, once=True) >= 1
+    r = tc.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "ticketed" and r["online"]["verified"] == len(steps) and r["online"]["failed"] == 0
+    page = tc.get("/tracks/live").text
+    assert f"{len(steps)} of {len(steps)} selected step(s) verified" in page and "required, with p ≥ 0.5" in page
+    hist = tc.get(f"/api/runs/{run_id}/challenges").json()
+    assert {h["kind"] for h in hist} == {"online"} and all(h["passed"] for h in hist)
+    assert sorted(c["step"] for h in hist for c in h["challenges"]) == sorted(steps)
+    # the submission leaves out the intermediate checkpoints that the online audit does not need
+    cert = C.write_evaluation(bundle, alice.key, tmp_path / "eval.json")
+    leave_out = C.online_leave_out(bundle)
+    # kept: the initial and final checkpoints, and those that end a selected step (tolerance mode)
+    assert leave_out == {f"checkpoints/{k:08d}.safetensors" for k in range(2, 100, 2) if k - 1 not in steps}
+    assert leave_out  # (all 49 kept only if all of steps 1, 3, .., 97 were selected: p = 0.6^49)
+    out = C.submit(Authed(tc, alice.token), bundle, cert)
+    assert work(lb, once=True) == 1
+    r = tc.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "certified", r["reason"]
+    v = r["verdict"]
+    assert v["mode"] == "online" and v["challenges"] == len(steps) and v["replayed_steps"] == 0
+    assert any("replayed apart from this audit" in c for c in v["checks"])
+    assert r["bound"] == v["detection_probability"] >= 0.99
+    tar = tarfile.open(fileobj=io.BytesIO(tc.get(f"/runs/{out['run_id']}/download/submission.tar").content))
+    names = set(tar.getnames())
+    assert not {f"bundle/{n}" for n in leave_out} & names and "bundle/checkpoints/00000100.safetensors" in names
+    # a re-challenge after the fact still works: it replays from the states the submission holds
+    job = C.challenge(Authed(tc, alice.token), run_id, 5)
+    assert work(lb, once=True) == 1
+    rnd = C.wait_round(Authed(tc, alice.token), run_id, job["job_id"], timeout=5)
+    assert rnd["passed"], rnd["detail"]
+    assert tc.get(f"/api/runs/{run_id}").json()["bound"] >= r["bound"]
+
+
+def _online_recorder(tc, trainer, track, out, link=C.LeaderboardBeacon, p=1.0):
+    """A recorder on a ticket of ``track`` that takes online challenges from the leaderboard."""
+    from witness.record import Recorder
+    from witness.record.online import OnlineSpec
+    from witness.task import build_task
+
+    a = Authed(tc, trainer.token)
+    tk = C.ticket(a, track)
+    task = build_task(tk["task"], tk["config"])
+    return Recorder.create(task, out, trainer.key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=5,
+                           beacon=link(a, tk["run_id"]), online=OnlineSpec.for_steps(task.config.steps, p=p))
+
+
+def _steps_of(rec, steps, factor=lambda t: 1.0):
+    for t in steps:
+        out = rec.task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t) * factor(t), rec.step_seed(t))
+        rec.log_step(t, dataclasses.replace(out, lr=rec.lr(t)))
+
+
+def test_a_bad_step_rejects_the_run_while_it_trains(server, tmp_path):
+    lb, tc = server
+    mallory = register(tc, "mallory")
+    # every step is selected (p = 1); steps 6.. are trained with a secretly larger learning rate
+    rec = _online_recorder(tc, mallory, "all", tmp_path / "run")
+    _steps_of(rec, range(12), lambda t: 3.0 if t >= 6 else 1.0)
+    rec.online.wait()  # the heads up to step 10's checkpoint are answered, their states uploaded
+    assert work(lb, once=True) == 1  # the server's worker replays them while the run is still training
+    with pytest.raises(C.BeaconError, match="rejected: online challenge failed while the run trained"):
+        _steps_of(rec, range(12, 20))
+        rec.finish()
+    with lb.Session() as s:
+        run = s.scalars(select(Run)).one()
+    assert run.status == "rejected" and "step 6" in run.reason
+    assert run.submitted_ms is not None and run.statement  # decided, in public, and signed by the server
+    steps = _steps(lb, run.id)
+    assert steps[5] == "passed" and steps[6] == "failed"
+    page = tc.get(f"/runs/{run.id}").text
+    assert "online challenge failed while the run trained" in page and "failed" in page
+    # the server's signed decision names the uploaded state it failed from
+    env = tc.get(f"/api/runs/{run.id}/certification").json()
+    from witness.leaderboard.certification import check_certification
+
+    cert = check_certification(env, lb.public_key)
+    assert cert.decision == "rejected" and cert.subjects[0]["name"].endswith("state-00000006.safetensors")
+
+
+def test_a_track_requires_online_challenges_with_its_least_p(server, tmp_path):
+    lb, tc = server
+    bob = register(tc, "bob")
+    # without online challenges: the first head is refused
+    with pytest.raises(C.LeaderboardError, match="requires online challenges with p >= 0.5"):
+        C.train_ticketed(Authed(tc, bob.token), "live", bob.key, tmp_path / "a", checkpoint_every=5)
+    # with a lower p than the track's
+    from witness.record import Recorder
+    from witness.record.online import OnlineSpec
+    from witness.task import build_task
+
+    tk = C.ticket(Authed(tc, bob.token), "live")
+    link = C.LeaderboardBeacon(Authed(tc, bob.token), tk["run_id"])
+    rec = Recorder.create(build_task("tiny", tk["config"]), tmp_path / "b", bob.key, r=bytes.fromhex(tk["r"]),
+                          r_source="ticket", checkpoint_every=5, beacon=link, online=OnlineSpec.for_steps(100, p=0.1))
+    with pytest.raises(C.BeaconError, match="p >= 0.5"):
+        rec.online.wait()  # the first head's answer: the training stops at the next step
+    rec.online.close()
+
+
+def test_uploads_are_taken_only_for_selected_steps_once_and_by_the_owner(server, tmp_path):
+    lb, tc = server
+    alice, eve = register(tc, "alice"), register(tc, "eve")
+    rec = _online_recorder(tc, alice, "live", tmp_path / "run", p=0.6)
+    _steps_of(rec, range(20))
+    rec.online.wait()
+    run_id = rec.online.link.run_id
+    steps = _steps(lb, run_id)
+    chosen = min(steps)
+    other = min(set(range(20)) - set(steps))
+    state = (tmp_path / "run" / "online" / "states" / f"{chosen:08d}.safetensors").read_bytes()
+    a, e = Authed(tc, alice.token), Authed(tc, eve.token)
+    url = f"/api/runs/{run_id}/online/states"
+    assert tc.put(f"{url}/{chosen}", content=state, headers=e.headers).status_code == 403
+    again = tc.put(f"{url}/{chosen}", content=state, headers=a.headers)
+    assert again.status_code == 409 and "came already" in again.json()["detail"]  # taken once
+    refused = tc.put(f"{url}/{other}", content=state, headers=a.headers)
+    assert refused.status_code == 404 and "selected no step" in refused.json()["detail"]
+    assert tc.put(f"/api/runs/{run_id}/online/other/{chosen}", content=b"x", headers=a.headers).status_code == 400
+    assert tc.put(f"{url}/{chosen}", content=state).status_code == 401
+    # a run of an after-the-fact track takes no online uploads
+    tk = C.ticket(a, "quick")
+    assert tc.put(f"/api/runs/{tk['run_id']}/online/states/0", content=b"x", headers=a.headers).status_code == 409
+    rec.online.close()
+
+
+def test_a_state_from_another_step_is_a_failed_step(server, tmp_path):
+    lb, tc = server
+    alice = register(tc, "alice")
+    swapped = {}
+
+    class Swapping(C.LeaderboardBeacon):
+        """Uploads, for each selected step after the first, the state it uploaded for the one before."""
+
+        def publish(self, kind, step, path):
+            if kind == "states":
+                if swapped.get("last") is not None:
+                    swapped[step] = swapped["last"]
+                    path = path.with_name(f"{swapped['last']:08d}.safetensors")
+                swapped["last"] = step
+            super().publish(kind, step, path)
+
+    rec = _online_recorder(tc, alice, "live", tmp_path / "run", link=Swapping, p=0.6)
+    _steps_of(rec, range(30))
+    rec.online.wait()
+    assert work(lb, once=True) == 1
+    run_id = rec.online.link.run_id
+    steps = _steps(lb, run_id)
+    # a selected step whose step before was not selected is replayed from the state uploaded for it
+    # (after a selected step, replay goes on from the state it checked bit for bit)
+    alone = [t for t in swapped if t != "last" and t - 1 not in steps]
+    assert alone and all(steps[t] == "failed" for t in alone)
+    r = tc.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "rejected" and "does not hash to the committed state" in r["reason"]
+    rec.online.close()

@@ -1,0 +1,180 @@
+"""Online tracks: the server's workers replay the steps its beacon selected while the run trains.
+
+A run with online challenges streams each head with the records it newly covers, and uploads
+the state before every selected step and its batch's samples as the statement arrives. Once both
+are here the step is queued; a worker then builds the run's bundle as far as it is signed (log,
+heads, the server's own statements, the uploads, the track's dataset leaves) and runs the online
+audit on the steps that are ready, skipping the rest. Everything cheap is checked in full again
+each time; a failed step rejects the run at once, in public, while it is still training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from sqlalchemy import select, update
+
+from ..bundle.layout import (
+    HEADS,
+    LEAVES,
+    LOG,
+    MARKER,
+    STATEMENTS,
+    marker_bytes,
+    online_samples_name,
+    online_state_name,
+)
+from ..commit.signing import SignedTreeHead
+from ..errors import RunRejected, VerificationError
+from ..task.registry import build_task
+from ..verify.audit import verify_bundle
+from . import queue
+from .certification import record_decision
+from .db import Account, ChallengeRow, Head, Job, LogLine, OnlineStep, Round, Run, Track, now_ms
+from .service import Leaderboard
+
+
+def _link(src: Path, dest: Path) -> None:
+    """A hard link where the file system allows it (the reader refuses symbolic links), else a copy."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def track_leaves(lb: Leaderboard, track: Track) -> Path:
+    """The track's dataset leaves, written once from the registered task's own dataset."""
+    path = lb.store.leaves_file(track.data_root)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dataset = build_task(track.task, json.loads(track.config_json)).dataset()
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        dataset.leaves.write(tmp, bytes.fromhex(track.data_root))
+        os.replace(tmp, path)
+    return path
+
+
+def live_bundle(lb: Leaderboard, s, run: Run, dest: Path) -> Path:  # noqa: ANN001 - a Session
+    """The run's bundle as far as its streamed heads sign it, with its uploads, under ``dest``.
+
+    The final head is left out: a finished bundle must carry its final checkpoint, which only the
+    submission brings (its last window is replayed by the certification)."""
+    heads = [h for h in s.scalars(select(Head).where(Head.run_id == run.id).order_by(Head.size))
+             if SignedTreeHead.from_json(json.loads(h.head_json)).extensions is None]
+    size = heads[-1].size
+    lines = s.scalars(select(LogLine.line).where(LogLine.run_id == run.id, LogLine.position < size)
+                      .order_by(LogLine.position))
+    dest.mkdir(parents=True)
+    (dest / MARKER).write_bytes(marker_bytes())
+    (dest / LOG).write_bytes(b"".join(line.encode() + b"\n" for line in lines))
+    (dest / HEADS).write_bytes(b"".join(h.head_json.encode() + b"\n" for h in heads))
+    (dest / STATEMENTS).parent.mkdir(parents=True)
+    (dest / STATEMENTS).write_bytes(b"".join(line + b"\n" for line in lb.statements(s, run, size)))
+    for row in s.scalars(select(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.status == "ready")):
+        _link(lb.store.online_file(run.id, "states", row.step, row.state_sha256), dest / online_state_name(row.step))
+        # the samples' file is named by the state's digest too: one upload pair, one name
+        _link(_samples_of(lb, run.id, row.step), dest / online_samples_name(row.step))
+    _link(track_leaves(lb, s.get(Track, run.track)), dest / LEAVES)
+    return dest
+
+
+def _samples_of(lb: Leaderboard, run_id: int, step: int) -> Path:
+    """The samples file uploaded for a step (one per step: a second upload is refused)."""
+    found = sorted((lb.store.online_file(run_id, "samples", step, "0" * 64).parent).glob(f"{step:08d}.*.json"))
+    if not found:
+        raise VerificationError("the samples of this selected step are missing on the server", step=step,
+                                check="online")
+    return found[0]
+
+
+def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
+    """Replay the run's selected steps whose uploads are complete; a failure rejects the run (commits)."""
+    with lb.Session() as s:
+        job = s.get(Job, job.id)
+        run = s.get(Run, job.run_id)
+        ready = list(s.scalars(select(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.status == "ready")
+                               .order_by(OnlineStep.step)))
+        if not ready or run.status != "ticketed":
+            # nothing new, or the run was submitted (its certification replays what is not yet passed)
+            if queue.finish(s, job.id, worker):
+                s.commit()
+            return
+        acct = s.get(Account, run.account_id)
+        others = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id,
+                                                             OnlineStep.status != "ready")))
+        verdict, failures = None, []
+        with tempfile.TemporaryDirectory(dir=lb.store.root / "incoming", prefix="live-") as tmp:
+            try:
+                bundle = live_bundle(lb, s, run, Path(tmp) / "bundle")
+                verdict = verify_bundle(bundle, mode="online", beacon_key=lb.public_key, public_key=acct.public_key,
+                                        ticket=bytes.fromhex(run.r), bad_fraction=lb.settings.bad_fraction,
+                                        skip=others)
+            except RunRejected as e:
+                verdict, failures = e.verdict, list(e.failures)
+            except VerificationError as e:  # MalformedInput too: an upload the audit cannot read
+                failures = [str(e)]
+        # only the steps replayed are decided: a ready step past the live log's last head (the
+        # final window) waits for the certification
+        results = {r.step: r for r in (verdict.results if verdict is not None else [])}
+        passed = not failures
+        replayed = [row for row in ready if row.step in results]
+        if passed and not replayed:
+            if queue.finish(s, job.id, worker):
+                s.commit()
+            return
+        rnd = Round(run_id=run.id, job_id=job.id, kind="online", requested_by=None, nonce="",
+                    count=len(replayed), passed=passed, bound=verdict.detection_probability if verdict else 0.0,
+                    detail="; ".join(failures) if failures else
+                    f"steps {', '.join(str(r.step) for r in replayed)} replayed as their states arrived: all matched",
+                    worker=worker, finished_ms=now_ms())
+        s.add(rnd)
+        s.flush()
+        for row in replayed:
+            r = results[row.step]
+            row.status, row.round_id, row.failure = ("passed" if r.passed else "failed"), rnd.id, r.failure
+            s.add(ChallengeRow(round_id=rnd.id, step=row.step, length=1, passed=r.passed,
+                               distances_json=json.dumps(r.distances), failure=r.failure))
+        if failures:
+            bad = next((row for row in replayed if row.status == "failed"), None)
+            where = f"step {bad.step}" if bad is not None else "its streamed log"
+            reason = f"online challenge failed while the run trained ({where}): " + "; ".join(failures)
+            t = now_ms()
+            # only a run still training is decided here: a submitted one is decided by its certification
+            decided = s.execute(update(Run).where(Run.id == run.id, Run.status == "ticketed")
+                                .values(status="rejected", reason=reason, decided_ms=t, submitted_ms=t)
+                                .execution_options(synchronize_session=False)).rowcount
+            if decided:
+                s.refresh(run)
+                if bad is not None:  # the decision names the uploaded state the step failed from
+                    subject = {"name": f"run-{run.id}-state-{bad.step:08d}.safetensors",
+                               "digest": {"sha256": bad.state_sha256}}
+                else:  # or the streamed log's last head
+                    subject = {"name": f"run-{run.id}-log-{heads_size(s, run.id)}", "digest": {"sha256": last_root(s, run.id)}}
+                record_decision(lb, s, run, rnd, verdict, None, subjects=[subject])
+        if not queue.finish(s, job.id, worker):
+            s.rollback()
+            return
+        s.commit()
+
+
+def heads_size(s, run_id: int) -> int:  # noqa: ANN001 - a Session
+    """The size of a run's last streamed head."""
+    return s.scalar(select(Head.size).where(Head.run_id == run_id).order_by(Head.size.desc()).limit(1))
+
+
+def last_root(s, run_id: int) -> str:  # noqa: ANN001 - a Session
+    """The root (hex) of a run's last streamed head."""
+    return s.scalar(select(Head.root).where(Head.run_id == run_id).order_by(Head.size.desc()).limit(1))
+
+
+def online_progress(s, run_id: int) -> dict:  # noqa: ANN001 - a Session
+    """How far the online audit of a run has come: steps selected, uploaded, replayed and failed."""
+    rows = list(s.execute(select(OnlineStep.status).where(OnlineStep.run_id == run_id)).scalars())
+    count = {k: rows.count(k) for k in ("selected", "ready", "passed", "failed")}
+    return {"selected": len(rows), "waiting": count["selected"], "ready": count["ready"], "verified": count["passed"],
+            "failed": count["failed"]}
