@@ -111,7 +111,9 @@ def test_the_demo_fills_a_fresh_leaderboard(tmp_path, capsys):
 
     assert run_demo(tmp_path / "demo", port=0, serve=False) == 0
     out = capsys.readouterr().out
-    assert out.count("CERTIFIED") == 3 and out.count("REJECTED") == 1 and "replay" in out
+    assert out.count("CERTIFIED") == 4 and out.count("REJECTED") == 2 and "replay" in out
+    dave = next(line for line in out.splitlines() if "by dave" in line)
+    assert "CERTIFIED" in dave and "selected steps replayed while it trained" in dave
     alice = next(line for line in out.splitlines() if "by alice" in line)
     assert "90 challenges passed, bound 1.0000" in alice  # all 60 steps, then bob's 30 more
     engine = create_engine(f"sqlite:///{tmp_path / 'demo' / 'leaderboard.db'}")
@@ -119,8 +121,10 @@ def test_the_demo_fills_a_fresh_leaderboard(tmp_path, capsys):
         statuses = dict(c.execute(text("SELECT a.name, r.status FROM runs r JOIN accounts a ON a.id = r.account_id")).all())
         rounds = c.execute(text("SELECT kind, passed FROM rounds ORDER BY id")).all()
     engine.dispose()
-    assert statuses == {"alice": "certified", "bob": "certified", "carol": "certified", "mallory": "rejected"}
+    assert statuses == {"alice": "certified", "bob": "certified", "carol": "certified", "mallory": "rejected",
+                        "dave": "certified", "eve": "rejected"}
     assert [tuple(r) for r in rounds][-1] == ("rechallenge", True)  # bob's extra challenges on alice's run
+    assert any(kind == "online" and ok for kind, ok in rounds)  # dave's steps, replayed while he trained
     # a folder that is not a demo is left alone
     (tmp_path / "other").mkdir()
     assert run_demo(tmp_path / "other", port=0, serve=False) == 2

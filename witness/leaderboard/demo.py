@@ -14,6 +14,7 @@ from .tracks import DEFAULT_TRACKS
 from .worker import work
 
 DEMO_TRACK = "tiny-mlp"
+ONLINE_TRACK = "tiny-mlp-online"  # the same recipe, audited online while it trains
 
 
 def start_server(lb: Leaderboard, host: str = "127.0.0.1", port: int = 8080):
@@ -32,6 +33,8 @@ DEMO_INFO = {
     "carol": {"title": "baseline, third seed"},
     "mallory": {"title": "faster warm-up", "description": "claims the registered schedule; trained with a secretly "
                                                           "larger learning rate"},
+    "dave": {"title": "baseline, audited online", "description": "the recipe on the online track: replayed while it trained"},
+    "eve": {"title": "faster warm-up, audited online", "description": "mallory's trick on the online track"},
 }
 
 
@@ -43,9 +46,15 @@ def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float 
     scaled learning rate while logging the schedule's, which the server's replay must catch.
     """
     factor = None if lr_cheat == 1.0 else (lambda t, n: lr_cheat if n // 3 <= t < 2 * n // 3 else 1.0)
+    online = track == ONLINE_TRACK
     with C.connect(url, token) as c:
-        run_id, _ = C.train_ticketed(c, track, key, out, checkpoint_every=checkpoint_every, lr_factor=factor,
-                                     info=info)
+        try:
+            run_id, _ = C.train_ticketed(c, track, key, out, checkpoint_every=checkpoint_every, lr_factor=factor,
+                                         info=info, online=online)
+        except C.BeaconError as e:  # rejected while it trained: the server refused its next head
+            print(f"  the server stopped a run on {track} while it trained: {e}", file=sys.stderr)
+            mine = C._ok(c.get(f"/api/tracks/{track}/runs", params={"sort": "id", "status": "rejected"}))["runs"]
+            return mine[0]["id"]
         return C.submit(c, out, C.write_evaluation(out, key, out.with_suffix(".eval.json")))["run_id"]
 
 
@@ -57,13 +66,13 @@ def run_demo(folder: Path, port: int = 8080, serve: bool = True) -> int:
             return 2
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    tracks = tuple(t for t in DEFAULT_TRACKS if t.name == DEMO_TRACK)
+    tracks = tuple(t for t in DEFAULT_TRACKS if t.name in (DEMO_TRACK, ONLINE_TRACK))
     lb = Leaderboard(Settings(db_url=f"sqlite:///{(folder / 'leaderboard.db').resolve()}", store=folder / "store",
-                              tracks=tracks))
+                              tracks=tracks, registrations_per_hour=len(DEMO_INFO)))  # its six people, on loopback
     server, thread, url = start_server(lb, port=port)
     print(f"leaderboard at {url}; training and submitting runs on track {DEMO_TRACK}", file=sys.stderr)
     people = {}
-    for name in ("alice", "bob", "carol", "mallory"):
+    for name in ("alice", "bob", "carol", "mallory", "dave", "eve"):
         key = generate_key()
         save_key(key, folder / "keys" / f"{name}.pem")
         with C.connect(url) as c:
@@ -75,6 +84,20 @@ def run_demo(folder: Path, port: int = 8080, serve: bool = True) -> int:
                                lr_cheat=1.5 if name == "mallory" else 1.0, info=DEMO_INFO[name])
         print(f"  {name}: trained and submitted run {runs[name]}", file=sys.stderr)
     work(lb, once=True)  # the server's worker: draws challenges, replays, checks the evaluation
+    # On the online track the server's worker replays the steps its beacon selected as their
+    # states arrive, while the run trains (a worker thread, as `serve` runs worker processes).
+    stop_online = threading.Event()
+    online_worker = threading.Thread(target=work, args=(lb,), kwargs={"stop": stop_online.is_set, "poll_s": 0.1},
+                                     daemon=True)
+    online_worker.start()
+    for name in ("dave", "eve"):
+        key, token = people[name]
+        runs[name] = train_run(url, token, key, folder / "runs" / name, ONLINE_TRACK,
+                               lr_cheat=1.5 if name == "eve" else 1.0, info=DEMO_INFO[name])
+        print(f"  {name}: trained run {runs[name]} on {ONLINE_TRACK}", file=sys.stderr)
+    stop_online.set()
+    online_worker.join()
+    work(lb, once=True)  # the online runs' certification: what was not replayed while they trained
     with C.connect(url, people["bob"][1]) as c:
         C.challenge(c, runs["alice"], 30)  # bob doubts alice's run and asks for more challenges
     work(lb, once=True)
@@ -84,9 +107,11 @@ def run_demo(folder: Path, port: int = 8080, serve: bool = True) -> int:
             r = c.get(f"/api/runs/{run_id}").json()
             value = f"{r['metric']} {r['metric_value']:.4f}" if r["metric_value"] is not None else ""
             passed = f"{r['challenges_passed']} challenges passed, bound {r['bound']:.4f}" if r["status"] == "certified" else ""
-            parts = [r["status"].upper(), value, passed, r["reason"] or ""]
+            o = r["online"]
+            live = f"{o['while_training']} of {o['selected']} selected steps replayed while it trained" if o else ""
+            parts = [r["status"].upper(), value, passed, live, r["reason"] or ""]
             print(f"  run {run_id} by {name}: " + ", ".join(p for p in parts if p))
-    print(f"open {url}/tracks/{DEMO_TRACK} (API docs at {url}/docs)")
+    print(f"open {url}/tracks/{DEMO_TRACK} and {url}/tracks/{ONLINE_TRACK} (API docs at {url}/docs)")
     if not serve:
         server.should_exit = True
         thread.join()

@@ -59,8 +59,9 @@ def track_leaves(lb: Leaderboard, track: Track) -> Path:
     return path
 
 
-def live_bundle(lb: Leaderboard, s, run: Run, dest: Path) -> Path:  # noqa: ANN001 - a Session
-    """The run's bundle as far as its streamed heads sign it, with its uploads, under ``dest``.
+def live_bundle(lb: Leaderboard, s, run: Run, ready: list[OnlineStep], dest: Path) -> Path:  # noqa: ANN001 - a Session
+    """The run's bundle as far as its streamed heads sign it, with the uploads of the ``ready``
+    steps, under ``dest``.
 
     The final head is left out: a finished bundle must carry its final checkpoint, which only the
     submission brings (its last window is replayed by the certification)."""
@@ -75,7 +76,7 @@ def live_bundle(lb: Leaderboard, s, run: Run, dest: Path) -> Path:  # noqa: ANN0
     (dest / HEADS).write_bytes(b"".join(h.head_json.encode() + b"\n" for h in heads))
     (dest / STATEMENTS).parent.mkdir(parents=True)
     (dest / STATEMENTS).write_bytes(b"".join(line + b"\n" for line in lb.statements(s, run, size)))
-    for row in s.scalars(select(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.status == "ready")):
+    for row in ready:
         _link(lb.store.online_file(run.id, "states", row.step, row.state_sha256), dest / online_state_name(row.step))
         # the samples' file is named by the state's digest too: one upload pair, one name
         _link(_samples_of(lb, run.id, row.step), dest / online_samples_name(row.step))
@@ -105,12 +106,14 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
                 s.commit()
             return
         acct = s.get(Account, run.account_id)
-        others = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id,
-                                                             OnlineStep.status != "ready")))
+        # replay exactly the ready steps: a statement may select steps whose rows are not written
+        # yet (the beacon commits its statement first), and those wait for their uploads too
+        planned = json.loads(s.get(LogLine, (run.id, 0)).line)["steps_planned"]
+        others = set(range(planned)) - {row.step for row in ready}
         verdict, failures = None, []
         with tempfile.TemporaryDirectory(dir=lb.store.root / "incoming", prefix="live-") as tmp:
             try:
-                bundle = live_bundle(lb, s, run, Path(tmp) / "bundle")
+                bundle = live_bundle(lb, s, run, ready, Path(tmp) / "bundle")
                 verdict = verify_bundle(bundle, mode="online", beacon_key=lb.public_key, public_key=acct.public_key,
                                         ticket=bytes.fromhex(run.r), bad_fraction=lb.settings.bad_fraction,
                                         skip=others)
@@ -174,7 +177,9 @@ def last_root(s, run_id: int) -> str:  # noqa: ANN001 - a Session
 
 def online_progress(s, run_id: int) -> dict:  # noqa: ANN001 - a Session
     """How far the online audit of a run has come: steps selected, uploaded, replayed and failed."""
-    rows = list(s.execute(select(OnlineStep.status).where(OnlineStep.run_id == run_id)).scalars())
-    count = {k: rows.count(k) for k in ("selected", "ready", "passed", "failed")}
+    rows = s.execute(select(OnlineStep.status, Round.kind).outerjoin(Round, OnlineStep.round_id == Round.id)
+                     .where(OnlineStep.run_id == run_id)).all()
+    count = {k: sum(1 for st, _ in rows if st == k) for k in ("selected", "ready", "passed", "failed")}
+    live = sum(1 for st, kind in rows if st == "passed" and kind == "online")
     return {"selected": len(rows), "waiting": count["selected"], "ready": count["ready"], "verified": count["passed"],
-            "failed": count["failed"]}
+            "failed": count["failed"], "while_training": live}

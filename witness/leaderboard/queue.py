@@ -1,6 +1,6 @@
 """The job queue, kept in the database so that workers on many machines share it.
 
-PostgreSQL: a worker claims a job with ``SELECT … FOR UPDATE SKIP LOCKED``, so concurrent
+Online jobs are claimed before the others, then the oldest first. PostgreSQL: a worker claims a job with ``SELECT … FOR UPDATE SKIP LOCKED``, so concurrent
 workers never wait on each other and never take the same job. SQLite: one ``UPDATE …
 RETURNING`` statement claims a job atomically (SQLite serialises writers). A claimed job holds
 a lease that its worker renews while it works; a job whose worker died is queued again once its
@@ -9,12 +9,15 @@ lease has expired, so nothing is lost, and a long verification is not taken up a
 
 from __future__ import annotations
 
-from sqlalchemy import select, text, update
+from sqlalchemy import case, select, text, update
 from sqlalchemy.orm import Session
 
 from .db import Job, now_ms
 
 LEASE_MS = 15 * 60 * 1000
+# Online jobs go first: they replay a few steps of a run that is still training, whose trainer
+# learns of a failure only from the server, and each takes a moment beside a certification.
+ONLINE_FIRST = case((Job.kind == "online", 0), else_=1)
 
 
 def enqueue(s: Session, run_id: int, kind: str, count: int, requested_by: int | None = None) -> Job:
@@ -31,7 +34,8 @@ def claim(s: Session, worker: str) -> Job | None:
     t = now_ms()
     if s.get_bind().dialect.name == "postgresql":
         row = s.execute(
-            select(Job).where(Job.status == "queued").order_by(Job.id).limit(1).with_for_update(skip_locked=True)
+            select(Job).where(Job.status == "queued").order_by(ONLINE_FIRST, Job.id).limit(1)
+            .with_for_update(skip_locked=True)
         ).scalar_one_or_none()
         if row is None:
             s.commit()
@@ -41,7 +45,8 @@ def claim(s: Session, worker: str) -> Job | None:
         return row
     job_id = s.execute(
         text("UPDATE jobs SET status = 'running', worker = :w, claimed_ms = :t, attempts = attempts + 1 "
-             "WHERE id = (SELECT id FROM jobs WHERE status = 'queued' ORDER BY id LIMIT 1) RETURNING id"),
+             "WHERE id = (SELECT id FROM jobs WHERE status = 'queued' "
+             "ORDER BY CASE WHEN kind = 'online' THEN 0 ELSE 1 END, id LIMIT 1) RETURNING id"),
         {"w": worker, "t": t},
     ).scalar_one_or_none()
     s.commit()

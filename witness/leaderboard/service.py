@@ -358,6 +358,8 @@ class Leaderboard:
             raise ApiError(403, f"run {run_id} belongs to another account")
         if run.online_p is None:
             raise ApiError(409, f"run {run_id} takes no online challenges")
+        if run.status == "rejected":
+            raise ApiError(409, f"run {run_id} was rejected: {run.reason}")
         if run.status != "ticketed":
             raise ApiError(409, f"run {run_id} is {run.status}: its online uploads are closed")
         row = s.scalar(select(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.step == step)) \

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.dsse import read_json_or_envelope
@@ -103,6 +103,11 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         for row in _verdict_rows(verdict):
             row.round_id = rnd.id
             s.add(row)
+        if online:  # the selected steps the certification replayed: the run's online count is complete
+            for r in (verdict.results if verdict is not None else []):
+                s.execute(update(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.step == r.step)
+                          .values(status="passed" if r.passed else "failed", round_id=rnd.id, failure=r.failure)
+                          .execution_options(synchronize_session=False))
         if job.kind == "certify":
             _certify(lb, s, run, track, bundle, verdict, failures)
         elif not passed:
