@@ -135,6 +135,24 @@ def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_compari
     assert runs[0]["run"] == sts[0].run.hex() and runs[0]["final"] and runs[0]["last_size"] == STEPS + 2
 
 
+def test_with_the_overlapped_state_hash_the_ring_keeps_its_copy(tmp_path, beacon):
+    # the GPU path, on the CPU: the hash's snapshot is copied into the ring's buffers (one copy
+    # for both), and the run verifies online exactly as one copied twice
+    task = build_task("tiny", {"steps": STEPS})
+    rec = Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32, checkpoint_every=8,
+                          beacon=beacon.link(), online=SPEC)
+    rec.overlap = True
+    rec.train()
+    r = rec.online.report()
+    # states after 8, 16 and 24 updates are checkpoints (hashed inline: copied); the initial state
+    # is kept before training starts; every other one came from the snapshot
+    assert r["shared_copies"] > 0 and r["copies"] <= 4 and r["shared_copies"] + r["copies"] <= STEPS + 1
+    v = online(tmp_path / "b", beacon.public_key)
+    assert v.accepted and v.replayed_steps == r["selected"]
+    for exact in (True, False):
+        assert online(tmp_path / "b", beacon.public_key, exact=exact).accepted
+
+
 def test_the_selection_is_a_fair_coin_of_p_per_step():
     # 4,000 fresh betas: each step is selected with probability p, independently of the others
     rng = random.Random(3)

@@ -77,24 +77,41 @@ class OnlineSpec:
 
 
 class StatePool:
-    """Host buffers for states, reused: a copy into one is a single fused copy, with no allocation."""
+    """Host buffers for states, reused: a copy into one is one ``_foreach_copy_`` with no allocation.
+
+    A state's names and shapes are fixed within a run once the optimizer has stepped (the initial
+    state has no moments yet), so a buffer is reused for any state with its names; what costs is
+    the per-tensor work, so nothing else is done per tensor on a copy."""
 
     def __init__(self) -> None:
         self.free: list[dict[str, torch.Tensor]] = []
+        self._targets: dict[int, list[torch.Tensor]] = {}  # id(slot) -> its tensors, in its order
+
+    def take(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A free buffer shaped like ``state`` (pinned host memory for a GPU state), not filled."""
+        slot = self.free.pop() if self.free else None
+        if slot is None or slot.keys() != state.keys():
+            if slot is not None:
+                self._targets.pop(id(slot), None)
+            slot = {k: torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=v.is_cuda)
+                    for k, v in state.items()}
+            self._targets[id(slot)] = list(slot.values())
+        return slot
 
     def copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A host copy of ``state`` that training cannot change."""
-        slot = self.free.pop() if self.free else None
-        if slot is None or slot.keys() != state.keys() or any(
-                slot[k].shape != v.shape or slot[k].dtype != v.dtype for k, v in state.items()):
-            slot = {k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in state.items()}
-        dst, src = list(slot.values()), [state[k].detach() for k in slot]
-        foreach = getattr(torch, "_foreach_copy_", None)
-        if foreach is not None:
-            foreach(dst, src)
-        else:  # pragma: no cover - older torch
-            for d, t in zip(dst, src, strict=True):
-                d.copy_(t)
+        slot = self.take(state)
+        dst = self._targets[id(slot)]
+        with torch.no_grad():  # copying from parameters: nothing to record for autograd
+            foreach = getattr(torch, "_foreach_copy_", None)
+            src = [state[k] for k in slot]
+            if foreach is not None:
+                foreach(dst, src, non_blocking=True)
+            else:  # pragma: no cover - older torch
+                for d, t in zip(dst, src, strict=True):
+                    d.copy_(t, non_blocking=True)
+            if any(t.is_cuda for t in src[:1]):
+                torch.cuda.current_stream().synchronize()  # the copy must be whole before training goes on
         return slot
 
     def release(self, slot: dict[str, torch.Tensor]) -> None:
@@ -125,8 +142,9 @@ class OnlineChallenges:
         self._buffers = StatePool()
         self.waits, self.wait_seconds, self.written, self.bytes_written, self.rebuilt = 0, 0.0, 0, 0, 0
         self.peak_ring = 0
+        self.copies = self.shared = 0  # states copied into the ring, and states the overlapped hash copied there
         # copies on the training thread; writes and uploads (to a leaderboard) in the background
-        self.copy_seconds = self.write_seconds = self.publish_seconds = 0.0
+        self.copy_seconds = self.write_seconds = self.write_cpu_seconds = self.publish_seconds = 0.0
 
     # --- statements -----------------------------------------------------------------------
     def load(self) -> None:
@@ -178,18 +196,40 @@ class OnlineChallenges:
 
     # --- the ring (training thread) ---------------------------------------------------------
     def keep(self, n: int, state: dict[str, torch.Tensor]) -> None:
-        """The committed state after ``n`` updates (the state before step ``n``)."""
+        """The committed state after ``n`` updates (the state before step ``n``): copied into the ring."""
+        if self._admit(n, state):
+            started = time.perf_counter()
+            with self._lock:
+                slot = self._buffers.copy(state)
+                self._hold(n, slot)
+            self.copy_seconds += time.perf_counter() - started
+            self.copies += 1
+
+    def reserve(self, n: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """A ring buffer for the state after ``n`` updates that the caller fills (the overlapped state
+        hash copies into it, so the state is copied once for both), or None if it is not kept."""
+        if not self._admit(n, state):
+            return None
+        with self._lock:
+            slot = self._buffers.take(state)
+            self._hold(n, slot)
+        self.shared += 1
+        return slot
+
+    def _admit(self, n: int, state: dict[str, torch.Tensor]) -> bool:
+        """Whether the state after ``n`` updates goes into the ring, once it has room (a state the
+        crash lost is written at once instead, and a covered one is not kept)."""
         self.drain()
         with self._lock:
             rebuild = n in self.wanted
             if not rebuild and (n < self.covered or n >= self.steps):
-                return  # covered by a statement (and not selected), or after the last step
+                return False  # covered by a statement (and not selected), or after the last step
         if rebuild:  # selected before a crash lost it: rebuilt from the checkpoint before it
             self._write(n, state)
             with self._lock:
                 self.wanted.discard(n)
             self.rebuilt += 1
-            return
+            return False
         while len(self.ring) >= self.spec.ring:
             if not self._pending:
                 raise RuntimeError(f"the ring of {self.spec.ring} states is full and no head is out to the beacon")
@@ -198,12 +238,11 @@ class OnlineChallenges:
             self.waits += 1
             self.wait_seconds += time.perf_counter() - started
             self.drain()
-        started = time.perf_counter()
-        with self._lock:
-            slot = self._buffers.copy(state)
-            self.ring[n] = slot
-            self.peak_ring = max(self.peak_ring, len(self.ring))
-        self.copy_seconds += time.perf_counter() - started
+        return True
+
+    def _hold(self, n: int, slot: dict[str, torch.Tensor]) -> None:
+        self.ring[n] = slot
+        self.peak_ring = max(self.peak_ring, len(self.ring))
 
     def send(self, head: SignedTreeHead) -> None:
         """Stream a signed head to the beacon in the background (its request is built here, in order)."""
@@ -245,7 +284,7 @@ class OnlineChallenges:
 
     def _write_samples(self, t: int) -> None:
         """The samples of selected step ``t``, from its record's batch (written already) and the dataset."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         idx = parse_canonical_json(self.log.lines[t + 1])["batch"]
         doc = {"step": t, "indices": idx, "samples": [self.dataset.sample_bytes(i).hex() for i in idx]}
         path = self.out / online_samples_name(t)
@@ -255,6 +294,7 @@ class OnlineChallenges:
         tmp.replace(path)
         self.bytes_written += path.stat().st_size
         self.write_seconds += time.perf_counter() - started
+        self.write_cpu_seconds += time.thread_time() - cpu
         self._publish("samples", t, path)
 
     def _publish(self, kind: str, step: int, path: Path) -> None:
@@ -267,11 +307,12 @@ class OnlineChallenges:
 
     def _write(self, n: int, state: dict[str, torch.Tensor]) -> None:
         """The state after ``n`` updates."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         write_state(self.out / online_state_name(n), state, n)
         self.written += 1
         self.bytes_written += (self.out / online_state_name(n)).stat().st_size
         self.write_seconds += time.perf_counter() - started
+        self.write_cpu_seconds += time.thread_time() - cpu  # the write's own work, not its wait on the disk
         if n in self.selected:  # the state before a selected step (the one after it serves tolerance mode)
             self._publish("states", n, self.out / online_state_name(n))
 
@@ -298,4 +339,6 @@ class OnlineChallenges:
         return {"statements": len(self.statements), "selected": len(self.selected), "written": self.written,
                 "bytes_written": self.bytes_written, "rebuilt": self.rebuilt, "waits": self.waits,
                 "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring, "copy_seconds": self.copy_seconds,
-                "write_seconds": self.write_seconds, "publish_seconds": self.publish_seconds}
+                "write_seconds": self.write_seconds, "write_cpu_seconds": self.write_cpu_seconds,
+                "publish_seconds": self.publish_seconds,
+                "copies": self.copies, "shared_copies": self.shared}

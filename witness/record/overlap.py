@@ -43,15 +43,19 @@ class StateSnapshots:
         return buf
 
     def submit(self, state: dict[str, torch.Tensor], early: frozenset[str] = frozenset(),
-               reduce: Callable[[dict[str, torch.Tensor]], Any] | None = None) -> Future:
+               reduce: Callable[[dict[str, torch.Tensor]], Any] | None = None,
+               into: dict[str, torch.Tensor] | None = None) -> Future:
         """Start hashing ``state`` as it is now; the caller must have collected the previous hash.
 
         ``early`` names tensors the next forward may change before the optimizer steps (BatchNorm's
         running statistics): on a GPU they are copied on the training stream, ahead of that forward.
-        ``reduce`` turns the copy into the result (default: the state's root).
+        ``reduce`` turns the copy into the result (default: the state's root). ``into`` gives the
+        host buffers to copy into (the online ring's, which keeps the copy) instead of this
+        object's own.
         """
         if self.pending is not None and not self.pending.done():
             raise RuntimeError("the previous state's hash was not collected before the buffers are reused")
+        buffer = (lambda n, _t: into[n]) if into is not None else self._buffer
         events = []
         if any(t.is_cuda for t in state.values()):
             main = torch.cuda.current_stream()
@@ -60,18 +64,18 @@ class StateSnapshots:
                 # the optimizer's next step is the first write to the parameters and moments: it
                 # waits for their copy, and nothing before it does
                 self._hook = self._optimizer.register_step_pre_hook(lambda *_: main.wait_stream(self.stream))
-            copies = {n: self._buffer(n, t).copy_(t.detach(), non_blocking=True)
+            copies = {n: buffer(n, t).copy_(t.detach(), non_blocking=True)
                       for n, t in state.items() if n in early}
             events.append(torch.cuda.Event())
             events[-1].record(main)
             self.stream.wait_stream(main)  # copy the state as it is now
             with torch.cuda.stream(self.stream):
-                copies |= {n: self._buffer(n, t).copy_(t.detach(), non_blocking=True)
+                copies |= {n: buffer(n, t).copy_(t.detach(), non_blocking=True)
                            for n, t in state.items() if n not in early}
             events.append(torch.cuda.Event())
             events[-1].record(self.stream)
         else:
-            copies = {n: self._buffer(n, t).copy_(t.detach()) for n, t in state.items()}
+            copies = {n: buffer(n, t).copy_(t.detach()) for n, t in state.items()}
 
         def digest() -> bytes:
             for e in events:

@@ -357,10 +357,12 @@ class Recorder:
         elif self.state_due(step):
             if state is None:
                 state, live = state_tensors(self.model, self.optimizer), True
-            if self.online is not None:
+            later = live and self.overlap and not checkpoint and step >= self._signed
+            if self.online is not None and not later:
                 self.online.keep(done, state)  # a host copy, before training changes it
-            if live and self.overlap and not checkpoint and step >= self._signed:
-                self._hash_later(record, state)
+            if later:
+                # the overlapped hash copies the state anyway: into the ring's buffer, when it keeps it
+                self._hash_later(record, state, self.online.reserve(done, state) if self.online is not None else None)
                 self.next_step = done
                 return
             if checkpoint:
@@ -387,8 +389,9 @@ class Recorder:
         if "checkpoint_sha256" in record or (self.online is not None and (step + 1) % self.online.spec.every == 0):
             self._publish_head()
 
-    def _hash_later(self, record: dict, state: dict) -> None:
-        """Hash ``state`` in the background; ``record`` is written with its hash by the next ``flush``."""
+    def _hash_later(self, record: dict, state: dict, into: dict | None = None) -> None:
+        """Hash ``state`` in the background; ``record`` is written with its hash by the next ``flush``.
+        ``into``: host buffers to copy it into (the online ring's) instead of the snapshots' own."""
         from .overlap import StateSnapshots
 
         if self._snapshots is None:
@@ -396,7 +399,7 @@ class Recorder:
             # named as in the state: a distributed session's unwrapped module, not its DDP wrapper
             module = getattr(self.session, "module", self.model)
             self._early = frozenset(f"model.{n}" for n, _ in module.named_buffers())
-        self._deferred = (record, self._snapshots.submit(state, early=self._early))
+        self._deferred = (record, self._snapshots.submit(state, early=self._early, into=into))
 
     def flush(self) -> None:
         """Write the record still waiting for its state hash, if there is one (waits for the hash)."""
