@@ -314,6 +314,37 @@ def _prefix(log: RunLog, n: int) -> RunLog:
     return RunLog(log.lines[:n])
 
 
+def test_training_goes_on_while_the_beacon_is_down_and_waits_only_when_the_ring_is_full(tmp_path):
+    import threading
+
+    bkey = generate_key()
+    db = f"sqlite:///{tmp_path / 'beacon.db'}"
+    server, thread, url = start_uvicorn(create_app(db, bkey))
+    port = int(url.rsplit(":", 1)[1])
+    link = BeaconClient(url)  # the key fetched while the beacon is up
+    stop_uvicorn(server, thread)  # then it goes down before the first head
+    back = threading.Event()
+
+    def restart() -> None:
+        time.sleep(2.0)
+        nonlocal server, thread
+        server, thread, _ = start_uvicorn(create_app(db, bkey), port=port)  # the same beacon, on its address
+        back.set()
+
+    threading.Thread(target=restart, daemon=True).start()
+    try:
+        rec = train(tmp_path / "b", link, steps=STEPS)  # every request waits, retried, until the beacon is back
+        r = rec.online.report()
+        assert back.is_set()
+        # it trained on while the ring had room, then waited for the beacon (counted, not fatal)
+        assert r["waits"] >= 1 and r["wait_seconds"] > 0.5 and r["peak_ring"] == SPEC.ring
+        v = online(tmp_path / "b", public_hex(bkey.public_key()))
+        assert v.accepted and v.online["final"] and v.online["unaudited"] == 0
+    finally:
+        back.wait(30)
+        stop_uvicorn(server, thread)
+
+
 # --- killed and resumed ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("threads,lose", [(1, False), (2, True)])

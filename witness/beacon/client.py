@@ -25,10 +25,13 @@ class BeaconClient:
     """
 
     def __init__(self, url_or_client: str | httpx.Client, expected_key: str | None = None, *, prefix: str = "/api/beacon",
-                 retries: int = 5, timeout: float = 60.0):
+                 retries: int = 5, timeout: float = 60.0, patience: float = 600.0):
         self.http = httpx.Client(base_url=url_or_client.rstrip("/"), timeout=timeout) \
             if isinstance(url_or_client, str) else url_or_client
-        self.prefix, self.retries = prefix, retries
+        # ``retries`` bounds a request made before training (a wrong address fails fast);
+        # ``patience`` is how long a head or an upload made while training is tried again when the
+        # beacon cannot be reached or is overloaded: training goes on meanwhile, until the ring is full.
+        self.prefix, self.retries, self.patience = prefix, retries, patience
         self.heads_path = f"{prefix}/heads"  # where heads go (the leaderboard takes them per run)
         served = self._get("/key")["public_key"]
         if expected_key is not None and served != expected_key:
@@ -38,15 +41,25 @@ class BeaconClient:
         self.last_size = 0  # the size of the last head the beacon stamped for this client's run
         self.sent_size = 0  # the size of the last head a request was made for
 
-    def _request(self, method: str, path: str, **kw) -> httpx.Response:  # noqa: ANN003 - httpx keywords
-        for attempt in range(self.retries):
+    def _request(self, method: str, path: str, *, patient: bool = False, **kw) -> httpx.Response:  # noqa: ANN003
+        """The response to a request, tried again on a transport error (and, ``patient``, on a 5xx
+        or 429 answer too) with a doubling pause: ``retries`` times, or for ``patience`` seconds."""
+        deadline = time.monotonic() + self.patience
+        attempt = 0
+        while True:
             try:
-                return getattr(self.http, method.lower())(path, **kw)
-            except httpx.TransportError:
-                if attempt == self.retries - 1:
-                    raise
-                time.sleep(min(2 ** attempt, 8))
-        raise AssertionError("unreachable")
+                resp = getattr(self.http, method.lower())(path, **kw)
+                if not (patient and (resp.status_code >= 500 or resp.status_code == 429)):
+                    return resp
+            except httpx.TransportError as e:
+                resp, error = None, e
+            attempt += 1
+            out_of_time = time.monotonic() >= deadline if patient else attempt >= self.retries
+            if out_of_time:
+                if resp is None:
+                    raise httpx.ConnectError(f"{error} (after {attempt} attempt(s))") from error
+                return resp
+            time.sleep(min(2 ** (attempt - 1), 8))
 
     def _get(self, path: str) -> dict:
         resp = self._request("GET", self.prefix + path)
@@ -74,7 +87,7 @@ class BeaconClient:
 
     def post(self, body: dict, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
         """Send a request ``body`` made for ``head``; the checked statement."""
-        resp = self._request("POST", self.heads_path, json=body)
+        resp = self._request("POST", self.heads_path, json=body, patient=True)
         if not 200 <= resp.status_code < 300:
             self.sent_size = self.last_size  # the next request proves from what the beacon did stamp
             raise BeaconError(f"the beacon refused the head of size {head.size}: {resp.status_code} {_detail(resp)}")

@@ -181,7 +181,7 @@ class LeaderboardBeacon(BeaconClient):
         with open(path, "rb") as f:
             data = f.read()
         resp = self._request("PUT", f"/api/runs/{self.run_id}/online/{kind}/{step}", content=data,
-                             headers={"Content-Type": "application/octet-stream"})
+                             headers={"Content-Type": "application/octet-stream"}, patient=True)
         if resp.status_code == 409 and "came already" in resp.text:
             return  # sent before a retry or a crash: the server has it
         if resp.status_code >= 300:
