@@ -177,6 +177,10 @@ def test_uploads_are_taken_only_for_selected_steps_once_and_by_the_owner(server,
     assert refused.status_code == 404 and "selected no step" in refused.json()["detail"]
     assert tc.put(f"/api/runs/{run_id}/online/other/{chosen}", content=b"x", headers=a.headers).status_code == 400
     assert tc.put(f"{url}/{chosen}", content=state).status_code == 401
+    lb.settings.max_upload = 1000  # a state over the server's limit is refused before it is read whole
+    big = tc.put(f"{url}/{other}", content=b"\0" * 1001, headers=a.headers)
+    assert big.status_code == 413 and "limit of 1000 bytes" in big.json()["detail"]
+    assert not list((lb.store.root / "incoming").glob("upload-*"))  # nothing of it is left behind
     # a run of an after-the-fact track takes no online uploads
     tk = C.ticket(a, "quick")
     assert tc.put(f"/api/runs/{tk['run_id']}/online/states/0", content=b"x", headers=a.headers).status_code == 409

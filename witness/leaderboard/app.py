@@ -132,6 +132,16 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     def html(name: str, **ctx: Any) -> HTMLResponse:
         return HTMLResponse(pages.get_template(name).render(**ctx), headers={"Content-Security-Policy": CSP})
 
+    async def receive(request: Request, limit: int) -> tuple[Path, str, int]:
+        """Stream a request's body to the store's incoming folder, refused (413) past ``limit`` bytes."""
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise ApiError(413, f"the upload is over the server's limit of {limit} bytes")
+        try:
+            return await lb.store.receive(request.stream(), limit)
+        except UploadTooLarge as e:
+            raise ApiError(413, str(e)) from None
+
     # --- JSON API -----------------------------------------------------------------------
     @app.post("/api/accounts", status_code=201, tags=["accounts"])
     def register(body: AccountIn, s: DB, request: Request) -> dict:
@@ -180,14 +190,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         """Upload, while the run trains, the state before a step the beacon selected (``states``: a
         safetensors file) or its batch's samples (``samples``: JSON); once both are here the server's
         workers replay the step. Each is taken once."""
-        limit = lb.settings.max_upload if kind == "states" else MAX_SAMPLES_JSON
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            raise ApiError(413, f"the upload is over the server's limit of {limit} bytes")
-        try:
-            path, sha, _ = await lb.store.receive(request.stream(), limit)
-        except UploadTooLarge as e:
-            raise ApiError(413, str(e)) from None
+        path, sha, _ = await receive(request, lb.settings.max_upload if kind == "states" else MAX_SAMPLES_JSON)
 
         def keep() -> dict:
             try:
@@ -210,14 +213,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                   "schema": {"type": "string", "format": "binary"}}}}})
     async def submit(request: Request, acct: Acct) -> dict:
         """Upload a finished run: a tar of ``bundle/`` and ``evaluation.json``, streamed to disk."""
-        limit = lb.settings.max_upload
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            raise ApiError(413, f"the upload is over the server's limit of {limit} bytes")
-        try:
-            path, sha, size = await lb.store.receive(request.stream(), limit)
-        except UploadTooLarge as e:
-            raise ApiError(413, str(e)) from None
+        path, sha, size = await receive(request, lb.settings.max_upload)
 
         def check() -> dict:
             with lb.Session() as s:
