@@ -26,9 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--key", default="witness-key.pem")
     p.add_argument("--beacon", help="take online challenges from the beacon at this URL")
+    p.add_argument("--dropout", type=float, default=0.1, help="GPT-2's dropout (its masks replay from the step seed)")
     a = p.parse_args(argv)
     recipe = {"steps": a.steps, "batch_size": 8, "block": 32, "n_layer": 2, "n_head": 2, "d_model": 64,
-              "warmup": 4, "corpus_max_bytes": 300_000}
+              "warmup": 4, "corpus_max_bytes": 300_000, "dropout": a.dropout}
     task = build_task("hf-gpt2", recipe)
     rec = Recorder.create(task, a.out, load_or_create_key(a.key), r=os.urandom(32), checkpoint_every=10,  # witness
                           beacon=BeaconClient(a.beacon) if a.beacon else None)  # witness: online challenges

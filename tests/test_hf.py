@@ -33,6 +33,9 @@ def test_the_trainer_run_replays_bit_for_bit(hf_run, tmp_path):
     run, *_ = hf_run
     manifest = json.loads((run / "log.jsonl").read_text().splitlines()[0])
     assert manifest["task"] == "hf-gpt2" and "task_source" not in manifest  # built in, pinned by the release
+    # with GPT-2's dropout on: transformers draws its masks from torch's global generator, which each
+    # step seeds from the committed step seed, in the Trainer's step and in replay alike
+    assert manifest["task_config"]["dropout"] == 0.1
     v = verify_bundle(run, challenges=12, nonce=b"all")  # offline, every step
     assert v.accepted and v.exact and v.replayed_steps == 12
     respond(run, tmp_path / "answer", nonce=b"cheap", challenges=6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from ..commit.hashing import canonical_json
@@ -18,7 +19,10 @@ class BundleWriter:
         self.root = Path(root)
         if create:
             if self.root.exists() and any(self.root.iterdir()):
-                raise FileExistsError(f"{self.root} exists and is not empty (use --resume to continue a run)")
+                if not started_without_steps(self.root):
+                    raise FileExistsError(f"{self.root} exists and is not empty (use --resume to continue a run)")
+                # a run that stopped before its first step signed nothing worth keeping: start again
+                shutil.rmtree(self.root)
             (self.root / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
             (self.root / MARKER).write_bytes(marker_bytes())
         self._log = open(self.root / LOG, "ab")
@@ -40,6 +44,22 @@ class BundleWriter:
         """Close both files."""
         self._log.close()
         self._heads.close()
+
+
+# What a run writes before its first step: a folder holding only these is a start, not a run.
+_START_FILES = {MARKER, LOG, HEADS, CHECKPOINTS, "dataset.leaves", "online"}
+
+
+def started_without_steps(root: Path) -> bool:
+    """Whether ``root`` is a bundle that a run began and left before its first step was recorded
+    (a crash while it committed its data or took its first step): nothing in it to resume."""
+    root = Path(root)
+    if root.is_symlink() or not (root / MARKER).is_file() or (root / MARKER).read_bytes() != marker_bytes():
+        return False
+    if any(p.name not in _START_FILES for p in root.iterdir()):
+        return False
+    log = root / LOG
+    return not log.exists() or log.read_bytes().count(b"\n") <= 1  # the manifest at most
 
 
 def read_lines(path: Path) -> list[bytes]:

@@ -12,10 +12,15 @@ DEFAULT_KEY = Path(os.environ.get("WITNESS_KEY", Path.home() / ".witness" / "sig
 
 
 def hex_bytes(value: str) -> bytes:
+    """Bytes written as hex digits, two a byte."""
     try:
         return bytes.fromhex(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not hex") from None
+        digits = value.strip()
+        if digits and all(c in "0123456789abcdefABCDEF" for c in digits) and len(digits) % 2:
+            raise argparse.ArgumentTypeError(f"{value[:40]!r} has an odd number of hex digits ({len(digits)}): "
+                                             "two digits make a byte (pad with a leading 0)") from None
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not hex (digits 0-9 and a-f, two a byte)") from None
 
 
 def fraction(value: str) -> float:

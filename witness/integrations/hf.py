@@ -48,7 +48,9 @@ class HFGPT2Config(TinyGPTConfig):
 
     steps: int = 200
     lr: float = 0.001
-    dropout: float = 0.0  # dropout draws from the global RNG inside transformers: not replayable
+    # GPT-2's resid, embd and attn dropout; transformers draws the masks from torch's global
+    # generator, which every step seeds from the committed step seed (Task.step_loss)
+    dropout: float = 0.0
     weight_decay: float = 0.0
 
 
@@ -63,10 +65,8 @@ class HFGPT2Task(TinyGPTTask):
         self.schedule = _LinearSchedule(config)  # transformers' linear warmup and decay
 
     def check_limits(self) -> None:
-        """tinygpt's limits, and no dropout."""
+        """tinygpt's limits, and fp32."""
         super().check_limits()
-        if self.config.dropout != 0.0:
-            raise ValueError("hf-gpt2 trains without dropout (transformers draws it from the global RNG)")
         if self.precision != "fp32":
             # the Trainer chooses its own mixed precision (args.bf16): its step is not Task.train_step's
             raise ValueError("hf-gpt2 trains in fp32 (the Trainer's own mixed precision is not replayed)")
@@ -77,7 +77,7 @@ class HFGPT2Task(TinyGPTTask):
 
         t, c = _transformers(), self.config
         cfg = t.GPT2Config(vocab_size=256, n_positions=c.block, n_embd=c.d_model, n_layer=c.n_layer,
-                           n_head=c.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           n_head=c.n_head, resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
                            attn_implementation="eager")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed_int(seed, "witness/hf-init/v1"))
@@ -146,9 +146,10 @@ def attach(trainer: Any, rec: Any) -> None:
     trainer.data_collator = task.collate
     # the task's loss: transformers' own would normalise by a token count replay would have to rebuild
     trainer.model_accepts_loss_kwargs = False
+    # under the step's randomness (the global generators seeded from the step seed), as replay runs it
     trainer.compute_loss = types.MethodType(
-        lambda self, model, inputs, return_outputs=False, num_items_in_batch=None: task.loss(model, inputs, None),
-        trainer)
+        lambda self, model, inputs, return_outputs=False, num_items_in_batch=None:
+        task.step_loss(model, inputs, rec.step_seed(seen["step"])), trainer)
     step = trainer.training_step
 
     def training_step(model, inputs, num_items_in_batch=None):
@@ -175,6 +176,7 @@ def attach(trainer: Any, rec: Any) -> None:
         def on_step_begin(self, args, state, control, **kwargs):
             k = state.global_step
             seen["batch"] = rec.batch(k)  # the committed batch, which the next record commits
+            seen["step"] = k
             lrs = {g["lr"] for g in rec.optimizer.param_groups}
             if lrs != {rec.lr(k)}:
                 raise ValueError(f"step {k}: the Trainer's learning rate {lrs} is not the committed {rec.lr(k)}")

@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from ..task.base import StepOutput, autocast, clip_whole, model_device
+from ..task.base import StepOutput, clip_whole
 from .committed import CommittedDataset, CommittedOrder, same_batch
 
 
@@ -46,9 +46,8 @@ class TaskModule(L.LightningModule):
         t = self.global_step
         for group in self.rec.optimizer.param_groups:
             group["lr"] = self.rec.lr(t)
-        # the recipe's precision, exactly as Task.train_step (which replay runs) applies it
-        with autocast(model_device(self.net), self.task.precision):
-            loss = self.task.loss(self.net, batch, torch.Generator().manual_seed(self.rec.step_seed(t)))
+        # the step's randomness and the recipe's precision, exactly as Task.train_step (which replay runs)
+        loss = self.task.step_loss(self.net, batch, self.rec.step_seed(t))
         self.seen["loss"] = float(loss.detach())
         return loss
 

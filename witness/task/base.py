@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,6 +17,8 @@ from ..data.dataset import Dataset
 from ..fingerprint.probes import Fingerprint, fingerprint_from_outputs, projection_matrix
 
 MAX_CONFIG_NUMBER = 10_000_000
+# integer recipe fields that may be 0 although their default is not (a Config adds its own)
+MAY_BE_ZERO = frozenset({"warmup"})
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,11 @@ class Task:
                 raise ValueError(f"config field {k} of task {cls.name} must be {want.__name__}")
             if want in (int, float) and not 0 <= v <= MAX_CONFIG_NUMBER:
                 raise ValueError(f"config field {k} of task {cls.name} is out of range")
+            # a size (a width, a count of layers, classes or steps) is at least 1: zero builds a
+            # model with nothing in it, which trains without a word and certifies nothing
+            if want is int and v == 0 and getattr(defaults, k) > 0 and k not in MAY_BE_ZERO | set(
+                    getattr(cls.Config, "MAY_BE_ZERO", ())):
+                raise ValueError(f"config field {k} of task {cls.name} must be at least 1, not 0")
             values[k] = v
         task = cls(dataclasses.replace(defaults, **values))
         task.check_limits()
@@ -224,6 +232,18 @@ class Task:
         raise NotImplementedError
 
     # --- the step -----------------------------------------------------------------------
+    def step_loss(self, model: nn.Module, batch: Any, seed: int) -> torch.Tensor:
+        """The loss of a batch under the step's randomness: the task's own dropout generator and
+        the global generators (torch's, Python's, NumPy's) all seeded from the committed step seed,
+        so a model that draws from the global ones (``nn.Dropout``, SDPA's ``dropout_p``) replays
+        bit for bit. Every recording path and replay computes the loss through here."""
+        device = model_device(model)
+        # The dropout generator stays on the CPU: the masks are then the same bits on any device,
+        # so a replay on other hardware (tolerance mode) draws the masks the run drew.
+        generator = torch.Generator().manual_seed(seed)
+        with step_randomness(seed, device), autocast(device, self.precision):
+            return self.loss(model, to_device(batch, device), generator)
+
     def train_step(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, lr: float, seed: int,
         clip: ClipFn | None = None,
@@ -237,12 +257,7 @@ class Task:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         model.train()
-        device = model_device(model)
-        # The dropout generator stays on the CPU: the masks are then the same bits on any device,
-        # so a replay on other hardware (tolerance mode) draws the masks the run drew.
-        generator = torch.Generator().manual_seed(seed)
-        with autocast(device, self.precision):
-            loss = self.loss(model, to_device(batch, device), generator)
+        loss = self.step_loss(model, batch, seed)
         loss.backward()
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
@@ -263,10 +278,8 @@ class Task:
         optimizer.zero_grad(set_to_none=True)
         model.train()
         losses = []
-        device = model_device(model)
         for batch, seed in zip(micro, seeds, strict=True):
-            with autocast(device, self.precision):
-                loss = self.loss(model, to_device(batch, device), torch.Generator().manual_seed(seed))
+            loss = self.step_loss(model, batch, seed)  # each rank's micro-batch under its own seed
             loss.backward()
             losses.append(float(loss.detach()))
         params = [p for p in model.parameters() if p.grad is not None]
@@ -373,6 +386,32 @@ class Task:
     def flops_per_step(self) -> float:
         """Approximate training FLOPs of one step (6 * params * tokens), for cost reports."""
         raise NotImplementedError
+
+
+@contextmanager
+def step_randomness(seed: int, device: torch.device | None = None) -> Iterator[None]:
+    """Run the block with torch's global CPU generator (and the CUDA one of ``device``), Python's
+    ``random`` and NumPy's global generator seeded from ``seed``, and give them back their state
+    after: the step's randomness is then a function of the committed step seed alone, whoever
+    draws it, and the caller's own streams go on as if the step had drawn nothing."""
+    import random
+
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    cuda = [device] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.random.default_generator.manual_seed(seed)
+        for d in cuda:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 def init_parameters(model: nn.Module, seed: bytes, std: float = 0.02) -> None:

@@ -96,7 +96,18 @@ def task_source(name: str) -> TaskSource | None:
     dist = ep.dist
     if dist is None:
         raise ValueError(f"task {name!r} comes from no installed distribution")
-    return TaskSource(dist.name, dist.version, package_files_sha256(ep.module))
+    return TaskSource(dist.name, dist.version, _plugin_code(name, ep, lambda: package_files_sha256(ep.module)))
+
+
+def _plugin_code(name: str, ep: EntryPoint, load):  # noqa: ANN001, ANN202 - a thunk and what it returns
+    """``load()``, with a plugin whose code fails to import reported as a ``ValueError`` that names it
+    (its own error, not a traceback out of witness)."""
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001 - whatever the plugin's module raised while importing
+        where = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
+        raise ValueError(f"the plugin task {name!r} ({where}, {ep.value}) cannot be loaded: "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def check_task_source(name: str, committed: dict | None) -> None:
@@ -133,7 +144,8 @@ def task_class(name: str) -> type[Task]:
     if name in OPTIONAL:
         module, _, attr = OPTIONAL[name].partition(":")
         return getattr(importlib.import_module(module), attr)
-    cls = _entry_point(name).load()
+    ep = _entry_point(name)
+    cls = _plugin_code(name, ep, ep.load)
     if not (isinstance(cls, type) and issubclass(cls, Task)) or getattr(cls, "name", None) != name:
         raise ValueError(f"the entry point {name!r} of group {ENTRY_POINT_GROUP} is not a Task named {name!r}")
     return cls
