@@ -55,7 +55,8 @@ def run(witnessed: bool, steps: int, out: Path) -> list[float]:
     timer = StepTimes()
     if witnessed:
         # one checkpoint at the end only: the trainer's own checkpoint writes are not the recorder's cost
-        rec = Recorder.create(task, out / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=steps)
+        rec = Recorder.create(task, out / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=steps,
+                              self_check=False)  # steady-state step cost only
         trainer = Trainer(model=rec.model, args=args, train_dataset=committed_dataset(rec),
                           optimizers=(rec.optimizer, None), callbacks=[timer])
         attach(trainer, rec)

@@ -77,7 +77,8 @@ def train(out: Path, link, *, bad: set[int] = frozenset(), key=None, steps: int 
     """A tiny run with online challenges; at each step in ``bad`` the trainer nudges the weights
     before training it (the committed state before the step is the honest one)."""
     task = build_task("tiny", {"steps": steps})
-    rec = Recorder.create(task, out, key or generate_key(), r=r, checkpoint_every=8, beacon=link, online=spec)
+    rec = Recorder.create(task, out, key or generate_key(), r=r, checkpoint_every=8, beacon=link, online=spec,
+                          self_check=not bad)
     for t in range(steps):
         if t in bad:
             with torch.no_grad():

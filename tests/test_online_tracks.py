@@ -101,7 +101,8 @@ def _online_recorder(tc, trainer, track, out, link=C.LeaderboardBeacon, p=1.0):
     tk = C.ticket(a, track)
     task = build_task(tk["task"], tk["config"])
     return Recorder.create(task, out, trainer.key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=5,
-                           beacon=link(a, tk["run_id"]), online=OnlineSpec.for_steps(task.config.steps, p=p))
+                           beacon=link(a, tk["run_id"]), online=OnlineSpec.for_steps(task.config.steps, p=p),
+                           self_check=False)  # some of these trainers cheat
 
 
 def _steps_of(rec, steps, factor=lambda t: 1.0):

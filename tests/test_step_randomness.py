@@ -119,3 +119,65 @@ def test_a_run_with_global_dropout_is_recorded_and_verified_exactly(site, tmp_pa
         capsys.readouterr()
     assert main(["verify", str(out), "--mode", "offline", "--challenges", "8"]) == 0
     assert "ACCEPTED" in capsys.readouterr().out
+
+
+# --- the record-time self-check ---------------------------------------------------------------
+
+def _loop(task, out, *, loss_of=None, lr_scale=1.0, report_scale=1.0, self_check=True):
+    """A user's own loop around the recorder: its step, its loss, its learning rate."""
+    from witness.commit.signing import generate_key
+    from witness.record import Recorder
+    from witness.task.base import StepOutput, clip_whole
+
+    rec = Recorder.create(task, out, generate_key(), r=b"\x09" * 32, checkpoint_every=4, self_check=self_check)
+    for t in range(task.config.steps):
+        batch = rec.batch(t)
+        for g in rec.optimizer.param_groups:
+            g["lr"] = rec.lr(t) * lr_scale
+        rec.optimizer.zero_grad(set_to_none=True)
+        rec.model.train()
+        loss = (loss_of or (lambda m, b, t: task.step_loss(m, b, rec.step_seed(t))))(rec.model, batch, t)
+        loss.backward()
+        gn = clip_whole([p for p in rec.model.parameters() if p.grad is not None], task.config.grad_clip)
+        rec.optimizer.step()
+        rec.log_step(t, StepOutput(float(loss.detach()) * report_scale, rec.lr(t), float(gn)))
+    rec.finish()
+    return rec
+
+
+def test_an_honest_own_loop_passes_the_self_check_and_says_what_it_cost(site, tmp_path):
+    task = registry.build_task("dropout-test", {"steps": 6, "batch_size": 8})
+    rec = _loop(task, tmp_path / "run")
+    r = rec.self_check.report()
+    assert r["steps"][0] == 0 and len(r["steps"]) == 2 and 1 <= r["steps"][1] <= 5 and r["seconds"] > 0
+
+
+@pytest.mark.parametrize("flaw, message", [
+    ({"loss_of": lambda m, b, t: _task().loss(m, b, None)},
+     "drew from torch's global, Python's random, NumPy's global generator outside the step's randomness"),
+    ({"report_scale": 2.0}, "your loop's loss is"),
+    ({"lr_scale": 1.01}, "although the loss and gradient norm match; the update is not the task's"),
+])
+def test_a_loop_that_would_not_replay_stops_at_step_0_and_says_why(site, tmp_path, flaw, message):
+    from witness.record.selfcheck import SelfCheckFailed
+
+    with pytest.raises(SelfCheckFailed, match=message) as e:
+        _loop(_task(), tmp_path / "run", **flaw)
+    assert str(e.value).startswith("step 0 does not replay")
+    assert (tmp_path / "run" / "log.jsonl").read_bytes().count(b"\n") == 1  # nothing past the manifest signed
+    # the same loop without the check records a run that the verifier then rejects
+    _loop(_task(), tmp_path / "unchecked", self_check=False, **flaw)
+    assert main(["verify", str(tmp_path / "unchecked"), "--challenges", "6", "--json"]) == 1
+
+
+def _task():
+    return registry.build_task("dropout-test", {"steps": 6, "batch_size": 8})
+
+
+def test_witness_train_prints_the_self_check(tmp_path, capsys):
+    args = ["train", "--task", "tiny", "--steps", "5", "--out", str(tmp_path / "a"), "--key", str(tmp_path / "k.pem"),
+            "--quiet"]
+    assert main(args) == 0
+    assert "self-check: step(s) 0 and " in capsys.readouterr().err
+    assert main([*args[:6], str(tmp_path / "b"), *args[7:], "--no-self-check"]) == 0
+    assert "self-check" not in capsys.readouterr().err

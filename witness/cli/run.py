@@ -78,12 +78,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         task = build_task(args.task, config)
         rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed), checkpoint_every=args.checkpoint_every,
                               state_every=args.state_every, threads=args.threads, device=args.device, beacon=beacon,
-                              online=_online_spec(args, task.config.steps) if beacon else None)
+                              online=_online_spec(args, task.config.steps) if beacon else None,
+                              self_check=not args.no_self_check)
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
+    if rec.self_check is not None:
+        print(self_check_summary(rec.self_check.report()), file=sys.stderr)
     if rec.online is not None:
         print(online_summary(rec.online), file=sys.stderr)
     return 0
+
+
+def self_check_summary(r: dict) -> str:
+    """What the record-time self-check replayed and what it cost, in a line."""
+    steps = " and ".join(str(t) for t in r["steps"])
+    return (f"self-check: step(s) {steps} replayed as a verifier will, bit for bit ({r['seconds']:.2f} s; "
+            "--no-self-check skips it)")
 
 
 def _beacon(args: argparse.Namespace):
@@ -338,6 +348,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", help="the bundle folder to write (required to train)")
     t.add_argument("--checkpoint-every", type=positive, default=50,
                    help="keep a full checkpoint every N steps (default 50; a multiple of --state-every)")
+    t.add_argument("--no-self-check", action="store_true",
+                   help="skip the record-time self-check (step 0 and one random later step replayed as a "
+                        "verifier will, stopping at once if the bits differ)")
     t.add_argument("--state-every", type=positive, default=1,
                    help="commit the hash of the whole training state every K steps (default 1: every step)")
     t.add_argument("--seed", help="the trainer's r (any string); random by default")

@@ -112,7 +112,7 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
     rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
                           checkpoint_every=checkpoint_every, threads=threads,
                           on_head=HeadStreamer(client, tk["run_id"]) if stream and not link else None, beacon=link,
-                          online=spec)
+                          online=spec, self_check=lr_factor is None)  # a cheat would stop at its own self-check
     if lr_factor is None:
         return tk["run_id"], rec.train(progress)
     n = task.config.steps

@@ -45,6 +45,7 @@ from ..session import (
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task, check_task_source, task_class, task_source
 from .online import BeaconLink, OnlineChallenges, OnlineSpec
+from .selfcheck import SelfCheck, check_steps
 
 HeadCallback = Callable[[SignedTreeHead, RunLog], None]
 
@@ -77,6 +78,7 @@ class Recorder:
         # a resumed run passes its signed records again from a checkpoint: each must come out the same
         self._signed = len(log) - 1
         self._old_heads: dict[int, SignedTreeHead] = {}
+        self.self_check: SelfCheck | None = None  # replays a few steps as they are recorded (create's)
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -85,7 +87,8 @@ class Recorder:
                threads: int | None = None, on_head: HeadCallback | None = None,
                session: TrainingSession | None = None, init_state: dict | None = None,
                parallelism: str = "none", device: str | torch.device = "cpu", shards: int = 1,
-               leaves: bool = True, beacon: BeaconLink | None = None, online: OnlineSpec | None = None) -> Recorder:
+               leaves: bool = True, beacon: BeaconLink | None = None, online: OnlineSpec | None = None,
+               self_check: bool = True) -> Recorder:
         """Start a new run: derive the seed, build the initial state, sign the manifest.
 
         ``leaves`` writes the dataset's per-sample commitments into the bundle (``dataset.leaves``,
@@ -98,6 +101,10 @@ class Recorder:
 
         ``beacon`` turns on online challenges: a head goes to it every ``online.every`` steps
         (default settings: ``OnlineSpec.for_steps``), and the states its statements select are kept.
+
+        ``self_check`` replays step 0 and one random later step as a verifier will, right after
+        they are recorded, and stops with what differs if the bits are not the same (a
+        single-process run; it costs two steps and, while one is checked, a second model).
         """
         if len(r) != 32:
             raise ValueError("r must be 32 bytes")
@@ -172,6 +179,8 @@ class Recorder:
         log = RunLog()
         writer.append_record(log.append(manifest))
         rec = cls(task, Path(out), key, session, writer, log, manifest, 0, on_head)
+        if self_check and session.world_size == 1 and parallelism == "none":
+            rec.self_check = SelfCheck(rec, check_steps(task.config.steps))
         if beacon is not None:
             rec.online = rec._online(online, beacon)  # type: ignore[arg-type]
             rec.online.keep(0, init_state)
@@ -295,6 +304,8 @@ class Recorder:
         ds = self.task.dataset()
         idx = self.batch_indices(step)
         self.expect(step, idx, ds.batch_root(idx))
+        if self.self_check is not None:
+            self.self_check.start(step)  # the state this step starts from, to replay it from
         return self.task.collate([ds.sample_bytes(i) for i in idx])
 
     def expect(self, step: int, indices: list[int], root: bytes) -> None:
@@ -327,6 +338,8 @@ class Recorder:
             raise ValueError(f"log_step({step}) without batch({step}) first")
         _, idx, root = self._pending
         self._pending = None
+        if self.self_check is not None:
+            self.self_check.finish(step, out)  # raises, before anything is signed, if the step does not replay
         if self.online is not None:
             self.online.drain()
         fp = fingerprint if fingerprint is not None else self.session.fingerprint()

@@ -82,7 +82,8 @@ class TokenWindows(Dataset):
         """Inputs and targets, ``[B, block]`` each, as int64."""
         arr = np.stack([np.frombuffer(s, dtype=self.dtype.newbyteorder("<")) for s in samples]).astype(np.int64)
         t = torch.from_numpy(arr)
-        return t[:, :-1], t[:, 1:]
+        # contiguous copies: nanoGPT-style losses call targets.view(-1), which a slice refuses
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
 class SampleList(Dataset):

@@ -1,0 +1,136 @@
+"""The record-time self-check: replay a few steps just recorded the way a verifier will, and stop
+at once, saying what differs and how to fix it, if the bits are not the same.
+
+A user's own loop is witnessed by a plugin whose step must be the loop's step bit for bit; without
+this check the user learns that it is not only when a verifier rejects an honest run. The check
+replays step 0 and one later step drawn at random (the first 50 steps), each from a copy of the
+state before it, through ``TrainingSession.step`` — what ``witness verify`` runs — and compares the
+loss, the gradient norm and every tensor of the state after it. It costs two steps of compute and,
+while a step is checked, a second model and a copy of the state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..bundle.state import load_state, state_tensors
+from ..session import TrainingSession
+from ..task.base import StepOutput
+
+LATER_STEPS = 50  # the later step is drawn from steps 1 .. 50
+
+
+class SelfCheckFailed(ValueError):
+    """A recorded step does not replay: the verifier would reject the run."""
+
+
+def check_steps(steps: int) -> list[int]:
+    """Step 0 and one later step, drawn from the operating system's randomness."""
+    if steps < 2:
+        return [0]
+    later = 1 + int.from_bytes(os.urandom(4), "big") % min(steps - 1, LATER_STEPS)
+    return [0, later]
+
+
+def _ulps(a: float, b: float) -> int:
+    """How many representable float32 values lie between ``a`` and ``b`` (the loss is float32 here)."""
+    ia, ib = (struct.unpack("<i", struct.pack("<f", x))[0] for x in (a, b))
+    return abs(ia - ib)
+
+
+class SelfCheck:
+    """Replays the chosen steps of one recorder and compares bits."""
+
+    def __init__(self, rec: Any, steps: list[int]):  # noqa: ANN401 - the Recorder (imports this module)
+        self.rec, self.steps = rec, set(steps)
+        self.before: dict[str, torch.Tensor] | None = None
+        self.rng: tuple | None = None
+        self.checked: list[int] = []
+        self.seconds = 0.0
+
+    def start(self, step: int) -> None:
+        """Before the loop's step: keep the state it starts from, and the global generators' states."""
+        if step not in self.steps:
+            return
+        started = time.perf_counter()
+        self.before = {k: v.detach().clone() for k, v in state_tensors(self.rec.model, self.rec.optimizer).items()}
+        self.rng = _rng_states()
+        self.seconds += time.perf_counter() - started
+
+    def finish(self, step: int, out: StepOutput) -> None:
+        """After the loop's step: replay it and compare (raises ``SelfCheckFailed``)."""
+        if step not in self.steps or self.before is None:
+            return
+        started = time.perf_counter()
+        rec = self.rec
+        drew = [name for name, (a, b) in zip(("torch's global", "Python's random", "NumPy's global"),
+                                             zip(self.rng, _rng_states(), strict=True), strict=True) if not _same(a, b)]
+        s = rec.session
+        replay = TrainingSession(rec.task, s.run_seed, s.dataset_size, 1, "none", s.device)
+        load_state(replay.model, replay.optimizer, self.before)
+        ds = rec.task.dataset()
+        got = replay.step(step, [ds.sample_bytes(i) for i in rec.batch_indices(step)])
+        after = state_tensors(rec.model, rec.optimizer)
+        replayed = state_tensors(replay.model, replay.optimizer)
+        self.before = None
+        problem = _compare(step, out, got, after, replayed, drew)
+        self.seconds += time.perf_counter() - started
+        if problem:
+            raise SelfCheckFailed(problem + " (the record-time self-check replayed the step as `witness verify` "
+                                            "will; Recorder.create(self_check=False) or --no-self-check skips it)")
+        self.checked.append(step)
+
+    def report(self) -> dict:
+        """What the check did and what it cost."""
+        return {"steps": sorted(self.checked), "seconds": self.seconds}
+
+
+def _rng_states() -> tuple:
+    return torch.random.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _same(a: Any, b: Any) -> bool:  # noqa: ANN401 - generator states of three kinds
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple) and a and isinstance(a[0], str):  # NumPy's (name, keys, pos, ...)
+        return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+    return a == b
+
+
+def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch.Tensor],
+             replayed: dict[str, torch.Tensor], drew: list[str]) -> str | None:
+    """What differs between the loop's step and the replayed one, and how to fix it; None if nothing."""
+    hint_rng = ""
+    if drew:
+        hint_rng = (f"; your step drew from {', '.join(drew)} generator outside the step's randomness (dropout, "
+                    "SDPA's dropout_p, an augmentation): compute the loss with task.step_loss(model, batch, "
+                    "rec.step_seed(t)), or inside witness.task.base.step_randomness(rec.step_seed(t))")
+    if out.loss != got.loss:
+        return (f"step {step} does not replay: your loop's loss is {out.loss!r}, the task's step gives {got.loss!r} "
+                f"({_ulps(out.loss, got.loss)} float32 ulp(s) apart); replay computes the task's loss, so make the "
+                "task's loss the one your loop computes (its reduction too: a mean over all tokens is not a mean "
+                f"of per-example means){hint_rng}")
+    if out.grad_norm != got.grad_norm:
+        return (f"step {step} does not replay: your loop's gradient norm is {out.grad_norm!r}, the task's step gives "
+                f"{got.grad_norm!r}; replay clips as the task does (clip_grad_norm_ over all parameters at the "
+                f"recipe's grad_clip) after one backward over the whole batch{hint_rng}")
+    names = sorted(set(after) | set(replayed))
+    for name in names:
+        a, b = after.get(name), replayed.get(name)
+        if a is None or b is None:
+            return (f"step {step} does not replay: {name} is in {'your' if b is None else 'the replayed'} state only; "
+                    "the optimizer or the model is not the task's")
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("nan")
+            what = "optimizer state" if name.startswith("optimizer.") else "parameter or buffer"
+            return (f"step {step} does not replay: after it, the {what} {name} differs from the replayed one "
+                    f"(largest difference {diff:.3g}) although the loss and gradient norm match; the update is "
+                    "not the task's: its optimizer, learning rate, clipping or gradient accumulation" + hint_rng)
+    return None
