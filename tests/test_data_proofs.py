@@ -266,3 +266,29 @@ def test_check_against_a_published_tree_head_file(gpt, tmp_path):
     assert _run("data", "check", tmp_path / "exc.json", "--tree-head", pinned) == 1
     pinned.write_text("{not json")
     assert _run("data", "check", tmp_path / "exc.json", "--tree-head", pinned) == 2
+
+
+def test_search_answers_was_this_text_used_and_exclusion_says_what_it_covers(gpt, tmp_path, capsys):
+    out, used, unused, task = gpt
+    ds = task.dataset()
+    used_batch = parse_canonical_json((out / "log.jsonl").read_bytes().split(b"\n")[1])["batch"]
+    fragment = ds.sample_bytes(used_batch[0])[40:72]  # 32 bytes from inside a window step 0 trained on
+    assert _run("data", "search", out, "--file", _bytes_file(tmp_path / "f", fragment), "--json") == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["samples_used"] >= 1 and any(s["index"] == used_batch[0] and s["used"] for s in found["samples"])
+    assert found["documents_used"] >= 1
+    # a text nothing holds: exit 1, nothing found
+    assert _run("data", "search", out, "--text", "no such text anywhere \x00\x01 in the corpus") == 1
+    assert "0 document(s)" in capsys.readouterr().out
+    # an exclusion proof for a fragment is valid, but says that it covers only a whole document of those bytes
+    assert _run("data", "exclude", out, "--file", _bytes_file(tmp_path / "g", fragment), "--out", tmp_path / "e.json",
+                "--key", tmp_path / "k.pem") == 0
+    assert "no document of the run's dataset has exactly these bytes" in capsys.readouterr().err
+    # a whole document of the dataset that was not used: no such note
+    assert _run("data", "exclude", out, "--file", unused, "--out", tmp_path / "u.json", "--key", tmp_path / "k.pem") == 0
+    assert "no document of the run's dataset" not in capsys.readouterr().err
+
+
+def _bytes_file(path, data: bytes):
+    path.write_bytes(data)
+    return path

@@ -32,6 +32,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.data_command == "check":
         return _check_data_proof(args, check_data_proof)
     run, task = run_commitments(args.bundle)
+    if args.data_command == "search":
+        return _search(args, run)
     document = query_document(task, args.file, args.text)
     if args.data_command == "include":
         if document not in run.usage.documents:
@@ -45,8 +47,34 @@ def cmd_data(args: argparse.Namespace) -> int:
             return 1
         doc = prove_exclusion(run, document)
         print(f"document {document.hex()} was never used by this run")
+        from ..verify.data_queries import known_document
+
+        if not known_document(run, document):
+            print("note: no document of the run's dataset has exactly these bytes, so this proves only that the run "
+                  "never trained on a document with exactly these bytes; a fragment of a used document, or a window "
+                  "shifted against the dataset's, is not covered: `witness data search` finds the documents and "
+                  "samples that contain a text", file=sys.stderr)
     _write_proof(doc, Path(args.out), released_model(args.bundle, args.model, Path(args.out)), args.key)
     return 0
+
+
+def _search(args: argparse.Namespace, run) -> int:  # noqa: ANN001 - RunCommitments
+    """``witness data search``: which documents and samples contain a text, and whether the run used them."""
+    from ..verify.data_queries import search_text
+
+    needle = Path(args.file).read_bytes() if args.file is not None else args.text.encode()
+    found = search_text(run, needle, args.limit)
+    if args.json:
+        print(json.dumps(found))
+    else:
+        print(f"{found['documents_found']} document(s) of the run's dataset contain the {found['needle_bytes']} "
+              f"byte(s), {found['documents_used']} of them used in training; {found['samples_found']} sample(s), "
+              f"{found['samples_used']} of them trained on")
+        for d in found["documents"]:
+            print(f"  {'USED  ' if d['used'] else 'unused'} {d['document']} ({d['hash'][:16]}…)")
+        if found["documents_found"] > len(found["documents"]):
+            print(f"  … and {found['documents_found'] - len(found['documents'])} more (--limit)")
+    return 0 if found["samples_used"] or found["documents_used"] else 1
 
 
 def released_model(bundle_dir: str, model: str | None, out: Path) -> dict:
@@ -149,6 +177,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--model", help="the released model file the statement names (default: model.safetensors "
                                         "beside --out, written from the run's final checkpoint if missing)")
         q.set_defaults(func=cmd_data)
+    se = dsub.add_parser("search", help="which documents and samples of the run's dataset contain a text, and "
+                                        "whether the run trained on them (exit 0 if it did, 1 if not)")
+    se.add_argument("bundle", help="the bundle of the run (the dataset must be on this machine)")
+    g = se.add_mutually_exclusive_group(required=True)
+    g.add_argument("--text", help="the text to look for (its UTF-8 bytes)")
+    g.add_argument("--file", help="a file holding the bytes to look for")
+    se.add_argument("--limit", type=positive, default=100, help="most documents and samples listed (default 100)")
+    se.add_argument("--json", action="store_true", help="print the answer as one JSON object")
+    se.set_defaults(func=cmd_data)
     c = dsub.add_parser("check", help="check a proof against the public commitments (0 valid, 1 invalid, 2 unusable)")
     c.add_argument("proof", help="the proof (JSON or its DSSE envelope)")
     g = c.add_mutually_exclusive_group()

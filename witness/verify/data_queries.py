@@ -59,3 +59,26 @@ def query_document(task: Task, file: str | None, text: str | None) -> bytes:
         raise ValueError("name the document with exactly one of --file or --text")
     content = Path(file).read_bytes() if file is not None else text.encode()  # type: ignore[union-attr]
     return task.dataset().document_hash(content)
+
+
+def known_document(run: RunCommitments, document: bytes) -> bool:
+    """Whether ``document`` is one of the committed dataset's documents (used or not)."""
+    return any(same(h, document) for _, h, _ in run.dataset.documents_list())
+
+
+def search_text(run: RunCommitments, needle: bytes, limit: int = 100) -> dict:
+    """The documents and samples of the committed dataset whose bytes contain ``needle``, each with
+    whether the run trained on it: the answer to "was this text used?", which a document proof
+    (about one whole document) is not."""
+    if not needle:
+        raise ValueError("search for at least one byte")
+    used = {i for rec in run.steps for i in rec["batch"]}
+    docs = [{"document": name, "hash": h.hex(), "used": h in run.usage.documents}
+            for name, h, content in run.dataset.documents_list() if needle in content]
+    samples = []
+    for i in range(len(run.dataset)):
+        if needle in run.dataset.sample_bytes(i):
+            samples.append({"index": i, "used": i in used})
+    return {"needle_bytes": len(needle), "documents": docs[:limit], "documents_found": len(docs),
+            "documents_used": sum(d["used"] for d in docs), "samples": samples[:limit],
+            "samples_found": len(samples), "samples_used": sum(s["used"] for s in samples)}
