@@ -127,7 +127,7 @@ def _loop(task, out, *, loss_of=None, lr_scale=1.0, report_scale=1.0, self_check
     """A user's own loop around the recorder: its step, its loss, its learning rate."""
     from witness.commit.signing import generate_key
     from witness.record import Recorder
-    from witness.task.base import StepOutput, clip_whole
+    from witness.task.base import StepOutput, clip_whole, mean_of_ranks, micro_seed
 
     rec = Recorder.create(task, out, generate_key(), r=b"\x09" * 32, checkpoint_every=4, self_check=self_check)
     for t in range(task.config.steps):
@@ -136,11 +136,20 @@ def _loop(task, out, *, loss_of=None, lr_scale=1.0, report_scale=1.0, self_check
             g["lr"] = rec.lr(t) * lr_scale
         rec.optimizer.zero_grad(set_to_none=True)
         rec.model.train()
-        loss = (loss_of or (lambda m, b, t: task.step_loss(m, b, rec.step_seed(t))))(rec.model, batch, t)
-        loss.backward()
+        if task.grad_accum == 1:
+            loss = (loss_of or (lambda m, b, t: task.step_loss(m, b, rec.step_seed(t))))(rec.model, batch, t)
+            loss.backward()
+            value = float(loss.detach())
+        else:  # nanoGPT's idiom: loss / gradient_accumulation_steps, backward per micro-batch
+            losses = []
+            for k, micro in enumerate(task.split_batch(batch, task.grad_accum)):
+                loss = task.step_loss(rec.model, micro, micro_seed(rec.step_seed(t), k))
+                (loss / task.grad_accum).backward()
+                losses.append(float(loss.detach()))
+            value = mean_of_ranks(losses)
         gn = clip_whole([p for p in rec.model.parameters() if p.grad is not None], task.config.grad_clip)
         rec.optimizer.step()
-        rec.log_step(t, StepOutput(float(loss.detach()) * report_scale, rec.lr(t), float(gn)))
+        rec.log_step(t, StepOutput(value * report_scale, rec.lr(t), float(gn)))
     rec.finish()
     return rec
 
@@ -181,3 +190,15 @@ def test_witness_train_prints_the_self_check(tmp_path, capsys):
     assert "self-check: step(s) 0 and " in capsys.readouterr().err
     assert main([*args[:6], str(tmp_path / "b"), *args[7:], "--no-self-check"]) == 0
     assert "self-check" not in capsys.readouterr().err
+
+
+def test_gradient_accumulation_in_the_users_loop_replays_exactly(site, tmp_path, capsys):
+    task = registry.build_task("dropout-test", {"steps": 6, "batch_size": 8, "grad_accum": 2})
+    rec = _loop(task, tmp_path / "run")  # the self-check replayed two of its steps bit for bit
+    assert len(rec.self_check.report()["steps"]) == 2
+    assert main(["verify", str(tmp_path / "run"), "--challenges", "6", "--json"]) == 0
+    capsys.readouterr()
+    # a grad_accum of 1 stays out of the recipe (runs recorded before the field keep their recipe)
+    assert "grad_accum" not in registry.build_task("dropout-test", {}).config_json()
+    with pytest.raises(ValueError, match="must divide the batch"):
+        registry.build_task("dropout-test", {"batch_size": 8, "grad_accum": 3})

@@ -36,6 +36,9 @@ class TrainingSession:
         if task.config.batch_size % world_size:
             raise ValueError(f"the global batch of {task.config.batch_size} does not split over {world_size} ranks")
         # initialised on the host (the same bits everywhere), then moved; the optimizer follows
+        if world_size > 1 and task.grad_accum > 1:
+            raise ValueError("gradient accumulation (grad_accum) is for one process: a data-parallel run's ranks "
+                             "already split each step's batch")
         self.model = task.build_model(run_seed).to(self.device)
         self.optimizer = task.build_optimizer(self.model)
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)

@@ -93,6 +93,12 @@ def clip_like_fsdp(params: list[torch.Tensor], max_norm: float, shards: int) -> 
     return clip_by_shard_norms(grads, shard_sq_norms(grads, shards), max_norm)
 
 
+def micro_seed(seed: int, k: int) -> int:
+    """The seed of micro-batch ``k`` of a step whose seed is ``seed`` (gradient accumulation)."""
+    return int.from_bytes(tagged_hash("witness/micro-seed/v1", seed.to_bytes(8, "big") + k.to_bytes(4, "big"))[:8],
+                          "big") >> 1
+
+
 def mean_of_ranks(losses: list[float]) -> float:
     """The step loss of a data-parallel step: the ranks' losses summed in rank order, divided."""
     total = 0.0
@@ -184,6 +190,9 @@ class Task:
         c = self.config
         if c.steps < 1 or c.batch_size < 1:
             raise ValueError("a recipe needs at least one step and one sample per batch")
+        if self.grad_accum < 1 or c.batch_size % self.grad_accum:
+            raise ValueError(f"grad_accum ({self.grad_accum}) must divide the batch ({c.batch_size} samples) into "
+                             "equal micro-batches")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision is one of {', '.join(PRECISIONS)}")
 
@@ -257,13 +266,47 @@ class Task:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         model.train()
-        loss = self.step_loss(model, batch, seed)
-        loss.backward()
+        accum = self.grad_accum
+        if accum == 1:
+            loss = self.step_loss(model, batch, seed)
+            loss.backward()
+            value = float(loss.detach())
+        else:
+            # nanoGPT's and Lightning's accumulation: each micro-batch's mean loss, divided by the
+            # number of micro-batches, is backpropagated; the step's loss is the micro losses' mean
+            losses = []
+            for k, micro in enumerate(self.split_batch(batch, accum)):
+                loss = self.step_loss(model, micro, micro_seed(seed, k))
+                (loss / accum).backward()
+                losses.append(float(loss.detach()))
+            value = mean_of_ranks(losses)
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         gn = (clip or clip_whole)(params, max_norm)
         optimizer.step()
-        return StepOutput(float(loss.detach()), lr, float(gn))
+        return StepOutput(value, lr, float(gn))
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches a step's batch is split into, their gradients accumulated (the recipe's
+        ``grad_accum``; 1 unless it says otherwise)."""
+        return getattr(self.config, "grad_accum", 1)
+
+    def split_batch(self, batch: Any, parts: int) -> list[Any]:  # noqa: ANN401 - a collated batch
+        """A collated batch as ``parts`` micro-batches of equal size, in order (along the first
+        dimension of every tensor of a tensor, tuple, list or dict batch)."""
+        def split(x: Any) -> list[Any]:  # noqa: ANN401
+            if isinstance(x, torch.Tensor):
+                return list(torch.chunk(x, parts, dim=0))
+            if isinstance(x, dict):
+                cols = {k: split(v) for k, v in x.items()}
+                return [{k: cols[k][i] for k in x} for i in range(parts)]
+            if isinstance(x, (tuple, list)):
+                cols = [split(v) for v in x]
+                return [type(x)(c[i] for c in cols) for i in range(parts)]
+            raise TypeError(f"cannot split a batch of {type(x).__name__} into micro-batches (override split_batch)")
+
+        return split(batch)
 
     def accumulated_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[Any], lr: float,
                          seeds: list[int], sharded_norm: bool = False) -> StepOutput:

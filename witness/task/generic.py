@@ -18,7 +18,6 @@ Everything that shapes the run is in the recipe (``Config``), which the manifest
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -53,6 +52,11 @@ class GenericConfig:
     optimizer_args: dict = field(default_factory=dict)  # e.g. {"betas": [0.9, 0.95]}
     fingerprint_dims: int = 4
     sketch_dims: int = 8
+    # micro-batches a step's batch is split into, their gradients accumulated (nanoGPT's
+    # gradient_accumulation_steps, Lightning's accumulate_grad_batches); left out of a recipe at 1
+    grad_accum: int = 1
+
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("grad_accum",)
 
 
 class FunctionSchedule:
@@ -233,5 +237,5 @@ class GenericTask(Task):
         return 6.0 * params * self.config.batch_size
 
     def config_json(self) -> dict:
-        """The recipe as JSON."""
-        return dataclasses.asdict(self.config)
+        """The recipe as JSON (a later field at its default left out, as ``Task.config_json`` does)."""
+        return super().config_json()
