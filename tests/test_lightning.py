@@ -101,3 +101,33 @@ def test_the_lightning_run_took_online_challenges(pl_run):
     run, _, beacon_key = pl_run
     v = verify_bundle(run, mode="online", beacon_key=beacon_key)
     assert v.accepted and v.online["final"] and v.online["unaudited"] == 0 and v.replayed_steps == len(v.online["selected"])
+
+
+def test_lightning_gradient_accumulation_and_clip_val_replay_exactly(tmp_path):
+    import lightning as L
+
+    from witness.commit.signing import generate_key
+    from witness.integrations.lightning import TaskModule, WitnessCallback
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    recipe = {"steps": 4, "batch_size": 4, "block": 16, "n_layer": 1, "d_model": 16, "n_head": 2, "probes": 2,
+              "probe_len": 8, "corpus_max_bytes": 100_000, "grad_accum": 2}
+    task = build_task("tinygpt", recipe)
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x06" * 32, checkpoint_every=2)
+    kw = dict(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False)
+    # Lightning's own accumulation and clipping flags, set as the recipe says
+    L.Trainer(accumulate_grad_batches=2, gradient_clip_val=task.config.grad_clip, callbacks=[WitnessCallback(rec)],
+              **kw).fit(TaskModule(rec))
+    assert rec.self_check.report()["steps"]  # replayed as it was recorded
+    v = verify_bundle(tmp_path / "run", challenges=4, nonce=b"accum")
+    assert v.accepted and v.replayed_steps == 4
+    # settings that are not the recipe's are refused before the first step
+    rec2 = Recorder.create(task, tmp_path / "other", generate_key(), r=b"\x06" * 32, checkpoint_every=2)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2"):
+        L.Trainer(callbacks=[WitnessCallback(rec2)], **kw).fit(TaskModule(rec2))
+    rec3 = Recorder.create(task, tmp_path / "third", generate_key(), r=b"\x06" * 32, checkpoint_every=2)
+    with pytest.raises(ValueError, match="gradient_clip_val must be the recipe's grad_clip"):
+        L.Trainer(accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[WitnessCallback(rec3)],
+                  **kw).fit(TaskModule(rec3))

@@ -130,8 +130,9 @@ def attach(trainer: Any, rec: Any) -> None:
     """Make ``trainer`` run the committed steps of ``rec`` and record each one."""
     t = _transformers()
     c, args = rec.task.config, trainer.args
-    if args.per_device_train_batch_size != c.batch_size or args.gradient_accumulation_steps != 1:
-        raise ValueError(f"the Trainer must take batches of the task's {c.batch_size} samples, one per step")
+    if args.per_device_train_batch_size != c.batch_size or args.gradient_accumulation_steps != 1 or c.grad_accum != 1:
+        raise ValueError(f"the Trainer must take batches of the task's {c.batch_size} samples, one per step (its "
+                         "gradient accumulation is not replayed yet: accumulate in a Lightning or your own loop)")
     if args.max_steps != c.steps or args.lr_scheduler_type != "linear" or args.warmup_steps != c.warmup:
         raise ValueError(f"set max_steps={c.steps}, warmup_steps={c.warmup} and the linear schedule, as the task")
     if args.max_grad_norm != c.grad_clip or args.learning_rate != c.lr:

@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from ..task.base import StepOutput, clip_whole
+from ..task.base import StepOutput, clip_whole, mean_of_ranks, micro_seed
 from .committed import CommittedDataset, CommittedOrder, same_batch
 
 
@@ -32,9 +32,10 @@ class TaskModule(L.LightningModule):
         self.seen: dict[str, float] = {}
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        """The committed order, one batch per step, collated by the task."""
+        """The committed order, one batch per step (one micro-batch per ``accumulate_grad_batches``
+        of a recipe that accumulates), collated by the task."""
         c = self.task.config
-        return torch.utils.data.DataLoader(CommittedDataset(self.rec), batch_size=c.batch_size,
+        return torch.utils.data.DataLoader(CommittedDataset(self.rec), batch_size=c.batch_size // self.task.grad_accum,
                                            sampler=CommittedOrder(self.rec), collate_fn=self.task.collate)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -42,17 +43,20 @@ class TaskModule(L.LightningModule):
         return self.rec.optimizer
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The task's loss on the committed batch, at the committed learning rate and seed."""
-        t = self.global_step
+        """The task's loss on the committed (micro-)batch, at the committed learning rate and seed;
+        Lightning divides it by ``accumulate_grad_batches`` before the backward, as replay does."""
+        t, accum = self.global_step, self.task.grad_accum
         for group in self.rec.optimizer.param_groups:
             group["lr"] = self.rec.lr(t)
+        seed = self.rec.step_seed(t) if accum == 1 else micro_seed(self.rec.step_seed(t), batch_idx % accum)
         # the step's randomness and the recipe's precision, exactly as Task.train_step (which replay runs)
-        loss = self.task.step_loss(self.net, batch, self.rec.step_seed(t))
-        self.seen["loss"] = float(loss.detach())
+        loss = self.task.step_loss(self.net, batch, seed)
+        self.seen.setdefault("losses", []).append(float(loss.detach()))
         return loss
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """The task's clipping (Lightning's own flag stays unset), keeping the norm for the record."""
+        """The task's clipping (Lightning's ``gradient_clip_val``, where set, is the recipe's: the
+        callback checks it), keeping the norm for the record."""
         params = [p for p in self.net.parameters() if p.grad is not None]
         max_norm = self.task.config.grad_clip if self.task.config.grad_clip > 0 else float("inf")
         self.seen["grad_norm"] = float(clip_whole(params, max_norm))
@@ -68,22 +72,34 @@ class WitnessCallback(L.Callback):
         """Refuse settings that would make the run differ from the task's step."""
         if not isinstance(module, TaskModule) or module.rec is not self.rec:
             raise ValueError("train the recorder's TaskModule: its step is what the log commits")
-        if trainer.gradient_clip_val or trainer.accumulate_grad_batches != 1 or trainer.max_steps != \
-                self.rec.task.config.steps:
-            raise ValueError(f"use max_steps={self.rec.task.config.steps}, no gradient_clip_val (the task clips) "
-                             "and no gradient accumulation")
+        c = self.rec.task.config
+        clip = trainer.gradient_clip_val
+        if clip not in (None, 0, 0.0, c.grad_clip) or trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"gradient_clip_val must be the recipe's grad_clip ({c.grad_clip}), by norm, or unset "
+                             "(the task clips either way)")
+        if trainer.accumulate_grad_batches != self.rec.task.grad_accum or trainer.max_steps != c.steps:
+            raise ValueError(f"use max_steps={c.steps} and accumulate_grad_batches={self.rec.task.grad_accum} "
+                             "(the recipe's grad_accum: its micro-batches are what replay accumulates)")
+        self._micro: list[Any] = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        """The batch must be the committed one."""
-        t = trainer.global_step
-        if not same_batch(batch, self.rec.batch(t)):  # rec.batch also notes what the record commits
+        """The (micro-)batch must be the committed one."""
+        t, accum = trainer.global_step, self.rec.task.grad_accum
+        if batch_idx % accum == 0:  # rec.batch also notes what the record commits
+            whole = self.rec.batch(t)
+            self._micro = [whole] if accum == 1 else self.rec.task.split_batch(whole, accum)
+        if not same_batch(batch, self._micro[batch_idx % accum]):
             raise ValueError(f"step {t}: the batch is not the committed one")
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        """Record the step that was just taken."""
+        """Record the step that was just taken (after its last micro-batch)."""
+        if (batch_idx + 1) % self.rec.task.grad_accum:
+            return
         t = trainer.global_step - 1
         seen = module.seen
-        self.rec.log_step(t, StepOutput(seen.pop("loss"), self.rec.lr(t), seen.pop("grad_norm")))
+        losses = seen.pop("losses")
+        loss = losses[0] if len(losses) == 1 else mean_of_ranks(losses)
+        self.rec.log_step(t, StepOutput(loss, self.rec.lr(t), seen.pop("grad_norm")))
 
     def on_train_end(self, trainer, module) -> None:
         """The end record and the final signed head."""

@@ -56,9 +56,11 @@ class TinyGPTConfig:
     # Recompute each block's activations in the backward pass instead of keeping them: memory
     # for compute, with the same bits (the recomputation runs the same kernels on the same inputs).
     activation_checkpointing: bool = False
+    # micro-batches a step's batch is split into, their gradients accumulated (Task.train_step)
+    grad_accum: int = 1
 
-    # added after runs were recorded without it: in the recipe only where it is not the default
-    LATER_FIELDS = ("activation_checkpointing",)
+    # added after runs were recorded without them: in the recipe only where not the default
+    LATER_FIELDS = ("activation_checkpointing", "grad_accum")
 
 
 # The witnessed tinygpt at the method's scale, for GPUs (recipe fields for --config). The
