@@ -202,3 +202,20 @@ def test_gradient_accumulation_in_the_users_loop_replays_exactly(site, tmp_path,
     assert "grad_accum" not in registry.build_task("dropout-test", {}).config_json()
     with pytest.raises(ValueError, match="must divide the batch"):
         registry.build_task("dropout-test", {"batch_size": 8, "grad_accum": 3})
+
+
+def test_the_recorder_says_when_its_fixed_cost_dominates_and_what_state_every_buys(tmp_path, capsys):
+    from witness.commit.signing import generate_key
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    rec = Recorder.create(build_task("tiny", {"steps": 30}), tmp_path / "r", generate_key(), r=b"\x01" * 32)
+    rec.train(progress=False)
+    c = rec.cost()
+    assert c["step_seconds"] > 0 and c["record_seconds"] > 0 and 0 < c["share"] < 1
+    # a toy step is cheaper than its record: the hint names --state-every and what the audit pays for it
+    assert c["share"] > 0.25 and "--state-every K" in c["hint"] and "up to K steps a challenge" in c["hint"]
+    sparse = Recorder.create(build_task("tiny", {"steps": 30}), tmp_path / "s", generate_key(), r=b"\x01" * 32,
+                             state_every=10, checkpoint_every=10)
+    sparse.train(progress=False)
+    assert sparse.cost()["hint"] is None

@@ -84,6 +84,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
     if rec.self_check is not None:
         print(self_check_summary(rec.self_check.report()), file=sys.stderr)
+    hint = rec.cost()["hint"]
+    if hint:
+        print(f"note: {hint}", file=sys.stderr)
     if rec.online is not None:
         print(online_summary(rec.online), file=sys.stderr)
     return 0

@@ -13,6 +13,7 @@ Usage, in the trainer's loop::
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -79,6 +80,9 @@ class Recorder:
         self._signed = len(log) - 1
         self._old_heads: dict[int, SignedTreeHead] = {}
         self.self_check: SelfCheck | None = None  # replays a few steps as they are recorded (create's)
+        # where the time goes: the loop's steps, and the recorder's work on their records
+        self.step_seconds = self.record_seconds = 0.0
+        self._left: float | None = None
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -334,6 +338,17 @@ class Recorder:
         hands in the ``state_root`` its ranks computed from their shards instead (or a future of
         it, which it settles before the next record), never at a checkpoint.
         """
+        entered = time.perf_counter()
+        if self._left is not None:
+            self.step_seconds += entered - self._left  # the loop's own step, between two records
+        try:
+            self._log_step(step, out, fingerprint, sketch, state, live, state_root)
+        finally:
+            self._left = time.perf_counter()
+            self.record_seconds += self._left - entered
+
+    def _log_step(self, step: int, out: StepOutput, fingerprint: Any, sketch: list[float] | None,
+                  state: dict | None, live: bool, state_root: bytes | Future | None) -> None:
         if self._pending is None or self._pending[0] != step:
             raise ValueError(f"log_step({step}) without batch({step}) first")
         _, idx, root = self._pending
@@ -453,6 +468,21 @@ class Recorder:
             self.log_step(t, out)
             bar.set_postfix(loss=f"{out.loss:.3f}")
         return self.finish()
+
+    def cost(self) -> dict:
+        """The recorder's share of the time between the first and last record (its self-check apart),
+        and a hint where that share is large."""
+        checked = self.self_check.seconds if self.self_check is not None else 0.0
+        record = max(self.record_seconds - checked, 0.0)
+        total = self.step_seconds + record
+        share = record / total if total > 0 else 0.0
+        hint = None
+        if share > 0.25 and self.state_every == 1 and self.task.config.steps > 1:
+            hint = (f"the recorder took {100 * share:.0f}% of the training time ({record:.1f} s of {total:.1f} s): a "
+                    "small step pays its fixed cost, most of it the hash of the whole state at every step. "
+                    "--state-every K (Recorder.create(state_every=K)) commits the state every K steps instead; "
+                    "the cheap audit then replays up to K steps a challenge (about K times its cost now)")
+        return {"step_seconds": self.step_seconds, "record_seconds": record, "share": share, "hint": hint}
 
     def _publish_head(self, extensions: dict | None = None) -> SignedTreeHead:
         head = self.log.sign_head(self.key, extensions=extensions)

@@ -116,7 +116,8 @@ def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch
         return (f"step {step} does not replay: your loop's loss is {out.loss!r}, the task's step gives {got.loss!r} "
                 f"({_ulps(out.loss, got.loss)} float32 ulp(s) apart); replay computes the task's loss, so make the "
                 "task's loss the one your loop computes (its reduction too: a mean over all tokens is not a mean "
-                f"of per-example means){hint_rng}")
+                "of per-example means; a few ulps are the same math in another order, such as torch.compile's "
+                f"fused kernels, which replay does not run){hint_rng}")
     if out.grad_norm != got.grad_norm:
         return (f"step {step} does not replay: your loop's gradient norm is {out.grad_norm!r}, the task's step gives "
                 f"{got.grad_norm!r}; replay clips as the task does (clip_grad_norm_ over all parameters at the "
