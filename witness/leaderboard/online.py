@@ -65,8 +65,7 @@ def live_bundle(lb: Leaderboard, s, run: Run, ready: list[OnlineStep], dest: Pat
 
     The final head is left out: a finished bundle must carry its final checkpoint, which only the
     submission brings (its last window is replayed by the certification)."""
-    heads = [h for h in s.scalars(select(Head).where(Head.run_id == run.id).order_by(Head.size))
-             if SignedTreeHead.from_json(json.loads(h.head_json)).extensions is None]
+    heads = _live_heads(s, run)
     size = heads[-1].size
     lines = s.scalars(select(LogLine.line).where(LogLine.run_id == run.id, LogLine.position < size)
                       .order_by(LogLine.position))
@@ -78,10 +77,15 @@ def live_bundle(lb: Leaderboard, s, run: Run, ready: list[OnlineStep], dest: Pat
     (dest / STATEMENTS).write_bytes(b"".join(line + b"\n" for line in lb.statements(s, run, size)))
     for row in ready:
         _link(lb.store.online_file(run.id, "states", row.step, row.state_sha256), dest / online_state_name(row.step))
-        # the samples' file is named by the state's digest too: one upload pair, one name
         _link(_samples_of(lb, run.id, row.step), dest / online_samples_name(row.step))
     _link(track_leaves(lb, s.get(Track, run.track)), dest / LEAVES)
     return dest
+
+
+def _live_heads(s, run: Run) -> list[Head]:  # noqa: ANN001 - a Session
+    """The run's streamed heads short of its final one (which needs the final checkpoint)."""
+    return [h for h in s.scalars(select(Head).where(Head.run_id == run.id).order_by(Head.size))
+            if SignedTreeHead.from_json(json.loads(h.head_json)).extensions is None]
 
 
 def _samples_of(lb: Leaderboard, run_id: int, step: int) -> Path:
@@ -102,6 +106,10 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
                                .order_by(OnlineStep.step)))
         if not ready or run.status != "ticketed":
             # nothing new, or the run was submitted (its certification replays what is not yet passed)
+            if queue.finish(s, job.id, worker):
+                s.commit()
+            return
+        if len(_live_heads(s, run)) < 2:  # nothing but the manifest is signed short of the final head
             if queue.finish(s, job.id, worker):
                 s.commit()
             return
