@@ -47,6 +47,8 @@ def cmd_data(args: argparse.Namespace) -> int:
             return 1
         doc = prove_exclusion(run, document)
         print(f"document {document.hex()} was never used by this run")
+    _write_proof(doc, Path(args.out), released_model(args.bundle, args.model, Path(args.out)), args.key)
+    if args.data_command == "exclude":
         from ..verify.data_queries import known_document
 
         if not known_document(run, document):
@@ -54,7 +56,6 @@ def cmd_data(args: argparse.Namespace) -> int:
                   "never trained on a document with exactly these bytes; a fragment of a used document, or a window "
                   "shifted against the dataset's, is not covered: `witness data search` finds the documents and "
                   "samples that contain a text", file=sys.stderr)
-    _write_proof(doc, Path(args.out), released_model(args.bundle, args.model, Path(args.out)), args.key)
     return 0
 
 
