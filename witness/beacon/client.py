@@ -48,7 +48,9 @@ class BeaconClient:
         attempt = 0
         while True:
             try:
-                resp = getattr(self.http, method.lower())(path, **kw)
+                # a body given as a function is made again for each attempt (a stream is read once)
+                args = {k: (v() if k == "content" and callable(v) else v) for k, v in kw.items()}
+                resp = getattr(self.http, method.lower())(path, **args)
                 if not (patient and (resp.status_code >= 500 or resp.status_code == 429)):
                     return resp
             except httpx.TransportError as e:

@@ -178,10 +178,10 @@ class LeaderboardBeacon(BeaconClient):
     def publish(self, kind: str, step: int, path: Path) -> None:
         """Upload what the trainer kept for a selected step: the state before it (``states``) or its
         batch's samples (``samples``), so the server replays it while the run trains."""
-        with open(path, "rb") as f:
-            data = f.read()
-        resp = self._request("PUT", f"/api/runs/{self.run_id}/online/{kind}/{step}", content=data,
-                             headers={"Content-Type": "application/octet-stream"}, patient=True)
+        size = Path(path).stat().st_size  # streamed from the file, never held whole (a state can be GBs)
+        resp = self._request("PUT", f"/api/runs/{self.run_id}/online/{kind}/{step}",
+                             content=lambda: _file_chunks(path), patient=True,
+                             headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
         if resp.status_code == 409 and "came already" in resp.text:
             return  # sent before a retry or a crash: the server has it
         if resp.status_code >= 300:
@@ -223,6 +223,12 @@ def submit(client: httpx.Client, bundle_dir: str | os.PathLike, evaluation: str 
 def _chunks(f, size: int = 1 << 20):  # noqa: ANN001 - a binary file
     while chunk := f.read(size):
         yield chunk
+
+
+def _file_chunks(path: Path, size: int = 1 << 20):  # noqa: ANN202 - a generator of bytes
+    """A file's bytes in chunks, the file closed at the end."""
+    with open(path, "rb") as f:
+        yield from _chunks(f, size)
 
 
 def challenge(client: httpx.Client, run_id: int, count: int) -> dict:
