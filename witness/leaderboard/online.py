@@ -90,7 +90,7 @@ def _live_heads(s, run: Run) -> list[Head]:  # noqa: ANN001 - a Session
 
 def _samples_of(lb: Leaderboard, run_id: int, step: int) -> Path:
     """The samples file uploaded for a step (one per step: a second upload is refused)."""
-    found = sorted((lb.store.online_file(run_id, "samples", step, "0" * 64).parent).glob(f"{step:08d}.*.json"))
+    found = sorted(lb.store.online_folder(run_id, "samples").glob(f"{step:08d}.*.json"))
     if not found:
         raise VerificationError("the samples of this selected step are missing on the server", step=step,
                                 check="online")
@@ -106,13 +106,9 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
                                .order_by(OnlineStep.step)))
         if not ready or run.status != "ticketed":
             # nothing new, or the run was submitted (its certification replays what is not yet passed)
-            if queue.finish(s, job.id, worker):
-                s.commit()
-            return
+            return _close(s, job, worker)
         if len(_live_heads(s, run)) < 2:  # nothing but the manifest is signed short of the final head
-            if queue.finish(s, job.id, worker):
-                s.commit()
-            return
+            return _close(s, job, worker)
         acct = s.get(Account, run.account_id)
         # replay exactly the ready steps: a statement may select steps whose rows are not written
         # yet (the beacon commits its statement first), and those wait for their uploads too
@@ -135,9 +131,7 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         passed = not failures
         replayed = [row for row in ready if row.step in results]
         if passed and not replayed:
-            if queue.finish(s, job.id, worker):
-                s.commit()
-            return
+            return _close(s, job, worker)
         rnd = Round(run_id=run.id, job_id=job.id, kind="online", requested_by=None, nonce="",
                     count=len(replayed), passed=passed, bound=verdict.detection_probability if verdict else 0.0,
                     detail="; ".join(failures) if failures else
@@ -170,6 +164,12 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         if not queue.finish(s, job.id, worker):
             s.rollback()
             return
+        s.commit()
+
+
+def _close(s, job: Job, worker: str) -> None:  # noqa: ANN001 - a Session
+    """End a job that decided nothing (commits)."""
+    if queue.finish(s, job.id, worker):
         s.commit()
 
 

@@ -60,7 +60,11 @@ class Store:
         (``kind`` "states") or its batch's samples ("samples"), named by its SHA-256 too, so
         that a file is never replaced under the row that names it."""
         suffix = "safetensors" if kind == "states" else "json"
-        return self.root / "online" / str(int(run_id)) / kind / f"{int(step):08d}.{sha256}.{suffix}"
+        return self.online_folder(run_id, kind) / f"{int(step):08d}.{sha256}.{suffix}"
+
+    def online_folder(self, run_id: int, kind: str) -> Path:
+        """The folder of a run's online uploads of one kind (``states`` or ``samples``)."""
+        return self.root / "online" / str(int(run_id)) / kind
 
     def keep_online(self, run_id: int, kind: str, step: int, sha256: str, upload: Path) -> Path:
         """Move a received online upload to its place (before the row that names it is committed)."""
