@@ -11,13 +11,13 @@ PIP := $(PY) -m pip --disable-pip-version-check
 
 .PHONY: setup demo leaderboard-demo services test lint bench clean
 
-# The example task plugin is installed too: the tests train and verify it (a task plugin is an
+# The example task plugins are installed too: the tests train and verify them (a task plugin is an
 # installed package, never code inside a bundle).
-$(VENV)/.installed: pyproject.toml Makefile examples/cnn_plugin/pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile examples/cnn_plugin/pyproject.toml examples/nanogpt_style/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,hf,lightning]"
-	$(PIP) install -q --no-deps -e examples/cnn_plugin
+	$(PIP) install -q --no-deps -e examples/cnn_plugin -e examples/nanogpt_style
 	touch $@
 
 setup: $(VENV)/.installed

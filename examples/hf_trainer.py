@@ -27,15 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key", default="witness-key.pem")
     p.add_argument("--beacon", help="take online challenges from the beacon at this URL")
     p.add_argument("--dropout", type=float, default=0.1, help="GPT-2's dropout (its masks replay from the step seed)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches a step (gradient_accumulation_steps)")
     a = p.parse_args(argv)
     recipe = {"steps": a.steps, "batch_size": 8, "block": 32, "n_layer": 2, "n_head": 2, "d_model": 64,
-              "warmup": 4, "corpus_max_bytes": 300_000, "dropout": a.dropout}
+              "warmup": 4, "corpus_max_bytes": 300_000, "dropout": a.dropout,
+              "grad_accum": a.grad_accum}
     task = build_task("hf-gpt2", recipe)
     rec = Recorder.create(task, a.out, load_or_create_key(a.key), r=os.urandom(32), checkpoint_every=10,  # witness
                           beacon=BeaconClient(a.beacon) if a.beacon else None)  # witness: online challenges
     c = task.config
     args = TrainingArguments(output_dir=os.path.join(a.out + ".trainer"), max_steps=c.steps, learning_rate=c.lr,
-                             per_device_train_batch_size=c.batch_size, warmup_steps=c.warmup, weight_decay=0.0,
+                             per_device_train_batch_size=c.batch_size // c.grad_accum,
+                             gradient_accumulation_steps=c.grad_accum, warmup_steps=c.warmup, weight_decay=0.0,
                              lr_scheduler_type="linear", max_grad_norm=c.grad_clip, save_strategy="no",
                              report_to=[], logging_steps=10, use_cpu=True, disable_tqdm=True)
     trainer = Trainer(model=rec.model, args=args, train_dataset=committed_dataset(rec),

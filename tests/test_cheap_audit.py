@@ -9,9 +9,11 @@ audited many times with a few challenges, and the detection rate is compared wit
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+import torch
 from attacks import build, final_state, steer
 from helpers import assert_binomial, attacker_response, snapshot, train_tiny
 
@@ -229,3 +231,42 @@ def test_used_data_left_out_of_the_end_record_is_caught_in_full_whatever_is_draw
 def test_a_sampled_attack_is_caught_at_the_stated_rate(sampled):
     kind, bundle, resp, options = sampled
     _audit_rate(bundle, resp, SAMPLED[kind][0], q=3, audits=100, **options)
+
+
+# --- what witness respond ships --------------------------------------------------------------
+
+@pytest.mark.parametrize("tolerance", [False, True])
+def test_respond_ships_exactly_the_states_the_audit_reads(tmp_path, monkeypatch, tolerance):
+    from witness.verify.respond import respond
+
+    bundle = train_tiny(tmp_path / "run", config={"steps": 30}, checkpoint_every=10)
+    respond(bundle, tmp_path / "resp", nonce=b"n", challenges=20, tolerance=tolerance)
+    shipped = {int(k) for k in json.loads((tmp_path / "resp" / "response.json").read_bytes())["states"]}
+    read: list[int] = []
+    state = Response.state
+    monkeypatch.setattr(Response, "state", lambda self, step: (read.append(step), state(self, step))[1])
+    v = verify_bundle(bundle, challenges=20, nonce=b"n", mode="interactive", response=tmp_path / "resp",
+                      exact=not tolerance)
+    assert v.accepted and set(read) == shipped
+    if not tolerance:  # 20 of 30 steps: runs of consecutive challenges replay on from their own states
+        assert len(shipped) < 20
+    else:
+        assert len(shipped) > 20  # each segment's start and end
+
+
+def test_a_bad_step_answered_by_witness_respond_is_rejected_not_unusable(tmp_path):
+    from witness.verify.respond import respond
+
+    def cheat(rec, t, batch):
+        out = rec.task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
+        if t == 4:
+            with torch.no_grad():
+                next(rec.model.parameters()).add_(0.01)
+        return out
+
+    bundle = train_tiny(tmp_path / "run", config={"steps": 12}, checkpoint_every=6, cheat=cheat)
+    respond(bundle, tmp_path / "resp", nonce=b"all", challenges=ALL)
+    with pytest.raises(RunRejected) as info:
+        _interactive_all(bundle, tmp_path / "resp")
+    assert _failed_steps(info)[0] == 4 and len(info.value.failures) == 1  # the next ones could not start: noted
+    assert any("not replayed: an earlier segment failed" in (r.failure or "") for r in info.value.verdict.results)

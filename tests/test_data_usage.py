@@ -272,7 +272,10 @@ def test_a_dataset_root_that_mislabels_documents_is_caught_where_its_samples_are
     assert holding, "choose a victim file that the run trains on"
     with pytest.raises(RunRejected) as info:
         _interactive(bundle, tmp_path / "resp")
-    assert {r.step for r in info.value.verdict.results if not r.passed} == holding
+    failed = [r for r in info.value.verdict.results if not r.passed]
+    # after a failed segment, the next ones could not start (witness respond ships only the states an
+    # accepted audit reads): each says so, and is no second failure
+    assert {r.step for r in failed if not r.failure.startswith("not replayed")} == holding
     assert all("names other documents than the dataset's committed leaves" in f for f in info.value.failures)
     with pytest.raises(MalformedInput, match="committed dataset .* is not the one here"):
         verify_bundle(bundle, challenges=1)

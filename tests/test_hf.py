@@ -69,3 +69,29 @@ def test_the_trainer_run_took_online_challenges(hf_run):
     run, _, beacon_key = hf_run
     v = verify_bundle(run, mode="online", beacon_key=beacon_key)
     assert v.accepted and v.online["final"] and v.online["unaudited"] == 0 and v.replayed_steps == len(v.online["selected"])
+
+
+def test_the_trainers_gradient_accumulation_replays_bit_for_bit(tmp_path):
+    assert hf_trainer.main(["--out", str(tmp_path / "run"), "--steps", "4", "--key", str(tmp_path / "k.pem"),
+                            "--grad-accum", "2"]) == 0
+    v = verify_bundle(tmp_path / "run", challenges=4, nonce=b"accum")
+    assert v.accepted and v.replayed_steps == 4
+
+
+def test_a_trainer_that_does_not_accumulate_as_the_recipe_says_is_refused(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from witness.commit.signing import generate_key
+    from witness.integrations.committed import committed_dataset
+    from witness.integrations.hf import attach
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    task = build_task("hf-gpt2", {"steps": 2, "batch_size": 8, "block": 16, "n_layer": 1, "n_head": 2,
+                                  "d_model": 16, "corpus_max_bytes": 100_000, "grad_accum": 2})
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x02" * 32)
+    args = TrainingArguments(output_dir=str(tmp_path / "t"), max_steps=2, per_device_train_batch_size=8,
+                             report_to=[], use_cpu=True)
+    trainer = Trainer(model=rec.model, args=args, train_dataset=committed_dataset(rec), optimizers=(rec.optimizer, None))
+    with pytest.raises(ValueError, match="per_device_train_batch_size=4 and gradient_accumulation_steps=2"):
+        attach(trainer, rec)

@@ -123,7 +123,7 @@ def test_a_run_with_global_dropout_is_recorded_and_verified_exactly(site, tmp_pa
 
 # --- the record-time self-check ---------------------------------------------------------------
 
-def _loop(task, out, *, loss_of=None, lr_scale=1.0, report_scale=1.0, self_check=True):
+def _loop(task, out, *, loss_of=None, lr_scale=1.0, report=float, self_check=True):
     """A user's own loop around the recorder: its step, its loss, its learning rate."""
     from witness.commit.signing import generate_key
     from witness.record import Recorder
@@ -149,7 +149,7 @@ def _loop(task, out, *, loss_of=None, lr_scale=1.0, report_scale=1.0, self_check
             value = mean_of_ranks(losses)
         gn = clip_whole([p for p in rec.model.parameters() if p.grad is not None], task.config.grad_clip)
         rec.optimizer.step()
-        rec.log_step(t, StepOutput(value * report_scale, rec.lr(t), float(gn)))
+        rec.log_step(t, StepOutput(report(value), rec.lr(t), float(gn)))
     rec.finish()
     return rec
 
@@ -164,7 +164,8 @@ def test_an_honest_own_loop_passes_the_self_check_and_says_what_it_cost(site, tm
 @pytest.mark.parametrize("flaw, message", [
     ({"loss_of": lambda m, b, t: _task().loss(m, b, None)},
      "drew from torch's global, Python's random, NumPy's global generator outside the step's randomness"),
-    ({"report_scale": 2.0}, "your loop's loss is"),
+    ({"report": lambda v: 2.0 * v}, "your loop's loss is"),
+    ({"report": lambda v: float(np.nextafter(np.float32(v), np.float32(np.inf)))}, r"\(1 float32 ulp\(s\) apart\)"),
     ({"lr_scale": 1.01}, "although the loss and gradient norm match; the update is not the task's"),
 ])
 def test_a_loop_that_would_not_replay_stops_at_step_0_and_says_why(site, tmp_path, flaw, message):
@@ -213,12 +214,15 @@ def test_the_recorder_says_when_its_fixed_cost_dominates_and_what_state_every_bu
     rec.train(progress=False)
     c = rec.cost()
     assert c["step_seconds"] > 0 and c["record_seconds"] > 0 and 0 < c["share"] < 1
-    assert (c["hint"] is not None) == (c["share"] > 0.25)
-    # where the record costs more than the step (a toy step; the share here depends on the machine's
-    # load, so it is set), the hint names --state-every and what the audit pays for it
-    rec.step_seconds = c["record_seconds"] / 4
+    assert (c["hint"] is not None) == (c["per_step"] > 0.05)
+    # where the record costs more than 5 % of the step (the share here depends on the machine's load,
+    # so it is set), the hint names a --state-every and what the audit pays for it
+    rec.step_seconds = c["record_seconds"] / 0.2  # 20 % of a step: every 4 steps brings it to 5 %
     c = rec.cost()
-    assert c["share"] > 0.25 and "--state-every K" in c["hint"] and "up to K steps a challenge" in c["hint"]
+    assert c["state_every_hint"] == 4 and "--state-every 4" in c["hint"] and "up to 4 steps a challenge" in c["hint"]
+    assert "2.5x its cost now" in c["hint"]
+    rec.step_seconds = c["record_seconds"] / 0.04
+    assert rec.cost()["hint"] is None
     sparse = Recorder.create(build_task("tiny", {"steps": 30}), tmp_path / "s", generate_key(), r=b"\x01" * 32,
                              state_every=10, checkpoint_every=10)
     sparse.train(progress=False)

@@ -14,6 +14,10 @@ HEADS = "heads.jsonl"
 CHECKPOINTS = "checkpoints"
 # the dataset's per-sample commitments (data/leaves.py), checked against the manifest's data root
 LEAVES = "dataset.leaves"
+# the probe inputs, as the canonical JSON list of their hex whose SHA-256 is the manifest's
+# probe_hash: a verifier without the training data reads them here (the task checks them)
+PROBES = "probes.json"
+MAX_PROBES_BYTES = 64 * 1024 * 1024
 
 MAX_LOG_BYTES = 512 * 1024 * 1024
 MAX_RECORD_BYTES = 4 * 1024 * 1024

@@ -7,7 +7,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..commit.hashing import parse_canonical_json
+from ..commit.hashing import parse_canonical_json, same, sha256
 from ..commit.log import RunLog
 from ..commit.merkle import verify_consistency
 from ..commit.signing import SignedTreeHead, public_key_from_hex
@@ -21,12 +21,14 @@ from .layout import (
     MAX_FILES,
     MAX_HEADS_BYTES,
     MAX_LOG_BYTES,
+    MAX_PROBES_BYTES,
     MAX_RECORD_BYTES,
     MAX_SAFETENSORS_HEADER,
     MAX_STATEMENTS_BYTES,
     ONLINE,
     ONLINE_SAMPLES,
     ONLINE_STATES,
+    PROBES,
     STATEMENTS,
     checkpoint_step,
     due,
@@ -58,10 +60,27 @@ class Bundle:
     online_samples: dict[int, Path] = field(default_factory=dict)
     # committed checkpoints an online run left out (it is audited from its selected states)
     missing_checkpoints: list[int] = field(default_factory=list)
+    probes: Path | None = None  # the probe inputs (read when checked)
 
     def held_states(self) -> list[int]:
         """Steps whose state the bundle holds as tensors (checkpoints and online states), ascending."""
         return sorted(set(self.checkpoints) | set(self.online_states))
+
+    def read_probes(self) -> list[bytes] | None:
+        """The probe inputs the bundle carries, checked against the manifest's ``probe_hash`` (None for
+        a run recorded before bundles carried them)."""
+        if self.probes is None:
+            return None
+        data = _read_bounded(self.probes, MAX_PROBES_BYTES, PROBES)
+        if not same(sha256(data), self.manifest.probe_hash):
+            raise VerificationError(f"{PROBES} is not the probe set the manifest commits (probe_hash)", check="manifest")
+        try:
+            items = parse_canonical_json(data)
+            if not isinstance(items, list) or not items or not all(isinstance(h, str) for h in items):
+                raise ValueError("not a list of hex strings")
+            return [bytes.fromhex(h) for h in items]
+        except ValueError as e:
+            raise MalformedInput(f"{PROBES} is not a list of hex-encoded probes: {e}") from None
 
     def read_statements(self) -> list[bytes]:
         """The statement lines as the trainer received them (bounded; a torn last line is refused)."""
@@ -145,7 +164,7 @@ def _scan(root: Path) -> tuple[set[str], list[str]]:
                     (rel.startswith(f"{ONLINE}/") and online_file(rel.removesuffix(".tmp")) and rel.endswith(".tmp")):
                 temps.append(rel)
                 continue
-            if rel not in (MARKER, LOG, HEADS, LEAVES, STATEMENTS) and checkpoint_step(rel) is None \
+            if rel not in (MARKER, LOG, HEADS, LEAVES, PROBES, STATEMENTS) and checkpoint_step(rel) is None \
                     and online_file(rel) is None:
                 raise MalformedInput(f"unexpected file {rel} in the bundle")
             files.add(rel)
@@ -347,4 +366,4 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
         raise MalformedInput(f"the bundle holds {ONLINE}/ files, but its manifest takes no online challenges")
     return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes, leaves,
                   root / STATEMENTS if STATEMENTS in files else None, online["states"], online["samples"],
-                  missing if manifest.online is not None else [])
+                  missing if manifest.online is not None else [], root / PROBES if PROBES in files else None)

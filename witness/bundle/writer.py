@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..commit.hashing import canonical_json
 from ..commit.signing import SignedTreeHead
-from .layout import CHECKPOINTS, HEADS, LOG, MARKER, marker_bytes
+from .layout import CHECKPOINTS, HEADS, LEAVES, LOG, MARKER, ONLINE, PROBES, marker_bytes
 
 
 class BundleWriter:
@@ -47,7 +47,7 @@ class BundleWriter:
 
 
 # What a run writes before its first step: a folder holding only these is a start, not a run.
-_START_FILES = {MARKER, LOG, HEADS, CHECKPOINTS, "dataset.leaves", "online"}
+_START_FILES = {MARKER, LOG, HEADS, CHECKPOINTS, LEAVES, PROBES, ONLINE}
 
 
 def started_without_steps(root: Path) -> bool:

@@ -69,7 +69,10 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "train" and bool(args.leaderboard) != bool(args.track):
         parser.error("--leaderboard and --track go together")
     try:
-        code = args.func(args)
+        from ..data.locate import data_dirs
+
+        with data_dirs(getattr(args, "data_dirs", None) or []):
+            code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here when the output was buffered
         return code
     except BrokenPipeError:

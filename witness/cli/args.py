@@ -65,6 +65,13 @@ def trainer_r(seed: str | None) -> bytes:
     return os.urandom(32) if seed is None else tagged_hash("witness/trainer-seed/v1", seed.encode())
 
 
+def data_arg(p: argparse.ArgumentParser) -> None:
+    """``--data DIR``: where the recipe's data files are looked up (repeatable)."""
+    p.add_argument("--data", dest="data_dirs", action="append", metavar="DIR",
+                   help="a folder to find the training data in, by the names the recipe gives and, for an audit, "
+                        "by the committed root (repeatable; also WITNESS_DATA, then the working folder)")
+
+
 def challenge_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--challenges", type=positive, help="number of replay challenges q")

@@ -12,6 +12,7 @@ from .args import (
     challenge_args,
     challenges_q,
     config_value,
+    data_arg,
     hex_bytes,
     positive,
     unusable_or_rejected,
@@ -139,6 +140,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                     "no dataset.leaves: every batch root and the used-data trees are checked "
                                     "against it")
     v.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
+    data_arg(v)
     v.set_defaults(func=cmd_verify)
 
     r = sub.add_parser("respond", help="answer a verifier's challenges with states and samples")
@@ -149,4 +151,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", help="the response folder to write (default: BUNDLE.response)")
     r.add_argument("--device", choices=["cpu", "cuda"],
                    help="rebuild the states on this device (default: the one the run trained on)")
+    data_arg(r)
     r.set_defaults(func=cmd_respond)

@@ -1,4 +1,5 @@
-"""``witness data include|exclude|check``: exact data inclusion and exclusion proofs."""
+"""``witness data include|exclude|find|check``: exact data inclusion and exclusion proofs, and which
+documents and samples hold a text."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import MalformedInput, VerificationError
-from .args import DEFAULT_KEY, positive, unusable_or_rejected
+from .args import DEFAULT_KEY, data_arg, positive, unusable_or_rejected
 from .audit import read_head
 
 
@@ -31,10 +32,13 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     if args.data_command == "check":
         return _check_data_proof(args, check_data_proof)
-    run, task = run_commitments(args.bundle)
-    if args.data_command == "search":
+    notes: list[str] = []
+    run, task = run_commitments(args.bundle, notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.data_command in ("find", "search"):
         return _search(args, run)
-    document = query_document(task, args.file, args.text)
+    document = query_document(run.dataset, args.file, args.text)
     if args.data_command == "include":
         if document not in run.usage.documents:
             print(f"document {document.hex()} was never used by this run (try: witness data exclude)", file=sys.stderr)
@@ -54,23 +58,27 @@ def cmd_data(args: argparse.Namespace) -> int:
         if not known_document(run, document):
             print("note: no document of the run's dataset has exactly these bytes, so this proves only that the run "
                   "never trained on a document with exactly these bytes; a fragment of a used document, or a window "
-                  "shifted against the dataset's, is not covered: `witness data search` finds the documents and "
+                  "shifted against the dataset's, is not covered: `witness data find` finds the documents and "
                   "samples that contain a text", file=sys.stderr)
     return 0
 
 
 def _search(args: argparse.Namespace, run) -> int:  # noqa: ANN001 - RunCommitments
-    """``witness data search``: which documents and samples contain a text, and whether the run used them."""
+    """``witness data find``: which documents and samples contain a text, and whether the run used them."""
     from ..verify.data_queries import search_text
 
-    needle = Path(args.file).read_bytes() if args.file is not None else args.text.encode()
+    needle = Path(args.file).read_bytes() if args.file is not None else run.dataset.text_bytes(args.text)
     found = search_text(run, needle, args.limit)
     if args.json:
         print(json.dumps(found))
     else:
-        print(f"{found['documents_found']} document(s) of the run's dataset contain the {found['needle_bytes']} "
-              f"byte(s), {found['documents_used']} of them used in training; {found['samples_found']} sample(s), "
+        unit = run.dataset.unit
+        what = f"{found['needle_bytes'] // unit} token(s)" if unit > 1 else f"{found['needle_bytes']} byte(s)"
+        print(f"{found['documents_found']} document(s) of the run's dataset contain the {what}, "
+              f"{found['documents_used']} of them used in training; {found['samples_found']} sample(s), "
               f"{found['samples_used']} of them trained on")
+        if getattr(run.dataset, "stride", None):  # windows: a text across two windows lies in neither
+            print("  (the samples are windows of the token file: a text that straddles two of them is in neither)")
         for d in found["documents"]:
             print(f"  {'USED  ' if d['used'] else 'unused'} {d['document']} ({d['hash'][:16]}…)")
         if found["documents_found"] > len(found["documents"]):
@@ -177,8 +185,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--key", default=str(DEFAULT_KEY), help="key that signs the DSSE envelope")
         q.add_argument("--model", help="the released model file the statement names (default: model.safetensors "
                                         "beside --out, written from the run's final checkpoint if missing)")
+        data_arg(q)
         q.set_defaults(func=cmd_data)
-    se = dsub.add_parser("search", help="which documents and samples of the run's dataset contain a text, and "
+    se = dsub.add_parser("find", aliases=["search"], help="which documents and samples of the run's dataset contain a text, and "
                                         "whether the run trained on them (exit 0 if it did, 1 if not)")
     se.add_argument("bundle", help="the bundle of the run (the dataset must be on this machine)")
     g = se.add_mutually_exclusive_group(required=True)
@@ -186,6 +195,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--file", help="a file holding the bytes to look for")
     se.add_argument("--limit", type=positive, default=100, help="most documents and samples listed (default 100)")
     se.add_argument("--json", action="store_true", help="print the answer as one JSON object")
+    data_arg(se)
     se.set_defaults(func=cmd_data)
     c = dsub.add_parser("check", help="check a proof against the public commitments (0 valid, 1 invalid, 2 unusable)")
     c.add_argument("proof", help="the proof (JSON or its DSSE envelope)")

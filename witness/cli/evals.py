@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .args import DEFAULT_KEY, fraction, hex_bytes, positive
+from .args import DEFAULT_KEY, data_arg, fraction, hex_bytes, positive
 from .audit import report_verdict
 from .data import released_model
 
@@ -99,6 +99,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--model", help="the released model file the envelope names (default: model.safetensors beside "
                                    "--out, written from the run's final checkpoint if missing)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    data_arg(e)
     e.set_defaults(func=cmd_eval)
 
     ve = sub.add_parser("verify-eval", help="check an evaluation certificate (exit 0 accepted, 1 rejected, 2 unusable)")
@@ -110,6 +111,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ve.add_argument("--tolerance", action="store_true", help="re-run the spot checks within thresholds (other hardware)")
     ve.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     ve.add_argument("--model", help="also check that the signed envelope names this released model file")
+    data_arg(ve)
     ve.set_defaults(func=cmd_verify_eval)
 
     ex = sub.add_parser("export", help="write the run's final model as a safetensors file to release")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..errors import RunRejected, VerificationError
-from .args import DEFAULT_KEY, config_value, positive, probability, trainer_r
+from .args import DEFAULT_KEY, config_value, data_arg, positive, probability, trainer_r
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -380,6 +380,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     from ..leaderboard.cli import run_info_flags
 
     run_info_flags(t)
+    data_arg(t)
     t.set_defaults(func=cmd_train)
 
     i = sub.add_parser("inspect", help="a readable summary of a bundle")

@@ -123,6 +123,22 @@ class Dataset:
         """Hash of a document given as raw bytes (what a query names with --file or --text)."""
         return sample_hash(content)
 
+    # bytes a unit of the samples takes (a token dataset's width): a text is found only where it starts
+    # on a unit, never across two tokens
+    unit = 1
+
+    def contains(self, content: bytes, needle: bytes) -> bool:
+        """Whether a sample's or document's bytes hold ``needle``, starting on a unit boundary."""
+        at = content.find(needle)
+        while at >= 0 and at % self.unit:
+            at = content.find(needle, at + 1)
+        return at >= 0
+
+    def text_bytes(self, text: str) -> bytes:
+        """What a text is in this dataset's samples and documents (a ``--text`` query): its UTF-8
+        bytes; a dataset of tokens encodes it with its tokenizer."""
+        return text.encode("utf-8")
+
     def documents_list(self) -> list[tuple[str, bytes, bytes]]:
         """Every document of the dataset: (name, hash, content). By default each sample is one."""
         return [(f"sample {i}", self.document_of(self.sample_bytes(i)), self.sample_bytes(i)) for i in range(len(self))]

@@ -27,7 +27,7 @@ import os
 import queue
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 
@@ -97,6 +97,25 @@ def shard_paths(source: str | os.PathLike) -> list[Path]:
     return paths
 
 
+Tokenizer = Callable[[str], Sequence[int]]
+
+
+def byte_tokens(text: str) -> bytes:
+    """A byte-level vocabulary's tokenizer: token i is byte i of the text's UTF-8."""
+    return text.encode("utf-8")
+
+
+def tokens_of_text(text: str, tokenize: Tokenizer | None, dtype: np.dtype) -> bytes:
+    """A text's tokens, little-endian in ``dtype``'s width (what a ``--text`` query names)."""
+    if tokenize is None:
+        raise ValueError("the dataset holds tokens and was given no tokenizer: name the text by its tokens "
+                         "(--file with the tokens, little-endian), or give the dataset tokenize=…")
+    ids = np.asarray(list(tokenize(text)), dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= 1 << (8 * np.dtype(dtype).itemsize)):
+        raise ValueError("the tokenizer gave ids outside the dataset's token width")
+    return ids.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
 class TokenCorpus(Dataset):
     """Packed windows of ``block + 1`` tokens over a corpus of shards (see the module docstring)."""
 
@@ -104,14 +123,16 @@ class TokenCorpus(Dataset):
     DOCUMENT_RULE = "prefix32"
 
     def __init__(self, source: str | os.PathLike, block: int, *, eot: int = GPT2_EOT, fmt: str = "auto",
-                 leaves_path: str | os.PathLike | None = None):
-        """``leaves_path``: a leaves file to read the commitment from (written by ``commit``)."""
+                 leaves_path: str | os.PathLike | None = None, tokenize: Tokenizer | None = None):
+        """``leaves_path``: a leaves file to read the commitment from (written by ``commit``);
+        ``tokenize``: text to token ids, for ``--text`` queries (``byte_tokens`` for a byte vocabulary)."""
+        self.tokenize = tokenize
         self.paths = shard_paths(source)
         self.shards = [open_shard(p, fmt) for p in self.paths]
         widths = {s.dtype.itemsize for s in self.shards}
         if len(widths) != 1:
             raise ValueError("the shards mix 16- and 32-bit tokens")
-        self.width = widths.pop()
+        self.width = self.unit = widths.pop()
         self.dtype = self.shards[0].dtype
         self.block, self.eot = block, eot
         self.starts = np.concatenate([[0], np.cumsum([len(s) for s in self.shards])]).astype(np.int64)
@@ -140,6 +161,10 @@ class TokenCorpus(Dataset):
         if len(content) % self.width:
             raise ValueError(f"a document of this corpus is a whole number of {self.width}-byte tokens")
         return tagged_hash(DOCUMENT_TAGS[self.width], content)
+
+    def text_bytes(self, text: str) -> bytes:
+        """A text as this corpus's token bytes, by its tokenizer."""
+        return tokens_of_text(text, self.tokenize, self.dtype)
 
     # --- samples ------------------------------------------------------------------------
     def sample_bytes(self, index: int) -> bytes:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..task.base import StepOutput
+from ..task.base import StepOutput, mean_of_ranks, micro_seed
 from ..task.tinygpt import TinyGPTConfig, TinyGPTTask
 from .committed import CommittedOrder, committed_dataset, same_batch
 
@@ -130,9 +130,10 @@ def attach(trainer: Any, rec: Any) -> None:
     """Make ``trainer`` run the committed steps of ``rec`` and record each one."""
     t = _transformers()
     c, args = rec.task.config, trainer.args
-    if args.per_device_train_batch_size != c.batch_size or args.gradient_accumulation_steps != 1 or c.grad_accum != 1:
-        raise ValueError(f"the Trainer must take batches of the task's {c.batch_size} samples, one per step (its "
-                         "gradient accumulation is not replayed yet: accumulate in a Lightning or your own loop)")
+    accum = rec.task.grad_accum
+    if args.per_device_train_batch_size * accum != c.batch_size or args.gradient_accumulation_steps != accum:
+        raise ValueError(f"set per_device_train_batch_size={c.batch_size // accum} and gradient_accumulation_steps="
+                         f"{accum}: the task's {c.batch_size} samples a step, in its grad_accum micro-batches")
     if args.max_steps != c.steps or args.lr_scheduler_type != "linear" or args.warmup_steps != c.warmup:
         raise ValueError(f"set max_steps={c.steps}, warmup_steps={c.warmup} and the linear schedule, as the task")
     if args.max_grad_norm != c.grad_clip or args.learning_rate != c.lr:
@@ -147,18 +148,24 @@ def attach(trainer: Any, rec: Any) -> None:
     trainer.data_collator = task.collate
     # the task's loss: transformers' own would normalise by a token count replay would have to rebuild
     trainer.model_accepts_loss_kwargs = False
-    # under the step's randomness (the global generators seeded from the step seed), as replay runs it
-    trainer.compute_loss = types.MethodType(
-        lambda self, model, inputs, return_outputs=False, num_items_in_batch=None:
-        task.step_loss(model, inputs, rec.step_seed(seen["step"])), trainer)
+    # under the micro-batch's randomness (the global generators seeded from its committed seed), as
+    # replay runs it; the Trainer divides the loss by gradient_accumulation_steps before the backward,
+    # as replay does, and the record keeps the micro losses' mean (replay's)
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        seed = rec.step_seed(seen["step"])
+        loss = task.step_loss(model, inputs, seed if accum == 1 else micro_seed(seed, seen["micro"]))
+        seen["losses"].append(float(loss.detach()))
+        return loss
+
+    trainer.compute_loss = types.MethodType(compute_loss, trainer)
     step = trainer.training_step
 
     def training_step(model, inputs, num_items_in_batch=None):
         # the batch the Trainer was handed must be the committed one (a reshuffling loader is an error)
-        if not same_batch(inputs, seen.pop("batch")):
+        if not same_batch(inputs, seen["micro_batches"][seen["micro"]]):
             raise ValueError("the Trainer's batch is not the committed one: is another sampler in use?")
         loss = step(model, inputs, num_items_in_batch)
-        seen["loss"] = float(loss)
+        seen["micro"] += 1
         return loss
 
     trainer.training_step = training_step
@@ -176,15 +183,16 @@ def attach(trainer: Any, rec: Any) -> None:
 
         def on_step_begin(self, args, state, control, **kwargs):
             k = state.global_step
-            seen["batch"] = rec.batch(k)  # the committed batch, which the next record commits
-            seen["step"] = k
+            whole = rec.batch(k)  # the committed batch, which the next record commits
+            seen.update(step=k, micro=0, losses=[],
+                        micro_batches=[whole] if accum == 1 else task.split_batch(whole, accum))
             lrs = {g["lr"] for g in rec.optimizer.param_groups}
             if lrs != {rec.lr(k)}:
                 raise ValueError(f"step {k}: the Trainer's learning rate {lrs} is not the committed {rec.lr(k)}")
 
         def on_step_end(self, args, state, control, **kwargs):
             k = state.global_step - 1
-            rec.log_step(k, StepOutput(seen.pop("loss"), rec.lr(k), seen.pop("grad_norm")))
+            rec.log_step(k, StepOutput(mean_of_ranks(seen["losses"]), rec.lr(k), seen.pop("grad_norm")))
 
         def on_train_end(self, args, state, control, **kwargs):
             rec.finish()

@@ -1,5 +1,6 @@
 """The recorder: a few calls around the trainer's own loop that write a signed witness bundle."""
 
+from ..commit.signing import load_or_create_key
 from .recorder import Recorder
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "load_or_create_key"]

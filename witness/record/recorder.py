@@ -12,9 +12,10 @@ Usage, in the trainer's loop::
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .. import __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
-from ..bundle.layout import CHECKPOINTS, HEADS, LEAVES, LOG, ONLINE, checkpoint_name, due
+from ..bundle.layout import CHECKPOINTS, HEADS, LEAVES, LOG, ONLINE, PROBES, checkpoint_name, due
 from ..bundle.schema import MANIFEST_VERSION, Manifest
 from ..bundle.state import default_digest, load_state, model_hash, state_hash, state_tensors
 from ..bundle.writer import BundleWriter, read_lines, truncate_lines
@@ -32,6 +33,7 @@ from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
 from ..data.dataset import DATA_COMMITMENT
+from ..data.locate import is_absolute
 from ..data.order import derive_run_seed
 from ..data.usage import used_roots
 from ..session import (
@@ -43,12 +45,30 @@ from ..session import (
     same_hardware,
     torch_version,
 )
-from ..task.base import StepOutput, Task
+from ..task.base import StepOutput, Task, micro_seed, model_device, step_randomness, to_device
 from ..task.registry import build_task, check_task_source, task_class, task_source
 from .online import BeaconLink, OnlineChallenges, OnlineSpec
 from .selfcheck import SelfCheck, check_steps
 
 HeadCallback = Callable[[SignedTreeHead, RunLog], None]
+
+
+def check_no_paths(recipe: Any, where: str = "recipe") -> None:
+    """Refuse a recipe that names an absolute path: a verifier's data lies elsewhere, so a recipe
+    names its data relative to a data folder (``witness.data.locate.data_file``)."""
+    if isinstance(recipe, dict):
+        for k, v in recipe.items():
+            check_no_paths(v, f"{where}.{k}")
+    elif isinstance(recipe, list):
+        for i, v in enumerate(recipe):
+            check_no_paths(v, f"{where}[{i}]")
+    elif isinstance(recipe, str) and is_absolute(recipe):
+        raise ValueError(f"{where} is the absolute path {recipe!r}: a verifier's copy of the data lies elsewhere. "
+                         "Name the file relative to a data folder, read it with witness.data.locate.data_file(name), "
+                         "and pass the folder with --data DIR (or WITNESS_DATA)")
+
+
+HINT_OVER = 0.05  # the recorder's fixed cost, as a share of a step, above which it suggests --state-every
 
 
 class Recorder:
@@ -128,6 +148,7 @@ class Recorder:
         if task_class(task.name) is not type(task):
             raise ValueError(f"the task {task.name!r} being recorded is not the registered class of that name")
         source = task_source(task.name)
+        check_no_paths(task.config_json())
         dataset = task.dataset()
         if dataset.DOCUMENT_RULE != task.document_rule:
             raise ValueError(f"the task {task.name!r} decides document rule {task.document_rule!r}, but its "
@@ -145,6 +166,9 @@ class Recorder:
         writer = BundleWriter(Path(out), create=True)
         if leaves and version >= 2:  # the per-sample commitments, which the cheap audit checks every step against
             dataset.leaves.write(Path(out) / LEAVES, data_root)
+        # the probes travel with the bundle (their hash is the manifest's probe_hash): a verifier
+        # without the training data still has them, and checks them against the committed leaves
+        (Path(out) / PROBES).write_bytes(canonical_json([p.hex() for p in task.probe_bytes()]))
         if init_state is None:
             init_state = state_tensors(session.model, session.optimizer)
         digest = default_digest(shards)
@@ -312,6 +336,21 @@ class Recorder:
             self.self_check.start(step)  # the state this step starts from, to replay it from
         return self.task.collate([ds.sample_bytes(i) for i in idx])
 
+    def micro_batches(self, step: int) -> Iterator[Any]:
+        """The committed batch of ``step`` as the recipe's ``grad_accum`` micro-batches, in order, on
+        the model's device; while the loop works on each (its forward and backward), the global
+        generators (torch's, Python's, NumPy's) are seeded from that micro-batch's seed, as replay
+        seeds them, and given back their state after. A loop written as ``for x, y in
+        rec.micro_batches(t): loss = model(x, y) / G; loss.backward()`` then draws the dropout
+        masks replay draws, whoever wrote the model."""
+        batch = self.batch(step)
+        parts = self.task.split_batch(batch, self.task.grad_accum) if self.task.grad_accum > 1 else [batch]
+        seed = self.step_seed(step)
+        device = model_device(self.model)
+        for k, part in enumerate(parts):
+            with step_randomness(seed if len(parts) == 1 else micro_seed(seed, k), device):
+                yield to_device(part, device)
+
     def expect(self, step: int, indices: list[int], root: bytes) -> None:
         """Note the committed batch that the next ``log_step`` records."""
         if step != self.next_step:
@@ -470,19 +509,25 @@ class Recorder:
         return self.finish()
 
     def cost(self) -> dict:
-        """The recorder's share of the time between the first and last record (its self-check apart),
-        and a hint where that share is large."""
+        """The recorder's cost against the loop's own step time (its self-check apart), and where it
+        is over 5 % of a step with the state committed at every step, a ``--state-every K`` that
+        brings it near 5 % and what that costs the audit."""
         checked = self.self_check.seconds if self.self_check is not None else 0.0
         record = max(self.record_seconds - checked, 0.0)
         total = self.step_seconds + record
         share = record / total if total > 0 else 0.0
-        hint = None
-        if share > 0.25 and self.state_every == 1 and self.task.config.steps > 1:
-            hint = (f"the recorder took {100 * share:.0f}% of the training time ({record:.1f} s of {total:.1f} s): a "
-                    "small step pays its fixed cost, most of it the hash of the whole state at every step. "
-                    "--state-every K (Recorder.create(state_every=K)) commits the state every K steps instead; "
-                    "the cheap audit then replays up to K steps a challenge (about K times its cost now)")
-        return {"step_seconds": self.step_seconds, "record_seconds": record, "share": share, "hint": hint}
+        per_step = record / self.step_seconds if self.step_seconds > 0 else 0.0
+        hint, k = None, None
+        if per_step > HINT_OVER and self.state_every == 1 and self.task.config.steps > 1:
+            # most of the fixed cost is the hash of the whole state; every K steps it is paid 1/K as often
+            k = min(max(2, math.ceil(per_step / HINT_OVER)), self.task.config.steps)
+            hint = (f"the recorder's fixed cost is {100 * per_step:.0f}% of a training step ({record:.2f} s against "
+                    f"{self.step_seconds:.2f} s of steps), most of it the hash of the whole state at every step: "
+                    f"--state-every {k} (Recorder.create(state_every={k})) commits it every {k} steps instead; the "
+                    f"cheap audit then replays up to {k} steps a challenge (about {(k + 1) / 2:g} on average, "
+                    f"{(k + 1) / 2:g}x its cost now for the same confidence)")
+        return {"step_seconds": self.step_seconds, "record_seconds": record, "share": share, "per_step": per_step,
+                "state_every_hint": k, "hint": hint}
 
     def _publish_head(self, extensions: dict | None = None) -> SignedTreeHead:
         head = self.log.sign_head(self.key, extensions=extensions)

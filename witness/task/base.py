@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -150,6 +151,9 @@ class Task:
     # bundle: every data-usage claim is checked under this rule, and a run claiming another is
     # rejected. The dataset the task builds must follow it.
     document_rule: ClassVar[str] = "self"
+    # Whether the probes are the first training samples (a generic task's): then a verifier without
+    # the training data takes them from the bundle and checks each against the committed leaves.
+    probes_are_samples: ClassVar[bool] = False
 
     def __init__(self, config: Any):
         self.config = config
@@ -341,6 +345,16 @@ class Task:
     def probe_bytes(self) -> list[bytes]:
         """The committed probe inputs, as canonical bytes."""
         raise NotImplementedError
+
+    def with_probes(self, probes: list[bytes]) -> Task:
+        """This task with the given probe inputs (a bundle's, its hash checked against the manifest)
+        in place of those it would read from its training data."""
+        if not self.probes_are_samples:
+            raise ValueError(f"the probes of task {self.name!r} are its own, not samples of its data")
+        task = copy.copy(self)
+        task._given_probes = list(probes)
+        task._probes = task._proj = None
+        return task
 
     def probe_tensors(self) -> Any:
         """The probe set as model inputs."""

@@ -22,7 +22,6 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -104,10 +103,18 @@ class GenericTask(Task):
     samples: ClassVar[Any] = TensorSamples()
     probes: ClassVar[int] = 8  # the first samples of the training set are the committed probes
     max_dataset: ClassVar[int] = 10_000_000
+    probes_are_samples = True
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        # a task that chooses its own probes does not take them from its data (nor from a bundle)
+        if cls.probe_bytes is not GenericTask.probe_bytes:
+            cls.probes_are_samples = False
 
     def __init__(self, config: Any):
         super().__init__(config)
         self.schedule = FunctionSchedule(self.lr_at)
+        self._datasets: dict[str, Dataset] = {}
 
     # --- the user's parts ---------------------------------------------------------------
     def make_model(self) -> nn.Module:
@@ -123,12 +130,17 @@ class GenericTask(Task):
         return []
 
     def predict(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """The model's outputs on a batch (``batch["x"]`` by default)."""
-        return model(batch["x"])
+        """The model's outputs on a batch (by default on ``batch["x"]``, or on the inputs of an
+        ``(inputs, targets)`` batch such as ``TokenWindows`` gives)."""
+        return model(batch["x"] if isinstance(batch, dict) else batch[0])
 
     def example_losses(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
-        """Per-example losses from the outputs (cross-entropy on ``batch["y"]`` by default)."""
-        return F.cross_entropy(outputs, batch["y"], reduction="none")
+        """Per-example losses from the outputs: by default cross-entropy on ``batch["y"]`` (or the
+        targets of an ``(inputs, targets)`` batch), per token for outputs ``[B, T, classes]``."""
+        targets = batch["y"] if isinstance(batch, dict) else batch[1]
+        if outputs.dim() == 3:  # a language model's logits: [B, T, V] against targets [B, T]
+            return F.cross_entropy(outputs.transpose(1, 2), targets, reduction="none")
+        return F.cross_entropy(outputs, targets, reduction="none")
 
     def lr_at(self, step: int) -> float:
         """The learning rate at ``step``: warmup, then cosine decay, from the recipe."""
@@ -153,13 +165,21 @@ class GenericTask(Task):
             raise ValueError(f"optimizer {self.config.optimizer!r} is not a torch.optim optimizer")
         return cls
 
-    @cached_property
+    @property
     def _dataset(self) -> Dataset:
-        return self._as_dataset(self.make_dataset(), "train")
+        return self._made("train", self.make_dataset)
 
-    @cached_property
+    @property
     def _eval(self) -> Dataset:
-        return self._as_dataset(self.make_eval_dataset(), "eval")
+        return self._made("eval", self.make_eval_dataset)
+
+    def _made(self, split: str, make: Callable[[], Sequence[Any] | Dataset]) -> Dataset:
+        # built once, and shared with the copies ``with_probes`` makes (a shallow copy keeps this
+        # dict): a verifier that audits many runs of one recipe hashes its dataset once
+        made = self.__dict__.setdefault("_datasets", {})  # (a plugin's __init__ may not call ours)
+        if split not in made:
+            made[split] = self._as_dataset(make(), split)
+        return made[split]
 
     def _as_dataset(self, data: Sequence[Any] | Dataset, split: str) -> Dataset:
         if isinstance(data, Dataset):
@@ -207,7 +227,10 @@ class GenericTask(Task):
         return self.example_losses(self.predict(model, batch), batch).mean()
 
     def probe_bytes(self) -> list[bytes]:
-        """The first ``probes`` training samples."""
+        """The first ``probes`` training samples (or a bundle's copy of them, checked by the verifier)."""
+        given = getattr(self, "_given_probes", None)
+        if given is not None:
+            return given
         d = self._dataset
         return [d.sample_bytes(i) for i in range(min(self.probes, len(d)))]
 

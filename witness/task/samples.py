@@ -8,6 +8,7 @@ usual shapes of training data into such bytes and back into batches.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ..data.dataset import Dataset
+from ..data.locate import data_file
+from ..data.tokens import Tokenizer, tokens_of_text
 
 MAX_SAMPLE_BYTES = 16 * 1024 * 1024
 
@@ -58,17 +61,38 @@ class TextSamples:
 class TokenWindows(Dataset):
     """Windows of ``block + 1`` tokens from a flat token file (the ``uint16`` ``.bin`` format that
     nanoGPT and llm.c write), ``stride`` tokens apart; a sample's bytes are its tokens as
-    little-endian ``uint16``. A batch is ``(x, y)``: inputs and next-token targets."""
+    little-endian ``uint16``. A batch is ``(x, y)``: inputs and next-token targets.
+
+    ``source`` is a recipe's data name (a ``str``, found in the data folders by
+    ``witness.data.locate.data_file`` when the tokens are first read, so a verifier that needs no
+    data, or finds it elsewhere by its root, never opens it) or a ``Path`` (opened at once)."""
 
     name = "token-windows"
 
-    def __init__(self, path: str | Path, block: int, stride: int | None = None, dtype: str = "<u2"):
-        self.path, self.block = Path(path), block
+    def __init__(self, source: str | Path, block: int, stride: int | None = None, dtype: str = "<u2",
+                 tokenize: Tokenizer | None = None):
+        """``tokenize``: text to token ids, for ``--text`` data queries (``str.encode`` for bytes)."""
+        self.source, self.block, self.tokenize = source, block, tokenize
         self.stride = stride or block
         self.dtype = np.dtype(dtype)
-        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
-        if block < 1 or self.stride < 1 or len(self.tokens) < block + 1:
-            raise ValueError(f"{self.path} holds {len(self.tokens)} tokens: too few for a window of {block + 1}")
+        self.unit = self.dtype.itemsize
+        if block < 1 or self.stride < 1:
+            raise ValueError("a window needs a block and a stride of at least one token")
+        if isinstance(source, Path):
+            self.tokens  # noqa: B018 - a path is opened (and its size checked) at once
+
+    @cached_property
+    def path(self) -> Path:
+        """The token file."""
+        return self.source if isinstance(self.source, Path) else data_file(self.source)
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """The file's tokens (memory-mapped)."""
+        tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        if len(tokens) < self.block + 1:
+            raise ValueError(f"{self.path} holds {len(tokens)} tokens: too few for a window of {self.block + 1}")
+        return tokens
 
     def __len__(self) -> int:
         return (len(self.tokens) - self.block - 1) // self.stride + 1
@@ -77,6 +101,10 @@ class TokenWindows(Dataset):
         """The window's tokens, little-endian."""
         start = index * self.stride
         return self.tokens[start:start + self.block + 1].astype(self.dtype.newbyteorder("<")).tobytes()
+
+    def text_bytes(self, text: str) -> bytes:
+        """A text as this file's token bytes, by its tokenizer."""
+        return tokens_of_text(text, self.tokenize, self.dtype)
 
     def collate(self, samples: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, ``[B, block]`` each, as int64."""

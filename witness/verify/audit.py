@@ -18,6 +18,8 @@ from ..bundle.state import load_state, model_hash, state_distances, state_hash, 
 from ..commit.beacon import online_bound
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
+from ..data.dataset import Dataset, sample_hash
+from ..data.leaves import DatasetLeaves
 from ..data.order import derive_run_seed
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..session import (
@@ -33,6 +35,7 @@ from ..session import (
 from ..task.base import Task
 from ..task.registry import build_task, check_task_source
 from .challenges import ReplayChallenge, challenges_needed, detection_probability, draw_challenges
+from .finddata import committed_dataset
 from .online import OnlineSamples, OnlineStates, check_statements
 from .replay import (
     DEFAULT_THRESHOLDS,
@@ -44,7 +47,7 @@ from .replay import (
     check_thresholds,
     limit_for,
 )
-from .response import Response, ResponseSamples
+from .response import MissingState, Response, ResponseSamples
 from .usage import check_data_usage, committed_leaves
 from .verdict import ChallengeResult, Verdict
 
@@ -64,8 +67,14 @@ def task_of(bundle: Bundle) -> Task:
         raise VerificationError("the manifest's task config is not in canonical form", check="manifest")
     if m.steps_planned != task.config.steps:
         raise VerificationError("steps_planned disagrees with the recipe", check="manifest")
+    if task.probes_are_samples and bundle.probes is not None:
+        # the task's probes are its first training samples: the bundle's copy (hash-checked against
+        # the manifest) stands in for them, so no audit needs the data to read them; each is checked
+        # against the committed dataset (check_probes)
+        task = task.with_probes(bundle.read_probes())
     if not same(m.probe_hash, task.probe_hash()):
         raise VerificationError("the committed probe set is not the task's", check="manifest")
+    bundle.read_probes()  # a task with probes of its own: the bundle's copy must be the committed one too
     if m.raw["fingerprint_spec"] != task.fingerprint_spec():
         raise VerificationError("the fingerprint spec is not the task's", check="manifest")
     if m.world_size > 1 and (m.parallelism not in ("ddp", "fsdp") or task.config.batch_size % m.world_size):
@@ -77,6 +86,26 @@ def task_of(bundle: Bundle) -> Task:
                              f"which replays runs of {', '.join(REPLAYS_RUNS_OF)} only: replay needs the "
                              f"same task code (install witness {m.code_version})")
     return task
+
+
+def check_probes(bundle: Bundle, task: Task, leaves: DatasetLeaves | None, dataset: Dataset | None) -> list[str]:
+    """A task whose probes are its first training samples: each probe the bundle carries must be that
+    sample of the committed dataset (by its hash in the committed leaves, or the local data)."""
+    m = bundle.manifest
+    if not task.probes_are_samples or bundle.probes is None:
+        return []
+    probes = task.probe_bytes()
+    want = min(task.probes, m.dataset_size)
+    if len(probes) != want:
+        raise VerificationError(f"the bundle carries {len(probes)} probes; the task's are its first {want} samples",
+                                check="probes")
+    if dataset is None and leaves is None:
+        raise MalformedInput("the probes cannot be checked without the dataset's leaves (--leaves FILE)")
+    for i, p in enumerate(probes):
+        committed = dataset.sample_hash(i) if dataset is not None else leaves.sample_hash(i)
+        if not same(sample_hash(p), committed):
+            raise VerificationError(f"probe {i} is not sample {i} of the committed dataset", check="probes")
+    return [f"the {want} probes are the first samples of the committed dataset"]
 
 
 @contextmanager
@@ -295,17 +324,15 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     local: LocalSamples | None = None
     online = check_statements(bundle, beacon_key) if mode == "online" else None
     if mode == "offline":
-        dataset = task.dataset()
-        if len(dataset) != m.dataset_size or not same(dataset.commitment_root(m.data_commitment), m.data_root):
-            raise MalformedInput(
-                f"the committed dataset (root {m.data_root.hex()[:16]}…) is not the one here "
-                f"(root {dataset.root.hex()[:16]}…); verify with --mode interactive and the trainer's response"
-            )
+        dataset, found = committed_dataset(task, m)
+        if found is not None:
+            notes.append(found)
         local = LocalSamples(dataset)
     session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
     checks += check_records(bundle, task, session)
     leaves = committed_leaves(bundle, task, local.dataset if local else None, leaves_path)
     checks += check_data_usage(bundle, task, leaves, local.dataset if local else None)
+    checks += check_probes(bundle, task, leaves, local.dataset if local else None)
     if leaves is None and local is None and bundle.complete:
         notes.append("the run was recorded before its dataset's leaves were committed (witness 0.4 and "
                      "earlier): its used-data trees are checked only at the replayed samples")
@@ -381,6 +408,14 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         except VerificationError as e:
             result.passed = False
             result.failure = str(e)
+            if verdict.failures and isinstance(e, MissingState):
+                # after a failed segment, replay cannot go on from it: the honest response does not
+                # hold the state this segment would have been reached from (witness respond ships
+                # only the states an accepted audit reads)
+                result.failure = "not replayed: an earlier segment failed, and the response holds no state to start "\
+                                 "this one from"
+                verdict.results.append(result)
+                continue
             if threads != m.threads and exact:
                 result.failure += f" (replayed at {threads} thread(s); the run recorded {m.threads})"
             if result.failure not in verdict.failures:  # replays of one segment meet the same bad step

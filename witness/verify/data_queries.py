@@ -9,27 +9,30 @@ from typing import Any
 from ..bundle.reader import Bundle, open_bundle
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead
+from ..data.dataset import Dataset
 from ..data.proofs import RunCommitments, check_proof
 from ..data.usage import UsageCommitment
 from ..errors import MalformedInput
 from ..task.base import Task
 from ..task.registry import task_class
 from .audit import task_of
+from .finddata import committed_dataset
 from .usage import check_data_usage, committed_leaves
 
 
-def run_commitments(bundle: Bundle | str | os.PathLike) -> tuple[RunCommitments, Task]:
+def run_commitments(bundle: Bundle | str | os.PathLike, notes: list[str] | None = None) -> tuple[RunCommitments, Task]:
     """A finished bundle (opened here if given as a path) with its used-data trees rebuilt locally
-    and checked against the end record (under the task's document rule)."""
+    and checked against the end record (under the task's document rule); ``notes`` gets where the
+    committed dataset was found, if not where the recipe's names point."""
     if not isinstance(bundle, Bundle):
         bundle = open_bundle(bundle)
     if bundle.end is None:
         raise MalformedInput("data queries need a finished run (its end record commits the used data)")
     task = task_of(bundle)
-    dataset = task.dataset()
     m = bundle.manifest
-    if len(dataset) != m.dataset_size or not same(dataset.commitment_root(m.data_commitment), m.data_root):
-        raise MalformedInput("this machine's dataset is not the one the run committed to")
+    dataset, found = committed_dataset(task, m)
+    if found is not None and notes is not None:
+        notes.append(found)
     check_data_usage(bundle, task, committed_leaves(bundle, task, dataset), dataset)
     usage = UsageCommitment.from_batches(dataset, (r.batch for r in bundle.steps))
     run = RunCommitments(m.public_key, bundle.final_head, bundle.log, bundle.end.raw,
@@ -53,12 +56,12 @@ def check_data_proof(proof: Any, *, head: SignedTreeHead | None = None, public_k
                        head=head, public_key=public_key)
 
 
-def query_document(task: Task, file: str | None, text: str | None) -> bytes:
+def query_document(dataset: Dataset, file: str | None, text: str | None) -> bytes:
     """The document hash a query names."""
     if (file is None) == (text is None):
         raise ValueError("name the document with exactly one of --file or --text")
-    content = Path(file).read_bytes() if file is not None else text.encode()  # type: ignore[union-attr]
-    return task.dataset().document_hash(content)
+    content = Path(file).read_bytes() if file is not None else dataset.text_bytes(text)  # type: ignore[arg-type]
+    return dataset.document_hash(content)
 
 
 def known_document(run: RunCommitments, document: bytes) -> bool:
@@ -74,10 +77,10 @@ def search_text(run: RunCommitments, needle: bytes, limit: int = 100) -> dict:
         raise ValueError("search for at least one byte")
     used = {i for rec in run.steps for i in rec["batch"]}
     docs = [{"document": name, "hash": h.hex(), "used": h in run.usage.documents}
-            for name, h, content in run.dataset.documents_list() if needle in content]
+            for name, h, content in run.dataset.documents_list() if run.dataset.contains(content, needle)]
     samples = []
     for i in range(len(run.dataset)):
-        if needle in run.dataset.sample_bytes(i):
+        if run.dataset.contains(run.dataset.sample_bytes(i), needle):
             samples.append({"index": i, "used": i in used})
     return {"needle_bytes": len(needle), "documents": docs[:limit], "documents_found": len(docs),
             "documents_used": sum(d["used"] for d in docs), "samples": samples[:limit],

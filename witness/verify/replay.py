@@ -27,6 +27,7 @@ from ..errors import MalformedInput, VerificationError
 from ..fingerprint.probes import relative_distance
 from ..session import TrainingSession
 from ..task.base import Task
+from .challenges import ReplayChallenge
 from .verdict import ChallengeResult
 
 # Tolerance mode, for replay on other hardware (other kernels): relative distances. The first
@@ -118,6 +119,39 @@ class SegmentPlan:
         return self.start(step), self.end(step + length)
 
 
+def segment_action(position: int | None, replayed_from: int | None, step: int, length: int, start: int,
+                   exact: bool) -> str:
+    """What replay does for a challenge at ``step`` whose segment starts at ``start``, standing at
+    ``position`` after replaying every step from ``replayed_from``: ``"done"`` (an earlier challenge
+    replayed and checked it already), ``"go on"`` (exact replay goes on from where it is: every
+    state it passed was checked bit for bit) or ``"load"`` (from the committed state at ``start``)."""
+    if replayed_from is not None and position is not None and replayed_from <= step and step + length <= position:
+        return "done"
+    if exact and position is not None and start <= position <= step:
+        return "go on"
+    return "load"
+
+
+def states_read(plan: SegmentPlan, drawn: Sequence[ReplayChallenge], exact: bool) -> list[int]:
+    """The committed states an audit of ``drawn`` (in order) reads from its state source, where every
+    step replays as recorded: each segment start it loads, and in tolerance mode each segment end it
+    compares. What ``witness respond`` ships, and no more."""
+    reads: list[int] = []
+    position = replayed_from = None
+    for ch in drawn:
+        start, end = plan.segment(ch.step, ch.length)
+        action = segment_action(position, replayed_from, ch.step, ch.length, start, exact)
+        if action == "done":
+            continue
+        if action == "load":
+            reads.append(start)
+            replayed_from = start
+        position = end
+        if not exact:
+            reads.append(end)
+    return reads
+
+
 def limit_for(distance: str, thresholds: dict[str, float]) -> float:
     """The threshold a state distance (``parameters``, ``buffers``, ``optimizer.<key>``) must stay within."""
     return thresholds["optimizer" if distance.startswith("optimizer.") else distance]
@@ -177,11 +211,10 @@ class Replayer:
     def challenge(self, step: int, length: int, result: ChallengeResult) -> None:
         """Replay the segment that holds steps ``step .. step + length - 1``; raise on any mismatch."""
         start, end = self.plan.segment(step, length)
-        done = self._replayed_from is not None and self._replayed_from <= step and step + length <= self.position
-        if done:  # an earlier challenge replayed and checked this segment already
+        action = segment_action(self.position, self._replayed_from, step, length, start, self.exact)
+        if action == "done":
             return
-        # Exact replay may go on from where it is: every state it passed was checked bit for bit.
-        if not (self.exact and self.position is not None and start <= self.position <= step):
+        if action == "load":
             self.load(start)
         try:
             while self.position < end:  # type: ignore[operator]

@@ -19,7 +19,7 @@ from ..errors import MalformedInput
 from ..session import TrainingSession
 from .audit import task_of, use_threads
 from .challenges import draw_challenges
-from .replay import SegmentPlan
+from .replay import SegmentPlan, states_read
 from .response import FORMAT, VERSION
 
 
@@ -40,11 +40,12 @@ def respond(bundle_dir: str | os.PathLike, out: str | os.PathLike, *, nonce: byt
         if bundle.complete and proven else None
     drawn = draw_challenges(bundle.final_head, nonce, len(bundle.steps), challenges, length)
     plan = SegmentPlan(bundle.state_steps(), bundle.state_steps())
-    wanted: set[int] = set()
+    # only the states the verifier reads: exact replay goes on through consecutive segments from the
+    # states it reached itself (each checked against its commitment), so those are not shipped
+    wanted = set(states_read(plan, drawn, exact=not tolerance))
     steps: set[int] = set()
     for ch in drawn:
         start, end = plan.segment(ch.step, ch.length)
-        wanted.update((start, end) if tolerance else (start,))
         steps.update(range(start, end))
     out = Path(out)
     if out.exists():

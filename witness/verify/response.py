@@ -119,9 +119,13 @@ class Response:
     def state(self, step: int) -> dict[str, torch.Tensor]:
         """The supplied state after ``step`` updates."""
         if step not in self.state_files:
-            raise VerificationError(f"the response supplies no state after {step} update(s) {NONCE_HINT}", step=step,
-                                    check="response")
+            raise MissingState(f"the response supplies no state after {step} update(s) {NONCE_HINT}", step=step,
+                               check="response")
         return read_checkpoint(safe_child(self.root, self.state_files[step]))
+
+
+class MissingState(VerificationError):
+    """The response holds no state where the audit must start a segment."""
 
 
 def _member(value: bytes, proof: object, tree, what: str, step: int, index: int) -> None:

@@ -1,0 +1,137 @@
+"""Where a task's data files are: found by name on a search path, never by an absolute path.
+
+A recipe names its data relative (``"train.bin"``, ``"shakespeare/train.bin"``), so a run
+recorded on one machine is verified on another wherever the data lies there. A task calls
+``data_file(name)``; the name is looked up in the folders given with ``--data DIR`` (or
+``data_dirs``), then those of the ``WITNESS_DATA`` variable (``os.pathsep``-separated), then the
+working folder. The offline audit does not trust the name: it asks the task for its
+dataset and, where that is missing or not the committed one, tries every file of the search
+path that could be it (``candidates``) until one has the committed root.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+SEARCH_ENV = "WITNESS_DATA"
+MAX_CANDIDATES = 10_000  # files looked at per name: a search path is folders of data, not a disk
+
+_dirs: ContextVar[tuple[Path, ...]] = ContextVar("witness_data_dirs", default=())
+# name -> the file to use for it while an audit tries a candidate
+_pinned: ContextVar[dict[str, Path] | None] = ContextVar("witness_data_pinned", default=None)
+# names asked for since ``asked()`` began (what the offline audit must find)
+_asked: ContextVar[list[str] | None] = ContextVar("witness_data_asked", default=None)
+
+
+@contextmanager
+def data_dirs(dirs: list[str | os.PathLike]) -> Iterator[None]:
+    """Within the block, search these folders first (``--data DIR``), in order."""
+    found = []
+    for d in dirs:
+        p = Path(d).expanduser().resolve()
+        if not p.is_dir():
+            raise ValueError(f"--data {d}: no such folder")
+        found.append(p)
+    token = _dirs.set((*found, *_dirs.get()))
+    try:
+        yield
+    finally:
+        _dirs.reset(token)
+
+
+def search_path() -> list[Path]:
+    """The folders a data name is looked up in, in order."""
+    env = [Path(p).expanduser() for p in os.environ.get(SEARCH_ENV, "").split(os.pathsep) if p]
+    seen: list[Path] = []
+    for p in [*_dirs.get(), *env, Path.cwd()]:
+        if p not in seen:
+            seen.append(p)
+    return seen
+
+
+def is_absolute(value: str) -> bool:
+    """Whether a recipe string is an absolute path on any system (POSIX, Windows, or ``~``)."""
+    return PurePosixPath(value).is_absolute() or PureWindowsPath(value).is_absolute() \
+        or value.startswith("~") or bool(PureWindowsPath(value).drive)
+
+
+def check_name(name: str) -> None:
+    """A data name is relative and stays inside the folder it is found in."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a data name is a non-empty relative path")
+    if is_absolute(name):
+        raise ValueError(f"the recipe names its data by the absolute path {name!r}: a verifier's data lies "
+                         "elsewhere. Name it relative to a data folder (e.g. the file name) and pass that folder "
+                         f"with --data DIR (or {SEARCH_ENV})")
+    if ".." in PurePosixPath(name.replace("\\", "/")).parts:
+        raise ValueError(f"the data name {name!r} leaves its folder ('..')")
+
+
+def data_file(name: str) -> Path:
+    """The file (or folder) a recipe's data name stands for here."""
+    check_name(name)
+    asked = _asked.get()
+    if asked is not None and name not in asked:
+        asked.append(name)
+    pinned = (_pinned.get() or {}).get(name)
+    if pinned is not None:
+        return pinned
+    for d in search_path():
+        p = d / name
+        if p.exists():
+            return p
+    where = ", ".join(str(d) for d in search_path())
+    raise FileNotFoundError(f"the data {name!r} is in none of the data folders ({where}): pass the folder it lies "
+                            f"in with --data DIR (or set {SEARCH_ENV})")
+
+
+@contextmanager
+def pinned(files: dict[str, Path]) -> Iterator[None]:
+    """Within the block, ``data_file(name)`` gives ``files[name]`` for the names given."""
+    token = _pinned.set({**(_pinned.get() or {}), **files})
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
+
+
+@contextmanager
+def asked() -> Iterator[list[str]]:
+    """Collect the data names the block asks for."""
+    names: list[str] = []
+    token = _asked.set(names)
+    try:
+        yield names
+    finally:
+        _asked.reset(token)
+
+
+def candidates(name: str) -> Iterator[Path]:
+    """Every entry of the search path that could hold the data ``name`` names: files with its suffix
+    (for a name without one, folders and files without one too), the one at the name itself first."""
+    check_name(name)
+    suffix = PurePosixPath(name.rstrip("/")).suffix
+    seen: set[Path] = set()
+    looked = 0
+    for d in search_path():
+        first = d / name
+        if first.exists() and first.resolve() not in seen:
+            seen.add(first.resolve())
+            yield first
+        if not d.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(d):
+            dirnames.sort()
+            entries = sorted(filenames) + (dirnames if not suffix else [])
+            for e in entries:
+                looked += 1
+                if looked > MAX_CANDIDATES:
+                    return
+                p = Path(dirpath) / e
+                if p.suffix == suffix and p.resolve() not in seen:
+                    seen.add(p.resolve())
+                    yield p

@@ -1,0 +1,56 @@
+"""The offline audit's training data, found by its committed root wherever it lies here."""
+
+from __future__ import annotations
+
+from ..bundle.schema import Manifest
+from ..commit.hashing import same
+from ..data.dataset import Dataset
+from ..data.locate import asked, candidates, pinned, search_path
+from ..errors import MalformedInput
+from ..task.base import Task
+
+
+def _matches(dataset: Dataset, m: Manifest) -> bool:
+    return len(dataset) == m.dataset_size and same(dataset.commitment_root(m.data_commitment), m.data_root)
+
+
+def committed_dataset(task: Task, m: Manifest) -> tuple[Dataset, str | None]:
+    """The dataset whose root the manifest commits, and a note where it was not where the recipe's
+    names point: the task's own first, then every file of the data search path that could be it
+    (a sample count unlike the committed one is passed over before anything is hashed)."""
+    problem = None
+    with asked() as names:
+        try:
+            dataset = task.dataset()
+            if _matches(dataset, m):
+                return dataset, None
+            problem = f"the one here holds {len(dataset)} samples with another root"
+        except FileNotFoundError:
+            problem = "missing"
+        except (OSError, ValueError) as e:
+            problem = str(e)
+    if not names:  # built already (a cached task): ask a fresh one which names it reads
+        with asked() as names:
+            try:
+                type(task).from_config(m.task_config).dataset()
+            except (OSError, ValueError):
+                pass
+    for name in names:
+        for path in candidates(name):
+            with pinned({name: path}):
+                try:
+                    dataset = type(task).from_config(m.task_config).dataset()
+                    if not _matches(dataset, m):
+                        continue
+                except (OSError, ValueError):
+                    continue
+            return dataset, f"the committed dataset is {path} (found by its root; the recipe names {name!r})"
+    want = f"root {m.data_root.hex()[:16]}…, {m.dataset_size} samples"
+    if not names:  # a dataset the task builds from no data file of its own (the standard library's)
+        raise MalformedInput(f"the committed dataset ({want}) is not the one here ({problem}): verify with --mode "
+                             "interactive and the trainer's response, which needs no data")
+    where = ", ".join(str(d) for d in search_path())
+    raise MalformedInput(
+        f"the committed dataset (the recipe's data {', '.join(repr(n) for n in names)}, {want}) is not here "
+        f"({problem}), and no file in the data folders ({where}) has that root: pass the folder it lies in with --data "
+        "DIR (or WITNESS_DATA), or verify with --mode interactive and the trainer's response, which needs no data")
