@@ -36,11 +36,14 @@ class TrainingSession:
         if task.config.batch_size % world_size:
             raise ValueError(f"the global batch of {task.config.batch_size} does not split over {world_size} ranks")
         # initialised on the host (the same bits everywhere), then moved; the optimizer follows
+        if world_size > 1 and task.compiles:
+            raise ValueError("compile=True is for one process (a data-parallel step is replayed eagerly)")
         if world_size > 1 and task.grad_accum > 1:
             raise ValueError("gradient accumulation (grad_accum) is for one process: a data-parallel run's ranks "
                              "already split each step's batch")
         self.model = task.build_model(run_seed).to(self.device)
         self.optimizer = task.build_optimizer(self.model)
+        self.step_model = task.step_model(self.model)  # compiled on its first step where the recipe compiles
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
 
     def batch_indices(self, step: int) -> list[int]:
@@ -65,10 +68,10 @@ class TrainingSession:
         # FSDP2 on one rank still clips by the norms of its shards (one shard: the whole tensor)
         if self.world_size == 1 and self.parallelism != "fsdp":
             batch = self.task.collate(samples)
-            return self.task.train_step(self.model, self.optimizer, batch, self.lr(step), self.step_seed(step))
+            return self.task.train_step(self.step_model, self.optimizer, batch, self.lr(step), self.step_seed(step))
         micro = [self.task.collate(m) for m in self.micro_batches(samples)]
         seeds = [self.step_seed(step, r) for r in range(self.world_size)]
-        return self.task.accumulated_step(self.model, self.optimizer, micro, self.lr(step), seeds,
+        return self.task.accumulated_step(self.step_model, self.optimizer, micro, self.lr(step), seeds,
                                           sharded_norm=self.parallelism == "fsdp")
 
     def fingerprint(self) -> Fingerprint:
@@ -155,8 +158,32 @@ def _legacy(words: str) -> str:
     return words[:KERNELS_MAX]
 
 
-def device_info(device: str | torch.device = "cpu") -> dict[str, str]:
-    """What the manifest records about the hardware and libraries a run's kernels came from."""
+def compiler_version(device: str | torch.device = "cpu") -> str:
+    """What ``torch.compile`` generates a device's kernels with: the C++ compiler inductor uses for a
+    CPU (its ``--version`` line), Triton's release for a GPU."""
+    if torch.device(device).type == "cuda":
+        import triton  # type: ignore[import-not-found]
+
+        return f"triton {triton.__version__}"
+    import subprocess
+
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    cxx = get_cpp_compiler()
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    return (out.splitlines() or [cxx])[0].strip()[:128]
+
+
+def device_info(device: str | torch.device = "cpu", compiled: bool = False) -> dict[str, str]:
+    """What the manifest records about the hardware and libraries a run's kernels came from (and,
+    for a run whose step is compiled, the compiler of its kernels)."""
+    info = _device_info(device)
+    if compiled:
+        info["compiler"] = compiler_version(device)
+    return info
+
+
+def _device_info(device: str | torch.device = "cpu") -> dict[str, str]:
     device = torch.device(device)
     if device.type != "cuda":
         return {"kind": "cpu", "machine": platform.machine() or "unknown", "kernels": cpu_kernels()}
@@ -180,8 +207,8 @@ def same_hardware(recorded: dict[str, str], here: dict[str, str]) -> bool:
     same model and CUDA and cuDNN releases (the driver does not choose kernels). A field the run
     did not record (an older release) is not compared. This decides only what to attempt: exact
     replay still has to match every bit."""
-    gpu = ("kind", "name", "cuda", "cudnn", "kernels")
-    keys = ("kind", "machine", "kernels") if recorded.get("kind") == "cpu" else gpu
+    gpu = ("kind", "name", "cuda", "cudnn", "kernels", "compiler")
+    keys = ("kind", "machine", "kernels", "compiler") if recorded.get("kind") == "cpu" else gpu
     # a run of a release before 0.5 names a long kernel choice cut off where this one hashes its tail
     return all(recorded[k] == here.get(k) or (k == "kernels" and recorded[k] == _legacy(kernel_words()))
                for k in keys if k in recorded)
@@ -189,11 +216,12 @@ def same_hardware(recorded: dict[str, str], here: dict[str, str]) -> bool:
 
 def describe_device(info: dict[str, str]) -> str:
     """A device record in words."""
+    compiler = f"; compiled by {info['compiler']}" if "compiler" in info else ""
     if info.get("kind") != "cuda":
         kernels = f"; {info['kernels']}" if "kernels" in info else ""
-        return f"the CPU ({info.get('machine', 'unknown architecture')}{kernels})"
+        return f"the CPU ({info.get('machine', 'unknown architecture')}{kernels}{compiler})"
     host = f", host {info['kernels']}" if "kernels" in info else ""
-    return f"{info.get('name', 'a GPU')} (CUDA {info.get('cuda', '?')}, cuDNN {info.get('cudnn', '?')}{host})"
+    return f"{info.get('name', 'a GPU')} (CUDA {info.get('cuda', '?')}, cuDNN {info.get('cudnn', '?')}{host}{compiler})"
 
 
 def torch_version() -> str:

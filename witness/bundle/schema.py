@@ -122,7 +122,8 @@ class Manifest:
         _dict(obj["fingerprint_spec"], f"{w}.fingerprint_spec")
         versions = _keys(obj["versions"], {"torch"}, {"device"}, f"{w}.versions")
         device = versions.get("device", {"kind": "cpu"})  # recorded before devices were: the CPU
-        _keys(device, {"kind"}, {"machine", "kernels", "name", "cuda", "cudnn", "driver"}, f"{w}.versions.device")
+        _keys(device, {"kind"}, {"machine", "kernels", "name", "cuda", "cudnn", "driver", "compiler"},
+              f"{w}.versions.device")
         for k, v in device.items():
             _str(v, f"{w}.versions.device.{k}", 128)
         if device["kind"] not in ("cpu", "cuda"):

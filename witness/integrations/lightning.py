@@ -226,6 +226,9 @@ class WitnessCallback(L.Callback):
         """Refuse settings that would make the run differ from the task's step."""
         c = self.rec.task.config
         clip = trainer.gradient_clip_val
+        if self.rec.task.compiles:
+            raise ValueError("a recipe with compile=True is for witness's own step and your loop (rec.step_model); "
+                             "under Lightning, leave it out")
         if self.own:
             if module is not self.rec.model:
                 raise ValueError("train the recorder's model (rec.model: your LightningModule, built from the recipe "

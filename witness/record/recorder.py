@@ -5,9 +5,11 @@ Usage, in the trainer's loop::
     rec = Recorder.create(task, "run/", key, r=os.urandom(32), checkpoint_every=50)
     for t in range(rec.start_step, task.config.steps):
         batch = rec.batch(t)
-        out = task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
+        out = task.train_step(rec.step_model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
         rec.log_step(t, out)
     rec.finish()
+
+(``rec.step_model`` is ``rec.model``, or its ``torch.compile`` wrapper where the recipe compiles.)
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ class Recorder:
             "world_size": session.world_size,
             "parallelism": parallelism,
             "threads": torch.get_num_threads(),
-            "versions": {"torch": torch_version(), "device": device_info(session.device)},
+            "versions": {"torch": torch_version(), "device": device_info(session.device, task.compiles)},
             "public_key": public_hex(key.public_key()),
             "init_state_hash": init_hash.hex(),
             "init_checkpoint_sha256": init_file.hex(),
@@ -246,7 +248,7 @@ class Recorder:
             raise ValueError(f"the run was started with torch {started.torch_version}; this is torch "
                              f"{torch_version()}: resume it with the torch release that started it")
         kind = started.device["kind"]
-        here = device_info(deterministic_device(kind))
+        here = device_info(deterministic_device(kind), "compiler" in started.device)
         if not same_hardware(started.device, here):
             raise ValueError(f"the run was started on {describe_device(started.device)}; this is "
                              f"{describe_device(here)}: resume it on the same hardware")
@@ -309,6 +311,12 @@ class Recorder:
     def model(self) -> torch.nn.Module:
         """The model being trained."""
         return self.session.model
+
+    @property
+    def step_model(self) -> torch.nn.Module:
+        """What a loop runs the step with: the model, or its ``torch.compile`` wrapper (the same
+        parameters) where the recipe compiles (``compile=True``), exactly what replay runs."""
+        return self.session.step_model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -503,7 +511,7 @@ class Recorder:
         bar = tqdm(range(self.start_step, self.task.config.steps), desc=f"training {self.task.name}",
                    unit="step", disable=not progress, initial=self.start_step, total=self.task.config.steps)
         for t in bar:
-            out = self.task.train_step(self.model, self.optimizer, self.batch(t), self.lr(t), self.step_seed(t))
+            out = self.task.train_step(self.step_model, self.optimizer, self.batch(t), self.lr(t), self.step_seed(t))
             self.log_step(t, out)
             bar.set_postfix(loss=f"{out.loss:.3f}")
         return self.finish()

@@ -52,6 +52,7 @@ class SelfCheck:
         self.rec, self.steps = rec, set(steps)
         self.before: dict[str, torch.Tensor] | None = None
         self.rng: tuple | None = None
+        self.compiled = 0
         self.checked: list[int] = []
         self.seconds = 0.0
 
@@ -62,6 +63,7 @@ class SelfCheck:
         started = time.perf_counter()
         self.before = {k: v.detach().clone() for k, v in state_tensors(self.rec.model, self.rec.optimizer).items()}
         self.rng = _rng_states()
+        self.compiled = _compiled_so_far()
         self.seconds += time.perf_counter() - started
 
     def finish(self, step: int, out: StepOutput) -> None:
@@ -72,6 +74,13 @@ class SelfCheck:
         rec = self.rec
         drew = [name for name, (a, b) in zip(("torch's global", "Python's random", "NumPy's global"),
                                              zip(self.rng, _rng_states(), strict=True), strict=True) if not _same(a, b)]
+        if _compiled_so_far() != self.compiled and not rec.task.compiles:
+            self.before = None
+            raise SelfCheckFailed(
+                f"step {step} ran code that torch.compile compiled, but the recipe does not compile: replay runs the "
+                "step eagerly, and compiled kernels round differently, so the verifier would reject the run. Set "
+                "compile=True in the recipe (replay then compiles the step the same way) and train rec.step_model, "
+                "or train rec.model without torch.compile")
         s = rec.session
         replay = TrainingSession(rec.task, s.run_seed, s.dataset_size, 1, "none", s.device)
         load_state(replay.model, replay.optimizer, self.before)
@@ -81,6 +90,9 @@ class SelfCheck:
         replayed = state_tensors(replay.model, replay.optimizer)
         self.before = None
         problem = _compare(step, out, got, after, replayed, drew)
+        if problem and _compiled_so_far() and not rec.task.compiles:
+            problem += ("; torch.compile has compiled code in this process: if your loop runs the step compiled, set "
+                        "compile=True in the recipe and train rec.step_model (replay then compiles it the same way)")
         self.seconds += time.perf_counter() - started
         if problem:
             raise SelfCheckFailed(problem + " (the record-time self-check replayed the step as `witness verify` "
@@ -90,6 +102,14 @@ class SelfCheck:
     def report(self) -> dict:
         """What the check did and what it cost."""
         return {"steps": sorted(self.checked), "seconds": self.seconds}
+
+
+def _compiled_so_far() -> int:
+    """How many frames and graphs torch.compile has compiled in this process (it compiles a step's
+    code when the step first runs it)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["frames"].values()) + counters["stats"]["unique_graphs"]
 
 
 def _rng_states() -> tuple:
@@ -117,7 +137,7 @@ def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch
                 f"({_ulps(out.loss, got.loss)} float32 ulp(s) apart); replay computes the task's loss, so make the "
                 "task's loss the one your loop computes (its reduction too: a mean over all tokens is not a mean "
                 "of per-example means; a few ulps are the same math in another order, such as torch.compile's "
-                f"fused kernels, which replay does not run){hint_rng}")
+                f"fused kernels: replay compiles only a recipe with compile=True){hint_rng}")
     if out.grad_norm != got.grad_norm:
         return (f"step {step} does not replay: your loop's gradient norm is {out.grad_norm!r}, the task's step gives "
                 f"{got.grad_norm!r}; replay clips as the task does (clip_grad_norm_ over all parameters at the "

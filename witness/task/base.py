@@ -201,6 +201,16 @@ class Task:
             raise ValueError(f"precision is one of {', '.join(PRECISIONS)}")
 
     @property
+    def compiles(self) -> bool:
+        """Whether the recipe runs the step through ``torch.compile`` (its ``compile`` field)."""
+        return bool(getattr(self.config, "compile", False))
+
+    def step_model(self, model: nn.Module) -> nn.Module:
+        """What the step runs: the model, or ``torch.compile(model)`` where the recipe compiles (the
+        same parameters; what every recording path and replay step through)."""
+        return torch.compile(model) if self.compiles else model
+
+    @property
     def precision(self) -> str:
         """The recipe's training precision (``fp32`` unless its config says ``bf16``)."""
         return getattr(self.config, "precision", "fp32")

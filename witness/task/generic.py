@@ -54,8 +54,11 @@ class GenericConfig:
     # micro-batches a step's batch is split into, their gradients accumulated (nanoGPT's
     # gradient_accumulation_steps, Lightning's accumulate_grad_batches); left out of a recipe at 1
     grad_accum: int = 1
+    # the step runs through torch.compile (default options) when recording and in replay: compiled
+    # kernels round differently from eager ones, so replay must compile too; left out at False
+    compile: bool = False
 
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("grad_accum",)
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("grad_accum", "compile")
 
 
 class FunctionSchedule:

@@ -287,7 +287,7 @@ def verify_bundle(
             raise VerificationError(f"the log does not extend the published tree head of size {h.size}: "
                                     "it was rewritten after that head was published", check="log")
     checks = [f"the log extends {len(published_heads)} published tree head(s)"] if published_heads else []
-    here = device_info(deterministic_device(device))
+    here = device_info(deterministic_device(device), task.compiles)
     if not same_hardware(m.device, here):
         if exact:
             raise MalformedInput(f"the run was recorded on {describe_device(m.device)}; this replay would run on "

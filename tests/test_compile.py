@@ -1,0 +1,69 @@
+"""torch.compile: a recipe with compile=True runs its step compiled when recording and in replay
+(the manifest records the recipe and the kernels' compiler), so the run replays bit for bit; a loop
+that compiles a step the recipe does not compile is stopped at record time, saying why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from witness.bundle.reader import open_bundle
+from witness.commit.signing import generate_key
+from witness.record import Recorder
+from witness.record.selfcheck import SelfCheckFailed
+from witness.task import build_task, registry
+from witness.task.generic import GenericTask
+from witness.verify import verify_bundle
+
+
+class CompiledMLP(GenericTask):
+    name = "compile-test"
+
+    def make_model(self):
+        return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 3))
+
+    def make_dataset(self):
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(64, 8, generator=g)
+        return [{"x": x[i], "y": x[i, :3].argmax()} for i in range(64)]
+
+    def example_losses(self, outputs, batch):
+        return F.cross_entropy(outputs, batch["y"], reduction="none")
+
+
+@pytest.fixture
+def task(monkeypatch):
+    monkeypatch.setitem(registry.BUILTIN, CompiledMLP.name, CompiledMLP)  # as a plugin would register it
+    registry._built.cache_clear()
+    yield lambda **c: build_task(CompiledMLP.name, {"steps": 4, "batch_size": 8, **c})
+    registry._built.cache_clear()
+
+
+def test_a_compiled_recipe_records_and_replays_its_compiled_step_bit_for_bit(task, tmp_path):
+    t = task(compile=True)
+    rec = Recorder.create(t, tmp_path / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=2)
+    assert rec.step_model is not rec.model  # the step runs compiled
+    rec.train(progress=False)
+    assert len(rec.self_check.report()["steps"]) == 2
+    m = open_bundle(tmp_path / "run").manifest
+    assert m.task_config["compile"] is True and m.device["compiler"]  # what made the kernels
+    v = verify_bundle(tmp_path / "run", challenges=4, nonce=b"c")
+    assert v.accepted and v.replayed_steps == 4
+    # the eager step is not the compiled one (its kernels round otherwise): an eager replay would not match
+    eager = task()
+    r2 = Recorder.create(eager, tmp_path / "eager", generate_key(), r=b"\x01" * 32, checkpoint_every=2)
+    r2.train(progress=False)
+    assert open_bundle(tmp_path / "eager").steps[0].state_hash != open_bundle(tmp_path / "run").steps[0].state_hash
+
+
+def test_a_loop_that_compiles_a_step_the_recipe_does_not_is_stopped_at_step_0(task, tmp_path):
+    torch._dynamo.reset()  # a process that has compiled nothing yet, as a user's training script
+    t = task()
+    rec = Recorder.create(t, tmp_path / "run", generate_key(), r=b"\x02" * 32, checkpoint_every=2)
+    compiled = torch.compile(rec.model)  # the user's own compile, which replay would not run
+    batch = rec.batch(0)
+    out = t.train_step(compiled, rec.optimizer, batch, rec.lr(0), rec.step_seed(0))
+    with pytest.raises(SelfCheckFailed, match="torch.compile compiled, but the recipe does not compile"):
+        rec.log_step(0, out)
