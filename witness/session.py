@@ -41,8 +41,12 @@ class TrainingSession:
         if world_size > 1 and task.grad_accum > 1:
             raise ValueError("gradient accumulation (grad_accum) is for one process: a data-parallel run's ranks "
                              "already split each step's batch")
+        if world_size > 1 and task.precision == "fp16":
+            raise ValueError("fp16 with a GradScaler is for one process")
         self.model = task.build_model(run_seed).to(self.device)
         self.optimizer = task.build_optimizer(self.model)
+        if task.precision == "fp16":  # its scale and growth tracker are committed with the optimizer's state
+            self.optimizer.witness_scaler = torch.amp.GradScaler(self.device.type)
         self.step_model = task.step_model(self.model)  # compiled on its first step where the recipe compiles
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
 

@@ -203,6 +203,11 @@ def model_hash(tensors: dict[str, torch.Tensor], digest: str) -> bytes:
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
     """A training state as flat named tensors: ``model.*`` and ``optim.<param>.<key>``."""
     out = {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+    scaler = getattr(optimizer, "witness_scaler", None)
+    if scaler is not None:  # an fp16 run's loss scale: it decides which steps update, so it is state
+        sd = scaler.state_dict()
+        out["scaler.scale"] = torch.tensor(sd["scale"], dtype=torch.float32)
+        out["scaler.growth_tracker"] = torch.tensor(sd["_growth_tracker"], dtype=torch.int32)
     if optimizer is not None:
         names = {id(p): n for n, p in model.named_parameters()}
         for p, st in optimizer.state.items():
@@ -229,6 +234,18 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensor
     params = dict(model.named_parameters())
     optimizer.state.clear()
     seen = set()
+    scaler = getattr(optimizer, "witness_scaler", None)
+    if (scaler is not None) != ("scaler.scale" in tensors):
+        raise MalformedInput("the state's loss scale does not fit the run (an fp16 run's state has one, others none)")
+    if scaler is not None:
+        scale, tracker = tensors.get("scaler.scale"), tensors.get("scaler.growth_tracker")
+        if tracker is None or scale.shape != () or tracker.shape != () or scale.dtype != torch.float32 \
+                or tracker.dtype != torch.int32:
+            raise MalformedInput("the state's loss scale is not a float32 scale and an int32 growth tracker")
+        sd = scaler.state_dict()
+        sd.update(scale=float(scale), _growth_tracker=int(tracker))
+        scaler.load_state_dict(sd)
+        seen.update(("scaler.scale", "scaler.growth_tracker"))
     for k, v in tensors.items():
         if not k.startswith("optim."):
             continue
@@ -273,7 +290,7 @@ def state_distances(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
         a, b = got[k], want[k]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"{k} has another shape or dtype")
-        if not b.is_floating_point() or k.endswith(".step"):
+        if not b.is_floating_point() or k.endswith(".step") or k.startswith("scaler."):  # counters, the loss scale
             if not torch.equal(a, b):
                 raise ValueError(f"{k} differs" + (f": {a.item()} against {b.item()}" if a.numel() == 1 else ""))
             continue

@@ -226,6 +226,9 @@ class WitnessCallback(L.Callback):
         """Refuse settings that would make the run differ from the task's step."""
         c = self.rec.task.config
         clip = trainer.gradient_clip_val
+        if self.rec.task.precision == "fp16":
+            raise ValueError("fp16 under Lightning is not replayed (its GradScaler is not the run's committed one): "
+                             "train in fp32 or bf16, or fp16 in your own loop with rec.scaler")
         if self.rec.task.compiles:
             raise ValueError("a recipe with compile=True is for witness's own step and your loop (rec.step_model); "
                              "under Lightning, leave it out")

@@ -47,7 +47,15 @@ from ..session import (
     same_hardware,
     torch_version,
 )
-from ..task.base import StepOutput, Task, micro_seed, model_device, step_randomness, to_device
+from ..task.base import (
+    StepOutput,
+    Task,
+    micro_seed,
+    model_device,
+    scaler_of,
+    step_randomness,
+    to_device,
+)
 from ..task.registry import build_task, check_task_source, task_class, task_source
 from .online import BeaconLink, OnlineChallenges, OnlineSpec
 from .selfcheck import SelfCheck, check_steps
@@ -311,6 +319,12 @@ class Recorder:
     def model(self) -> torch.nn.Module:
         """The model being trained."""
         return self.session.model
+
+    @property
+    def scaler(self) -> Any:  # noqa: ANN401 - a torch.amp.GradScaler, or None
+        """An fp16 run's ``GradScaler`` (None otherwise): scale, unscale and step with it, as
+        ``task.train_step`` does; its scale is committed with the optimizer's state."""
+        return scaler_of(self.optimizer)
 
     @property
     def step_model(self) -> torch.nn.Module:

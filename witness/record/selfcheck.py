@@ -11,6 +11,7 @@ while a step is checked, a second model and a copy of the state.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import struct
@@ -112,6 +113,11 @@ def _compiled_so_far() -> int:
     return sum(counters["frames"].values()) + counters["stats"]["unique_graphs"]
 
 
+def _same_float(a: float, b: float) -> bool:
+    """Equal, or both NaN (an fp16 step whose gradients overflowed has a NaN norm, in replay too)."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 def _rng_states() -> tuple:
     return torch.random.get_rng_state(), random.getstate(), np.random.get_state()
 
@@ -132,13 +138,13 @@ def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch
         hint_rng = (f"; your step drew from {', '.join(drew)} generator outside the step's randomness (dropout, "
                     "SDPA's dropout_p, an augmentation): compute the loss with task.step_loss(model, batch, "
                     "rec.step_seed(t)), or inside witness.task.base.step_randomness(rec.step_seed(t))")
-    if out.loss != got.loss:
+    if not _same_float(out.loss, got.loss):
         return (f"step {step} does not replay: your loop's loss is {out.loss!r}, the task's step gives {got.loss!r} "
                 f"({_ulps(out.loss, got.loss)} float32 ulp(s) apart); replay computes the task's loss, so make the "
                 "task's loss the one your loop computes (its reduction too: a mean over all tokens is not a mean "
                 "of per-example means; a few ulps are the same math in another order, such as torch.compile's "
                 f"fused kernels: replay compiles only a recipe with compile=True){hint_rng}")
-    if out.grad_norm != got.grad_norm:
+    if not _same_float(out.grad_norm, got.grad_norm):
         return (f"step {step} does not replay: your loop's gradient norm is {out.grad_norm!r}, the task's step gives "
                 f"{got.grad_norm!r}; replay clips as the task does (clip_grad_norm_ over all parameters at the "
                 f"recipe's grad_clip) after one backward over the whole batch{hint_rng}")
@@ -150,6 +156,10 @@ def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch
                     "the optimizer or the model is not the task's")
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
             diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("nan")
+            if name.startswith("scaler."):
+                return (f"step {step} does not replay: after it, the loss scale ({name}) differs from the replayed "
+                        "one: an fp16 loop scales, unscales and steps with the run's GradScaler, rec.scaler (its "
+                        "scale is committed state), as task.train_step does")
             what = "optimizer state" if name.startswith("optimizer.") else "parameter or buffer"
             return (f"step {step} does not replay: after it, the {what} {name} differs from the replayed one "
                     f"(largest difference {diff:.3g}) although the loss and gradient norm match; the update is "

@@ -108,6 +108,12 @@ def mean_of_ranks(losses: list[float]) -> float:
     return total / len(losses)
 
 
+def scaler_of(optimizer: torch.optim.Optimizer) -> Any:  # noqa: ANN401 - a torch.amp.GradScaler or None
+    """The fp16 run's ``GradScaler`` that goes with ``optimizer`` (``TrainingSession`` attaches it),
+    or None."""
+    return getattr(optimizer, "witness_scaler", None)
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """A batch (tensors, or tuples, lists and dicts of them) on ``device``; a no-op on the same device."""
     if torch.is_tensor(batch):
@@ -125,12 +131,15 @@ def model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(device: torch.device, precision: str):  # noqa: ANN201 - a context manager
-    """The recipe's precision: fp32, or bf16 autocast over fp32 master weights (AdamW steps in fp32)."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """The recipe's precision: fp32, or bf16 or fp16 autocast over fp32 master weights (AdamW steps in
+    fp32; fp16's loss is scaled by the run's committed ``GradScaler``)."""
+    return torch.autocast(device_type=device.type, dtype=AUTOCAST.get(precision, torch.bfloat16),
+                          enabled=precision in AUTOCAST)
 
 
 def seed_int(seed: bytes, tag: str) -> int:
@@ -281,9 +290,13 @@ class Task:
         optimizer.zero_grad(set_to_none=True)
         model.train()
         accum = self.grad_accum
+        # fp16: the run's GradScaler (its scale is committed state) scales each backward, unscales
+        # before the clipping, and skips the update of a step whose gradients overflowed
+        scaler = scaler_of(optimizer)
+        scaled = scaler.scale if scaler is not None else (lambda x: x)
         if accum == 1:
             loss = self.step_loss(model, batch, seed)
-            loss.backward()
+            scaled(loss).backward()
             value = float(loss.detach())
         else:
             # nanoGPT's and Lightning's accumulation: each micro-batch's mean loss, divided by the
@@ -291,13 +304,19 @@ class Task:
             losses = []
             for k, micro in enumerate(self.split_batch(batch, accum)):
                 loss = self.step_loss(model, micro, micro_seed(seed, k))
-                (loss / accum).backward()
+                scaled(loss / accum).backward()
                 losses.append(float(loss.detach()))
             value = mean_of_ranks(losses)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         gn = (clip or clip_whole)(params, max_norm)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         return StepOutput(value, lr, float(gn))
 
     @property

@@ -57,8 +57,10 @@ class GenericConfig:
     # the step runs through torch.compile (default options) when recording and in replay: compiled
     # kernels round differently from eager ones, so replay must compile too; left out at False
     compile: bool = False
+    # "fp32", or "bf16" / "fp16" autocast over fp32 weights (fp16 with the run's GradScaler: rec.scaler)
+    precision: str = "fp32"
 
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("grad_accum", "compile")
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("grad_accum", "compile", "precision")
 
 
 class FunctionSchedule:
