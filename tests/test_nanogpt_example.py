@@ -27,7 +27,7 @@ def test_the_loop_is_witnessed_by_at_most_10_lines_and_the_plugin_is_at_most_40(
     body = code.split('"""', 2)[2]  # after the module docstring (which names the marker)
     marked = [line for line in body.splitlines() if re.search(r"#\s*witness\b", line)]
     assert 5 <= len(marked) <= 10
-    assert len((EXAMPLE / "nanogpt_style" / "__init__.py").read_text().splitlines()) <= 40
+    assert len((EXAMPLE / "witness_example_nanogpt" / "__init__.py").read_text().splitlines()) <= 40
 
 
 @pytest.fixture(scope="module")

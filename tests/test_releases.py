@@ -94,7 +94,7 @@ def test_a_resume_elsewhere_is_refused_before_it_touches_the_run(tmp_path, monke
         why = "started with torch .* this is torch 9.9.9"
     else:
         other = dict(recorder.device_info("cpu"), kernels="GenuineIntel AVX512 avx512f")
-        monkeypatch.setattr(recorder, "device_info", lambda device: other)
+        monkeypatch.setattr(recorder, "device_info", lambda device, compiled=False: other)
         why = "started on the CPU .* this is the CPU .*GenuineIntel AVX512.*: resume it on the same hardware"
     with pytest.raises(ValueError, match=why):
         Recorder.resume(tmp_path / "b", key)

@@ -74,11 +74,64 @@ def readable_validation_errors(app) -> None:  # noqa: ANN001 - a FastAPI app
         return JSONResponse({"detail": f"bad request: {msgs}"}, 400)
 
 
-def start_uvicorn(app, host: str = "127.0.0.1", port: int = 0):  # noqa: ANN001 - ASGI app
+HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers
+
+
+def timed_http(header_timeout: float = HEADER_TIMEOUT) -> type:
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers are not all in within
+    ``header_timeout`` seconds of its opening (or of the previous response): a client that trickles
+    its headers (slowloris) holds a connection for that long at most. uvicorn itself times out only
+    an idle keep-alive connection."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:  # noqa: ANN001 - an asyncio transport
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _reading_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if not self._reading_headers():
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self._reading_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return TimedH11Protocol
+
+
+def start_uvicorn(app, host: str = "127.0.0.1", port: int = 0,  # noqa: ANN001 - ASGI app
+                  header_timeout: float = HEADER_TIMEOUT):
     """uvicorn serving ``app`` in a background thread; returns (server, thread, base URL)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           http=timed_http(header_timeout)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

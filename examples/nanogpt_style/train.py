@@ -21,7 +21,7 @@ import torch
 from witness.record import Recorder, load_or_create_key  # witness
 from witness.task import StepOutput, build_task  # witness
 
-from nanogpt_style.model import GPT, GPTConfig, get_lr
+from witness_example_nanogpt.model import GPT, GPTConfig, get_lr
 
 # settings (override as --name=value)
 out_dir = "run"

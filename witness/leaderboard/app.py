@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
+import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,6 +19,7 @@ from jinja2 import Environment, FileSystemLoader
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..beacon.app import install_handlers as install_beacon_handlers
@@ -29,6 +33,8 @@ from .db import Account, ChallengeRow, Head, Round, Run, Track
 from .online import online_progress
 from .service import ApiError, Leaderboard, Settings
 from .store import EVALUATION, UploadTooLarge
+
+log = logging.getLogger("witness.leaderboard")
 
 PAGE_SIZE = 100
 MAX_PAGE = 1_000_000  # a larger page number is refused (422), not turned into an overflowing offset
@@ -104,11 +110,47 @@ def _date_ms(value: str | None, end: bool = False) -> int | None:
         d = dt.datetime.strptime(value, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
     except ValueError:
         raise ApiError(400, f"dates are YYYY-MM-DD, not {value!r}") from None
+    if end and d.date() == dt.date.max:  # the day after the last date there is: no bound at all
+        return None
     return int((d + (dt.timedelta(days=1) if end else dt.timedelta())).timestamp() * 1000)
 
 
 def _fmt_ms(ms: int | None) -> str:
     return "" if ms is None else dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+async def paced(chunks: AsyncIterator[bytes], idle: float) -> AsyncIterator[bytes]:
+    """The body's pieces, refused (408) where none arrives for ``idle`` seconds: a stalled upload
+    holds its file and connection that long at most."""
+    it = chunks.__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(it.__anext__(), idle)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the upload stalled: nothing arrived for {idle:g} s") from None
+        yield chunk
+
+
+DOWNLOADS = ("submission.tar", EVALUATION, "model.safetensors")
+
+
+def committed_files(lb: Leaderboard, r: Run) -> dict[str, Path]:
+    """The stored files of a run that a committed row names, by name: the submission once its row
+    records it (its SHA-256), the released model once a certification is committed, the plots once
+    any decision is. Files are written before the row that makes them visible, so a crash between
+    the two leaves files nobody is shown (and the next start removes them)."""
+    out: dict[str, Path] = {}
+    if r.bundle_sha256 is not None:
+        out["submission.tar"] = lb.store.archive(r.id)
+        out[EVALUATION] = lb.store.run_dir(r.id) / EVALUATION
+    if r.status in ("certified", "revoked") and r.statement:
+        out["model.safetensors"] = lb.store.model_file(r.id)
+    if r.decided_ms is not None:
+        for name in ("loss", "optimizer", "fingerprints"):
+            out[f"{name}.svg"] = lb.store.plots_dir(r.id) / f"{name}.svg"
+    return {k: p for k, p in out.items() if p.is_file()}
 
 
 def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) -> FastAPI:
@@ -138,9 +180,13 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise ApiError(413, f"the upload is over the server's limit of {limit} bytes")
         try:
-            return await lb.store.receive(request.stream(), limit)
+            return await lb.store.receive(paced(request.stream(), lb.settings.body_idle_timeout), limit)
         except UploadTooLarge as e:
             raise ApiError(413, str(e)) from None
+        except ClientDisconnect:
+            # one line, not a traceback: a client going away is no error of the server's
+            log.info("%s %s: the client went away during the upload", request.method, request.url.path)
+            raise ApiError(400, "the client went away during the upload") from None
 
     # --- JSON API -----------------------------------------------------------------------
     @app.post("/api/accounts", status_code=201, tags=["accounts"])
@@ -307,14 +353,14 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
     def run_page(run_id: int, s: DB, request: Request) -> HTMLResponse:
         r = lb.run(s, run_id)
-        plots = lb.store.plots_dir(r.id)
+        files = committed_files(lb, r)
         t = s.get(Track, r.track)
         return html("run.html", run=r, account=s.get(Account, r.account_id), track=t,
                     heads=lb.heads(s, run_id), rounds=history(s, run_id),
                     verdict=json.loads(r.verdict_json) if r.verdict_json else None,
                     aggregates=json.loads(r.aggregates_json) if r.aggregates_json else None,
-                    has_plots=(plots / "loss.svg").exists(), has_bundle=lb.store.archive(r.id).exists(),
-                    has_model=lb.store.model_file(r.id).exists(), bad_fraction=lb.settings.bad_fraction,
+                    has_plots="loss.svg" in files, has_bundle="submission.tar" in files,
+                    has_model="model.safetensors" in files, bad_fraction=lb.settings.bad_fraction,
                     recipe=json.loads(t.config_json), base=base_url(request), server_key=lb.public_key,
                     fingerprint_caption=FINGERPRINT_CAPTION,
                     online=online_progress(s, r.id) if r.online_p is not None else None)
@@ -330,11 +376,11 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
 
     @app.get("/runs/{run_id}/plots/{name}.svg", include_in_schema=False)
     def plot(run_id: int, name: str, s: DB) -> Response:
-        lb.run(s, run_id)
+        r = lb.run(s, run_id)
         if name not in ("loss", "optimizer", "fingerprints"):
             raise ApiError(404, "no such plot")
-        path = lb.store.plots_dir(run_id) / f"{name}.svg"
-        if not path.exists():
+        path = committed_files(lb, r).get(f"{name}.svg")
+        if path is None:
             raise ApiError(404, "the run has no plots yet")
         return FileResponse(path, media_type="image/svg+xml", headers={"Content-Security-Policy": CSP})
 
@@ -347,9 +393,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                 raise ApiError(404, f"the run has no {name.split('.')[0]} yet")
             return Response(stored[name], media_type="application/json",
                             headers={"Content-Disposition": f'attachment; filename="run-{run_id}-{name}"'})
-        files = {"submission.tar": lb.store.archive(run_id), EVALUATION: lb.store.run_dir(run_id) / EVALUATION,
-                 "model.safetensors": lb.store.model_file(run_id)}
-        if name not in files or not files[name].exists():
+        files = committed_files(lb, r)
+        if name not in DOWNLOADS or name not in files:
             raise ApiError(404, f"run {run_id} has no {name}")
         return FileResponse(files[name], filename=f"run-{run_id}-{name}")
 

@@ -30,7 +30,9 @@ def settings_from(args: argparse.Namespace):
                     max_head_gap=args.max_head_gap, registrations_per_hour=args.registrations_per_hour,
                     max_queued_challenges=args.max_queued_challenges,
                     server_key=Path(args.server_key) if args.server_key else None,
-                    public_url=getattr(args, "public_url", None))
+                    public_url=getattr(args, "public_url", None),
+                    orphan_after_s=Settings.orphan_after_s if getattr(args, "orphan_after", None) is None
+                    else args.orphan_after)
 
 
 def _count(value: str) -> int:
@@ -100,12 +102,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from ..web import timed_http
     from .app import create_app
+    from .recovery import recover
     from .service import Leaderboard
     from .supervise import WorkerPool
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     lb = Leaderboard(settings_from(args))
+    recover(lb, lb.settings.orphan_after_s)  # before any worker: the jobs of the previous start's are free
     app = create_app(lb=lb)
     cmd = worker_command(args)
     pool = WorkerPool(lb, lambda: subprocess.Popen(cmd), args.workers)
@@ -119,7 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    http=timed_http(lb.settings.header_timeout))
     finally:
         pool.stop()
     return 0
@@ -258,6 +264,9 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
                                         "badge snippets (default: the address of each request)")
     s.add_argument("--workers", type=_workers, default=1,
                    help="verification worker processes to start (at most this machine's cores; a dead one is replaced)")
+    s.add_argument("--orphan-after", type=float, metavar="SECONDS",
+                   help="at start, remove uploads and stored files that no committed row names once this old "
+                        "(default 3600: an upload in flight on another server sharing the store is younger)")
     s.set_defaults(func=cmd_serve)
     w = lsub.add_parser("worker", help="run a verification worker against a server's database")
     _server_flags(w)

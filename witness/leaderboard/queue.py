@@ -3,18 +3,22 @@
 Online jobs are claimed before the others, then the oldest first. PostgreSQL: a worker claims a job with ``SELECT … FOR UPDATE SKIP LOCKED``, so concurrent
 workers never wait on each other and never take the same job. SQLite: one ``UPDATE …
 RETURNING`` statement claims a job atomically (SQLite serialises writers). A claimed job holds
-a lease that its worker renews while it works; a job whose worker died is queued again once its
-lease has expired, so nothing is lost, and a long verification is not taken up a second time.
+a lease that its worker renews while it works (every third of it); a job whose worker died is
+queued again once its lease has expired, so nothing is lost, and a long verification is not taken
+up a second time. A run whose job goes back to the queue goes back to "pending": a run is
+"verifying" only while a worker holds its job.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import case, select, text, update
+from sqlalchemy import case, exists, select, text, update
 from sqlalchemy.orm import Session
 
-from .db import Job, now_ms
+from .db import Job, Run, now_ms
 
-LEASE_MS = 15 * 60 * 1000
+# A worker renews its lease every 20 s: one that stopped for a minute is gone, and its job is
+# queued again (a worker that comes back finds it decided by another: finish() refuses it).
+LEASE_MS = 60 * 1000
 # Online jobs go first: they replay a few steps of a run that is still training, whose trainer
 # learns of a failure only from the server, and each takes a moment beside a certification.
 ONLINE_FIRST = case((Job.kind == "online", 0), else_=1)
@@ -78,19 +82,26 @@ def renew(s: Session, job_id: int, worker: str) -> bool:
 def release_worker(s: Session, worker: str) -> int:
     """Queue again at once the running jobs of ``worker``, known to be dead (its process was
     reaped); returns how many. Its lease need not run out: it can no longer finish them."""
-    n = s.execute(
-        update(Job).where(Job.status == "running", Job.worker == worker)
-        .values(status="queued", worker=None).execution_options(synchronize_session=False)
-    ).rowcount
-    s.commit()
-    return n or 0
+    return _requeue(s, Job.worker == worker)
 
 
 def requeue_expired(s: Session, lease_ms: int = LEASE_MS) -> int:
     """Queue again the jobs whose worker stopped renewing its lease; returns how many."""
+    return _requeue(s, Job.claimed_ms < now_ms() - lease_ms)
+
+
+def _requeue(s: Session, which) -> int:  # noqa: ANN001 - a SQL condition on jobs
     n = s.execute(
-        update(Job).where(Job.status == "running", Job.claimed_ms < now_ms() - lease_ms)
+        update(Job).where(Job.status == "running", which)
         .values(status="queued", worker=None).execution_options(synchronize_session=False)
     ).rowcount
+    settle_runs(s)
     s.commit()
     return n or 0
+
+
+def settle_runs(s: Session) -> int:
+    """Runs shown as "verifying" whose job no worker holds go back to "pending" (the caller commits)."""
+    held = exists().where(Job.run_id == Run.id, Job.status == "running", Job.kind == "certify")
+    return s.execute(update(Run).where(Run.status == "verifying", ~held)
+                     .values(status="pending").execution_options(synchronize_session=False)).rowcount or 0

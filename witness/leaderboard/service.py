@@ -91,6 +91,13 @@ class Settings:
     # The address people reach the server at, for links that must work elsewhere (badges in a
     # README); default: the address each request came in on.
     public_url: str | None = None
+    # Slow clients: a connection's request headers must be in within header_timeout seconds, and
+    # an upload may not stall for more than body_idle_timeout seconds between two pieces.
+    header_timeout: float = 10.0
+    body_idle_timeout: float = 30.0
+    # At start, uploads and stored files that no committed row names are removed once this old
+    # (seconds): a crash left them; an upload in flight on another server is younger.
+    orphan_after_s: float = 3600.0
 
     @property
     def certify_challenges(self) -> int:

@@ -1,0 +1,100 @@
+"""Faults a public server meets: clients that trickle their headers or stall their uploads, and
+clients that go away mid-upload. Each holds nothing for long, leaves no file behind, and logs one
+line (never a traceback)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from lbhelpers import make_settings, register
+
+from witness.leaderboard.app import create_app
+from witness.leaderboard.service import Leaderboard
+from witness.web import start_uvicorn, stop_uvicorn
+
+
+@pytest.fixture
+def live(tmp_path):
+    lb = Leaderboard(make_settings("sqlite", tmp_path, header_timeout=1.0, body_idle_timeout=1.0))
+    server, thread, url = start_uvicorn(create_app(lb=lb), header_timeout=lb.settings.header_timeout)
+    try:
+        yield lb, url
+    finally:
+        stop_uvicorn(server, thread)
+
+
+def _connect(url: str) -> socket.socket:
+    u = urlsplit(url)
+    return socket.create_connection((u.hostname, u.port), timeout=10)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """Whether the server closed the connection within ``seconds``, and what it sent first."""
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return True, got
+            got += chunk
+    except TimeoutError:
+        return False, got
+    except ConnectionResetError:
+        return True, got
+
+
+def _uploads_left(lb: Leaderboard) -> list[str]:
+    return sorted(p.name for p in (lb.store.root / "incoming").iterdir())
+
+
+def test_connections_that_trickle_their_headers_are_closed(live):
+    lb, url = live
+    socks = [_connect(url) for _ in range(8)]
+    for s in socks:
+        s.sendall(b"GET /api/tracks HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+    started = time.monotonic()
+    assert all(_closed_within(s, 5)[0] for s in socks)
+    assert time.monotonic() - started < 5
+    # a client that sends its headers in time is served, and its keep-alive connection too
+    with httpx.Client(base_url=url) as c:
+        assert c.get("/api/tracks").status_code == 200
+        assert c.get("/api/tracks").status_code == 200
+
+
+def test_a_stalled_upload_is_refused_and_leaves_no_file(live):
+    lb, url = live
+    token = register(httpx.Client(base_url=url), "stall").token
+    s = _connect(url)
+    s.sendall(b"POST /api/submissions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+              + b"\r\nContent-Type: application/x-tar\r\nContent-Length: 100000\r\n\r\n" + bytes(1000))
+    started = time.monotonic()
+    _, got = _closed_within(s, 10)
+    assert got.startswith(b"HTTP/1.1 408") and b"the upload stalled" in got
+    assert time.monotonic() - started < 5
+    assert _uploads_left(lb) == []
+
+
+def test_a_client_that_goes_away_mid_upload_leaves_no_file_and_one_log_line(live, caplog):
+    lb, url = live
+    token = register(httpx.Client(base_url=url), "gone").token
+    caplog.set_level(logging.INFO)
+    for _ in range(3):
+        s = _connect(url)
+        s.sendall(b"POST /api/submissions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+                  + b"\r\nContent-Length: 100000\r\n\r\n" + bytes(5000))
+        time.sleep(0.2)
+        s.close()
+    deadline = time.monotonic() + 5
+    while _uploads_left(lb) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _uploads_left(lb) == []
+    time.sleep(0.3)
+    gone = [r for r in caplog.records if "went away during the upload" in r.getMessage()]
+    assert len(gone) == 3 and not any(r.exc_info for r in caplog.records)
+    assert "Traceback" not in caplog.text

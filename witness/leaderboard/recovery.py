@@ -1,0 +1,119 @@
+"""What a server does when it starts, after a crash or not: the database is the truth, and
+everything the store holds that no committed row names is a leftover of a write that never got its
+commit (the order is always "write the objects, then commit the row that makes them visible").
+
+* Jobs held by workers that no longer exist go back to the queue: this host's workers whose
+  process is gone at once, any other host's once their lease (a minute) has run out. A run is
+  "verifying" only while a live worker holds its job.
+* Uploads that never became a submission (``incoming/``), run folders whose run records no
+  submission, and online uploads no row names are removed once older than a bound (an upload in
+  flight on another server that shares the store is younger than it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+
+from . import queue
+from .db import Job, OnlineStep, Run
+from .service import Leaderboard
+
+log = logging.getLogger("witness.leaderboard")
+
+ORPHAN_AFTER_S = 3600.0
+
+
+@dataclass
+class Recovered:
+    """What a start put right."""
+
+    jobs_released: int = 0
+    runs_settled: int = 0
+    uploads_removed: int = 0
+    run_folders_removed: int = 0
+    online_removed: int = 0
+
+    def __bool__(self) -> bool:
+        return any(vars(self).values())
+
+
+def _process_gone(worker: str | None, host: str) -> bool:
+    """Whether ``worker`` ("host:pid") is a process of this host that no longer runs."""
+    if not worker or worker.rpartition(":")[0] != host:
+        return False
+    try:
+        pid = int(worker.rpartition(":")[2])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return False
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    # a reused pid: a process that is no witness worker holds no job
+    return cmdline.exists() and b"witness" not in cmdline.read_bytes()
+
+
+def _old(path: Path, bound_s: float) -> bool:
+    try:
+        return time.time() - path.lstat().st_mtime >= bound_s
+    except FileNotFoundError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def recover(lb: Leaderboard, orphan_after_s: float = ORPHAN_AFTER_S) -> Recovered:
+    """Release dead workers' jobs and remove what no committed row names (see the module)."""
+    done = Recovered()
+    host = socket.gethostname()
+    with lb.Session() as s:
+        holders = set(s.scalars(select(Job.worker).where(Job.status == "running")))
+        for w in sorted(w for w in holders if _process_gone(w, host)):
+            done.jobs_released += queue.release_worker(s, w)
+        done.jobs_released += queue.requeue_expired(s)
+        done.runs_settled = queue.settle_runs(s)
+        s.commit()
+        submitted = set(s.scalars(select(Run.id).where(Run.bundle_sha256.is_not(None))))
+        rows = s.execute(select(OnlineStep.run_id, OnlineStep.step, OnlineStep.state_sha256,
+                                OnlineStep.has_samples)).all()
+    # an online upload is named "<step>.<sha256>.<suffix>": a state is its row's, samples a row's that has them
+    kept = {(r, "states", f"{t:08d}.{sha}") for r, t, sha, _ in rows if sha} | \
+        {(r, "samples", f"{t:08d}") for r, t, _, has in rows if has}
+    root = lb.store.root
+    for p in (root / "incoming").iterdir():
+        if _old(p, orphan_after_s):
+            _remove(p)
+            done.uploads_removed += 1
+    for p in (root / "runs").iterdir():
+        if not (p.name.isdigit() and int(p.name) in submitted) and _old(p, orphan_after_s):
+            _remove(p)
+            done.run_folders_removed += 1
+    online = root / "online"
+    for p in online.glob("*/*/*") if online.is_dir() else []:
+        run_id, kind = p.parent.parent.name, p.parent.name
+        name = p.name.rsplit(".", 1)[0] if kind == "states" else p.name.split(".", 1)[0]
+        if not (run_id.isdigit() and (int(run_id), kind, name) in kept) and _old(p, orphan_after_s):
+            _remove(p)
+            done.online_removed += 1
+    if done:
+        log.warning("recovered at start: %s", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in vars(done).items()
+                                                          if v))
+    return done
