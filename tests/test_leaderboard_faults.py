@@ -98,3 +98,33 @@ def test_a_client_that_goes_away_mid_upload_leaves_no_file_and_one_log_line(live
     gone = [r for r in caplog.records if "went away during the upload" in r.getMessage()]
     assert len(gone) == 3 and not any(r.exc_info for r in caplog.records)
     assert "Traceback" not in caplog.text
+
+
+def test_files_stored_before_a_commit_that_never_came_are_not_served_and_are_removed_at_start(tmp_path):
+    # A crash after the store took a submission's files (or a certification wrote the model and
+    # plots) and before the commit that names them: the files exist, the row does not name them.
+    from fastapi.testclient import TestClient
+    from lbhelpers import train_and_certify
+
+    from witness.leaderboard.db import Run
+    from witness.leaderboard.recovery import recover
+    from witness.leaderboard.store import pack
+
+    lb = Leaderboard(make_settings("sqlite", tmp_path))
+    with TestClient(create_app(lb=lb)) as tc:
+        alice = register(tc, "alice")
+        run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "run")
+        archive = pack(bundle, lb.store.root / "incoming" / "upload-x.tar", cert)
+        lb.store.accept(run_id, archive, lb.store.unpack(archive, 1 << 30))  # ... and then the crash
+        lb.store.model_file(run_id).write_bytes(b"not yet decided")
+        lb.store.plots_dir(run_id).mkdir()
+        (lb.store.plots_dir(run_id) / "loss.svg").write_text("<svg/>")
+        for name in ("submission.tar", "evaluation.json", "model.safetensors"):
+            assert tc.get(f"/runs/{run_id}/download/{name}").status_code == 404, name
+        assert tc.get(f"/runs/{run_id}/plots/loss.svg").status_code == 404
+        page = tc.get(f"/runs/{run_id}").text
+        assert "download/submission.tar" not in page and "plots/loss.svg" not in page
+        with lb.Session() as s:
+            assert s.get(Run, run_id).status == "ticketed"
+        done = recover(lb, orphan_after_s=0)
+        assert done.run_folders_removed == 1 and not lb.store.run_dir(run_id).exists()
