@@ -128,3 +128,24 @@ def test_files_stored_before_a_commit_that_never_came_are_not_served_and_are_rem
             assert s.get(Run, run_id).status == "ticketed"
         done = recover(lb, orphan_after_s=0)
         assert done.run_folders_removed == 1 and not lb.store.run_dir(run_id).exists()
+
+
+def test_a_track_declares_its_own_upload_limit(tmp_path):
+    from fastapi.testclient import TestClient
+    from lbhelpers import QUICK, submit, train_and_certify
+
+    from witness.leaderboard.client import LeaderboardError
+    from witness.leaderboard.tracks import parse_track
+
+    tight = parse_track("tight=tiny:steps=20,max_upload=20000@accuracy+")
+    assert tight.max_upload == 20000 and "max_upload" not in tight.config  # not the recipe's
+    with pytest.raises(ValueError, match="max_upload=BYTES"):
+        parse_track("bad=tiny:max_upload=-1")
+    lb = Leaderboard(make_settings("sqlite", tmp_path, tracks=(parse_track(QUICK), tight)))
+    with TestClient(create_app(lb=lb)) as tc:
+        alice = register(tc, "alice")
+        small, bundle, cert = train_and_certify(tc, alice, tmp_path / "small", track="tight")
+        with pytest.raises(LeaderboardError, match="over the server's limit of 20000 bytes"):
+            submit(tc, alice, bundle, cert)  # its track's limit, not the server's 512 MiB
+        run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "quick")
+        assert submit(tc, alice, bundle, cert)["status"] == "pending"  # the quick track: the server's limit

@@ -188,6 +188,10 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
             log.info("%s %s: the client went away during the upload", request.method, request.url.path)
             raise ApiError(400, "the client went away during the upload") from None
 
+    def _limit(acct: Account, run_id: int | None, r: str | None) -> int:
+        with lb.Session() as s:
+            return lb.upload_limit(s, s.get(Account, acct.id), run_id, r)
+
     # --- JSON API -----------------------------------------------------------------------
     @app.post("/api/accounts", status_code=201, tags=["accounts"])
     def register(body: AccountIn, s: DB, request: Request) -> dict:
@@ -236,7 +240,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         """Upload, while the run trains, the state before a step the beacon selected (``states``: a
         safetensors file) or its batch's samples (``samples``: JSON); once both are here the server's
         workers replay the step. Each is taken once."""
-        path, sha, _ = await receive(request, lb.settings.max_upload if kind == "states" else MAX_SAMPLES_JSON)
+        limit = await run_in_threadpool(_limit, acct, run_id, None) if kind == "states" else MAX_SAMPLES_JSON
+        path, sha, _ = await receive(request, limit)
 
         def keep() -> dict:
             try:
@@ -257,15 +262,19 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.post("/api/submissions", status_code=202, tags=["runs"],
               openapi_extra={"requestBody": {"required": True, "content": {"application/x-tar": {
                   "schema": {"type": "string", "format": "binary"}}}}})
-    async def submit(request: Request, acct: Acct) -> dict:
-        """Upload a finished run: a tar of ``bundle/`` and ``evaluation.json``, streamed to disk."""
-        path, sha, size = await receive(request, lb.settings.max_upload)
+    async def submit(request: Request, acct: Acct,
+                     r: Annotated[str | None, Query(pattern="^[0-9a-fA-F]{64}$")] = None) -> dict:
+        """Upload a finished run: a tar of ``bundle/`` and ``evaluation.json``, streamed to disk. ``r``
+        (the run's ticket, hex) names the run before its bundle is read, so that its track's upload
+        limit applies; without it, the server's."""
+        limit = await run_in_threadpool(_limit, acct, None, r)
+        path, sha, size = await receive(request, limit)
 
         def check() -> dict:
             with lb.Session() as s:
                 a = s.get(Account, acct.id)
                 try:
-                    run = lb.submit(s, a, path, sha, size)
+                    run = lb.submit(s, a, path, sha, size, limit)
                 except MalformedInput as e:
                     raise ApiError(400, f"bad upload: {e}") from None
                 return {"run_id": run.id, "status": run.status, "url": f"/runs/{run.id}"}

@@ -214,10 +214,18 @@ def submit(client: httpx.Client, bundle_dir: str | os.PathLike, evaluation: str 
     online run leaves out the checkpoints its audit does not need."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = pack(bundle_dir, Path(tmp) / "submission.tar", evaluation, online_leave_out(bundle_dir))
-        with open(archive, "rb") as f:
-            return _ok(client.post("/api/submissions", content=_chunks(f),
+        with open(archive, "rb") as f:  # the ticket's r names the run: its track's upload limit applies
+            return _ok(client.post("/api/submissions", params={"r": _ticket_r(bundle_dir)}, content=_chunks(f),
                                    headers={"Content-Type": "application/x-tar",
                                             "Content-Length": str(archive.stat().st_size)}))
+
+
+def _ticket_r(bundle_dir: str | os.PathLike) -> str:
+    """The r (hex) of a bundle's manifest, the first line of its log."""
+    from ..commit.hashing import parse_canonical_json
+
+    with open(Path(bundle_dir) / "log.jsonl", "rb") as f:
+        return parse_canonical_json(f.readline(1 << 20).rstrip(b"\n"))["r"]
 
 
 def _chunks(f, size: int = 1 << 20):  # noqa: ANN001 - a binary file

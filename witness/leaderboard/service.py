@@ -441,11 +441,25 @@ class Leaderboard:
         return list(s.scalars(select(Head).where(Head.run_id == run_id).order_by(Head.size)))
 
     # --- submissions --------------------------------------------------------------------
-    def submit(self, s: Session, acct: Account, archive: Path, sha256: str, size: int) -> Run:
+    def upload_limit(self, s: Session, acct: Account, run_id: int | None = None, r: str | None = None) -> int:
+        """The largest upload the account may send for its run (named by id or by its ticket's r): its
+        track's declared limit, or the server's."""
+        q = select(Run.track).where(Run.account_id == acct.id)
+        if run_id is not None:
+            q = q.where(Run.id == run_id)
+        elif r is not None:
+            q = q.where(Run.r == r.lower())
+        else:
+            return self.settings.max_upload
+        track = s.scalar(q)
+        spec = next((t for t in self.settings.tracks if t.name == track), None)
+        return spec.max_upload if spec is not None and spec.max_upload else self.settings.max_upload
+
+    def submit(self, s: Session, acct: Account, archive: Path, sha256: str, size: int, limit: int | None = None) -> Run:
         """Check an uploaded bundle cheaply, keep it, and queue its certification."""
         staging = None
         try:
-            staging = self.store.unpack(archive, 4 * self.settings.max_upload)
+            staging = self.store.unpack(archive, 4 * (limit or self.settings.max_upload))
             bundle_dir = staging / "bundle"
             try:
                 bundle = open_bundle(bundle_dir)

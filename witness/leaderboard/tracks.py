@@ -23,6 +23,9 @@ class TrackSpec:
     # Online challenges required, with at least this selection probability (None: not required;
     # a run that takes them from this server's beacon is audited online either way).
     online_p: float | None = None
+    # The largest upload of a run of this track, in bytes (a submission, or one online state);
+    # None: the server's --max-upload. A track of large models declares its own.
+    max_upload: int | None = None
 
     def resolve(self) -> dict:
         """The row the database stores: exact recipe, dataset root, evaluation split."""
@@ -58,8 +61,9 @@ DEFAULT_TRACKS = (
 
 
 def parse_track(text: str) -> TrackSpec:
-    """``NAME=TASK[:KEY=VALUE,...][@METRIC[+|-]]``, e.g. ``quick=tiny:steps=20@accuracy+``; the field
-    ``online=P`` is not the recipe's: it requires online challenges with at least probability P."""
+    """``NAME=TASK[:KEY=VALUE,...][@METRIC[+|-]]``, e.g. ``quick=tiny:steps=20@accuracy+``; the fields
+    ``online=P`` (online challenges required, with at least probability P) and ``max_upload=BYTES``
+    (the track's upload limit) are not the recipe's."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
         raise ValueError(f"a track is NAME=TASK[:KEY=VALUE,...][@METRIC+|-], not {text!r}")
@@ -79,6 +83,9 @@ def parse_track(text: str) -> TrackSpec:
     online = config.pop("online", None)
     if online is not None and (type(online) not in (int, float) or not 0 < online <= 1):
         raise ValueError(f"online=P takes a probability in (0, 1], not {online!r}")
+    limit = config.pop("max_upload", None)
+    if limit is not None and (type(limit) is not int or not 1 <= limit <= 1 << 50):
+        raise ValueError(f"max_upload=BYTES takes a positive number of bytes, not {limit!r}")
     build_task(task, config)  # fails now, not at the first submission
     about = f"{task} with {config or 'its default recipe'}" + (f", audited online (p >= {online:g})" if online else "")
-    return TrackSpec(name, task, config, metric, higher, about, None if online is None else float(online))
+    return TrackSpec(name, task, config, metric, higher, about, None if online is None else float(online), limit)
