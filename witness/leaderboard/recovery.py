@@ -5,9 +5,9 @@ commit (the order is always "write the objects, then commit the row that makes t
 * Jobs held by workers that no longer exist go back to the queue: this host's workers whose
   process is gone at once, any other host's once their lease (a minute) has run out. A run is
   "verifying" only while a live worker holds its job.
-* Uploads that never became a submission (``incoming/``), run folders whose run records no
-  submission, and online uploads no row names are removed once older than a bound (an upload in
-  flight on another server that shares the store is younger than it).
+* Uploads that never became a submission (``incoming/``), a run's objects and unpacked bundle
+  where its row records no submission, and online uploads no row names are removed once older
+  than a bound (an upload in flight on another server that shares the store is younger than it).
 """
 
 from __future__ import annotations
@@ -97,21 +97,35 @@ def recover(lb: Leaderboard, orphan_after_s: float = ORPHAN_AFTER_S) -> Recovere
     # an online upload is named "<step>.<sha256>.<suffix>": a state is its row's, samples a row's that has them
     kept = {(r, "states", f"{t:08d}.{sha}") for r, t, sha, _ in rows if sha} | \
         {(r, "samples", f"{t:08d}") for r, t, _, has in rows if has}
-    root = lb.store.root
-    for p in (root / "incoming").iterdir():
+    store = lb.store
+    for p in (store.root / "incoming").iterdir():
         if _old(p, orphan_after_s):
             _remove(p)
             done.uploads_removed += 1
-    for p in (root / "runs").iterdir():
-        if not (p.name.isdigit() and int(p.name) in submitted) and _old(p, orphan_after_s):
-            _remove(p)
+    now = time.time()
+    # a run's objects and its unpacked bundle here, by run, with when they were last written
+    objects: dict[int, list[str]] = {}
+    newest: dict[int, float] = {}
+    for key, modified in list(store.keys("runs/")):
+        run_id = key.split("/")[1]
+        if run_id.isdigit():
+            objects.setdefault(int(run_id), []).append(key)
+            newest[int(run_id)] = max(newest.get(int(run_id), 0.0), modified)
+    bundles = store.local_bundle_root(0).parent
+    for p in bundles.iterdir() if bundles.is_dir() else []:
+        if p.name.isdigit():
+            newest[int(p.name)] = max(newest.get(int(p.name), 0.0), p.lstat().st_mtime)
+    for run_id, when in sorted(newest.items()):
+        if run_id not in submitted and now - when >= orphan_after_s:
+            for key in objects.get(run_id, []):
+                store.delete(key)
+            _remove(store.local_bundle_root(run_id))
             done.run_folders_removed += 1
-    online = root / "online"
-    for p in online.glob("*/*/*") if online.is_dir() else []:
-        run_id, kind = p.parent.parent.name, p.parent.name
-        name = p.name.rsplit(".", 1)[0] if kind == "states" else p.name.split(".", 1)[0]
-        if not (run_id.isdigit() and (int(run_id), kind, name) in kept) and _old(p, orphan_after_s):
-            _remove(p)
+    for key, modified in list(store.keys("online/")):
+        _, run_id, kind, name = (key.split("/") + ["", "", "", ""])[:4]
+        name = name.rsplit(".", 1)[0] if kind == "states" else name.split(".", 1)[0]
+        if not (run_id.isdigit() and (int(run_id), kind, name) in kept) and now - modified >= orphan_after_s:
+            store.delete(key)
             done.online_removed += 1
     if done:
         log.warning("recovered at start: %s", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in vars(done).items()

@@ -48,7 +48,7 @@ from .db import (
     now_ms,
     sessions,
 )
-from .store import DEFAULT_MAX_UPLOAD, EVALUATION, Store
+from .store import DEFAULT_MAX_UPLOAD, EVALUATION, online_key, open_store
 from .tracks import DEFAULT_TRACKS, TrackSpec
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -70,7 +70,7 @@ class Settings:
     """Server configuration (command-line flags of ``witness leaderboard serve``)."""
 
     db_url: str
-    store: Path
+    store: Path | str  # a folder, or s3://bucket/prefix (then ``work`` is this process's local folder)
     max_upload: int = DEFAULT_MAX_UPLOAD
     confidence: float = 0.99
     bad_fraction: float = 0.05
@@ -98,6 +98,9 @@ class Settings:
     # At start, uploads and stored files that no committed row names are removed once this old
     # (seconds): a crash left them; an upload in flight on another server is younger.
     orphan_after_s: float = 3600.0
+    # The local working folder of a server or worker whose store is s3:// (uploads being received,
+    # unpacked bundles); a local store is its own.
+    work: Path | None = None
 
     @property
     def certify_challenges(self) -> int:
@@ -153,7 +156,7 @@ class Leaderboard:
         self.engine = make_engine(settings.db_url)
         migrate(self.engine)
         self.Session = sessions(self.engine)
-        self.store = Store(settings.store)
+        self.store = open_store(settings.store, settings.work)
         self.key = load_or_create_key(settings.server_key or self.store.root / "server_key.pem")
         self.public_key = public_hex(self.key.public_key())
         self.beacon = Beacon(self.key)  # the same beacon as `witness beacon serve`, signing with the server key
@@ -382,7 +385,7 @@ class Leaderboard:
             raise ApiError(404, f"the beacon selected no step {step} of run {run_id}")
         if (row.state_sha256 if kind == "states" else row.has_samples):
             raise ApiError(409, f"the {'state' if kind == 'states' else 'samples'} of step {step} came already")
-        self.store.keep_online(run.id, kind, step, sha256, path)
+        self.store.put(online_key(run.id, kind, step, sha256), path)
         if kind == "states":
             row.state_sha256 = sha256
         else:

@@ -1,4 +1,5 @@
-"""Uploads on the local disk: streamed to a file under a size limit, then unpacked strictly.
+"""The store of a leaderboard's objects (local disk, or S3), and uploads: streamed to a file
+under a size limit, then unpacked strictly.
 
 A submission is a tar archive (optionally gzip-compressed) holding ``bundle/…`` and
 ``evaluation.json``. Nothing in it is trusted: names are checked before a byte is written
@@ -13,13 +14,15 @@ import hashlib
 import os
 import shutil
 import tarfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from ..errors import MalformedInput
 
 DEFAULT_MAX_UPLOAD = 512 * 1024 * 1024
 MAX_MEMBERS = 100_000
+MAX_UNPACKED = 1 << 44  # a bundle fetched back from the store was bounded when it was taken
 EVALUATION = "evaluation.json"
 
 
@@ -27,57 +30,113 @@ class UploadTooLarge(MalformedInput):
     """The upload is over the server's limit."""
 
 
-class Store:
-    """Bundles and certificates of runs, one folder per run, under ``root``."""
+# The objects a leaderboard keeps, by key. Each is written once, before the row that names it is
+# committed (a crash in between leaves an object no row names, which the next start removes).
+def archive_key(run_id: int) -> str:
+    """The submission exactly as uploaded (served for download with its SHA-256)."""
+    return f"runs/{int(run_id)}/submission.tar"
 
-    def __init__(self, root: str | os.PathLike):
+
+def evaluation_key(run_id: int) -> str:
+    """The submission's evaluation certificate."""
+    return f"runs/{int(run_id)}/{EVALUATION}"
+
+
+def model_key(run_id: int) -> str:
+    """The run's final model as released (written by a worker from the verified bundle)."""
+    return f"runs/{int(run_id)}/model.safetensors"
+
+
+def plot_key(run_id: int, name: str) -> str:
+    """A plot drawn when the run was verified (``loss``, ``optimizer``, ``fingerprints``)."""
+    return f"runs/{int(run_id)}/plots/{name}.svg"
+
+
+def online_key(run_id: int, kind: str, step: int, sha256: str) -> str:
+    """An online upload: the state before a selected step ("states") or its samples ("samples"),
+    named by its SHA-256 too, so that an object is never replaced under the row that names it."""
+    if kind not in ("states", "samples") or len(sha256) != 64:
+        raise ValueError(f"not an online upload: {kind} {sha256}")
+    return f"{online_prefix(run_id, kind)}{int(step):08d}.{sha256}.{'safetensors' if kind == 'states' else 'json'}"
+
+
+def online_prefix(run_id: int, kind: str) -> str:
+    """The keys of a run's online uploads of one kind start with this."""
+    return f"online/{int(run_id)}/{kind}/"
+
+
+class Store:
+    """Where a leaderboard keeps its objects (submissions, models, plots, online uploads), and the
+    local working folder ``root`` of this process: uploads being received (``incoming/``), unpacked
+    bundles, leaves files. ``LocalStore`` keeps the objects in that folder too; ``S3Store`` in an
+    S3-compatible object store, which workers on other machines share."""
+
+    root: Path
+
+    def _work(self, root: Path) -> None:
         self.root = Path(root)
         (self.root / "incoming").mkdir(parents=True, exist_ok=True)
-        (self.root / "runs").mkdir(parents=True, exist_ok=True)
 
-    def run_dir(self, run_id: int) -> Path:
-        """The folder of a run's accepted upload."""
-        return self.root / "runs" / str(int(run_id))
+    # --- objects (implemented by each store) --------------------------------------------
+    def put(self, key: str, path: Path) -> None:
+        """Store the local file ``path`` as ``key`` (the file is consumed)."""
+        raise NotImplementedError
 
+    def fetch(self, key: str, dest: Path) -> Path:
+        """A local file holding ``key``'s bytes at ``dest`` (a link to it where the store is local)."""
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        """Whether the store holds ``key``."""
+        raise NotImplementedError
+
+    def sha256(self, key: str) -> str:
+        """The SHA-256 (hex) of ``key``'s bytes."""
+        raise NotImplementedError
+
+    def response(self, key: str, filename: str | None = None, media_type: str | None = None) -> Any:  # noqa: ANN401
+        """An HTTP response serving ``key``, streamed from the store."""
+        raise NotImplementedError
+
+    def keys(self, prefix: str) -> Iterator[tuple[str, float]]:
+        """(key, modified, as a Unix time) of every object under ``prefix``."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if it is not there)."""
+        raise NotImplementedError
+
+    def local_bundle_root(self, run_id: int) -> Path:
+        """Where this process keeps the run's unpacked bundle."""
+        return self.root / "cache" / str(int(run_id))
+
+    # --- shared ---------------------------------------------------------------------
     def bundle_dir(self, run_id: int) -> Path:
-        """The unpacked bundle of a run."""
-        return self.run_dir(run_id) / "bundle"
-
-    def archive(self, run_id: int) -> Path:
-        """The archive exactly as it was uploaded (served for download)."""
-        return self.run_dir(run_id) / "submission.tar"
-
-    def model_file(self, run_id: int) -> Path:
-        """The run's final model as released (written by the server from the verified bundle)."""
-        return self.run_dir(run_id) / "model.safetensors"
-
-    def plots_dir(self, run_id: int) -> Path:
-        """The plots drawn when the run was verified."""
-        return self.run_dir(run_id) / "plots"
-
-    def online_file(self, run_id: int, kind: str, step: int, sha256: str) -> Path:
-        """An upload of a run with online challenges: the state before a selected step
-        (``kind`` "states") or its batch's samples ("samples"), named by its SHA-256 too, so
-        that a file is never replaced under the row that names it."""
-        suffix = "safetensors" if kind == "states" else "json"
-        return self.online_folder(run_id, kind) / f"{int(step):08d}.{sha256}.{suffix}"
-
-    def online_folder(self, run_id: int, kind: str) -> Path:
-        """The folder of a run's online uploads of one kind (``states`` or ``samples``)."""
-        return self.root / "online" / str(int(run_id)) / kind
-
-    def keep_online(self, run_id: int, kind: str, step: int, sha256: str, upload: Path) -> Path:
-        """Move a received online upload to its place (before the row that names it is committed)."""
-        if kind not in ("states", "samples") or len(sha256) != 64:
-            raise ValueError(f"not an online upload: {kind} {sha256}")
-        dest = self.online_file(run_id, kind, step, sha256)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(upload, dest)
-        return dest
+        """The run's unpacked bundle on this machine: kept since the submission, or fetched from the
+        store and unpacked again, strictly (a worker on another machine)."""
+        d = self.local_bundle_root(run_id) / "bundle"
+        if not d.is_dir():
+            tmp = self.root / "incoming" / f"fetch-{int(run_id)}-{os.getpid()}.tar"
+            try:
+                self.fetch(archive_key(run_id), tmp)
+                staging = self.unpack(tmp, MAX_UNPACKED)
+                d.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.replace(staging / "bundle", d)
+                except OSError:  # another worker of this machine was quicker
+                    pass
+                shutil.rmtree(staging, ignore_errors=True)
+            finally:
+                tmp.unlink(missing_ok=True)
+        return d
 
     def leaves_file(self, data_root: str) -> Path:
         """Where a track's dataset leaves are kept once written (named by the data root they commit)."""
         return self.root / "leaves" / f"{data_root}.leaves"
+
+    def scratch(self, name: str) -> Path:
+        """A fresh local path in the working folder for a file about to be stored."""
+        return self.root / "incoming" / f"put-{os.getpid()}-{os.urandom(6).hex()}-{name}"
 
     async def receive(self, chunks: AsyncIterator[bytes], limit: int) -> tuple[Path, str, int]:
         """Stream an upload to a temporary file; (path, sha256, bytes). Stops at ``limit`` bytes."""
@@ -108,17 +167,17 @@ class Store:
         return staging
 
     def accept(self, run_id: int, archive: Path, staging: Path) -> None:
-        """Move a checked upload into the run's folder."""
-        d = self.run_dir(run_id)
-        if d.exists():
-            shutil.rmtree(d)
-        d.mkdir(parents=True)
-        os.replace(staging, d / "upload")
-        os.replace(d / "upload" / "bundle", self.bundle_dir(run_id))
-        if (d / "upload" / EVALUATION).exists():
-            os.replace(d / "upload" / EVALUATION, d / EVALUATION)
-        shutil.rmtree(d / "upload")
-        os.replace(archive, self.archive(run_id))
+        """Store a checked upload (before the commit that names it): the archive and its evaluation
+        as objects, the unpacked bundle kept here for the workers of this machine."""
+        local = self.local_bundle_root(run_id)
+        if local.exists():
+            shutil.rmtree(local)
+        local.mkdir(parents=True)
+        if (staging / EVALUATION).exists():
+            self.put(evaluation_key(run_id), staging / EVALUATION)
+        os.replace(staging / "bundle", local / "bundle")
+        shutil.rmtree(staging)
+        self.put(archive_key(run_id), archive)
 
     def discard(self, *paths: Path) -> None:
         """Remove rejected uploads."""
@@ -127,6 +186,102 @@ class Store:
                 shutil.rmtree(p, ignore_errors=True)
             elif p.exists():
                 p.unlink()
+
+
+class LocalStore(Store):
+    """Objects as files under ``root`` (the embedded default): ``runs/<id>/…``, ``online/<id>/…``."""
+
+    def __init__(self, root: str | os.PathLike):
+        self._work(Path(root))
+        (self.root / "runs").mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str) -> Path:
+        """The file of ``key``."""
+        rel = PurePosixPath(key)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ValueError(f"not a key: {key!r}")
+        return self.root / rel
+
+    def local_bundle_root(self, run_id: int) -> Path:
+        """Beside the run's objects: ``runs/<id>/bundle``."""
+        return self.root / "runs" / str(int(run_id))
+
+    def accept(self, run_id: int, archive: Path, staging: Path) -> None:
+        """As every store, without removing the run's objects already there (its folder is shared)."""
+        d = self.local_bundle_root(run_id)
+        if (d / "bundle").exists():
+            shutil.rmtree(d / "bundle")
+        d.mkdir(parents=True, exist_ok=True)
+        if (staging / EVALUATION).exists():
+            self.put(evaluation_key(run_id), staging / EVALUATION)
+        os.replace(staging / "bundle", d / "bundle")
+        shutil.rmtree(staging)
+        self.put(archive_key(run_id), archive)
+
+    def put(self, key: str, path: Path) -> None:
+        """Move the file into place (one rename)."""
+        dest = self.path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
+
+    def fetch(self, key: str, dest: Path) -> Path:
+        """A hard link to the file (a copy where links do not reach)."""
+        src = self.path(key)
+        if not src.is_file():
+            raise FileNotFoundError(f"the store holds no {key}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dest)
+        except OSError:
+            shutil.copyfile(src, dest)
+        return dest
+
+    def exists(self, key: str) -> bool:
+        """Whether the file is there."""
+        return self.path(key).is_file()
+
+    def sha256(self, key: str) -> str:
+        """Hashed from the file."""
+        h = hashlib.sha256()
+        with open(self.path(key), "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def response(self, key: str, filename: str | None = None, media_type: str | None = None) -> Any:  # noqa: ANN401
+        """The file, streamed by the web framework."""
+        from fastapi.responses import FileResponse
+
+        return FileResponse(self.path(key), filename=filename, media_type=media_type)
+
+    def keys(self, prefix: str) -> Iterator[tuple[str, float]]:
+        """Files under the prefix's folder (the unpacked bundles under ``runs/<id>/bundle`` are not objects)."""
+        folder = prefix.rpartition("/")[0]  # the folder the prefix names, or ends inside
+        base = self.path(folder) if folder else self.root
+        if not base.is_dir():
+            return
+        for p in sorted(base.rglob("*")):
+            rel = p.relative_to(self.root).as_posix()
+            if rel.startswith(prefix) and p.is_file() and not p.is_symlink() and "/bundle/" not in f"/{rel}" \
+                    and not rel.startswith("incoming/"):
+                yield rel, p.lstat().st_mtime
+
+    def delete(self, key: str) -> None:
+        """Remove the file."""
+        self.path(key).unlink(missing_ok=True)
+
+
+def open_store(spec: str | os.PathLike, work: str | os.PathLike | None = None) -> Store:
+    """The store a ``--store`` names: a folder (``LocalStore``), or ``s3://bucket[/prefix]``
+    (``S3Store``, endpoint and credentials from the environment, working folder ``work``)."""
+    text = str(spec)
+    if text.startswith("s3://"):
+        from .s3store import S3Store
+
+        if work is None:
+            raise ValueError("an s3:// store needs a local working folder (--work DIR)")
+        return S3Store(text, Path(work))
+    return LocalStore(Path(spec))
 
 
 def _mkstemp(folder: Path) -> tuple[int, str]:

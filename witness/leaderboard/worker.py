@@ -32,7 +32,7 @@ from . import queue
 from .certification import record_decision
 from .db import Account, ChallengeRow, Head, Job, OnlineStep, Round, Run, Track, now_ms
 from .service import Leaderboard
-from .store import EVALUATION
+from .store import EVALUATION, evaluation_key, model_key, plot_key
 
 log = logging.getLogger("witness.leaderboard.worker")
 
@@ -138,7 +138,11 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
     eval_verdict = None
     if not failures:
         try:
-            cert = read_json_or_envelope(lb.store.run_dir(run.id) / EVALUATION, 256 * 1024 * 1024, "certificate")
+            local = lb.store.fetch(evaluation_key(run.id), lb.store.scratch(EVALUATION))
+            try:
+                cert = read_json_or_envelope(local, 256 * 1024 * 1024, "certificate")
+            finally:
+                local.unlink(missing_ok=True)
             eval_verdict = verify_eval(cert, bundle, spots=lb.settings.eval_spots)
         except RunRejected as e:
             failures = [f"evaluation certificate: {f}" for f in e.failures]
@@ -153,13 +157,17 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
         run.contamination = (f"clean: all {eval_verdict.eval_documents} evaluation documents proven absent "
                              "from the training data")
     if bundle is not None and bundle.end is not None and not failures:
-        export_model(bundle, lb.store.model_file(run.id))  # the released file the signed decision names
+        model = lb.store.scratch("model.safetensors")
+        export_model(bundle, model)  # the released file the signed decision names
+        lb.store.put(model_key(run.id), model)
     if bundle is not None:  # a bundle the reader refused has no plots; its rejection says why
-        plots = lb.store.plots_dir(run.id)
-        plots.mkdir(exist_ok=True)
-        plot_loss(bundle, plots / "loss.svg", [(r.step, r.passed) for r in (verdict.results if verdict else [])])
-        plot_optimizer(bundle, plots / "optimizer.svg")
-        plot_fingerprints(bundle, plots / "fingerprints.svg")
+        steps = [(r.step, r.passed) for r in (verdict.results if verdict else [])]
+        draws = {"loss": lambda p: plot_loss(bundle, p, steps), "optimizer": lambda p: plot_optimizer(bundle, p),
+                 "fingerprints": lambda p: plot_fingerprints(bundle, p)}
+        for name, draw in draws.items():
+            path = lb.store.scratch(f"{name}.svg")
+            draw(path)
+            lb.store.put(plot_key(run.id, name), path)
     run.decided_ms = now_ms()
     if failures:
         run.status, run.reason = "rejected", "; ".join(failures)
