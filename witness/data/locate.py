@@ -55,8 +55,7 @@ def search_path() -> list[Path]:
 
 def is_absolute(value: str) -> bool:
     """Whether a recipe string is an absolute path on any system (POSIX, Windows, or ``~``)."""
-    return PurePosixPath(value).is_absolute() or PureWindowsPath(value).is_absolute() \
-        or value.startswith("~") or bool(PureWindowsPath(value).drive)
+    return PurePosixPath(value).is_absolute() or PureWindowsPath(value).is_absolute() or value.startswith("~")
 
 
 def check_name(name: str) -> None:
