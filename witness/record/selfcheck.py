@@ -15,6 +15,7 @@ import math
 import os
 import random
 import struct
+import sys
 import time
 from typing import Any
 
@@ -108,8 +109,9 @@ class SelfCheck:
 def _compiled_so_far() -> int:
     """How many frames and graphs torch.compile has compiled in this process (it compiles a step's
     code when the step first runs it)."""
-    from torch._dynamo.utils import counters
-
+    if "torch._dynamo.utils" not in sys.modules:  # nothing compiled (and importing it costs a second or two)
+        return 0
+    counters = sys.modules["torch._dynamo.utils"].counters
     return sum(counters["frames"].values()) + counters["stats"]["unique_graphs"]
 
 
