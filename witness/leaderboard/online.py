@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -36,16 +35,7 @@ from . import queue
 from .certification import record_decision
 from .db import Account, ChallengeRow, Head, Job, LogLine, OnlineStep, Round, Run, Track, now_ms
 from .service import Leaderboard
-from .store import online_key, online_prefix
-
-
-def _link(src: Path, dest: Path) -> None:
-    """A hard link where the file system allows it (the reader refuses symbolic links), else a copy."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
+from .store import link_or_copy, online_key, online_prefix
 
 
 def track_leaves(lb: Leaderboard, track: Track) -> Path:
@@ -79,7 +69,7 @@ def live_bundle(lb: Leaderboard, s, run: Run, ready: list[OnlineStep], dest: Pat
     for row in ready:
         lb.store.fetch(online_key(run.id, "states", row.step, row.state_sha256), dest / online_state_name(row.step))
         lb.store.fetch(_samples_of(lb, run.id, row.step), dest / online_samples_name(row.step))
-    _link(track_leaves(lb, s.get(Track, run.track)), dest / LEAVES)
+    link_or_copy(track_leaves(lb, s.get(Track, run.track)), dest / LEAVES)
     return dest
 
 

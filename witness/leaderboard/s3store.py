@@ -10,23 +10,15 @@ is missing. Every server and worker that shares the bucket and the database shar
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..bundle.checkpoint import file_sha256
 from .store import Store
 
 PART = 16 * 1024 * 1024  # x4 in flight: about 64 MB of a transfer in memory at once
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class S3Store(Store):
@@ -61,7 +53,7 @@ class S3Store(Store):
     def put(self, key: str, path: Path) -> None:
         """A multipart upload of the file (then removed), its SHA-256 in the metadata."""
         self.s3.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer,
-                            ExtraArgs={"Metadata": {"sha256": _file_sha256(path)}})
+                            ExtraArgs={"Metadata": {"sha256": file_sha256(path).hex()}})
         Path(path).unlink(missing_ok=True)
 
     def fetch(self, key: str, dest: Path) -> Path:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ..bundle.checkpoint import file_sha256
 from ..errors import MalformedInput
 
 DEFAULT_MAX_UPLOAD = 512 * 1024 * 1024
@@ -169,10 +170,10 @@ class Store:
     def accept(self, run_id: int, archive: Path, staging: Path) -> None:
         """Store a checked upload (before the commit that names it): the archive and its evaluation
         as objects, the unpacked bundle kept here for the workers of this machine."""
-        local = self.local_bundle_root(run_id)
-        if local.exists():
-            shutil.rmtree(local)
-        local.mkdir(parents=True)
+        local = self.local_bundle_root(run_id)  # a local store keeps its objects beside the bundle
+        if (local / "bundle").exists():
+            shutil.rmtree(local / "bundle")
+        local.mkdir(parents=True, exist_ok=True)
         if (staging / EVALUATION).exists():
             self.put(evaluation_key(run_id), staging / EVALUATION)
         os.replace(staging / "bundle", local / "bundle")
@@ -206,18 +207,6 @@ class LocalStore(Store):
         """Beside the run's objects: ``runs/<id>/bundle``."""
         return self.root / "runs" / str(int(run_id))
 
-    def accept(self, run_id: int, archive: Path, staging: Path) -> None:
-        """As every store, without removing the run's objects already there (its folder is shared)."""
-        d = self.local_bundle_root(run_id)
-        if (d / "bundle").exists():
-            shutil.rmtree(d / "bundle")
-        d.mkdir(parents=True, exist_ok=True)
-        if (staging / EVALUATION).exists():
-            self.put(evaluation_key(run_id), staging / EVALUATION)
-        os.replace(staging / "bundle", d / "bundle")
-        shutil.rmtree(staging)
-        self.put(archive_key(run_id), archive)
-
     def put(self, key: str, path: Path) -> None:
         """Move the file into place (one rename)."""
         dest = self.path(key)
@@ -229,11 +218,7 @@ class LocalStore(Store):
         src = self.path(key)
         if not src.is_file():
             raise FileNotFoundError(f"the store holds no {key}")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src, dest)
-        except OSError:
-            shutil.copyfile(src, dest)
+        link_or_copy(src, dest)
         return dest
 
     def exists(self, key: str) -> bool:
@@ -242,11 +227,7 @@ class LocalStore(Store):
 
     def sha256(self, key: str) -> str:
         """Hashed from the file."""
-        h = hashlib.sha256()
-        with open(self.path(key), "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return h.hexdigest()
+        return file_sha256(self.path(key)).hex()
 
     def response(self, key: str, filename: str | None = None, media_type: str | None = None) -> Any:  # noqa: ANN401
         """The file, streamed by the web framework."""
@@ -269,6 +250,15 @@ class LocalStore(Store):
     def delete(self, key: str) -> None:
         """Remove the file."""
         self.path(key).unlink(missing_ok=True)
+
+
+def link_or_copy(src: Path, dest: Path) -> None:
+    """A hard link where the file system allows it (the bundle reader refuses symbolic links), else a copy."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
 
 
 def open_store(spec: str | os.PathLike, work: str | os.PathLike | None = None) -> Store:
