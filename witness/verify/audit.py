@@ -68,11 +68,14 @@ def task_of(bundle: Bundle) -> Task:
         raise VerificationError("the manifest's task config is not in canonical form", check="manifest")
     if m.steps_planned != task.config.steps:
         raise VerificationError("steps_planned disagrees with the recipe", check="manifest")
-    if task.probes_are_samples and bundle.probes is not None:
+    if task.probes_are_samples and bundle.probes is not None and bundle.leaves is not None:
         # the task's probes are its first training samples: the bundle's copy (hash-checked against
-        # the manifest) stands in for them, so no audit needs the data to read them; each is checked
-        # against the committed dataset (check_probes)
-        task = task.with_probes(bundle.read_probes())
+        # the manifest) stands in for them, so no audit needs the data to read them, once each is
+        # checked against the committed leaves (here, for every caller: an identity check or an
+        # evaluation uses the probes too). Without leaves the task reads its own, from its data.
+        given = task.with_probes(bundle.read_probes())
+        check_probes(bundle, given, committed_leaves(bundle, task), None)
+        task = given
     if not same(m.probe_hash, task.probe_hash()):
         raise VerificationError("the committed probe set is not the task's", check="manifest")
     bundle.read_probes()  # a task with probes of its own: the bundle's copy must be the committed one too
@@ -89,12 +92,12 @@ def task_of(bundle: Bundle) -> Task:
     return task
 
 
-def check_probes(bundle: Bundle, task: Task, leaves: DatasetLeaves | None, dataset: Dataset | None) -> list[str]:
+def check_probes(bundle: Bundle, task: Task, leaves: DatasetLeaves | None, dataset: Dataset | None) -> None:
     """A task whose probes are its first training samples: each probe the bundle carries must be that
     sample of the committed dataset (by its hash in the committed leaves, or the local data)."""
     m = bundle.manifest
     if not task.probes_are_samples or bundle.probes is None:
-        return []
+        return
     probes = task.probe_bytes()
     want = min(task.probes, m.dataset_size)
     if len(probes) != want:
@@ -106,7 +109,6 @@ def check_probes(bundle: Bundle, task: Task, leaves: DatasetLeaves | None, datas
         committed = dataset.sample_hash(i) if dataset is not None else leaves.sample_hash(i)
         if not same(sample_hash(p), committed):
             raise VerificationError(f"probe {i} is not sample {i} of the committed dataset", check="probes")
-    return [f"the {want} probes are the first samples of the committed dataset"]
 
 
 @contextmanager
@@ -335,7 +337,9 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     checks += check_records(bundle, task, session)
     leaves = committed_leaves(bundle, task, local.dataset if local else None, leaves_path)
     checks += check_data_usage(bundle, task, leaves, local.dataset if local else None)
-    checks += check_probes(bundle, task, leaves, local.dataset if local else None)
+    if task.probes_are_samples and bundle.probes is not None and bundle.leaves is not None:
+        checks.append(f"the {len(task.probe_bytes())} probes the bundle carries are the first samples of the committed "
+                      "dataset")
     if leaves is None and local is None and bundle.complete:
         notes.append("the run was recorded before its dataset's leaves were committed (witness 0.4 and "
                      "earlier): its used-data trees are checked only at the replayed samples")
