@@ -32,6 +32,37 @@ def fresh_postgres() -> str:
     return PG_URL
 
 
+S3_URL = os.environ.get("WITNESS_TEST_S3_URL", "http://127.0.0.1:8333")
+S3_ENV = {"AWS_ENDPOINT_URL": S3_URL, "AWS_ACCESS_KEY_ID": "witness", "AWS_SECRET_ACCESS_KEY": "witness",
+          "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "witness-test"
+
+
+def fresh_s3(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh prefix in the test bucket of the object store (``scripts/services.sh`` starts SeaweedFS's
+    S3 gateway; the suite needs it, it does not skip), with this process's environment pointing at it."""
+    import time
+    import uuid
+
+    import boto3
+
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    client = boto3.client("s3")
+    deadline = time.monotonic() + 30
+    while True:  # a gateway just started answers a moment after its port opens
+        try:
+            client.create_bucket(Bucket=BUCKET)
+            break
+        except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
+            break
+        except Exception as e:  # noqa: BLE001 - whatever the client raises while the server starts
+            if time.monotonic() > deadline:
+                pytest.fail(f"the S3 store at {S3_URL} is not reachable ({e}); run scripts/services.sh first")
+            time.sleep(0.5)
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"  # one bucket (a bucket is a collection of volumes), a prefix each
+
+
 def make_settings(backend: str, tmp: Path, **kw) -> Settings:
     """Settings for a fresh leaderboard on ``backend`` (sqlite or postgresql) with the quick track."""
     url = fresh_postgres() if backend == "postgresql" else f"sqlite:///{tmp / 'lb.db'}"

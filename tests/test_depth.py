@@ -31,6 +31,7 @@ from witness.commit.log import RunLog
 from witness.commit.signing import generate_key, public_hex
 from witness.leaderboard.app import create_app
 from witness.leaderboard.service import ApiError, Leaderboard
+from witness.leaderboard.store import Upload
 from witness.verify.respond import respond
 from witness.web import json_depth
 
@@ -231,7 +232,8 @@ def test_a_streamed_manifest_and_an_uploaded_log_nested_at_any_depth_are_refused
                 archive.write_bytes(_tar(files | {f"bundle/{HEADS}": nested(d).encode() + b"\n",
                                                   "evaluation.json": b"{}"}))
                 with pytest.raises(ApiError) as info:
-                    lb.submit(s, acct, archive, "0" * 64, archive.stat().st_size)
+                    lb.submit(s, acct, Upload("0" * 64, archive.stat().st_size, str(archive),
+                                              lb.store.unpack(archive, 1 << 30)))
                 assert info.value.status == 400 and "the bundle is not valid" in info.value.message, d
     finally:
         lb.engine.dispose()

@@ -254,6 +254,28 @@ def test_path_traversal_and_odd_archives_are_refused(server, tmp_path, members, 
     assert not list((lb.store.root / "incoming").iterdir())
 
 
+def test_a_compressed_submission_is_unpacked_as_it_arrives_and_a_compression_bomb_is_refused(server, tmp_path):
+    import gzip
+
+    from witness.leaderboard.store import pack
+
+    lb, tc = server
+    alice = register(tc, "alice")
+    api = Authed(tc, alice.token)
+    lb.settings.max_upload = 1 << 20
+    bomb = gzip.compress(_tar([_file("bundle/zeros", bytes(8 << 20))]))  # 8 MB of zeros in a few KB
+    assert len(bomb) < 64 << 10
+    r = api.post("/api/submissions", content=bomb)
+    assert r.status_code == 400 and "unpacks to more than the server's limit of 4194304 bytes" in r.json()["detail"]
+    assert not list((lb.store.root / "incoming").iterdir())
+    lb.settings.max_upload = 64 << 20
+    run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "run")
+    archive = pack(bundle, tmp_path / "submission.tar", cert)
+    r = api.post("/api/submissions", content=gzip.compress(archive.read_bytes()), params={"r": _run(lb, run_id).r})
+    assert r.status_code == 202 and r.json()["run_id"] == run_id, r.text
+    assert (lb.store.local_bundle_root(run_id) / "bundle" / "log.jsonl").read_bytes() == (bundle / "log.jsonl").read_bytes()
+
+
 def test_rechallenges_are_rate_limited(server, tmp_path):
     lb, tc = server
     lb.settings.rechallenges_per_hour = 2

@@ -1,6 +1,7 @@
-"""The server killed with SIGKILL during an upload and during a verification, on SQLite and on
-PostgreSQL, then started again on the same database and store: nothing is lost, nothing is decided
-twice, no half-stored run is served, and the queue drains within a minute."""
+"""The server killed with SIGKILL during an upload and during a verification, on SQLite with the
+local store and on PostgreSQL with the S3 store, then started again on the same database and store:
+nothing is lost, nothing is decided twice, no half-stored run is served, and the queue drains within
+a minute."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lbhelpers import QUICK, fresh_postgres, register, submit, train_and_certify
+from lbhelpers import QUICK, S3_ENV, fresh_postgres, fresh_s3, register, submit, train_and_certify
 from sqlalchemy import create_engine, func, select
 
 from witness.leaderboard.db import Job, Round, Run
-from witness.leaderboard.store import pack
+from witness.leaderboard.store import open_store, pack
 
 
 def _free_port() -> int:
@@ -32,17 +33,19 @@ def _free_port() -> int:
 class Server:
     """``witness leaderboard serve`` as its own process group (server and workers)."""
 
-    def __init__(self, db: str, store: Path, log: Path):
-        self.db, self.store, self.log = db, store, log
+    def __init__(self, db: str, store: str, work: Path, log: Path, env: dict[str, str]):
+        self.db, self.store, self.work, self.log, self.env = db, store, work, log, env
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "witness.cli", "leaderboard", "serve", "--db", self.db, "--store",
-               str(self.store), "--port", str(self.port), "--track", QUICK, "--workers", "1", "--orphan-after", "0"]
+               self.store, "--work", str(self.work), "--port", str(self.port), "--track", QUICK, "--workers", "1",
+               "--orphan-after", "0"]
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=os.environ | self.env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
@@ -60,16 +63,25 @@ class Server:
         self.proc.wait(10)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def crashing(request, tmp_path):
-    db = fresh_postgres() if request.param == "postgresql" else f"sqlite:///{tmp_path / 'lb.db'}"
-    server = Server(db, tmp_path / "store", tmp_path / "server.log")
+@pytest.fixture(params=["sqlite+local", "postgresql+s3"])
+def crashing(request, tmp_path, monkeypatch):
+    if request.param == "postgresql+s3":
+        db, store, env = fresh_postgres(), fresh_s3(monkeypatch), S3_ENV
+    else:
+        db, store, env = f"sqlite:///{tmp_path / 'lb.db'}", str(tmp_path / "store"), {}
+    server = Server(db, store, tmp_path / "work" if env else tmp_path / "store", tmp_path / "server.log", env)
     server.start()
     engine = create_engine(db)
     yield server, engine
     engine.dispose()
     if server.proc.poll() is None:
         server.kill()
+
+
+def _unfinished_s3(store) -> list[str]:  # noqa: ANN001 - an S3Store
+    """The bucket's unfinished multipart uploads and objects under the store's incoming/ prefix."""
+    ups = store.s3.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix + "incoming/").get("Uploads", [])
+    return [u["Key"] for u in ups] + [k for k, _ in store.keys("incoming/")]
 
 
 def _status(url: str, run_id: int) -> str:
@@ -89,15 +101,25 @@ def test_a_server_killed_mid_upload_and_mid_verification_loses_nothing_and_decid
     sock.sendall(b"POST /api/submissions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + alice.token.encode()
                  + b"\r\nContent-Type: application/x-tar\r\nContent-Length: " + str(len(data)).encode()
                  + b"\r\n\r\n" + data[: len(data) // 2])
-    incoming = server.store / "incoming"
+    incoming = server.work / "incoming"
+    s3 = open_store(server.store, tmp_path / "probe") if server.env else None
+
+    def half_stored() -> bool:
+        unpacked = any(p.name.startswith("unpack-") for p in incoming.iterdir())  # being unpacked as it arrives
+        if s3 is None:
+            return unpacked and any(p.name.startswith("upload-") and p.stat().st_size > 0 for p in incoming.iterdir())
+        return unpacked and bool(_unfinished_s3(s3))  # the upload is in the bucket as it arrives
+
     deadline = time.monotonic() + 10
-    while not any(p.stat().st_size > 0 for p in incoming.iterdir()) and time.monotonic() < deadline:
+    while not half_stored() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert any(p.stat().st_size > 0 for p in incoming.iterdir())
+    assert half_stored()
     server.kill()
     sock.close()
     server.start()
     assert list(incoming.iterdir()) == []  # the half upload is gone
+    if s3 is not None:
+        assert _unfinished_s3(s3) == []  # its multipart upload aborted
     assert _status(server.url, run_id) == "ticketed"  # nothing was lost: the trainer submits again
     assert client.get(f"/runs/{run_id}/download/submission.tar").status_code == 404
 

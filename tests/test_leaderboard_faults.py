@@ -108,14 +108,15 @@ def test_files_stored_before_a_commit_that_never_came_are_not_served_and_are_rem
 
     from witness.leaderboard.db import Run
     from witness.leaderboard.recovery import recover
-    from witness.leaderboard.store import archive_key, model_key, pack, plot_key
+    from witness.leaderboard.store import Upload, archive_key, model_key, pack, plot_key
 
     lb = Leaderboard(make_settings("sqlite", tmp_path))
     with TestClient(create_app(lb=lb)) as tc:
         alice = register(tc, "alice")
         run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "run")
         archive = pack(bundle, lb.store.root / "incoming" / "upload-x.tar", cert)
-        lb.store.accept(run_id, archive, lb.store.unpack(archive, 1 << 30))  # ... and then the crash
+        upload = Upload("0" * 64, archive.stat().st_size, str(archive), lb.store.unpack(archive, 1 << 30))
+        lb.store.accept(run_id, upload)  # ... and then the crash
         for key, data in ((model_key(run_id), b"not yet decided"), (plot_key(run_id, "loss"), b"<svg/>")):
             path = lb.store.scratch("x")
             path.write_bytes(data)

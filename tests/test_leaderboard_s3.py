@@ -6,49 +6,41 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import tarfile
 import time
-import uuid
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
-from lbhelpers import QUICK, fresh_postgres, register, submit, train_and_certify
+from lbhelpers import (
+    BUCKET,
+    QUICK,
+    S3_ENV,
+    S3_URL,
+    fresh_postgres,
+    fresh_s3,
+    register,
+    submit,
+    train_and_certify,
+)
 
 from witness.leaderboard.app import create_app
 from witness.leaderboard.service import Leaderboard, Settings
 from witness.leaderboard.store import archive_key
 from witness.leaderboard.tracks import parse_track
-
-S3_URL = os.environ.get("WITNESS_TEST_S3_URL", "http://127.0.0.1:8333")
-S3_ENV = {"AWS_ENDPOINT_URL": S3_URL, "AWS_ACCESS_KEY_ID": "witness", "AWS_SECRET_ACCESS_KEY": "witness",
-          "AWS_DEFAULT_REGION": "us-east-1"}
-BUCKET = "witness-test"
+from witness.web import start_uvicorn, stop_uvicorn
 
 
 @pytest.fixture
 def s3(monkeypatch):
-    """A fresh prefix in the test bucket of the object store (the suite needs the real server: it does
-    not skip)."""
-    for k, v in S3_ENV.items():
-        monkeypatch.setenv(k, v)
-    import boto3
-
-    client = boto3.client("s3")
-    deadline = time.monotonic() + 30
-    while True:  # a gateway just started answers a moment after its port opens
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
-            break
-        except Exception as e:  # noqa: BLE001 - whatever the client raises while the server starts
-            if time.monotonic() > deadline:
-                pytest.fail(f"the S3 store at {S3_URL} is not reachable ({e}); run scripts/services.sh first")
-            time.sleep(0.5)
-    yield f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"  # one bucket (a bucket is a collection of volumes), a prefix each
+    """A fresh prefix in the test bucket."""
+    return fresh_s3(monkeypatch)
 
 
 def test_the_s3_store_round_trips_a_multipart_file_and_lists_and_deletes(s3, tmp_path):
@@ -78,7 +70,7 @@ def test_a_worker_elsewhere_certifies_a_run_through_postgres_and_the_object_stor
     db = fresh_postgres()
     key = tmp_path / "server_key.pem"
     settings = Settings(db_url=db, store=s3, work=tmp_path / "server-work", tracks=(parse_track(QUICK),),
-                        server_key=key)
+                        server_key=key, presign_endpoint=S3_URL)
     lb = Leaderboard(settings)
     with TestClient(create_app(lb=lb)) as tc:
         alice = register(tc, "alice")
@@ -95,13 +87,84 @@ def test_a_worker_elsewhere_certifies_a_run_through_postgres_and_the_object_stor
         r = tc.get(f"/api/runs/{run_id}").json()
         assert r["status"] == "certified", r
         assert (worker_work / "cache" / str(run_id) / "bundle" / "log.jsonl").is_file()  # fetched and unpacked there
-        # the pages serve the objects from the store, streamed through the server
-        archive = tc.get(f"/runs/{run_id}/download/submission.tar")
-        assert archive.status_code == 200 and hashlib.sha256(archive.content).hexdigest() == r["bundle_sha256"]
-        model = tc.get(f"/runs/{run_id}/download/model.safetensors")
-        assert model.status_code == 200 and len(model.content) > 0
+        # downloads are redirects to presigned links: the bytes come from the store, not the server
+
+        def download(name: str) -> httpx.Response:
+            redirect = tc.get(f"/runs/{run_id}/download/{name}", follow_redirects=False)
+            assert redirect.status_code == 307 and redirect.headers["location"].startswith(S3_URL), redirect.text
+            got = httpx.get(redirect.headers["location"], timeout=60)
+            assert got.status_code == 200 and f'filename="run-{run_id}-{name}"' in got.headers["content-disposition"]
+            return got
+
+        archive = download("submission.tar")
+        assert hashlib.sha256(archive.content).hexdigest() == r["bundle_sha256"]
+        model = download("model.safetensors")
+        assert len(model.content) > 0
+        # plots come through the server (the page's own origin, as its security policy asks)
         assert tc.get(f"/runs/{run_id}/plots/loss.svg").text.startswith("<?xml")
+        assert tc.get(f"/runs/{run_id}/download/verdict.json").status_code == 200
         decision = json.loads(base64.b64decode(tc.get(f"/api/runs/{run_id}/certification").json()["payload"]))
         # the signed decision names that file, by the SHA-256 the worker stored with it
         assert decision["subject"][0]["digest"]["sha256"] == hashlib.sha256(model.content).hexdigest()
     lb.engine.dispose()
+
+
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _unfinished(lb: Leaderboard) -> list[str]:
+    """The store's unfinished multipart uploads, and objects, under its incoming/ prefix."""
+    store = lb.store
+    ups = store.s3.list_multipart_uploads(Bucket=BUCKET, Prefix=store.prefix + "incoming/").get("Uploads", [])
+    return [u["Key"] for u in ups] + [k for k, _ in store.keys("incoming/")]
+
+
+def test_an_upload_goes_into_the_bucket_as_it_arrives_and_one_refused_or_cut_off_leaves_nothing(s3, tmp_path):
+    lb = Leaderboard(Settings(db_url=f"sqlite:///{tmp_path / 'lb.db'}", store=s3, work=tmp_path / "work",
+                              tracks=(parse_track(QUICK),), body_idle_timeout=5.0))
+    lb.store.part = 5 << 20  # S3's smallest part, so that a 12 MB upload is three
+    server, thread, url = start_uvicorn(create_app(lb=lb))
+    try:
+        token = register(httpx.Client(base_url=url), "alice").token
+        data = _tar([("bundle/bundle.json", b"{}"), ("bundle/checkpoints/pad", os.urandom(12 << 20))])
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"POST /api/submissions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+                     + b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data[: 11 << 20])
+        store = lb.store
+        deadline = time.monotonic() + 20
+        parts: list = []
+        while len(parts) < 2 and time.monotonic() < deadline:  # two parts in the bucket, the body not all sent
+            ups = store.s3.list_multipart_uploads(Bucket=BUCKET, Prefix=store.prefix + "incoming/").get("Uploads", [])
+            if ups:
+                parts = store.s3.list_parts(Bucket=BUCKET, Key=ups[0]["Key"], UploadId=ups[0]["UploadId"]).get("Parts", [])
+            time.sleep(0.05)
+        assert [p["Size"] for p in parts] == [5 << 20, 5 << 20]
+        # nothing of the archive itself is on the server's disk: only the bundle it unpacks to check
+        assert [p.name.startswith("unpack-") for p in (tmp_path / "work" / "incoming").iterdir()] == [True]
+        sock.close()  # the client goes away: the multipart upload is aborted, the unpacked part removed
+        deadline = time.monotonic() + 10
+        while (_unfinished(lb) or any((tmp_path / "work" / "incoming").iterdir())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _unfinished(lb) == [] and list((tmp_path / "work" / "incoming").iterdir()) == []
+
+        # found bad at its first member: the rest is read and stored nowhere, the answer is a clean 400
+        bad = _tar([("../evil", b"x"), ("bundle/pad", os.urandom(8 << 20))])
+        r = httpx.post(f"{url}/api/submissions", content=bad, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert r.status_code == 400 and "escapes the upload" in r.json()["detail"], r.text
+        # unpacked whole and refused by the bundle check
+        junk = _tar([("bundle/bundle.json", b"{}"), ("bundle/pad", os.urandom(6 << 20))])
+        r = httpx.post(f"{url}/api/submissions", content=junk, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert r.status_code == 400 and "the bundle is not valid" in r.json()["detail"], r.text
+        assert _unfinished(lb) == [] and list(store.keys("runs/")) == []
+        assert list((tmp_path / "work" / "incoming").iterdir()) == []
+    finally:
+        stop_uvicorn(server, thread)
+        lb.engine.dispose()

@@ -32,7 +32,15 @@ from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
 from .db import Account, ChallengeRow, Head, Round, Run, Track
 from .online import online_progress
 from .service import ApiError, Leaderboard, Settings
-from .store import EVALUATION, UploadTooLarge, archive_key, evaluation_key, model_key, plot_key
+from .store import (
+    EVALUATION,
+    Upload,
+    UploadTooLarge,
+    archive_key,
+    evaluation_key,
+    model_key,
+    plot_key,
+)
 
 log = logging.getLogger("witness.leaderboard")
 
@@ -174,13 +182,14 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     def html(name: str, **ctx: Any) -> HTMLResponse:
         return HTMLResponse(pages.get_template(name).render(**ctx), headers={"Content-Security-Policy": CSP})
 
-    async def receive(request: Request, limit: int) -> tuple[Path, str, int]:
-        """Stream a request's body to the store's incoming folder, refused (413) past ``limit`` bytes."""
+    async def receive(request: Request, limit: int, unpack_limit: int | None = None) -> Upload:
+        """Stream a request's body into the store's incoming area (unpacked here in the same pass
+        with ``unpack_limit``), refused (413) past ``limit`` bytes."""
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise ApiError(413, f"the upload is over the server's limit of {limit} bytes")
         try:
-            return await lb.store.receive(paced(request.stream(), lb.settings.body_idle_timeout), limit)
+            return await lb.store.receive(paced(request.stream(), lb.settings.body_idle_timeout), limit, unpack_limit)
         except UploadTooLarge as e:
             raise ApiError(413, str(e)) from None
         except ClientDisconnect:
@@ -241,15 +250,15 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         safetensors file) or its batch's samples (``samples``: JSON); once both are here the server's
         workers replay the step. Each is taken once."""
         limit = await run_in_threadpool(_limit, acct, run_id, None) if kind == "states" else MAX_SAMPLES_JSON
-        path, sha, _ = await receive(request, limit)
+        upload = await receive(request, limit)
 
         def keep() -> dict:
             try:
                 with lb.Session() as s:
-                    row = lb.upload_online(s, s.get(Account, acct.id), run_id, kind, step, path, sha)
-                    return {"run_id": run_id, "step": step, "kind": kind, "sha256": sha, "status": row.status}
+                    row = lb.upload_online(s, s.get(Account, acct.id), run_id, kind, step, upload)
+                    return {"run_id": run_id, "step": step, "kind": kind, "sha256": upload.sha256, "status": row.status}
             finally:
-                lb.store.discard(path)  # kept files were moved away already
+                lb.store.drop(upload)  # a kept upload has nothing left to drop
 
         return await run_in_threadpool(keep)
 
@@ -268,13 +277,17 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         (the run's ticket, hex) names the run before its bundle is read, so that its track's upload
         limit applies; without it, the server's."""
         limit = await run_in_threadpool(_limit, acct, None, r)
-        path, sha, size = await receive(request, limit)
+        try:
+            # unpacked as it arrives, within 4x the upload (a compressed archive's bound)
+            upload = await receive(request, limit, 4 * limit)
+        except MalformedInput as e:
+            raise ApiError(400, f"bad upload: {e}") from None
 
         def check() -> dict:
             with lb.Session() as s:
                 a = s.get(Account, acct.id)
                 try:
-                    run = lb.submit(s, a, path, sha, size, limit)
+                    run = lb.submit(s, a, upload)
                 except MalformedInput as e:
                     raise ApiError(400, f"bad upload: {e}") from None
                 return {"run_id": run.id, "status": run.status, "url": f"/runs/{run.id}"}
@@ -407,7 +420,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         files = committed_files(lb, r)
         if name not in DOWNLOADS or name not in files:
             raise ApiError(404, f"run {run_id} has no {name}")
-        return lb.store.response(files[name], filename=f"run-{run_id}-{name}")
+        return lb.store.response(files[name], filename=f"run-{run_id}-{name}", redirect=True)
 
     # the online-challenge beacon, the same code as `witness beacon serve`, signing with the server key
     app.include_router(beacon_router(lb.beacon, lb.Session))

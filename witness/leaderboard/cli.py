@@ -40,8 +40,19 @@ def settings_from(args: argparse.Namespace):
                     max_queued_challenges=args.max_queued_challenges,
                     server_key=Path(args.server_key) if args.server_key else None,
                     public_url=getattr(args, "public_url", None),
+                    presign_endpoint=_presign(args, store),
                     orphan_after_s=Settings.orphan_after_s if getattr(args, "orphan_after", None) is None
                     else args.orphan_after)
+
+
+def _presign(args: argparse.Namespace, store: Path | str) -> str | None:
+    """``--presign``'s endpoint ("" for the server's own), refused without an s3:// store."""
+    endpoint = getattr(args, "presign", None)
+    if endpoint is not None and not str(store).startswith("s3://"):
+        raise ValueError("--presign needs an s3:// store (a local store's files are served by the server)")
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"--presign takes the store's address as readers reach it (http(s)://…), not {endpoint!r}")
+    return endpoint
 
 
 def _count(value: str) -> int:
@@ -285,6 +296,10 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     s.add_argument("--orphan-after", type=float, metavar="SECONDS",
                    help="at start, remove uploads and stored files that no committed row names once this old "
                         "(default 3600: an upload in flight on another server sharing the store is younger)")
+    s.add_argument("--presign", nargs="?", const="", metavar="ENDPOINT",
+                   help="with an s3:// store: downloads redirect to presigned links (good for 15 minutes) instead of "
+                        "streaming through the server; ENDPOINT is the store as readers reach it (default: the "
+                        "endpoint this server uses)")
     s.set_defaults(func=cmd_serve)
     w = lsub.add_parser("worker", help="run a verification worker against a server's database")
     _server_flags(w)

@@ -5,7 +5,8 @@ commit (the order is always "write the objects, then commit the row that makes t
 * Jobs held by workers that no longer exist go back to the queue: this host's workers whose
   process is gone at once, any other host's once their lease (a minute) has run out. A run is
   "verifying" only while a live worker holds its job.
-* Uploads that never became a submission (``incoming/``), a run's objects and unpacked bundle
+* Uploads that never became a submission (``incoming/``, and with S3 the bucket's ``incoming/``
+  objects and unfinished multipart uploads), a run's objects and unpacked bundle
   where its row records no submission, and online uploads no row names are removed once older
   than a bound (an upload in flight on another server that shares the store is younger than it).
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from sqlalchemy import select
 from . import queue
 from .db import Job, OnlineStep, Run
 from .service import Leaderboard
+from .store import remove_path
 
 log = logging.getLogger("witness.leaderboard")
 
@@ -66,20 +67,6 @@ def _process_gone(worker: str | None, host: str) -> bool:
     return cmdline.exists() and b"witness" not in cmdline.read_bytes()
 
 
-def _old(path: Path, bound_s: float) -> bool:
-    try:
-        return time.time() - path.lstat().st_mtime >= bound_s
-    except FileNotFoundError:
-        return False
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
 def recover(lb: Leaderboard, orphan_after_s: float = ORPHAN_AFTER_S) -> Recovered:
     """Release dead workers' jobs and remove what no committed row names (see the module)."""
     done = Recovered()
@@ -98,10 +85,7 @@ def recover(lb: Leaderboard, orphan_after_s: float = ORPHAN_AFTER_S) -> Recovere
     kept = {(r, "states", f"{t:08d}.{sha}") for r, t, sha, _ in rows if sha} | \
         {(r, "samples", f"{t:08d}") for r, t, _, has in rows if has}
     store = lb.store
-    for p in (store.root / "incoming").iterdir():
-        if _old(p, orphan_after_s):
-            _remove(p)
-            done.uploads_removed += 1
+    done.uploads_removed = store.sweep_incoming(orphan_after_s)
     now = time.time()
     # a run's objects and its unpacked bundle here, by run, with when they were last written
     objects: dict[int, list[str]] = {}
@@ -119,7 +103,7 @@ def recover(lb: Leaderboard, orphan_after_s: float = ORPHAN_AFTER_S) -> Recovere
         if run_id not in submitted and now - when >= orphan_after_s:
             for key in objects.get(run_id, []):
                 store.delete(key)
-            _remove(store.local_bundle_root(run_id))
+            remove_path(store.local_bundle_root(run_id))
             done.run_folders_removed += 1
     for key, modified in list(store.keys("online/")):
         _, run_id, kind, name = (key.split("/") + ["", "", "", ""])[:4]

@@ -48,7 +48,7 @@ from .db import (
     now_ms,
     sessions,
 )
-from .store import DEFAULT_MAX_UPLOAD, EVALUATION, online_key, open_store
+from .store import DEFAULT_MAX_UPLOAD, EVALUATION, Upload, online_key, open_store
 from .tracks import DEFAULT_TRACKS, TrackSpec
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -101,6 +101,9 @@ class Settings:
     # The local working folder of a server or worker whose store is s3:// (uploads being received,
     # unpacked bundles); a local store is its own.
     work: Path | None = None
+    # With an s3:// store: downloads redirect to presigned URLs on this endpoint (the store as the
+    # readers reach it; "" for the endpoint the server uses), instead of streaming through the server.
+    presign_endpoint: str | None = None
 
     @property
     def certify_challenges(self) -> int:
@@ -156,7 +159,7 @@ class Leaderboard:
         self.engine = make_engine(settings.db_url)
         migrate(self.engine)
         self.Session = sessions(self.engine)
-        self.store = open_store(settings.store, settings.work)
+        self.store = open_store(settings.store, settings.work, settings.presign_endpoint)
         self.key = load_or_create_key(settings.server_key or self.store.root / "server_key.pem")
         self.public_key = public_hex(self.key.public_key())
         self.beacon = Beacon(self.key)  # the same beacon as `witness beacon serve`, signing with the server key
@@ -359,8 +362,7 @@ class Leaderboard:
             return []
         return [canonical_json(st) for st in found["statements"] if up_to is None or st["size"] <= up_to]
 
-    def upload_online(self, s: Session, acct: Account, run_id: int, kind: str, step: int, path: Path,
-                      sha256: str) -> OnlineStep:
+    def upload_online(self, s: Session, acct: Account, run_id: int, kind: str, step: int, upload: Upload) -> OnlineStep:
         """Keep the state before a selected step, or its batch's samples, uploaded while the run
         trains; once both are here the step is queued for replay. Each is taken once."""
         run = self.run(s, run_id)
@@ -385,9 +387,9 @@ class Leaderboard:
             raise ApiError(404, f"the beacon selected no step {step} of run {run_id}")
         if (row.state_sha256 if kind == "states" else row.has_samples):
             raise ApiError(409, f"the {'state' if kind == 'states' else 'samples'} of step {step} came already")
-        self.store.put(online_key(run.id, kind, step, sha256), path)
+        self.store.keep(upload, online_key(run.id, kind, step, upload.sha256))
         if kind == "states":
-            row.state_sha256 = sha256
+            row.state_sha256 = upload.sha256
         else:
             row.has_samples = True
         if row.state_sha256 and row.has_samples and row.status == "selected":
@@ -458,11 +460,12 @@ class Leaderboard:
         spec = next((t for t in self.settings.tracks if t.name == track), None)
         return spec.max_upload if spec is not None and spec.max_upload else self.settings.max_upload
 
-    def submit(self, s: Session, acct: Account, archive: Path, sha256: str, size: int, limit: int | None = None) -> Run:
-        """Check an uploaded bundle cheaply, keep it, and queue its certification."""
-        staging = None
+    def submit(self, s: Session, acct: Account, upload: Upload) -> Run:
+        """Check an uploaded bundle (received unpacked) cheaply, keep it, and queue its certification."""
+        sha256, size, staging = upload.sha256, upload.size, upload.staging
         try:
-            staging = self.store.unpack(archive, 4 * (limit or self.settings.max_upload))
+            if staging is None:
+                raise ValueError("a submission is received unpacked")
             bundle_dir = staging / "bundle"
             try:
                 bundle = open_bundle(bundle_dir)
@@ -512,8 +515,7 @@ class Leaderboard:
                 # The server's own statements, not the trainer's copy: none can have been left out.
                 (bundle_dir / STATEMENTS).parent.mkdir(parents=True, exist_ok=True)
                 (bundle_dir / STATEMENTS).write_bytes(b"".join(line + b"\n" for line in self.statements(s, run)))
-            self.store.accept(run.id, archive, staging)
-            staging = None
+            self.store.accept(run.id, upload)
             fh = bundle.final_head
             s.refresh(run)
             run.steps, run.final_size, run.final_root = len(bundle.steps), fh.size, fh.root.hex()
@@ -523,7 +525,7 @@ class Leaderboard:
             s.commit()
             return run
         finally:
-            self.store.discard(archive, *([staging] if staging is not None else []))
+            self.store.drop(upload)
 
     def _check_cadence(self, s: Session, run: Run, heads: list[Head], bundle, sha256: str) -> None:  # noqa: ANN001
         """Every stretch of the log was anchored while training: a head at least every

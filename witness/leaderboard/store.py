@@ -10,11 +10,18 @@ the unpacked size and file count are bounded, and files are written by this code
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
 import os
+import queue
 import shutil
 import tarfile
+import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -95,8 +102,10 @@ class Store:
         """The SHA-256 (hex) of ``key``'s bytes."""
         raise NotImplementedError
 
-    def response(self, key: str, filename: str | None = None, media_type: str | None = None) -> Any:  # noqa: ANN401
-        """An HTTP response serving ``key``, streamed from the store."""
+    def response(self, key: str, filename: str | None = None, media_type: str | None = None,
+                 redirect: bool = False) -> Any:  # noqa: ANN401
+        """An HTTP response serving ``key``, streamed from the store; with ``redirect``, where the
+        store can, a redirect to a link the reader downloads it from directly."""
         raise NotImplementedError
 
     def keys(self, prefix: str) -> Iterator[tuple[str, float]]:
@@ -139,22 +148,47 @@ class Store:
         """A fresh local path in the working folder for a file about to be stored."""
         return self.root / "incoming" / f"put-{os.getpid()}-{os.urandom(6).hex()}-{name}"
 
-    async def receive(self, chunks: AsyncIterator[bytes], limit: int) -> tuple[Path, str, int]:
-        """Stream an upload to a temporary file; (path, sha256, bytes). Stops at ``limit`` bytes."""
-        fd, name = _mkstemp(self.root / "incoming")
-        digest, size = hashlib.sha256(), 0
+    # --- uploads ---------------------------------------------------------------------
+    def _sink(self) -> Sink:
+        """Where an upload's bytes go as they arrive (each store's incoming area)."""
+        raise NotImplementedError
+
+    def keep(self, upload: Upload, key: str) -> None:
+        """Store a received upload's bytes as ``key`` (before the commit that names it)."""
+        raise NotImplementedError
+
+    async def receive(self, chunks: AsyncIterator[bytes], limit: int, unpack_limit: int | None = None) -> Upload:
+        """Stream an upload into the store's incoming area as it arrives, stopping at ``limit`` bytes;
+        with ``unpack_limit``, unpack it strictly here in the same pass (a submission), so that it is
+        checked when its last byte has arrived and the store holds it already."""
+        sink = self._sink()
+        unpacker = StreamUnpacker(self.root / "incoming", unpack_limit) if unpack_limit is not None else None
+        digest, size, bad = hashlib.sha256(), 0, None
         try:
-            with os.fdopen(fd, "wb") as f:
-                async for chunk in chunks:
-                    size += len(chunk)
-                    if size > limit:
-                        raise UploadTooLarge(f"the upload is over the server's limit of {limit} bytes")
-                    digest.update(chunk)
-                    f.write(chunk)
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise UploadTooLarge(f"the upload is over the server's limit of {limit} bytes")
+                if bad is not None:
+                    continue  # read to the end, storing nothing, so that the client gets the answer
+                digest.update(chunk)
+                await sink.write(chunk)
+                if unpacker is not None:
+                    try:
+                        await unpacker.feed(chunk)
+                    except MalformedInput as e:  # found bad before the end: stop storing it
+                        bad = e
+                        sink.abort()
+            if bad is not None:
+                raise bad
+            await sink.close()
+            staging = await unpacker.finish() if unpacker is not None else None
         except BaseException:
-            os.unlink(name)
+            sink.abort()
+            if unpacker is not None:
+                unpacker.abort()
             raise
-        return Path(name), digest.hexdigest(), size
+        return Upload(digest.hexdigest(), size, sink.ref, staging)
 
     def unpack(self, archive: Path, limit: int) -> Path:
         """Unpack a submission into a fresh staging folder; raise ``MalformedInput`` on anything odd."""
@@ -167,9 +201,12 @@ class Store:
             raise
         return staging
 
-    def accept(self, run_id: int, archive: Path, staging: Path) -> None:
-        """Store a checked upload (before the commit that names it): the archive and its evaluation
-        as objects, the unpacked bundle kept here for the workers of this machine."""
+    def accept(self, run_id: int, upload: Upload) -> None:
+        """Store a checked submission (before the commit that names it): the archive and its
+        evaluation as objects, the unpacked bundle kept here for the workers of this machine."""
+        staging = upload.staging
+        if staging is None:
+            raise ValueError("a submission is received unpacked")
         local = self.local_bundle_root(run_id)  # a local store keeps its objects beside the bundle
         if (local / "bundle").exists():
             shutil.rmtree(local / "bundle")
@@ -178,15 +215,170 @@ class Store:
             self.put(evaluation_key(run_id), staging / EVALUATION)
         os.replace(staging / "bundle", local / "bundle")
         shutil.rmtree(staging)
-        self.put(archive_key(run_id), archive)
+        upload.staging = None
+        self.keep(upload, archive_key(run_id))
 
-    def discard(self, *paths: Path) -> None:
-        """Remove rejected uploads."""
-        for p in paths:
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            elif p.exists():
-                p.unlink()
+    def drop(self, upload: Upload) -> None:
+        """Remove what is left of an upload that was refused (or kept: then nothing is left)."""
+        if upload.staging is not None:
+            shutil.rmtree(upload.staging, ignore_errors=True)
+            upload.staging = None
+        if upload.ref is not None:
+            self._drop(upload.ref)
+            upload.ref = None
+
+    def _drop(self, ref: str) -> None:
+        Path(ref).unlink(missing_ok=True)
+
+    def sweep_incoming(self, older_than_s: float) -> int:
+        """Remove uploads that never became a submission, received ``older_than_s`` ago or more
+        (a crash mid-upload); their number."""
+        removed = 0
+        for p in (self.root / "incoming").iterdir():
+            if is_older(p, older_than_s):
+                remove_path(p)
+                removed += 1
+        return removed
+
+
+@dataclass
+class Upload:
+    """An upload received whole: where its bytes are in the store's incoming area (``ref``: a local
+    path, or an object's key), their SHA-256 and size, and for a submission its bundle, unpacked and
+    checked for names and sizes, in this machine's working folder."""
+
+    sha256: str
+    size: int
+    ref: str | None
+    staging: Path | None = None
+
+
+class Sink:
+    """An upload's bytes on their way into the store."""
+
+    ref: str
+
+    async def write(self, data: bytes) -> None:
+        """Take the next piece."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """The upload is whole."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """The upload failed: remove what was written."""
+        raise NotImplementedError
+
+
+class FileSink(Sink):
+    """A file in the working folder's ``incoming/``."""
+
+    def __init__(self, folder: Path):
+        fd, self.ref = _mkstemp(folder)
+        self.f = os.fdopen(fd, "wb")
+
+    async def write(self, data: bytes) -> None:
+        """Appended to the file."""
+        self.f.write(data)
+
+    async def close(self) -> None:
+        """Closed."""
+        self.f.close()
+
+    def abort(self) -> None:
+        """Closed and removed."""
+        self.f.close()
+        Path(self.ref).unlink(missing_ok=True)
+
+
+class StreamUnpacker:
+    """Unpacks an archive strictly (as ``Store.unpack``) while its bytes arrive, in a thread of its
+    own fed through a bounded queue: a few MB of the upload in memory at most."""
+
+    FEED = 1 << 20  # bytes handed to the thread at once
+    DEPTH = 8  # pieces queued at most
+
+    def __init__(self, folder: Path, limit: int):
+        self.staging = Path(tempfile.mkdtemp(dir=folder, prefix="unpack-"))
+        self.limit = limit
+        self.q: queue.Queue[bytes | None] = queue.Queue(self.DEPTH)
+        self.buf = bytearray()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="witness-unpack", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            _unpack_stream(_QueueReader(self.q), self.staging, self.limit)
+        except BaseException as e:  # noqa: BLE001 - handed to the receiving side
+            self.error = e
+        while self.q.get() is not None:  # the rest of the upload (a tar's padding; or after an error)
+            pass
+
+    async def _put(self, item: bytes | None) -> None:
+        try:
+            self.q.put_nowait(item)
+        except queue.Full:
+            await asyncio.to_thread(self.q.put, item)
+
+    async def feed(self, data: bytes) -> None:
+        """The next piece of the upload; raises the unpacking's error as soon as there is one."""
+        if self.error is not None:
+            raise self.error
+        self.buf += data
+        if len(self.buf) >= self.FEED:
+            piece, self.buf = bytes(self.buf), bytearray()
+            await self._put(piece)
+
+    async def finish(self) -> Path:
+        """Wait for the unpacking to end; the staging folder, or its error."""
+        if self.buf:
+            await self._put(bytes(self.buf))
+            self.buf = bytearray()
+        await self._put(None)
+        await asyncio.to_thread(self.thread.join)
+        if self.error is not None:
+            raise self.error
+        return self.staging
+
+    def abort(self) -> None:
+        """Stop the thread and remove what it unpacked."""
+        if self.thread.is_alive():
+            while True:  # unblock it: it drains the queue to the end mark
+                try:
+                    self.q.put(None, timeout=0.1)
+                    break
+                except queue.Full:
+                    if not self.thread.is_alive():
+                        break
+            self.thread.join(30)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class _QueueReader(io.RawIOBase):
+    """The bytes of a queue of pieces (``None`` ends them), as a file ``tarfile`` reads in stream mode."""
+
+    def __init__(self, q: queue.Queue[bytes | None]):
+        self.q, self.rest, self.done = q, memoryview(b""), False
+
+    def readable(self) -> bool:
+        """Yes."""
+        return True
+
+    def readinto(self, b) -> int:  # noqa: ANN001 - a writable buffer
+        """Fill ``b`` from the current piece, waiting for the next one where it is used up."""
+        while not self.rest and not self.done:
+            piece = self.q.get()
+            if piece is None:
+                self.done = True
+                self.q.put(None)  # for the thread's drain loop after the archive ends
+            else:
+                self.rest = memoryview(piece)
+        n = min(len(b), len(self.rest))
+        b[:n] = self.rest[:n]
+        self.rest = self.rest[n:]
+        return n
 
 
 class LocalStore(Store):
@@ -229,8 +421,9 @@ class LocalStore(Store):
         """Hashed from the file."""
         return file_sha256(self.path(key)).hex()
 
-    def response(self, key: str, filename: str | None = None, media_type: str | None = None) -> Any:  # noqa: ANN401
-        """The file, streamed by the web framework."""
+    def response(self, key: str, filename: str | None = None, media_type: str | None = None,
+                 redirect: bool = False) -> Any:  # noqa: ANN401
+        """The file, streamed by the web framework (a local store has no links to redirect to)."""
         from fastapi.responses import FileResponse
 
         return FileResponse(self.path(key), filename=filename, media_type=media_type)
@@ -251,6 +444,17 @@ class LocalStore(Store):
         """Remove the file."""
         self.path(key).unlink(missing_ok=True)
 
+    def _sink(self) -> Sink:
+        """A file in ``incoming/``, beside the objects: keeping it is one rename."""
+        return FileSink(self.root / "incoming")
+
+    def keep(self, upload: Upload, key: str) -> None:
+        """Moved into place."""
+        if upload.ref is None:
+            raise ValueError("the upload was kept or dropped already")
+        self.put(key, Path(upload.ref))
+        upload.ref = None
+
 
 def link_or_copy(src: Path, dest: Path) -> None:
     """A hard link where the file system allows it (the bundle reader refuses symbolic links), else a copy."""
@@ -261,16 +465,36 @@ def link_or_copy(src: Path, dest: Path) -> None:
         shutil.copyfile(src, dest)
 
 
-def open_store(spec: str | os.PathLike, work: str | os.PathLike | None = None) -> Store:
+def is_older(path: Path, bound_s: float) -> bool:
+    """Whether ``path`` was last written ``bound_s`` seconds ago or more (False if it is gone)."""
+    try:
+        return time.time() - path.lstat().st_mtime >= bound_s
+    except FileNotFoundError:
+        return False
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or a folder tree (never following a link)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def open_store(spec: str | os.PathLike, work: str | os.PathLike | None = None,
+               presign_endpoint: str | None = None) -> Store:
     """The store a ``--store`` names: a folder (``LocalStore``), or ``s3://bucket[/prefix]``
-    (``S3Store``, endpoint and credentials from the environment, working folder ``work``)."""
+    (``S3Store``, endpoint and credentials from the environment, working folder ``work``, downloads
+    presigned for ``presign_endpoint`` where it is given)."""
     text = str(spec)
     if text.startswith("s3://"):
         from .s3store import S3Store
 
         if work is None:
             raise ValueError("an s3:// store needs a local working folder (--work DIR)")
-        return S3Store(text, Path(work))
+        return S3Store(text, Path(work), presign_endpoint)
+    if presign_endpoint is not None:
+        raise ValueError("presigned downloads need an s3:// store")
     return LocalStore(Path(spec))
 
 
@@ -297,11 +521,25 @@ def _member_path(name: str) -> PurePosixPath:
 
 
 def _unpack(archive: Path, dest: Path, limit: int) -> None:
-    total = 0
     try:
         tf = tarfile.open(archive, mode="r:*")
     except (tarfile.TarError, OSError, EOFError) as e:
         raise MalformedInput(f"the upload is not a tar archive: {e}") from None
+    _members(tf, dest, limit)
+
+
+def _unpack_stream(f: io.RawIOBase, dest: Path, limit: int) -> None:
+    """As ``_unpack``, reading the archive once, front to back, as it arrives."""
+    try:
+        tf = tarfile.open(fileobj=io.BufferedReader(f, 1 << 20), mode="r|*")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise MalformedInput(f"the upload is not a tar archive: {e}") from None
+    _members(tf, dest, limit)
+
+
+def _members(tf: tarfile.TarFile, dest: Path, limit: int) -> None:
+    """Write an archive's members under ``dest``, checking each name and the sizes first."""
+    total = 0
     with tf:
         try:
             for i, member in enumerate(tf):
