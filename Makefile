@@ -9,7 +9,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: setup demo leaderboard-demo services test lint bench clean
+.PHONY: setup demo leaderboard-demo leaderboard-demo-scale services test lint bench clean
 
 # The example task plugins are installed too: the tests train and verify them (a task plugin is an
 # installed package, never code inside a bundle).
@@ -29,6 +29,14 @@ demo: setup
 leaderboard-demo: setup
 	$(VENV)/bin/witness leaderboard demo
 
+# The same demo scaled out: PostgreSQL and an S3-compatible store (SeaweedFS) on loopback, two
+# worker processes that share only those with the server (its own database and bucket, emptied first)
+leaderboard-demo-scale: setup
+	url="$$(scripts/services.sh)" && AWS_ENDPOINT_URL=http://127.0.0.1:$${WITNESS_S3_PORT:-8333} \
+	  AWS_ACCESS_KEY_ID=witness AWS_SECRET_ACCESS_KEY=witness AWS_DEFAULT_REGION=us-east-1 \
+	  $(VENV)/bin/witness leaderboard demo --dir leaderboard-demo-scale --db "$${url%/*}/witness_demo" \
+	  --store s3://witness-demo/demo --workers 2 --reset
+
 # PostgreSQL 15 and an S3-compatible store (SeaweedFS) on loopback, and Chromium, for the leaderboard's tests
 services:
 	scripts/services.sh
@@ -41,4 +49,4 @@ bench: setup
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) witness-demo leaderboard-demo leaderboard-data .pytest_cache
+	rm -rf $(VENV) witness-demo leaderboard-demo leaderboard-demo-scale leaderboard-data .pytest_cache

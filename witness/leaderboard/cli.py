@@ -278,7 +278,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """A fresh local leaderboard with real certified runs and one rejected run."""
     from .demo import run_demo
 
-    return run_demo(Path(args.dir), port=args.port, serve=not args.no_serve)
+    return run_demo(Path(args.dir), port=args.port, serve=not args.no_serve, db=args.db, store=args.store,
+                    workers=args.workers, reset=args.reset)
 
 
 def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
@@ -316,6 +317,14 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     d.add_argument("--dir", default="leaderboard-demo", help="folder for its database, store and runs (default leaderboard-demo)")
     d.add_argument("--port", type=int, default=8080, help="port to serve it on (default 8080)")
     d.add_argument("--no-serve", action="store_true", help="fill it and stop")
+    d.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="the scale-out variant: the leaderboard's objects in an S3-compatible store (endpoint and "
+                        "credentials from the environment), certified by worker processes; needs --db")
+    d.add_argument("--db", metavar="URL", help="the scale-out variant's PostgreSQL database")
+    d.add_argument("--workers", type=_workers, default=1,
+                   help="the scale-out variant's worker processes (default 1, at most this machine's cores)")
+    d.add_argument("--reset", action="store_true",
+                   help="the scale-out variant: empty the database's tables and the store's prefix first")
     d.set_defaults(func=cmd_demo)
 
     sb = sub.add_parser("submit", help="upload a finished run to a leaderboard")
