@@ -5,6 +5,7 @@ the server but PostgreSQL and the object store."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ from lbhelpers import (
     QUICK,
     S3_ENV,
     S3_URL,
+    Authed,
     fresh_postgres,
     fresh_s3,
     register,
@@ -190,3 +192,35 @@ def test_the_scale_out_demo_is_certified_by_worker_processes_on_postgres_and_the
     # a database and a prefix that hold a leaderboard are left alone, unless asked to empty them
     assert run_demo(tmp_path / "again", port=0, serve=False, db=db, store=s3, workers=1) == 2
     assert "holds a leaderboard already" in capsys.readouterr().err
+
+
+def test_a_worker_elsewhere_audits_an_online_run_on_the_servers_statements_not_the_trainers_copy(s3, tmp_path):
+    from witness.bundle.layout import STATEMENTS
+    from witness.leaderboard import client as C
+    from witness.leaderboard.worker import work
+
+    every_step = "all=tiny:steps=20,online=1.0@accuracy+"  # p = 1: every step is selected
+    db = fresh_postgres()
+    lb = Leaderboard(Settings(db_url=db, store=s3, work=tmp_path / "server-work", tracks=(parse_track(every_step),),
+                              server_key=tmp_path / "server_key.pem"))
+    # a worker on another machine: its own working folder, the database and the bucket only
+    elsewhere = Leaderboard(dataclasses.replace(lb.settings, work=tmp_path / "worker-work"), sync_tracks=False)
+    with TestClient(create_app(lb=lb)) as tc:
+        alice = register(tc, "alice")
+        api = Authed(tc, alice.token)
+        run_id, _ = C.train_ticketed(api, "all", alice.key, tmp_path / "run", checkpoint_every=5, online=True)
+        assert work(elsewhere, once=True) >= 1  # the selected steps, replayed while the run was open
+        # the trainer keeps only its first statement: in its copy, no step after the first window was selected
+        kept = tmp_path / "run" / STATEMENTS
+        lines = kept.read_bytes().splitlines()
+        assert len(lines) > 2
+        kept.write_bytes(lines[0] + b"\n")
+        C.submit(api, tmp_path / "run", C.write_evaluation(tmp_path / "run", alice.key, tmp_path / "eval.json"))
+        assert work(elsewhere, once=True) == 1
+        r = tc.get(f"/api/runs/{run_id}").json()
+        assert r["status"] == "certified", r["reason"]
+        # all 20 steps audited online, as the server's own statements selected them
+        assert r["verdict"]["mode"] == "online" and r["verdict"]["challenges"] == 20, r["verdict"]
+        assert (tmp_path / "worker-work" / "cache" / str(run_id) / "bundle").is_dir()  # fetched from the bucket
+    lb.engine.dispose()
+    elsewhere.engine.dispose()

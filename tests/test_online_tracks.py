@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import tarfile
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -120,8 +121,13 @@ def test_a_bad_step_rejects_the_run_while_it_trains(server, tmp_path):
     rec.online.wait()  # the heads up to step 10's checkpoint are answered, their states uploaded
     assert work(lb, once=True) == 1  # the server's worker replays them while the run is still training
     with pytest.raises(C.BeaconError, match="rejected: online challenge failed while the run trained"):
-        _steps_of(rec, range(12, 20))
-        rec.finish()
+        with rec.stopped_on_failure():
+            _steps_of(rec, range(12, 20))
+            rec.finish()
+    # the recorder's beacon thread was stopped with the loop: what it had queued is not sent
+    assert rec.online._worker._shutdown
+    rec.online._worker.shutdown(wait=True)  # (a request in flight is answered by the server)
+    assert not any(t.name.startswith("witness-beacon") and t.is_alive() for t in threading.enumerate())
     with lb.Session() as s:
         run = s.scalars(select(Run)).one()
     assert run.status == "rejected" and "step 6" in run.reason

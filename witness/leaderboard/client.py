@@ -116,10 +116,11 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
     if lr_factor is None:
         return tk["run_id"], rec.train(progress)
     n = task.config.steps
-    for t in range(n):
-        out_ = task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t) * lr_factor(t, n), rec.step_seed(t))
-        rec.log_step(t, dataclasses.replace(out_, lr=rec.lr(t)))
-    return tk["run_id"], rec.finish()
+    with rec.stopped_on_failure():
+        for t in range(n):
+            out_ = task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t) * lr_factor(t, n), rec.step_seed(t))
+            rec.log_step(t, dataclasses.replace(out_, lr=rec.lr(t)))
+        return tk["run_id"], rec.finish()
 
 
 def write_evaluation(bundle_dir: str | os.PathLike, key, out: str | os.PathLike,  # noqa: ANN001 - key

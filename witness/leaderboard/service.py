@@ -401,6 +401,18 @@ class Leaderboard:
         s.commit()
         return row
 
+    def run_bundle(self, s: Session, run: Run) -> Path:
+        """The run's unpacked bundle on this machine (fetched from the store where it is not here),
+        with, for a run audited online, the server's own statements in place of the trainer's copy:
+        none can have been left out, on whichever machine the worker runs."""
+        d = self.store.bundle_dir(run.id)
+        if run.online_p is not None:
+            tmp = self.store.scratch("statements.jsonl")  # written whole, then renamed into the bundle
+            tmp.write_bytes(b"".join(line + b"\n" for line in self.statements(s, run)))
+            (d / STATEMENTS).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, d / STATEMENTS)
+        return d
+
     def _check_first_head(self, s: Session, run: Run, acct: Account, head: SignedTreeHead, manifest: str | None) -> dict:
         """The first streamed head covers exactly the manifest, which must use this ticket and track;
         returns the manifest."""
@@ -511,10 +523,6 @@ class Leaderboard:
                 s.rollback()
                 raise ApiError(409, f"run {run.id} was submitted already")
             (staging / EVALUATION).write_bytes(canonical_json(cert) + b"\n")
-            if run.online_p is not None:
-                # The server's own statements, not the trainer's copy: none can have been left out.
-                (bundle_dir / STATEMENTS).parent.mkdir(parents=True, exist_ok=True)
-                (bundle_dir / STATEMENTS).write_bytes(b"".join(line + b"\n" for line in self.statements(s, run)))
             self.store.accept(run.id, upload)
             fh = bundle.final_head
             s.refresh(run)

@@ -1,5 +1,5 @@
-"""The store of a leaderboard's objects (local disk, or S3), and uploads: streamed to a file
-under a size limit, then unpacked strictly.
+"""The store of a leaderboard's objects (local disk, or S3), and uploads: streamed into the
+store's incoming area as they arrive, under a size limit, and unpacked strictly in the same pass.
 
 A submission is a tar archive (optionally gzip-compressed) holding ``bundle/…`` and
 ``evaluation.json``. Nothing in it is trusted: names are checked before a byte is written

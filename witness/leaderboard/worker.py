@@ -76,7 +76,7 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         replayed = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id,
                                                                OnlineStep.status == "passed"))) if online else set()
         try:  # opened (parsed, every hash and signature checked) once, for the audit, evaluation and plots
-            bundle = open_bundle(lb.store.bundle_dir(run.id), acct.public_key)
+            bundle = open_bundle(lb.run_bundle(s, run), acct.public_key)
             how = {"mode": "online", "beacon_key": lb.public_key, "skip": replayed} if online else \
                 {"challenges": job.count, "nonce": nonce}
             verdict = verify_bundle(bundle, bad_fraction=lb.settings.bad_fraction, public_key=acct.public_key,

@@ -14,6 +14,7 @@ Usage, in the trainer's loop::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -524,11 +525,27 @@ class Recorder:
 
         bar = tqdm(range(self.start_step, self.task.config.steps), desc=f"training {self.task.name}",
                    unit="step", disable=not progress, initial=self.start_step, total=self.task.config.steps)
-        for t in bar:
-            out = self.task.train_step(self.step_model, self.optimizer, self.batch(t), self.lr(t), self.step_seed(t))
-            self.log_step(t, out)
-            bar.set_postfix(loss=f"{out.loss:.3f}")
-        return self.finish()
+        with self.stopped_on_failure():
+            for t in bar:
+                out = self.task.train_step(self.step_model, self.optimizer, self.batch(t), self.lr(t),
+                                           self.step_seed(t))
+                self.log_step(t, out)
+                bar.set_postfix(loss=f"{out.loss:.3f}")
+            return self.finish()
+
+    @contextlib.contextmanager
+    def stopped_on_failure(self) -> Iterator[None]:
+        """Around a training loop: where it fails (a beacon that refused a head, Ctrl-C), the
+        recorder's background work stops with it, its queued heads no longer sent (the bundle keeps
+        what was written, a prefix that verifies and resumes)."""
+        try:
+            yield
+        except BaseException:
+            if self.online is not None:
+                self.online.close()
+            if self._snapshots is not None:
+                self._snapshots.close()
+            raise
 
     def cost(self) -> dict:
         """The recorder's cost against the loop's own step time (its self-check apart), and where it
