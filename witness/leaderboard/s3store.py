@@ -238,12 +238,15 @@ class S3Sink(Sink):
 
     def abort(self) -> None:
         """The multipart upload aborted (or, completed already, the object removed)."""
-        if self.sending is not None and not self.sending.done():
-            self.sending.cancel()  # the thread finishes its part; the abort below discards it
-        s3, upload_id, self.upload_id = self.store.s3, self.upload_id, None
         if self.aborted:
             return
         self.aborted = True
+        if self.sending is not None:
+            if not self.sending.done():
+                self.sending.cancel()  # the thread finishes its part; the abort below discards it
+            elif not self.sending.cancelled():
+                self.sending.exception()  # seen: a part that failed is what aborts it, not a log line
+        s3, upload_id, self.upload_id = self.store.s3, self.upload_id, None
         try:
             if upload_id is not None:
                 s3.abort_multipart_upload(Bucket=self.store.bucket, Key=self.key, UploadId=upload_id)
