@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from lbhelpers import QUICK
 
 from witness.cli import build_parser
@@ -102,6 +103,23 @@ def _processes_naming(text: str) -> list[int]:
 def test_server_defaults_to_loopback_and_the_local_store():
     args = build_parser().parse_args(["leaderboard", "serve"])
     assert args.host == "127.0.0.1" and args.store == DEFAULT_STORE and args.db is None
+    assert args.presign is None
+
+
+def test_presigned_downloads_need_an_s3_store_and_an_address(tmp_path):
+    from witness.leaderboard.cli import settings_from
+
+    def settings(*flags: str):
+        return settings_from(build_parser().parse_args(["leaderboard", "serve", *flags]))
+
+    with pytest.raises(ValueError, match="--presign needs an s3:// store"):
+        settings("--store", str(tmp_path / "store"), "--presign")
+    s3 = ("--store", "s3://bucket/prefix", "--db", "postgresql://x@127.0.0.1/db", "--work", str(tmp_path / "w"))
+    with pytest.raises(ValueError, match="takes the store's address"):
+        settings(*s3, "--presign", "ftp://store.example")
+    assert settings(*s3, "--presign").presign_endpoint == ""  # the endpoint the server itself uses
+    assert settings(*s3, "--presign", "https://store.example").presign_endpoint == "https://store.example"
+    assert settings(*s3).presign_endpoint is None
 
 
 def test_the_demo_fills_a_fresh_leaderboard(tmp_path, capsys):
