@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 import io
 import os
-import queue
 import shutil
 import tarfile
 import tempfile
@@ -23,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from queue import Full, Queue  # the standard library's (not the leaderboard's job queue)
 from typing import Any
 
 from ..bundle.checkpoint import file_sha256
@@ -302,7 +302,7 @@ class StreamUnpacker:
     def __init__(self, folder: Path, limit: int):
         self.staging = Path(tempfile.mkdtemp(dir=folder, prefix="unpack-"))
         self.limit = limit
-        self.q: queue.Queue[bytes | None] = queue.Queue(self.DEPTH)
+        self.q: Queue[bytes | None] = Queue(self.DEPTH)
         self.buf = bytearray()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="witness-unpack", daemon=True)
@@ -319,7 +319,7 @@ class StreamUnpacker:
     async def _put(self, item: bytes | None) -> None:
         try:
             self.q.put_nowait(item)
-        except queue.Full:
+        except Full:
             await asyncio.to_thread(self.q.put, item)
 
     async def feed(self, data: bytes) -> None:
@@ -349,7 +349,7 @@ class StreamUnpacker:
                 try:
                     self.q.put(None, timeout=0.1)
                     break
-                except queue.Full:
+                except Full:
                     if not self.thread.is_alive():
                         break
             self.thread.join(30)
@@ -359,7 +359,7 @@ class StreamUnpacker:
 class _QueueReader(io.RawIOBase):
     """The bytes of a queue of pieces (``None`` ends them), as a file ``tarfile`` reads in stream mode."""
 
-    def __init__(self, q: queue.Queue[bytes | None]):
+    def __init__(self, q: Queue[bytes | None]):
         self.q, self.rest, self.done = q, memoryview(b""), False
 
     def readable(self) -> bool:
