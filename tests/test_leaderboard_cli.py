@@ -106,7 +106,7 @@ def test_server_defaults_to_loopback_and_the_local_store():
     assert args.presign is None
 
 
-def test_presigned_downloads_need_an_s3_store_and_an_address(tmp_path):
+def test_presigned_downloads_and_the_cache_bound_need_an_s3_store(tmp_path):
     from witness.leaderboard.cli import settings_from
 
     def settings(*flags: str):
@@ -120,6 +120,13 @@ def test_presigned_downloads_need_an_s3_store_and_an_address(tmp_path):
     assert settings(*s3, "--presign").presign_endpoint == ""  # the endpoint the server itself uses
     assert settings(*s3, "--presign", "https://store.example").presign_endpoint == "https://store.example"
     assert settings(*s3).presign_endpoint is None
+    # the working folder's bound on unpacked bundles: S3 only, 50 GB unless told
+    assert settings(*s3).cache_bytes == 50 * 10**9 and settings(*s3, "--cache-gb", "0.5").cache_bytes == 5 * 10**8
+    assert settings("--store", str(tmp_path / "store")).cache_bytes is None
+    with pytest.raises(ValueError, match="--cache-gb needs an s3:// store"):
+        settings("--store", str(tmp_path / "store"), "--cache-gb", "1")
+    with pytest.raises(ValueError, match="takes a size in GB"):
+        settings(*s3, "--cache-gb", "nan")
 
 
 def test_the_demo_fills_a_fresh_leaderboard(tmp_path, capsys):

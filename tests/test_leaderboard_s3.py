@@ -224,3 +224,30 @@ def test_a_worker_elsewhere_audits_an_online_run_on_the_servers_statements_not_t
         assert (tmp_path / "worker-work" / "cache" / str(run_id) / "bundle").is_dir()  # fetched from the bucket
     lb.engine.dispose()
     elsewhere.engine.dispose()
+
+
+def test_a_working_folder_keeps_unpacked_bundles_within_its_bound_least_recently_used_first(s3, tmp_path):
+    from witness.leaderboard.s3store import S3Store
+
+    store = S3Store(s3, tmp_path / "work")
+    store.cache_bytes = 5 << 20  # two of these bundles, not three
+    pads = {}
+    for run_id in (1, 2, 3):
+        pads[run_id] = os.urandom(2 << 20)
+        src = tmp_path / f"{run_id}.tar"
+        src.write_bytes(_tar([("bundle/bundle.json", b"{}"), ("bundle/pad", pads[run_id])]))
+        store.put(archive_key(run_id), src)
+
+    def cached() -> list[int]:
+        return sorted(int(p.name) for p in (tmp_path / "work" / "cache").iterdir() if p.name.isdigit())
+
+    store.bundle_dir(1)
+    store.bundle_dir(2)
+    store.bundle_dir(1)  # used again: 2 is now the least recently used
+    store.bundle_dir(3)
+    assert cached() == [1, 3]
+    with store.keep_bundle(1), store.keep_bundle(3):  # in use by workers of this machine: neither goes
+        assert (store.bundle_dir(2) / "pad").read_bytes() == pads[2]  # fetched and unpacked again
+        assert cached() == [1, 2, 3]
+    store.evict()  # free again: the least recently used goes
+    assert cached() == [2, 3]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from .store import DEFAULT_MAX_UPLOAD
 
 DEFAULT_STORE = "leaderboard-data"
+DEFAULT_CACHE_GB = 50.0  # unpacked bundles a server's or worker's working folder keeps, with an s3:// store
 
 
 def settings_from(args: argparse.Namespace):
@@ -40,9 +42,22 @@ def settings_from(args: argparse.Namespace):
                     max_queued_challenges=args.max_queued_challenges,
                     server_key=Path(args.server_key) if args.server_key else None,
                     public_url=getattr(args, "public_url", None),
-                    presign_endpoint=_presign(args, store),
+                    presign_endpoint=_presign(args, store), cache_bytes=_cache_bytes(args, store),
                     orphan_after_s=Settings.orphan_after_s if getattr(args, "orphan_after", None) is None
                     else args.orphan_after)
+
+
+def _cache_bytes(args: argparse.Namespace, store: Path | str) -> int | None:
+    """``--cache-gb`` in bytes for an s3:// store (its default where not given); a local store keeps all."""
+    gb = getattr(args, "cache_gb", None)
+    if not str(store).startswith("s3://"):
+        if gb is not None:
+            raise ValueError("--cache-gb needs an s3:// store (a local store's unpacked bundles are its own copy)")
+        return None
+    gb = DEFAULT_CACHE_GB if gb is None else gb
+    if not (math.isfinite(gb) and gb >= 0):
+        raise ValueError(f"--cache-gb takes a size in GB, not {gb}")
+    return int(gb * 1e9)
 
 
 def _presign(args: argparse.Namespace, store: Path | str) -> str | None:
@@ -84,6 +99,9 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                         "environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
     p.add_argument("--work", metavar="DIR", help="with an s3:// store: this process's local working folder (uploads "
                                                   "being received, unpacked bundles)")
+    p.add_argument("--cache-gb", type=float, metavar="GB",
+                   help=f"with an s3:// store: unpacked bundles kept in --work, at most (default {DEFAULT_CACHE_GB:g}; the "
+                        "least recently used go first, never one a worker of this machine is using)")
     p.add_argument("--track", action="append",
                    help="a track NAME=TASK[:KEY=VALUE,...][@METRIC+|-] (repeatable; default: the built-in tracks)")
     p.add_argument("--max-upload", type=int, default=DEFAULT_MAX_UPLOAD, help="largest accepted upload, in bytes")
@@ -116,6 +134,8 @@ def worker_command(args: argparse.Namespace) -> list[str]:
            "--max-upload", str(args.max_upload), "--parent", str(os.getpid())]
     if args.work:
         cmd += ["--work", args.work]
+    if args.cache_gb is not None:
+        cmd += ["--cache-gb", repr(args.cache_gb)]
     if args.server_key:
         cmd += ["--server-key", args.server_key]
     if args.db:

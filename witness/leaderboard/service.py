@@ -104,6 +104,9 @@ class Settings:
     # With an s3:// store: downloads redirect to presigned URLs on this endpoint (the store as the
     # readers reach it; "" for the endpoint the server uses), instead of streaming through the server.
     presign_endpoint: str | None = None
+    # With an s3:// store: at most this many bytes of unpacked bundles kept in ``work`` (the least
+    # recently used go first, never one in use); None keeps every one.
+    cache_bytes: int | None = None
 
     @property
     def certify_challenges(self) -> int:
@@ -159,7 +162,7 @@ class Leaderboard:
         self.engine = make_engine(settings.db_url)
         migrate(self.engine)
         self.Session = sessions(self.engine)
-        self.store = open_store(settings.store, settings.work, settings.presign_endpoint)
+        self.store = open_store(settings.store, settings.work, settings.presign_endpoint, settings.cache_bytes)
         self.key = load_or_create_key(settings.server_key or self.store.root / "server_key.pem")
         self.public_key = public_hex(self.key.public_key())
         self.beacon = Beacon(self.key)  # the same beacon as `witness beacon serve`, signing with the server key

@@ -11,6 +11,8 @@ the unpacked size and file count are bounded, and files are written by this code
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import io
 import os
@@ -120,6 +122,12 @@ class Store:
         """Where this process keeps the run's unpacked bundle."""
         return self.root / "cache" / str(int(run_id))
 
+    # The unpacked bundles of a working folder are a cache of the store's archives: with a bound,
+    # the least recently used go once the folder holds more than ``cache_bytes`` (never one that a
+    # worker of this machine is using: it holds a shared lock on it). None: no bound (the local
+    # store, whose unpacked bundles are its own copy).
+    cache_bytes: int | None = None
+
     # --- shared ---------------------------------------------------------------------
     def bundle_dir(self, run_id: int) -> Path:
         """The run's unpacked bundle on this machine: kept since the submission, or fetched from the
@@ -138,7 +146,50 @@ class Store:
                 shutil.rmtree(staging, ignore_errors=True)
             finally:
                 tmp.unlink(missing_ok=True)
+            self.evict(keep=run_id)
+        elif self.cache_bytes is not None:
+            os.utime(d.parent)  # used now: the last to go
         return d
+
+    def _lock(self, run_id: int) -> Path:
+        return self.root / "cache" / f"{int(run_id)}.lock"
+
+    @contextlib.contextmanager
+    def keep_bundle(self, run_id: int) -> Iterator[None]:
+        """While in this block, the run's unpacked bundle here is not evicted (a shared lock that
+        other processes of this machine see)."""
+        if self.cache_bytes is None:
+            yield
+            return
+        lock = self._lock(run_id)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+            yield
+
+    def evict(self, keep: int | None = None) -> int:
+        """Remove the least recently used unpacked bundles that no process here is using until the
+        cache is within its bound (``keep``'s stays); the bytes removed."""
+        if self.cache_bytes is None:
+            return 0
+        cache = self.root / "cache"
+        entries = sorted((p.stat().st_mtime, p) for p in cache.iterdir() if p.name.isdigit() and p.is_dir())
+        sizes = {p: _tree_bytes(p) for _, p in entries}
+        total, removed = sum(sizes.values()), 0
+        for _, p in entries:
+            if total <= self.cache_bytes:
+                break
+            if keep is not None and p.name == str(int(keep)):
+                continue
+            with open(self._lock(int(p.name)), "a+b") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a worker of this machine is using it
+                shutil.rmtree(p, ignore_errors=True)
+            total -= sizes[p]
+            removed += sizes[p]
+        return removed
 
     def leaves_file(self, data_root: str) -> Path:
         """Where a track's dataset leaves are kept once written (named by the data root they commit)."""
@@ -217,6 +268,7 @@ class Store:
         shutil.rmtree(staging)
         upload.staging = None
         self.keep(upload, archive_key(run_id))
+        self.evict(keep=run_id)
 
     def drop(self, upload: Upload) -> None:
         """Remove what is left of an upload that was refused (or kept: then nothing is left)."""
@@ -465,6 +517,16 @@ def link_or_copy(src: Path, dest: Path) -> None:
         shutil.copyfile(src, dest)
 
 
+def _tree_bytes(path: Path) -> int:
+    """The bytes of the files under ``path`` (as they are found: a concurrent removal is not an error)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
 def is_older(path: Path, bound_s: float) -> bool:
     """Whether ``path`` was last written ``bound_s`` seconds ago or more (False if it is gone)."""
     try:
@@ -482,19 +544,24 @@ def remove_path(path: Path) -> None:
 
 
 def open_store(spec: str | os.PathLike, work: str | os.PathLike | None = None,
-               presign_endpoint: str | None = None) -> Store:
+               presign_endpoint: str | None = None, cache_bytes: int | None = None) -> Store:
     """The store a ``--store`` names: a folder (``LocalStore``), or ``s3://bucket[/prefix]``
     (``S3Store``, endpoint and credentials from the environment, working folder ``work``, downloads
-    presigned for ``presign_endpoint`` where it is given)."""
+    presigned for ``presign_endpoint`` where it is given, at most ``cache_bytes`` of unpacked bundles
+    kept in ``work``)."""
     text = str(spec)
     if text.startswith("s3://"):
         from .s3store import S3Store
 
         if work is None:
             raise ValueError("an s3:// store needs a local working folder (--work DIR)")
-        return S3Store(text, Path(work), presign_endpoint)
+        store = S3Store(text, Path(work), presign_endpoint)
+        store.cache_bytes = cache_bytes
+        return store
     if presign_endpoint is not None:
         raise ValueError("presigned downloads need an s3:// store")
+    if cache_bytes is not None:
+        raise ValueError("a bound on unpacked bundles needs an s3:// store (a local store's are its own copy)")
     return LocalStore(Path(spec))
 
 

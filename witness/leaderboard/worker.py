@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from sqlalchemy import select, update
 
@@ -57,7 +57,7 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         from .online import process_online
 
         return process_online(lb, job, worker)
-    with lb.Session() as s:
+    with lb.Session() as s, ExitStack() as kept:
         job = s.get(Job, job.id)
         run = s.get(Run, job.run_id)
         acct = s.get(Account, run.account_id)
@@ -75,6 +75,8 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         online = job.kind == "certify" and run.online_p is not None
         replayed = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id,
                                                                OnlineStep.status == "passed"))) if online else set()
+        # the unpacked bundle stays here (not evicted from this machine's cache) until the job is done
+        kept.enter_context(lb.store.keep_bundle(run.id))
         try:  # opened (parsed, every hash and signature checked) once, for the audit, evaluation and plots
             bundle = open_bundle(lb.run_bundle(s, run), acct.public_key)
             how = {"mode": "online", "beacon_key": lb.public_key, "skip": replayed} if online else \
