@@ -147,7 +147,7 @@ def drain(lb: Leaderboard, procs: list[subprocess.Popen], timeout_s: float = 180
 
 
 def run_demo(folder: Path, port: int = 8080, serve: bool = True, db: str | None = None, store: str | None = None,
-             workers: int = 2, reset: bool = False) -> int:
+             workers: int = 1, reset: bool = False) -> int:
     """Fill a fresh leaderboard in ``folder`` and (unless ``serve`` is False) serve it until Ctrl-C;
     with ``store`` an s3:// URL (and ``db`` PostgreSQL), the scale-out variant with ``workers``
     worker processes."""
