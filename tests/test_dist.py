@@ -125,7 +125,8 @@ def test_a_rank_training_on_another_batch_is_rejected(runs, parallelism):
     verify_bundle(out, challenges=2, nonce=early)  # challenges before the checkpoint at 4 do not see step 6
 
 
-@pytest.mark.parametrize("parallelism,ranks", [("ddp", 4), ("fsdp", 4), ("ddp", 8), ("fsdp", 8)])
+# 8 ranks (2 run in the tests above): 4 told nothing 8 does not, and cost the suite 22 s
+@pytest.mark.parametrize("parallelism,ranks", [("ddp", 8), ("fsdp", 8)])
 def test_many_ranks_replay_bit_exactly_on_one_process(runs, parallelism, ranks):
     # The collectives would add the ranks' gradients (and FSDP2's clipping norm) in their own
     # order; the rank-ordered hook, reduce-scatter and norm make one process reproduce every bit.
