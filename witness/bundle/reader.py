@@ -61,6 +61,9 @@ class Bundle:
     # committed checkpoints an online run left out (it is audited from its selected states)
     missing_checkpoints: list[int] = field(default_factory=list)
     probes: Path | None = None  # the probe inputs (read when checked)
+    # leaves files already checked against the manifest's data root, by (path, document rule): the
+    # check hashes every sample's leaf, and several steps of one audit need the leaves
+    checked_leaves: dict = field(default_factory=dict, repr=False, compare=False)
 
     def held_states(self) -> list[int]:
         """Steps whose state the bundle holds as tensors (checkpoints and online states), ascending."""

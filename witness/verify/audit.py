@@ -56,6 +56,12 @@ DEFAULT_CONFIDENCE = 0.99
 DEFAULT_BAD_FRACTION = 0.05
 
 
+def _probes_from_bundle(task: Task, bundle: Bundle) -> bool:
+    """Whether the task's probes are the bundle's copy, checked against its committed leaves
+    (``task_of``), rather than read by the task from its own data."""
+    return task.probes_are_samples and bundle.probes is not None and bundle.leaves is not None
+
+
 def task_of(bundle: Bundle) -> Task:
     """The registered task the manifest names, with its recipe checked against the manifest."""
     m = bundle.manifest
@@ -68,7 +74,7 @@ def task_of(bundle: Bundle) -> Task:
         raise VerificationError("the manifest's task config is not in canonical form", check="manifest")
     if m.steps_planned != task.config.steps:
         raise VerificationError("steps_planned disagrees with the recipe", check="manifest")
-    if task.probes_are_samples and bundle.probes is not None and bundle.leaves is not None:
+    if _probes_from_bundle(task, bundle):
         # the task's probes are its first training samples: the bundle's copy (hash-checked against
         # the manifest) stands in for them, so no audit needs the data to read them, once each is
         # checked against the committed leaves (here, for every caller: an identity check or an
@@ -337,7 +343,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     checks += check_records(bundle, task, session)
     leaves = committed_leaves(bundle, task, local.dataset if local else None, leaves_path)
     checks += check_data_usage(bundle, task, leaves, local.dataset if local else None)
-    if task.probes_are_samples and bundle.probes is not None and bundle.leaves is not None:
+    if _probes_from_bundle(task, bundle):
         checks.append(f"the {len(task.probe_bytes())} probes the bundle carries are the first samples of the committed "
                       "dataset")
     if leaves is None and local is None and bundle.complete:

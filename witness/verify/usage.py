@@ -39,16 +39,25 @@ def committed_leaves(bundle: Bundle, task: Task, dataset: Dataset | None = None,
     path = Path(leaves_path) if leaves_path is not None else bundle.leaves
     if dataset is not None:
         if path is not None:  # the bundle carries a file too: it must be the same commitment
-            read_leaves(path, samples=m.dataset_size, rule=task.document_rule)[0].check_root(m.data_root)
+            _checked_file(bundle, task, path)
         return dataset.leaves
     if path is None:
         raise MalformedInput("this audit needs the dataset's leaves (the per-sample commitments): the bundle "
                              "has no dataset.leaves; pass --leaves FILE, or verify offline with the dataset")
     if not path.is_file() or path.is_symlink():
         raise MalformedInput(f"{path} is not a leaves file")
-    leaves, _ = read_leaves(path, samples=m.dataset_size, rule=task.document_rule)
-    leaves.check_root(m.data_root)
-    return leaves
+    return _checked_file(bundle, task, path)
+
+
+def _checked_file(bundle: Bundle, task: Task, path: Path) -> DatasetLeaves:
+    """A leaves file read and checked against the manifest's data root, once per bundle and file."""
+    key = (path.resolve(), task.document_rule)
+    if key not in bundle.checked_leaves:
+        m = bundle.manifest
+        leaves, _ = read_leaves(path, samples=m.dataset_size, rule=task.document_rule)
+        leaves.check_root(m.data_root)
+        bundle.checked_leaves[key] = leaves
+    return bundle.checked_leaves[key]
 
 
 def check_batch_roots(bundle: Bundle, batch_root) -> None:  # noqa: ANN001 - indices -> root
