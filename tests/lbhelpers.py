@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+import tarfile
 from pathlib import Path
 
 import httpx
@@ -61,6 +63,23 @@ def fresh_s3(monkeypatch: pytest.MonkeyPatch) -> str:
                 pytest.fail(f"the S3 store at {S3_URL} is not reachable ({e}); run scripts/services.sh first")
             time.sleep(0.5)
     return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"  # one bucket (a bucket is a collection of volumes), a prefix each
+
+
+def unfinished_s3(store) -> list[str]:  # noqa: ANN001 - an S3Store
+    """The bucket's unfinished multipart uploads and objects under the store's incoming/ prefix."""
+    ups = store.s3.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix + "incoming/").get("Uploads", [])
+    return [u["Key"] for u in ups] + [k for k, _ in store.keys("incoming/")]
+
+
+def tar_bytes(files: dict[str, bytes]) -> bytes:
+    """A tar archive of regular files, by name, in the order given."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def make_settings(backend: str, tmp: Path, **kw) -> Settings:

@@ -8,15 +8,13 @@ where the walks after it did: the canonical re-encoding, a recipe's canonical fo
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import shutil
-import tarfile
 
 import httpx
 import pytest
 from helpers import log_lines, train_tiny
-from lbhelpers import make_settings
+from lbhelpers import make_settings, tar_bytes
 
 from witness.bundle.layout import HEADS, LOG
 from witness.cli import main
@@ -194,16 +192,6 @@ def test_every_json_body_of_the_api_refuses_any_depth(tmp_path):
     _serve(tmp_path, requests)
 
 
-def _tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def _nested_manifest(d: int) -> str:
     """A manifest line whose recipe nests ``d`` levels deep."""
     return '{"task_config":' + nested(d) + ',"type":"manifest"}'
@@ -229,7 +217,7 @@ def test_a_streamed_manifest_and_an_uploaded_log_nested_at_any_depth_are_refused
                 assert info.value.status == 400, (d, info.value.message)  # within the limit: not this ticket's run
                 if d > MAX_JSON_DEPTH:
                     assert info.value.message.startswith("manifest: ") and "nested" in info.value.message, d
-                archive.write_bytes(_tar(files | {f"bundle/{HEADS}": nested(d).encode() + b"\n",
+                archive.write_bytes(tar_bytes(files | {f"bundle/{HEADS}": nested(d).encode() + b"\n",
                                                   "evaluation.json": b"{}"}))
                 with pytest.raises(ApiError) as info:
                     lb.submit(s, acct, Upload("0" * 64, archive.stat().st_size, str(archive),
@@ -247,7 +235,7 @@ def test_a_streamed_manifest_and_an_uploaded_log_nested_at_any_depth_are_refused
             r = await c.post(f"/api/runs/{run_id}/heads", json={"tree_head": head.to_json(), "manifest": manifest},
                              headers=auth)
             assert r.status_code == 400, (d, r.status_code, r.text[:200])
-            upload = _tar(files | {f"bundle/{HEADS}": nested(d).encode() + b"\n", "evaluation.json": b"{}"})
+            upload = tar_bytes(files | {f"bundle/{HEADS}": nested(d).encode() + b"\n", "evaluation.json": b"{}"})
             r = await c.post("/api/submissions", content=upload, headers=auth | {"content-type": "application/x-tar"})
             assert r.status_code == 400 and "the bundle is not valid" in r.text, (d, r.status_code, r.text[:200])
 

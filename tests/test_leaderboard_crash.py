@@ -17,7 +17,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lbhelpers import QUICK, S3_ENV, fresh_postgres, fresh_s3, register, submit, train_and_certify
+from lbhelpers import (
+    QUICK,
+    S3_ENV,
+    fresh_postgres,
+    fresh_s3,
+    register,
+    submit,
+    train_and_certify,
+    unfinished_s3,
+)
 from sqlalchemy import create_engine, func, select
 
 from witness.leaderboard.db import Job, Round, Run
@@ -78,12 +87,6 @@ def crashing(request, tmp_path, monkeypatch):
         server.kill()
 
 
-def _unfinished_s3(store) -> list[str]:  # noqa: ANN001 - an S3Store
-    """The bucket's unfinished multipart uploads and objects under the store's incoming/ prefix."""
-    ups = store.s3.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix + "incoming/").get("Uploads", [])
-    return [u["Key"] for u in ups] + [k for k, _ in store.keys("incoming/")]
-
-
 def _status(url: str, run_id: int) -> str:
     return httpx.get(f"{url}/api/runs/{run_id}", timeout=10).json()["status"]
 
@@ -108,7 +111,7 @@ def test_a_server_killed_mid_upload_and_mid_verification_loses_nothing_and_decid
         unpacked = any(p.name.startswith("unpack-") for p in incoming.iterdir())  # being unpacked as it arrives
         if s3 is None:
             return unpacked and any(p.name.startswith("upload-") and p.stat().st_size > 0 for p in incoming.iterdir())
-        return unpacked and bool(_unfinished_s3(s3))  # the upload is in the bucket as it arrives
+        return unpacked and bool(unfinished_s3(s3))  # the upload is in the bucket as it arrives
 
     deadline = time.monotonic() + 10
     while not half_stored() and time.monotonic() < deadline:
@@ -119,7 +122,7 @@ def test_a_server_killed_mid_upload_and_mid_verification_loses_nothing_and_decid
     server.start()
     assert list(incoming.iterdir()) == []  # the half upload is gone
     if s3 is not None:
-        assert _unfinished_s3(s3) == []  # its multipart upload aborted
+        assert unfinished_s3(s3) == []  # its multipart upload aborted
     assert _status(server.url, run_id) == "ticketed"  # nothing was lost: the trainer submits again
     assert client.get(f"/runs/{run_id}/download/submission.tar").status_code == 404
 

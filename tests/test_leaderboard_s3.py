@@ -7,13 +7,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import socket
 import subprocess
 import sys
-import tarfile
 import time
 
 import httpx
@@ -29,7 +27,9 @@ from lbhelpers import (
     fresh_s3,
     register,
     submit,
+    tar_bytes,
     train_and_certify,
+    unfinished_s3,
 )
 
 from witness.leaderboard.app import create_app
@@ -111,23 +111,6 @@ def test_a_worker_elsewhere_certifies_a_run_through_postgres_and_the_object_stor
     lb.engine.dispose()
 
 
-def _tar(members: list[tuple[str, bytes]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def _unfinished(lb: Leaderboard) -> list[str]:
-    """The store's unfinished multipart uploads, and objects, under its incoming/ prefix."""
-    store = lb.store
-    ups = store.s3.list_multipart_uploads(Bucket=BUCKET, Prefix=store.prefix + "incoming/").get("Uploads", [])
-    return [u["Key"] for u in ups] + [k for k, _ in store.keys("incoming/")]
-
-
 def test_an_upload_goes_into_the_bucket_as_it_arrives_and_one_refused_or_cut_off_leaves_nothing(s3, tmp_path):
     lb = Leaderboard(Settings(db_url=f"sqlite:///{tmp_path / 'lb.db'}", store=s3, work=tmp_path / "work",
                               tracks=(parse_track(QUICK),), body_idle_timeout=5.0))
@@ -135,7 +118,7 @@ def test_an_upload_goes_into_the_bucket_as_it_arrives_and_one_refused_or_cut_off
     server, thread, url = start_uvicorn(create_app(lb=lb))
     try:
         token = register(httpx.Client(base_url=url), "alice").token
-        data = _tar([("bundle/bundle.json", b"{}"), ("bundle/checkpoints/pad", os.urandom(12 << 20))])
+        data = tar_bytes({"bundle/bundle.json": b"{}", "bundle/checkpoints/pad": os.urandom(12 << 20)})
         host, port = url.removeprefix("http://").split(":")
         sock = socket.create_connection((host, int(port)), timeout=10)
         sock.sendall(b"POST /api/submissions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
@@ -153,19 +136,19 @@ def test_an_upload_goes_into_the_bucket_as_it_arrives_and_one_refused_or_cut_off
         assert [p.name.startswith("unpack-") for p in (tmp_path / "work" / "incoming").iterdir()] == [True]
         sock.close()  # the client goes away: the multipart upload is aborted, the unpacked part removed
         deadline = time.monotonic() + 10
-        while (_unfinished(lb) or any((tmp_path / "work" / "incoming").iterdir())) and time.monotonic() < deadline:
+        while (unfinished_s3(lb.store) or any((tmp_path / "work" / "incoming").iterdir())) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _unfinished(lb) == [] and list((tmp_path / "work" / "incoming").iterdir()) == []
+        assert unfinished_s3(lb.store) == [] and list((tmp_path / "work" / "incoming").iterdir()) == []
 
         # found bad at its first member: the rest is read and stored nowhere, the answer is a clean 400
-        bad = _tar([("../evil", b"x"), ("bundle/pad", os.urandom(8 << 20))])
+        bad = tar_bytes({"../evil": b"x", "bundle/pad": os.urandom(8 << 20)})
         r = httpx.post(f"{url}/api/submissions", content=bad, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         assert r.status_code == 400 and "escapes the upload" in r.json()["detail"], r.text
         # unpacked whole and refused by the bundle check
-        junk = _tar([("bundle/bundle.json", b"{}"), ("bundle/pad", os.urandom(6 << 20))])
+        junk = tar_bytes({"bundle/bundle.json": b"{}", "bundle/pad": os.urandom(6 << 20)})
         r = httpx.post(f"{url}/api/submissions", content=junk, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         assert r.status_code == 400 and "the bundle is not valid" in r.json()["detail"], r.text
-        assert _unfinished(lb) == [] and list(store.keys("runs/")) == []
+        assert unfinished_s3(lb.store) == [] and list(store.keys("runs/")) == []
         assert list((tmp_path / "work" / "incoming").iterdir()) == []
     finally:
         stop_uvicorn(server, thread)
@@ -235,7 +218,7 @@ def test_a_working_folder_keeps_unpacked_bundles_within_its_bound_least_recently
     for run_id in (1, 2, 3):
         pads[run_id] = os.urandom(2 << 20)
         src = tmp_path / f"{run_id}.tar"
-        src.write_bytes(_tar([("bundle/bundle.json", b"{}"), ("bundle/pad", pads[run_id])]))
+        src.write_bytes(tar_bytes({"bundle/bundle.json": b"{}", "bundle/pad": pads[run_id]}))
         store.put(archive_key(run_id), src)
 
     def cached() -> list[int]:
