@@ -243,16 +243,16 @@ def test_a_published_head_pins_the_log_against_rewriting(bundle_copy, signing_ke
 
     published = tmp_path / "head.json"
     published.write_bytes((bundle_copy / "heads.jsonl").read_bytes().split(b"\n")[2])  # after step 19
-    assert main(["verify", str(bundle_copy), "--challenges", "1", "--published-head", str(published)]) == 0
+    assert main(["verify", "--allow-weak", str(bundle_copy), "--challenges", "1", "--published-head", str(published)]) == 0
     # The trainer rewrites an early record and re-signs everything: every signature is valid...
     lines = _lines(bundle_copy)
     lines[5] = _edit(lines[5], loss=0.001)
     _resign(bundle_copy, signing_key, lines)
     # ...but the log no longer extends the head it published before.
-    assert main(["verify", str(bundle_copy), "--challenges", "1", "--published-head", str(published)]) == 1
+    assert main(["verify", "--allow-weak", str(bundle_copy), "--challenges", "1", "--published-head", str(published)]) == 1
     assert "rewritten after that head was published" in capsys.readouterr().err
     published.write_text("{}")
-    assert main(["verify", str(bundle_copy), "--published-head", str(published)]) == 2
+    assert main(["verify", "--allow-weak", str(bundle_copy), "--published-head", str(published)]) == 2
 
 
 def _sign_prefix(bundle, key, records: int) -> None:

@@ -35,7 +35,7 @@ def gpt_run(tmp_path_factory):
 
 def test_tinygpt_replays_bit_exactly_with_another_thread_count(gpt_run):
     assert open_bundle(gpt_run).manifest.threads == 2
-    res = _cli("verify", str(gpt_run), "--challenges", "16", "--threads", "1", "--json", threads=1)
+    res = _cli("verify", "--allow-weak", str(gpt_run), "--challenges", "16", "--threads", "1", "--json", threads=1)
     assert res.returncode == 0, res.stderr + res.stdout
     v = json.loads(res.stdout)
     assert v["accepted"] is True and v["exact"] is True and v["challenges"] == 16
@@ -48,7 +48,7 @@ def test_interactive_round_trip_through_the_cli(gpt_run, tmp_path):
     resp = tmp_path / "resp"
     res = _cli("respond", str(gpt_run), "--nonce", "abcd", "--challenges", "4", "--out", str(resp))
     assert res.returncode == 0, res.stderr
-    res = _cli("verify", str(gpt_run), "--mode", "interactive", "--response", str(resp), "--nonce", "abcd",
+    res = _cli("verify", "--allow-weak", str(gpt_run), "--mode", "interactive", "--response", str(resp), "--nonce", "abcd",
                "--challenges", "4", "--json", "--threads", "1")
     assert res.returncode == 0, res.stderr
     v = json.loads(res.stdout)
@@ -56,7 +56,7 @@ def test_interactive_round_trip_through_the_cli(gpt_run, tmp_path):
     # Another nonce asks other questions: the old response does not answer them (which answer is
     # missing first, a state or a batch, depends on the run's random seed and so on the draw).
     other = nonce_drawing_elsewhere(gpt_run, bytes.fromhex("abcd"), 4).hex()
-    res = _cli("verify", str(gpt_run), "--mode", "interactive", "--response", str(resp), "--nonce", other,
+    res = _cli("verify", "--allow-weak", str(gpt_run), "--mode", "interactive", "--response", str(resp), "--nonce", other,
                "--challenges", "4", "--json")
     assert res.returncode == 1
     failure = json.loads(res.stdout)["failures"][0]
@@ -64,7 +64,7 @@ def test_interactive_round_trip_through_the_cli(gpt_run, tmp_path):
 
 
 def test_tolerance_mode_reports_every_threshold(gpt_run):
-    res = _cli("verify", str(gpt_run), "--challenges", "3", "--tolerance", "--json")
+    res = _cli("verify", "--allow-weak", str(gpt_run), "--challenges", "3", "--tolerance", "--json")
     assert res.returncode == 0, res.stderr
     v = json.loads(res.stdout)
     assert v["exact"] is False
@@ -72,16 +72,16 @@ def test_tolerance_mode_reports_every_threshold(gpt_run):
     # every replayed segment compares each step, then the whole state at its end with the checkpoint
     whole = {"loss", "fingerprint", "sketch", "parameters", "optimizer.exp_avg", "optimizer.exp_avg_sq"}
     assert all(set(r["distances"]) >= whole for r in v["results"] if r["replayed_steps"])
-    text = _cli("verify", str(gpt_run), "--challenges", "3", "--tolerance").stdout
+    text = _cli("verify", "--allow-weak", str(gpt_run), "--challenges", "3", "--tolerance").stdout
     assert "fingerprint: max distance" in text and "against threshold" in text
     assert "parameters: max distance" in text and "optimizer: max distance" in text
-    res = _cli("verify", str(gpt_run), "--challenges", "1", "--tolerance", "--threshold", "sketch=0.5", "--json")
+    res = _cli("verify", "--allow-weak", str(gpt_run), "--challenges", "1", "--tolerance", "--threshold", "sketch=0.5", "--json")
     assert json.loads(res.stdout)["thresholds"]["sketch"] == 0.5
-    assert _cli("verify", str(gpt_run), "--tolerance", "--threshold", "bogus=1").returncode == 2
+    assert _cli("verify", "--allow-weak", str(gpt_run), "--tolerance", "--threshold", "bogus=1").returncode == 2
 
 
 def test_confidence_chooses_q_and_inspect_summarises(gpt_run):
-    res = _cli("verify", str(gpt_run), "--confidence", "0.9", "--bad-fraction", "0.5", "--json")
+    res = _cli("verify", "--allow-weak", str(gpt_run), "--confidence", "0.9", "--bad-fraction", "0.5", "--json")
     assert json.loads(res.stdout)["challenges"] == 4  # 1 - 0.5^4 >= 0.9
     res = _cli("inspect", str(gpt_run))
     assert res.returncode == 0 and "tinygpt run, 16/16 steps signed (complete)" in res.stdout

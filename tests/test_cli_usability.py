@@ -73,7 +73,7 @@ def _with_closed_stdout(args: list[str], cwd) -> subprocess.CompletedProcess:
         os.close(w)
 
 
-@pytest.mark.parametrize("args", [["inspect", "B", "--json"], ["--help"], ["verify", "B", "--challenges", "2", "--json"]])
+@pytest.mark.parametrize("args", [["inspect", "B", "--json"], ["--help"], ["verify", "--allow-weak", "B", "--challenges", "2", "--json"]])
 def test_a_closed_pipe_ends_quietly(args, honest_bundle, tmp_path):
     done = _with_closed_stdout([str(honest_bundle) if a == "B" else a for a in args], tmp_path)
     assert "Traceback" not in done.stderr and "Broken pipe" not in done.stderr, done.stderr
@@ -91,11 +91,11 @@ def test_a_pipe_that_reads_part_of_the_output_ends_quietly(honest_bundle, tmp_pa
 
 
 def test_a_weak_audit_is_flagged(honest_bundle, capsys):
-    assert main(["verify", str(honest_bundle), "--challenges", "3", "--nonce", "01"]) == 0
+    assert main(["verify", "--allow-weak", str(honest_bundle), "--challenges", "3", "--nonce", "01"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ACCEPTED")
     assert "WARNING: weak audit" in out.splitlines()[1] and "14.26%" in out and "--challenges 45" in out, out
-    assert main(["verify", str(honest_bundle), "--challenges", "3", "--nonce", "01", "--json"]) == 0
+    assert main(["verify", "--allow-weak", str(honest_bundle), "--challenges", "3", "--nonce", "01", "--json"]) == 0
     assert "weak audit" in json.loads(capsys.readouterr().out)["warning"]
 
 

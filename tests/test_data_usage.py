@@ -109,7 +109,7 @@ def test_a_document_rule_swap_is_rejected_by_the_cheap_audit_and_offline(swapped
         with pytest.raises(VerificationError, match=SWAP) as info:
             verify_bundle(bundle, challenges=ALL, nonce=b"r", mode=mode, response=d / "resp")
         assert not isinstance(info.value, RunRejected)
-    assert main(["verify", str(bundle), "--mode", "interactive", "--response", str(d / "resp"), "--nonce", "72"]) == 1
+    assert main(["verify", "--allow-weak", str(bundle), "--mode", "interactive", "--response", str(d / "resp"), "--nonce", "72"]) == 1
 
 
 def test_a_document_rule_swap_cannot_prove_a_trained_file_absent(swapped, tmp_path, capsys):
@@ -246,7 +246,7 @@ def test_a_leaves_file_that_is_not_the_committed_dataset_is_refused(gpt_run, tmp
         with pytest.raises(VerificationError, match="leaves do not hash to the committed data root"):
             verify_bundle(bundle, challenges=1, mode=mode, response=d / "resp", nonce=b"r")
     (bundle / "dataset.leaves").write_bytes(b"WLEAVES1" + bytes(10))
-    assert main(["verify", str(bundle), "--mode", "interactive", "--response", str(d / "resp"), "--nonce", "72"]) == 2
+    assert main(["verify", "--allow-weak", str(bundle), "--mode", "interactive", "--response", str(d / "resp"), "--nonce", "72"]) == 2
 
 
 def test_a_dataset_root_that_mislabels_documents_is_caught_where_its_samples_are_replayed(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ class Boom:
 
 
 def _exit(bundle, *extra) -> int:
-    return main(["verify", str(bundle), "--challenges", "1", "--json", *extra])
+    return main(["verify", "--allow-weak", str(bundle), "--challenges", "1", "--json", *extra])
 
 
 def test_pickle_file_in_the_bundle(bundle_copy, capsys):
@@ -124,13 +124,13 @@ def test_response_with_a_linked_state(honest_bundle, tmp_path):
 
 
 def test_cli_exit_codes_in_a_fresh_process(honest_bundle, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "witness.cli", "verify", str(honest_bundle), "--challenges", "2"],
+    ok = subprocess.run([sys.executable, "-m", "witness.cli", "verify", "--allow-weak", str(honest_bundle), "--challenges", "2"],
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     bad = tmp_path / "b"
     shutil.copytree(honest_bundle, bad)
     (bad / "checkpoints" / "x.pkl").write_bytes(b"\x80\x04.")
-    res = subprocess.run([sys.executable, "-m", "witness.cli", "verify", str(bad)], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "witness.cli", "verify", "--allow-weak", str(bad)], capture_output=True, text=True)
     assert res.returncode == 2 and "pickle" in res.stderr
 
 

@@ -49,7 +49,7 @@ def trained(tmp_path_factory):
 def test_the_example_verifies_offline_with_its_data_moved_and_found_by_its_root(trained, tmp_path, capsys,
                                                                                 monkeypatch):
     monkeypatch.chdir(trained)
-    assert main(["verify", "run", "--mode", "offline", "--challenges", "3"]) == 0  # the data where the recipe names it
+    assert main(["verify", "--allow-weak", "run", "--mode", "offline", "--challenges", "3"]) == 0  # the data where the recipe names it
     capsys.readouterr()
     moved = tmp_path / "elsewhere" / "corpus"
     moved.parent.mkdir()
@@ -57,10 +57,10 @@ def test_the_example_verifies_offline_with_its_data_moved_and_found_by_its_root(
     (tmp_path / "empty").mkdir()
     monkeypatch.chdir(tmp_path / "empty")  # the recipe's name, data/train.bin, means nothing here
     registry._built.cache_clear()  # a verifier in a fresh process (this one holds the dataset it found)
-    assert main(["verify", str(trained / "run"), "--mode", "offline", "--challenges", "3"]) == 2
+    assert main(["verify", "--allow-weak", str(trained / "run"), "--mode", "offline", "--challenges", "3"]) == 2
     err = capsys.readouterr().err
     assert "'data/train.bin'" in err and "pass the folder it lies in with --data DIR" in err
-    assert main(["verify", str(trained / "run"), "--mode", "offline", "--challenges", "3", "--data",
+    assert main(["verify", "--allow-weak", str(trained / "run"), "--mode", "offline", "--challenges", "3", "--data",
                  str(tmp_path / "elsewhere")]) == 0
     out = capsys.readouterr().out
     assert "ACCEPTED" in out and f"the committed dataset is {moved / 'train.bin'} (found by its root" in out
@@ -74,7 +74,7 @@ def test_the_cheap_audit_needs_no_training_data(trained, tmp_path, capsys, monke
     (tmp_path / "empty").mkdir()
     monkeypatch.chdir(tmp_path / "empty")  # no data here, and none on the search path
     registry._built.cache_clear()  # nor any this process found before
-    assert main(["verify", str(copy), "--mode", "interactive", "--nonce", "0a0b", "--challenges", "2",
+    assert main(["verify", "--allow-weak", str(copy), "--mode", "interactive", "--nonce", "0a0b", "--challenges", "2",
                  "--response", str(tmp_path / "resp")]) == 0
     assert "ACCEPTED" in capsys.readouterr().out
 
@@ -89,7 +89,7 @@ def test_a_tampered_copy_of_the_example_is_rejected(trained, tmp_path, capsys, m
     tensors[name].view(-1)[0] += 1e-3
     save_file(tensors, ckpt)
     monkeypatch.chdir(trained)
-    assert main(["verify", str(copy), "--mode", "offline", "--challenges", "2"]) == 1
+    assert main(["verify", "--allow-weak", str(copy), "--mode", "offline", "--challenges", "2"]) == 1
     assert "REJECTED" in capsys.readouterr().err
 
 
@@ -117,9 +117,9 @@ def test_probes_that_are_not_the_committed_samples_are_rejected(trained, tmp_pat
     fake = [bytes(len(p)) for p in task.probe_bytes()]
     rec = Recorder.create(task.with_probes(fake), tmp_path / "run", generate_key(), r=b"\2" * 32, self_check=False)
     rec.train(progress=False)
-    assert main(["verify", str(tmp_path / "run"), "--challenges", "1"]) == 1
+    assert main(["verify", "--allow-weak", str(tmp_path / "run"), "--challenges", "1"]) == 1
     assert "probe 0 is not sample 0 of the committed dataset" in capsys.readouterr().err
     probes = tmp_path / "run" / "probes.json"  # and a probes file that is not the committed one at all
     probes.write_bytes(probes.read_bytes().replace(b'"0000', b'"0100', 1))
-    assert main(["verify", str(tmp_path / "run"), "--challenges", "1"]) == 1
+    assert main(["verify", "--allow-weak", str(tmp_path / "run"), "--challenges", "1"]) == 1
     assert "probes.json is not the probe set the manifest commits" in capsys.readouterr().err

@@ -120,9 +120,9 @@ def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_compari
     assert verify_bundle(tmp_path / "b", challenges=3).accepted
     # the command line: the verifier names the beacon's key, or the input is unusable
     from witness.cli import main
-    assert main(["verify", str(tmp_path / "b"), "--mode", "online", "--beacon-key", beacon.public_key, "--json"]) == 0
+    assert main(["verify", "--allow-weak", str(tmp_path / "b"), "--mode", "online", "--beacon-key", beacon.public_key, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["online"]["selected"] == want
-    assert main(["verify", str(tmp_path / "b"), "--mode", "online"]) == 2
+    assert main(["verify", "--allow-weak", str(tmp_path / "b"), "--mode", "online"]) == 2
     assert "--beacon-key" in capsys.readouterr().err
     # inspect shows the online audit's state
     assert main(["inspect", str(tmp_path / "b"), "--json"]) == 0

@@ -55,7 +55,7 @@ def site(tmp_path, monkeypatch):
 
 
 def _verify(bundle: Path, capsys) -> tuple[int, str]:
-    code = main(["verify", str(bundle), "--challenges", "2", "--json"])
+    code = main(["verify", "--allow-weak", str(bundle), "--challenges", "2", "--json"])
     return code, capsys.readouterr().err
 
 
@@ -158,7 +158,7 @@ def test_the_example_plugin_trains_verifies_and_rejects_a_tampered_copy(tmp_path
     resign(out, load_key(tmp_path / "k.pem"), [ln.encode() for ln in lines[:4]] + [canonical_json(rec)]
            + [ln.encode() for ln in lines[5:]])
     capsys.readouterr()
-    assert main(["verify", str(out), "--challenges", "8", "--nonce", "01", "--json"]) == 1
+    assert main(["verify", "--allow-weak", str(out), "--challenges", "8", "--nonce", "01", "--json"]) == 1
 
 
 def test_a_safetensors_header_of_640_bytes_is_not_a_pickle():

@@ -3,17 +3,25 @@ evidence of equivocation (two signed heads of one size with different roots)."""
 
 from __future__ import annotations
 
+import json
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    Connection,
     Engine,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
     UniqueConstraint,
+    inspect,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from ..commit.beacon import recipe_id
 
 
 class BeaconBase(DeclarativeBase):
@@ -34,16 +42,22 @@ class BeaconRun(BeaconBase):
     last_root: Mapped[str] = mapped_column(String(64))
     final: Mapped[bool] = mapped_column(Boolean, default=False)
     equivocated: Mapped[bool] = mapped_column(Boolean, default=False)
+    # what links restarts: the recipe (``commit.beacon.recipe_id``) and, at a leaderboard, the account
+    recipe: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    account: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
 class BeaconHead(BeaconBase):
     """A stamped head and the signed statement the beacon answered it with."""
 
     __tablename__ = "beacon_heads"
-    __table_args__ = (UniqueConstraint("run_id", "size"),)
+    # one statement per size, and one per window start: a window is drawn once
+    __table_args__ = (UniqueConstraint("run_id", "size"),
+                      Index("uq_beacon_heads_window", "run_id", "prev_size", unique=True))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("beacon_runs.id"), index=True)
     size: Mapped[int] = mapped_column(Integer)
+    prev_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     root: Mapped[str] = mapped_column(String(64))
     head_json: Mapped[str] = mapped_column(Text)
     statement_json: Mapped[str] = mapped_column(Text)
@@ -63,5 +77,32 @@ class BeaconEvidence(BeaconBase):
 
 
 def create_tables(engine: Engine) -> None:
-    """Create the beacon's tables where they are missing (a standalone beacon's database)."""
+    """Create the beacon's tables where they are missing (a standalone beacon's database), and bring
+    those of an earlier release up to date."""
     BeaconBase.metadata.create_all(engine)
+    with engine.begin() as conn:
+        add_linking(conn)
+
+
+def add_linking(conn: Connection) -> None:
+    """Add what witness 0.5's tables lack, filled in from what they hold: each run's recipe, an account
+    column, and each stamped head's window start, unique per run (one draw per window)."""
+    have = {c["name"] for c in inspect(conn).get_columns("beacon_runs")}
+    if "recipe" not in have:
+        conn.execute(text("ALTER TABLE beacon_runs ADD COLUMN recipe VARCHAR(64)"))
+        conn.execute(text("ALTER TABLE beacon_runs ADD COLUMN account VARCHAR(128)"))
+        conn.execute(text("CREATE INDEX ix_beacon_runs_recipe ON beacon_runs (recipe)"))
+        conn.execute(text("CREATE INDEX ix_beacon_runs_account ON beacon_runs (account)"))
+        for rid, manifest in conn.execute(text("SELECT id, manifest FROM beacon_runs")).all():
+            conn.execute(text("UPDATE beacon_runs SET recipe = :r WHERE id = :i"),
+                         {"r": recipe_id(json.loads(manifest)).hex(), "i": rid})
+    if "prev_size" not in {c["name"] for c in inspect(conn).get_columns("beacon_heads")}:
+        conn.execute(text("ALTER TABLE beacon_heads ADD COLUMN prev_size INTEGER"))
+        for hid, st in conn.execute(text("SELECT id, statement_json FROM beacon_heads")).all():
+            conn.execute(text("UPDATE beacon_heads SET prev_size = :p WHERE id = :i"),
+                         {"p": json.loads(st)["prev_size"], "i": hid})
+        # a database that already holds two statements of one window (the race of witness 0.5) keeps
+        # them as they are: new ones are held to one per window by the stamp's conditional update
+        twice = conn.execute(text("SELECT 1 FROM beacon_heads GROUP BY run_id, prev_size HAVING COUNT(*) > 1")).first()
+        if twice is None:
+            conn.execute(text("CREATE UNIQUE INDEX uq_beacon_heads_window ON beacon_heads (run_id, prev_size)"))

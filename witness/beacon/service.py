@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import select
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ..commit.beacon import BETA_BYTES, BeaconStatement, run_id
+from ..commit.beacon import BETA_BYTES, BeaconStatement, recipe_id, run_id
 from ..commit.hashing import canonical_json, from_hex, parse_canonical_json, same
 from ..commit.merkle import verify_consistency
 from ..commit.signing import SignedTreeHead, public_hex, public_key_from_hex
@@ -63,9 +63,10 @@ class Beacon:
         return public_hex(self.key.public_key())
 
     def stamp(self, s: Session, tree_head: object, consistency: object = (), manifest: str | None = None,
-              run: str | None = None) -> BeaconStatement:
+              run: str | None = None, account: str | None = None) -> BeaconStatement:
         """Check ``tree_head`` and answer it with a signed statement (the same one again for a head
-        already stamped). Raises ``BeaconRefused``."""
+        already stamped). ``account`` names who streams the run, where the caller knows it (a
+        leaderboard): its runs are linked to each other as well. Raises ``BeaconRefused``."""
         try:
             head = SignedTreeHead.from_json(tree_head)
             proof = self._proof(consistency)
@@ -73,7 +74,12 @@ class Beacon:
             raise BeaconRefused(400, f"tree head refused: {e}") from None
         row = self._run(s, head, proof, manifest, run)
         if row is None:  # a new run, its first head checked against its manifest
-            return self._new_run(s, head, proof, manifest)  # type: ignore[arg-type]
+            return self._new_run(s, head, proof, manifest, account)  # type: ignore[arg-type]
+        if row.account != account:
+            # a run first streamed by someone else (or around the leaderboard, to its beacon's own
+            # routes) has draws its trainer may have seen: none of them is an account's
+            raise BeaconRefused(409, f"run {row.run[:16]}… was first streamed to this beacon "
+                                     + ("outside the leaderboard" if row.account is None else "by another account"))
         return self._extend(s, row, head, proof)
 
     @staticmethod
@@ -96,7 +102,8 @@ class Beacon:
                                      "its manifest")
         return found
 
-    def _new_run(self, s: Session, head: SignedTreeHead, proof: list[bytes], manifest: str) -> BeaconStatement:
+    def _new_run(self, s: Session, head: SignedTreeHead, proof: list[bytes], manifest: str,
+                 account: str | None) -> BeaconStatement:
         line = manifest.encode()
         try:
             m = parse_canonical_json(line)
@@ -110,9 +117,13 @@ class Beacon:
             verify_consistency(1, head.size, run_id(line), head.root, proof)
         except VerificationError as e:
             raise BeaconRefused(400, f"tree head refused: {e}") from None
+        try:
+            recipe = recipe_id(m).hex()
+        except (ValueError, UnicodeError) as e:
+            raise BeaconRefused(400, f"manifest: {e}") from None
         t = now_ms()
         row = BeaconRun(run=run_id(line).hex(), public_key=m["public_key"], manifest=manifest, first_ms=t, last_ms=t,
-                        last_size=0, last_root="", final=False, equivocated=False)
+                        last_size=0, last_root="", final=False, equivocated=False, recipe=recipe, account=account)
         s.add(row)
         try:
             s.flush()
@@ -120,6 +131,9 @@ class Beacon:
             s.rollback()
             known = s.scalar(select(BeaconRun).where(BeaconRun.run == run_id(line).hex()))
             assert known is not None
+            if known.account != account:
+                raise BeaconRefused(409, f"run {known.run[:16]}… was first streamed to this beacon by another "
+                                         "client") from None
             return self._extend(s, known, head, proof)
         return self._answer(s, row, head, t)
 
@@ -148,19 +162,59 @@ class Beacon:
         return self._answer(s, row, head, now_ms())
 
     def _answer(self, s: Session, row: BeaconRun, head: SignedTreeHead, t: int) -> BeaconStatement:
+        """Stamp ``head`` as the run's next window, once: the check of the last stamped size and its
+        update are one conditional UPDATE, so of parallel heads that extend one stamped head exactly
+        one is answered (a draw per window); the others are refused."""
+        prev_size, prev_root = row.last_size, row.last_root
         final = head.extensions is not None and FINAL_EXTENSION in head.extensions
-        statement = BeaconStatement(self.public_key, bytes.fromhex(row.run), head.size, head.root, row.last_size,
-                                    self.draw(row.last_size, head.size), t, final).signed(self.key)
-        s.add(BeaconHead(run_id=row.id, size=head.size, root=head.root.hex(),
+        won = s.execute(update(BeaconRun)
+                        .where(BeaconRun.id == row.id, BeaconRun.last_size == prev_size,
+                               BeaconRun.last_root == prev_root, BeaconRun.final.is_(False),
+                               BeaconRun.equivocated.is_(False))
+                        .values(last_size=head.size, last_root=head.root.hex(), last_ms=t, final=final)
+                        .execution_options(synchronize_session=False)).rowcount
+        if won != 1:
+            s.rollback()
+            return self._lost(s, row, head, prev_size)
+        others = unfinished = None
+        if final:  # counted under the run's row lock, with every attempt first seen before this head
+            others, unfinished = self._linked(s, row)
+        statement = BeaconStatement(self.public_key, bytes.fromhex(row.run), head.size, head.root, prev_size,
+                                    self.draw(prev_size, head.size), t, final, others=others,
+                                    unfinished=unfinished).signed(self.key)
+        s.add(BeaconHead(run_id=row.id, size=head.size, root=head.root.hex(), prev_size=prev_size,
                          head_json=canonical_json(head.to_json()).decode(),
                          statement_json=canonical_json(statement.to_json()).decode(), received_ms=t))
-        row.last_size, row.last_root, row.last_ms, row.final = head.size, head.root.hex(), t, final
         try:
             s.commit()
-        except IntegrityError:  # another request stamped this size first: answer with what it stamped
+        except IntegrityError:  # a unique (run, size) or (run, prev_size) row beat it: the refusal says which
             s.rollback()
-            return self.stamp(s, head.to_json(), [], None, row.run)
+            return self._lost(s, row, head, prev_size)
+        s.expire(row)  # its columns changed in the database, not in this object: never flushed back
         return statement
+
+    def _lost(self, s: Session, row: BeaconRun, head: SignedTreeHead, prev_size: int) -> BeaconStatement:
+        """A head that another request overtook: the statement of the same head if that is what was
+        stamped (a repeat), else a refusal (its window was drawn for another head)."""
+        stamped = s.scalar(select(BeaconHead).where(BeaconHead.run_id == row.id, BeaconHead.size == head.size))
+        if stamped is not None and same(bytes.fromhex(stamped.root), head.root):
+            return BeaconStatement.from_json(json.loads(stamped.statement_json))
+        now = s.scalar(select(BeaconRun.last_size).where(BeaconRun.id == row.id))
+        raise BeaconRefused(409, f"another head of run {row.run[:16]}… was stamped while this one (size {head.size}) "
+                                 f"was checked: the window after size {prev_size} is drawn once, and the run's last "
+                                 f"stamped head is now of size {now}; send heads in order, one at a time")
+
+    def _linked(self, s: Session, row: BeaconRun) -> tuple[int, int]:
+        """How many other runs share this run's signing key and its recipe or (at a leaderboard, where
+        every run of a track shares the track's recipe, and accounts are what a trainer has) its
+        account, and how many of them have no final head (walked away from, or still going: either
+        way a draw its trainer saw)."""
+        same_owner = [BeaconRun.public_key == row.public_key,
+                      BeaconRun.recipe == row.recipe if row.account is None else BeaconRun.account == row.account]
+        linked = (BeaconRun.id != row.id, or_(*same_owner))
+        others = s.scalar(select(func.count()).select_from(BeaconRun).where(*linked))
+        unfinished = s.scalar(select(func.count()).select_from(BeaconRun).where(*linked, BeaconRun.final.is_(False)))
+        return int(others or 0), int(unfinished or 0)
 
     def _equivocation(self, s: Session, row: BeaconRun, stamped: BeaconHead, other: SignedTreeHead) -> BeaconStatement:
         evidence = {"run": row.run, "size": other.size, "stamped": json.loads(stamped.head_json),
@@ -193,6 +247,6 @@ class Beacon:
 
 
 def run_json(r: BeaconRun) -> dict:
-    """A run's public summary."""
-    return {"run": r.run, "public_key": r.public_key, "first_ms": r.first_ms, "last_ms": r.last_ms,
-            "last_size": r.last_size, "final": r.final, "equivocated": r.equivocated}
+    """A run's public summary (``recipe``: what links restarts of one recipe under fresh keys)."""
+    return {"run": r.run, "public_key": r.public_key, "recipe": r.recipe, "first_ms": r.first_ms,
+            "last_ms": r.last_ms, "last_size": r.last_size, "final": r.final, "equivocated": r.equivocated}

@@ -23,6 +23,14 @@ def hex_bytes(value: str) -> bytes:
         raise argparse.ArgumentTypeError(f"{value[:40]!r} is not hex (digits 0-9 and a-f, two a byte)") from None
 
 
+def digest_hex(value: str) -> bytes:
+    """A SHA-256 digest written as 64 hex digits (a data root, a state hash)."""
+    raw = hex_bytes(value)
+    if len(raw) != 32:
+        raise argparse.ArgumentTypeError(f"a SHA-256 digest is 64 hex digits, not {len(value.strip())}")
+    return raw
+
+
 def fraction(value: str) -> float:
     v = float(value)
     if not 0 < v < 1:

@@ -13,6 +13,7 @@ from .args import (
     challenges_q,
     config_value,
     data_arg,
+    digest_hex,
     hex_bytes,
     positive,
     unusable_or_rejected,
@@ -61,8 +62,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
         threads=args.threads, device=args.device, public_key=read_public_key(args.signer) if args.signer else None, ticket=args.ticket,
         published_heads=[read_head(p) for p in args.published_head or []], leaves=args.leaves,
-        beacon_key=beacon_key, progress=not args.json,
-    ))
+        beacon_key=beacon_key, progress=not args.json, data_root=args.data_root,
+    ), weak_fails=not args.allow_weak)
 
 
 def read_head(path: str):
@@ -74,8 +75,13 @@ def read_head(path: str):
     return SignedTreeHead.from_json(obj.get("tree_head", obj) if isinstance(obj, dict) else obj)
 
 
-def report_verdict(args: argparse.Namespace, audit) -> int:
-    """Run an audit and report it: exit 0 accepted, 1 rejected, 2 unusable input."""
+EXIT_WEAK = 3  # accepted, but its bound falls short of the confidence asked for (90 % when none was)
+
+
+def report_verdict(args: argparse.Namespace, audit, weak_fails: bool = False) -> int:
+    """Run an audit and report it: exit 0 accepted, 1 rejected, 2 unusable input; with
+    ``weak_fails``, 3 for an accepted audit whose bound falls short (fail closed: a script that
+    checks only the exit code never takes a weak audit for a certificate)."""
     try:
         verdict = audit()
     except RunRejected as e:
@@ -89,6 +95,11 @@ def report_verdict(args: argparse.Namespace, audit) -> int:
         print(unusable_or_rejected(e), file=sys.stderr)
         return e.exit_code
     _print_verdict(verdict, args)
+    if weak_fails and getattr(verdict, "outcome", "accepted") == "weak":
+        print(f"WEAK: accepted, but the bound {100 * verdict.detection_probability:.2f}% is below the "
+              f"{100 * verdict.floor:g}% this audit must reach (exit {EXIT_WEAK}; --allow-weak accepts it)",
+              file=sys.stderr)
+        return EXIT_WEAK
     return 0
 
 
@@ -110,9 +121,15 @@ def cmd_respond(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add this group's subcommands."""
-    v = sub.add_parser("verify", help="audit a bundle (exit 0 accepted, 1 rejected, 2 unusable input)")
+    v = sub.add_parser("verify", help="audit a bundle (exit 0 accepted, 1 rejected, 2 unusable input, 3 accepted "
+                                      "with a bound below the confidence asked for)")
     v.add_argument("bundle", help="the bundle folder")
     challenge_args(v)
+    v.add_argument("--allow-weak", action="store_true",
+                   help="exit 0 for an accepted audit whose bound is below the confidence asked for (90 %% when "
+                        "none was), instead of 3")
+    v.add_argument("--data-root", type=digest_hex,
+                   help="the data root (hex) the run must have trained on: compared with the manifest's, cheaply")
     v.add_argument("--mode", choices=["offline", "interactive", "online"], default="offline",
                    help="offline: replay from the bundle's checkpoints with the data here (default); interactive: "
                         "the cheap audit, from the states and samples in the trainer's --response; online: replay "

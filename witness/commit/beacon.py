@@ -23,17 +23,34 @@ from .hashing import canonical_json, from_hex, leaf_hash, tagged_hash
 from .signing import public_hex
 
 STATEMENT_FORMAT = "witness-beacon-statement"
-STATEMENT_VERSION = 1
+# Version 2 adds, to a run's final statement, the beacon's count of the other runs it linked to this
+# one (same signing key, same recipe or, at a leaderboard, same account) and how many of those never
+# finished: a trainer that restarts until a draw misses its bad steps leaves unfinished attempts.
+STATEMENT_VERSION = 2
+STATEMENT_VERSIONS = (1, 2)  # version 1 statements (witness 0.5) verify, but count no attempts
 CONTEXT = b"witness beacon statement v1\x00"  # domain separation: never a valid tree-head signature
 BETA_BYTES = 32
 MAX_STATEMENT_BYTES = 4096
+MAX_INT = 1 << 62  # sizes, times and counts (beyond any database's integer: refused, not overflowed)
 _FIELDS = {"format", "version", "beacon", "run", "size", "root", "prev_size", "beta", "received_ms", "final",
            "signature"}
+_ATTEMPTS = {"others", "unfinished"}  # on a version 2 final statement only
 
 
 def run_id(manifest_line: bytes) -> bytes:
     """A run's name at a beacon: the leaf hash of its manifest (the root of the head of size 1)."""
     return leaf_hash(manifest_line)
+
+
+# What a recipe is, for linking restarts: the manifest without its seed (r, run_seed and the initial
+# state they give), its key, or any setting a trainer can change without changing what is trained
+# (checkpoint cadence, threads, online settings). A changed recipe under a fresh key is not linked.
+RECIPE_FIELDS = ("task", "task_config", "data_root", "dataset_size", "steps_planned")
+
+
+def recipe_id(manifest: dict) -> bytes:
+    """The recipe a manifest trains, as a hash: runs that share it are attempts at one result."""
+    return tagged_hash("witness/recipe/v1", canonical_json({k: manifest.get(k) for k in RECIPE_FIELDS}))
 
 
 @dataclass(frozen=True)
@@ -49,12 +66,20 @@ class BeaconStatement:
     received_ms: int
     final: bool  # the head is the run's last (it carries the end record's extensions)
     signature: bytes = b""
+    # a final statement's count of other runs linked to this one, and of those that never finished
+    # (None: not a final statement, or a version 1 statement, which counts none)
+    others: int | None = None
+    unfinished: int | None = None
+    version: int = STATEMENT_VERSION
 
     def body(self) -> dict:
         """Everything but the signature."""
-        return {"format": STATEMENT_FORMAT, "version": STATEMENT_VERSION, "beacon": self.beacon,
-                "run": self.run.hex(), "size": self.size, "root": self.root.hex(), "prev_size": self.prev_size,
-                "beta": self.beta.hex(), "received_ms": self.received_ms, "final": self.final}
+        out = {"format": STATEMENT_FORMAT, "version": self.version, "beacon": self.beacon,
+               "run": self.run.hex(), "size": self.size, "root": self.root.hex(), "prev_size": self.prev_size,
+               "beta": self.beta.hex(), "received_ms": self.received_ms, "final": self.final}
+        if self.others is not None:
+            out |= {"others": self.others, "unfinished": self.unfinished}
+        return out
 
     def message(self) -> bytes:
         """The exact bytes that are signed."""
@@ -85,22 +110,28 @@ class BeaconStatement:
     @classmethod
     def from_json(cls, obj: object) -> BeaconStatement:
         """Strictly parse the JSON form."""
-        if not isinstance(obj, dict) or set(obj) != _FIELDS:
-            raise MalformedInput("a beacon statement has exactly the fields " + ", ".join(sorted(_FIELDS)))
-        if obj["format"] != STATEMENT_FORMAT or type(obj["version"]) is not int or obj["version"] != STATEMENT_VERSION:
+        if not isinstance(obj, dict) or obj.get("format") != STATEMENT_FORMAT or type(obj.get("version")) is not int \
+                or obj["version"] not in STATEMENT_VERSIONS:
             raise MalformedInput("not a beacon statement of a supported version")
-        for f in ("size", "prev_size", "received_ms"):
-            if type(obj[f]) is not int or obj[f] < 0:
+        counted = obj["version"] >= 2 and obj.get("final") is True
+        fields = _FIELDS | (_ATTEMPTS if counted else set())
+        if set(obj) != fields:
+            raise MalformedInput("a beacon statement has exactly the fields " + ", ".join(sorted(fields)))
+        for f in ("size", "prev_size", "received_ms", *(_ATTEMPTS if counted else ())):
+            if type(obj[f]) is not int or not 0 <= obj[f] < MAX_INT:
                 raise MalformedInput(f"beacon statement: {f} must be a non-negative integer")
         if not obj["prev_size"] < obj["size"]:
             raise MalformedInput("beacon statement: its window is empty (prev_size >= size)")
         if type(obj["final"]) is not bool:
             raise MalformedInput("beacon statement: final must be true or false")
+        if counted and not obj["unfinished"] <= obj["others"]:
+            raise MalformedInput("beacon statement: more unfinished attempts than attempts")
         try:
             from_hex(obj["beacon"], "beacon key")
             return cls(obj["beacon"], from_hex(obj["run"], "run"), obj["size"], from_hex(obj["root"], "root"),
                        obj["prev_size"], from_hex(obj["beta"], "beta", BETA_BYTES), obj["received_ms"],
-                       obj["final"], from_hex(obj["signature"], "signature", 64))
+                       obj["final"], from_hex(obj["signature"], "signature", 64),
+                       obj.get("others"), obj.get("unfinished"), obj["version"])
         except ValueError as e:
             raise MalformedInput(f"beacon statement: {e}") from None
 
@@ -132,12 +163,14 @@ def selected_steps(statement: BeaconStatement, p: float, steps: int) -> list[int
     return [t for t in statement.window(steps) if selected(statement.beta, t, p)]
 
 
-def online_bound(p: float, bad_fraction: float, steps: int, unaudited: int = 0) -> float:
+def online_bound(p: float, bad_fraction: float, steps: int, unaudited: int = 0, attempts: int = 0) -> float:
     """Lower bound on catching a run with a fraction f of its T steps bad: each bad step is selected
     independently with probability p, and a dishonest trainer puts its bad steps where no statement
-    looks first, so 1 - (1 - p)^max(0, ceil(fT) - unaudited)."""
+    looks first, so one attempt escapes with (1 - p)^b, b = max(0, ceil(fT) - unaudited); a trainer
+    that walked away from ``attempts`` other attempts presents one that escaped, so the bound over
+    all of them is (1 - (1 - p)^b)^(attempts + 1)."""
     bad = max(0, math.ceil(bad_fraction * steps - 1e-9) - unaudited)
-    return 1.0 - (1.0 - p) ** bad
+    return (1.0 - (1.0 - p) ** bad) ** (attempts + 1)
 
 
 def p_needed(confidence: float, bad_fraction: float, steps: int) -> float:

@@ -197,6 +197,17 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
             log.info("%s %s: the client went away during the upload", request.method, request.url.path)
             raise ApiError(400, "the client went away during the upload") from None
 
+    async def drain(request: Request, limit: int) -> None:
+        """Read a refused request's body to its end (at most ``limit`` bytes), keeping none of it."""
+        seen = 0
+        try:
+            async for chunk in paced(request.stream(), lb.settings.body_idle_timeout):
+                seen += len(chunk)
+                if seen > limit:
+                    return
+        except (ApiError, ClientDisconnect):
+            return
+
     def _limit(acct: Account, run_id: int | None, r: str | None) -> int:
         with lb.Session() as s:
             return lb.upload_limit(s, s.get(Account, acct.id), run_id, r)
@@ -249,7 +260,16 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         """Upload, while the run trains, the state before a step the beacon selected (``states``: a
         safetensors file) or its batch's samples (``samples``: JSON); once both are here the server's
         workers replay the step. Each is taken once."""
+        def open_slot() -> None:  # who may upload what is decided before a byte of the body is stored
+            with lb.Session() as s:
+                lb.online_slot(s, s.get(Account, acct.id), run_id, kind, step)
+
         limit = await run_in_threadpool(_limit, acct, run_id, None) if kind == "states" else MAX_SAMPLES_JSON
+        try:
+            await run_in_threadpool(open_slot)
+        except ApiError:
+            await drain(request, limit)  # nothing stored; the client reads its answer, not a reset
+            raise
         upload = await receive(request, limit)
 
         def keep() -> dict:

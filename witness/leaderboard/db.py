@@ -143,6 +143,9 @@ class OnlineStep(Base):
     has_samples: Mapped[bool] = mapped_column(Boolean, default=False)
     round_id: Mapped[int | None] = mapped_column(ForeignKey("rounds.id"), nullable=True)
     failure: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the ledger entry of the replay that passed it (``verify.ledger.LedgerEntry``, JSON): the
+    # certification counts the step in its bound from this evidence, without replaying it again
+    ledger_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Job(Base):

@@ -125,15 +125,18 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         if passed and not replayed:
             return _close(s, job, worker)
         rnd = Round(run_id=run.id, job_id=job.id, kind="online", requested_by=None, nonce="",
-                    count=len(replayed), passed=passed, bound=verdict.detection_probability if verdict else 0.0,
+                    count=verdict.verified if verdict is not None else 0, passed=passed, bound=verdict.detection_probability if verdict else 0.0,
                     detail="; ".join(failures) if failures else
                     f"steps {', '.join(str(r.step) for r in replayed)} replayed as their states arrived: all matched",
                     worker=worker, finished_ms=now_ms())
         s.add(rnd)
         s.flush()
+        evidence = {e.step: e for e in (verdict.ledger if verdict is not None else [])}
         for row in replayed:
             r = results[row.step]
             row.status, row.round_id, row.failure = ("passed" if r.passed else "failed"), rnd.id, r.failure
+            if r.passed and row.step in evidence:  # what the certification counts without replaying it
+                row.ledger_json = json.dumps(evidence[row.step].to_json())
             s.add(ChallengeRow(round_id=rnd.id, step=row.step, length=1, passed=r.passed,
                                distances_json=json.dumps(r.distances), failure=r.failure))
         if failures:

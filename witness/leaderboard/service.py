@@ -335,12 +335,13 @@ class Leaderboard:
         first = s.scalar(select(Head).where(Head.run_id == head.run_id, Head.size == 1))
         if first is None:
             raise ApiError(409, "the run's first streamed head is missing")
-        try:
-            st = self.beacon.stamp(s, json.loads(head.head_json), consistency, manifest, first.root)
+        run = s.get(Run, head.run_id)
+        try:  # the account's runs are linked at the beacon, whatever keys and recipes they use
+            st = self.beacon.stamp(s, json.loads(head.head_json), consistency, manifest, first.root,
+                                   account=f"account:{run.account_id}")
         except BeaconRefused as e:
             raise ApiError(e.status, e.message) from None
-        run = s.get(Run, head.run_id)
-        if run is not None and run.online_p is not None:
+        if run.online_p is not None:
             self._select(s, run, st)
         return st.to_json()
 
@@ -365,9 +366,10 @@ class Leaderboard:
             return []
         return [canonical_json(st) for st in found["statements"] if up_to is None or st["size"] <= up_to]
 
-    def upload_online(self, s: Session, acct: Account, run_id: int, kind: str, step: int, upload: Upload) -> OnlineStep:
-        """Keep the state before a selected step, or its batch's samples, uploaded while the run
-        trains; once both are here the step is queued for replay. Each is taken once."""
+    def online_slot(self, s: Session, acct: Account, run_id: int, kind: str, step: int) -> OnlineStep:
+        """The selected step an online upload is for, if it may come now: the run is the account's,
+        takes online challenges and still trains, the beacon selected the step, and this upload has not
+        come (checked before a byte of the body is stored, and again, atomically, when it is kept)."""
         run = self.run(s, run_id)
         if run.account_id != acct.id:
             raise ApiError(403, f"run {run_id} belongs to another account")
@@ -377,6 +379,7 @@ class Leaderboard:
             raise ApiError(409, f"run {run_id} was rejected: {run.reason}")
         if run.status != "ticketed":
             raise ApiError(409, f"run {run_id} is {run.status}: its online uploads are closed")
+
         def find() -> OnlineStep | None:
             return s.scalar(select(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.step == step)) \
                 if type(step) is int else None
@@ -388,19 +391,35 @@ class Leaderboard:
             row = find()
         if row is None:
             raise ApiError(404, f"the beacon selected no step {step} of run {run_id}")
-        if (row.state_sha256 if kind == "states" else row.has_samples):
+        if row.state_sha256 if kind == "states" else row.has_samples:
             raise ApiError(409, f"the {'state' if kind == 'states' else 'samples'} of step {step} came already")
-        self.store.keep(upload, online_key(run.id, kind, step, upload.sha256))
+        return row
+
+    def upload_online(self, s: Session, acct: Account, run_id: int, kind: str, step: int, upload: Upload) -> OnlineStep:
+        """Keep the state before a selected step, or its batch's samples, uploaded while the run
+        trains; once both are here the step is queued for replay. Each is taken once: the slot is
+        claimed by a conditional update before the object is kept, so of parallel uploads exactly one
+        is kept and the others get 409, leaving nothing behind."""
+        row = self.online_slot(s, acct, run_id, kind, step)
         if kind == "states":
-            row.state_sha256 = upload.sha256
+            claim = update(OnlineStep).where(OnlineStep.id == row.id, OnlineStep.state_sha256.is_(None)) \
+                .values(state_sha256=upload.sha256)
         else:
-            row.has_samples = True
+            claim = update(OnlineStep).where(OnlineStep.id == row.id, OnlineStep.has_samples.is_(False)) \
+                .values(has_samples=True)
+        if s.execute(claim.execution_options(synchronize_session=False)).rowcount != 1:  # another upload of the same file won the race
+            s.rollback()
+            raise ApiError(409, f"the {'state' if kind == 'states' else 'samples'} of step {step} came already")
+        # the row lock (PostgreSQL) or the write lock (SQLite) is held until the commit: the object is
+        # kept before the row that names it is committed, and no second upload can pass in between
+        self.store.keep(upload, online_key(row.run_id, kind, step, upload.sha256))
+        s.refresh(row)
         if row.state_sha256 and row.has_samples and row.status == "selected":
             row.status = "ready"
-            waiting = s.scalar(select(Job.id).where(Job.run_id == run.id, Job.kind == "online",
+            waiting = s.scalar(select(Job.id).where(Job.run_id == row.run_id, Job.kind == "online",
                                                     Job.status == "queued").limit(1))
             if waiting is None:
-                queue.enqueue(s, run.id, "online", 1)
+                queue.enqueue(s, row.run_id, "online", 1)
         s.commit()
         return row
 

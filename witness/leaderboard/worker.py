@@ -27,7 +27,7 @@ from ..evals.evaluate import verify_eval
 from ..evals.release import export_model
 from ..report import plot_fingerprints, plot_loss, plot_optimizer
 from ..verify.audit import verify_bundle
-from ..verify.challenges import detection_probability
+from ..verify.ledger import LedgerEntry
 from . import queue
 from .certification import record_decision
 from .db import Account, ChallengeRow, Head, Job, OnlineStep, Round, Run, Track, now_ms
@@ -73,16 +73,25 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
         # audit, less the selected steps its workers replayed while it trained; re-challenges are
         # drawn after the fact, as for every run.
         online = job.kind == "certify" and run.online_p is not None
-        replayed = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id,
-                                                               OnlineStep.status == "passed"))) if online else set()
+        # the evidence of those replays: each entry runs between the run's committed states, which the
+        # audit checks against the submitted bundle before it counts the step in its bound
+        earlier = [LedgerEntry.from_json(json.loads(x)) for x in s.scalars(
+            select(OnlineStep.ledger_json).where(OnlineStep.run_id == run.id, OnlineStep.status == "passed",
+                                                 OnlineStep.ledger_json.is_not(None)))] if online else []
         # the unpacked bundle stays here (not evicted from this machine's cache) until the job is done
         kept.enter_context(lb.store.keep_bundle(run.id))
         try:  # opened (parsed, every hash and signature checked) once, for the audit, evaluation and plots
             bundle = open_bundle(lb.run_bundle(s, run), acct.public_key)
-            how = {"mode": "online", "beacon_key": lb.public_key, "skip": replayed} if online else \
+            if online and 0 not in bundle.checkpoints:
+                # re-challenges of an online run replay from the states it holds, at the latest from
+                # its initial one: a submission without it would leave them nothing to start from
+                raise VerificationError("the submission of an online run leaves out its initial checkpoint, "
+                                        "which re-challenges replay from", check="checkpoint")
+            how = {"mode": "online", "beacon_key": lb.public_key, "earlier": earlier} if online else \
                 {"challenges": job.count, "nonce": nonce}
             verdict = verify_bundle(bundle, bad_fraction=lb.settings.bad_fraction, public_key=acct.public_key,
-                                    published_heads=heads, ticket=bytes.fromhex(run.r), **how)
+                                    published_heads=heads, ticket=bytes.fromhex(run.r),
+                                    data_root=bytes.fromhex(track.data_root), **how)
         except RunRejected as e:
             verdict, failures = e.verdict, list(e.failures)
         except MalformedInput as e:
@@ -96,7 +105,7 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             failures = [str(e)]
         passed = not failures
         rnd = Round(run_id=run.id, job_id=job.id, kind=job.kind, requested_by=job.requested_by, nonce=nonce.hex(),
-                    count=verdict.challenges if verdict is not None else 0, passed=passed,
+                    count=verdict.verified if verdict is not None else 0, passed=passed,
                     bound=verdict.detection_probability if verdict is not None else 0.0,
                     detail="; ".join(failures) if failures else (verdict.summary() if verdict else ""),
                     worker=worker, finished_ms=now_ms())
@@ -118,11 +127,10 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             run.decided_ms = now_ms()
         elif run.status == "certified":  # a round queued before a revocation adds nothing to it
             run.challenges_passed += rnd.count
-            if run.online_p is not None:  # independent rounds: a bad run escapes all of them
-                run.bound = 1.0 - (1.0 - (run.bound or 0.0)) * (1.0 - rnd.bound)
-            else:
-                run.bound = run_bound(lb, run.challenges_passed, run.steps or 0,
-                                      run.bound == 1.0 or rnd.count >= (run.steps or 0))
+            # rounds draw independently, so a bad run escapes all of them: each round's bound comes from
+            # its own ledger (1 where it replayed every step), and 1 - (1 - f)^q1 combined with
+            # 1 - (1 - f)^q2 this way is 1 - (1 - f)^(q1 + q2)
+            run.bound = 1.0 - (1.0 - (run.bound or 0.0)) * (1.0 - rnd.bound)
         s.flush()
         if job.kind == "certify" or run.status in ("certified", "revoked"):
             record_decision(lb, s, run, rnd, verdict, bundle)  # the server signs every decision it makes
@@ -175,18 +183,8 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
         run.status, run.reason = "rejected", "; ".join(failures)
     else:
         run.status, run.reason = "certified", None
-        run.challenges_passed = verdict.challenges
-        run.bound = verdict.detection_probability if verdict.online else \
-            run_bound(lb, verdict.challenges, verdict.steps, verdict.challenges >= verdict.steps)
-
-
-def run_bound(lb: Leaderboard, challenges: int, steps: int, every_step: bool) -> float:
-    """Detection bound of all the challenges a run passed: 1 once a round replayed every step.
-
-    Rounds draw independently, so their challenges combine as one sample with replacement,
-    for which 1 - (1 - f)^q holds; a round that replayed every step leaves nothing undetected.
-    """
-    return detection_probability(lb.settings.bad_fraction, challenges, steps if every_step else None)
+        run.challenges_passed = verdict.verified
+        run.bound = verdict.detection_probability  # from the verdict's ledger, in every mode
 
 
 @contextmanager

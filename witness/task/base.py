@@ -163,6 +163,9 @@ class Task:
     # Whether the probes are the first training samples (a generic task's): then a verifier without
     # the training data takes them from the bundle and checks each against the committed leaves.
     probes_are_samples: ClassVar[bool] = False
+    # Whether the task generates its training data from its recipe alone (synthetic data): then any
+    # verifier rebuilds it and checks the run's data root against it, in every mode, at little cost.
+    rebuilds_data: ClassVar[bool] = False
 
     def __init__(self, config: Any):
         self.config = config

@@ -63,6 +63,7 @@ class SyntheticClassifierTask(Task):
 
     SEED: ClassVar[bytes]
     PROBE_MIX: ClassVar[tuple[int, int]]  # probe j of feature i is (i * a + j * b) mod 256
+    rebuilds_data = True  # the samples are drawn from SEED and the recipe: any verifier draws them again
 
     @property
     def features(self) -> int:

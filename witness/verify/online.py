@@ -38,6 +38,10 @@ class OnlinePlan:
     covered: int  # steps 0 .. covered - 1 lie in a statement's window
     unaudited: range
     final: bool  # the run's final head has a statement
+    # the final statement's count of other runs the beacon linked to this one (same key, recipe or
+    # account), and of those that never finished; None where no final statement counts them
+    others: int | None = None
+    unfinished: int | None = None
 
     def describe(self) -> str:
         """One line for the verdict."""
@@ -46,6 +50,17 @@ class OnlinePlan:
             return f"no beacon statement by {self.beacon}: no step audited online{gap}"
         return (f"{self.windows} beacon statement(s) by {self.beacon} chain over steps 0..{self.covered - 1}, "
                 f"selecting {len(self.selected)} step(s) at p = {self.p:g}{gap}")
+
+    def attempts(self) -> str:
+        """What the beacon saw of other attempts, for the verdict."""
+        if self.unfinished is None:
+            why = "the bundle holds no final statement" if not self.final else \
+                "its final statement is of version 1, which counts none"
+            return (f"other attempts unknown: {why}, so the beacon's count of other runs with this key or recipe "
+                    "(restarts until a draw misses) is missing and the online bound is 0")
+        return (f"the beacon saw {self.others} other run(s) with this run's key, recipe or account, {self.unfinished} "
+                "of them never finished: the bound is taken over "
+                f"{self.unfinished + 1} attempt(s)")
 
 
 def parse_statements(bundle: Bundle) -> list[BeaconStatement]:
@@ -77,6 +92,7 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     run = run_id(bundle.log.lines[0])
     signed = bundle.final_head.size
     statements: dict[int, BeaconStatement] = {}
+    windows: dict[int, int] = {}  # prev_size -> size: the window each statement opens
     for i, st in enumerate(parse_statements(bundle)):
         st.verify(public)
         if not same(st.run, run):
@@ -87,7 +103,16 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
                                     check="beacon")
         if st.size in statements:
             raise VerificationError(f"two beacon statements stamp the head of size {st.size}", check="beacon")
+        if st.prev_size in windows:
+            # one window drawn twice: the trainer could keep the draw it liked (a beacon's race)
+            raise VerificationError(f"two beacon statements open a window after the head of size {st.prev_size} "
+                                    f"(for heads of size {windows[st.prev_size]} and {st.size}): one window has "
+                                    "one draw", check="beacon")
+        if st.final and st.size != signed:
+            raise VerificationError(f"beacon statement {i} calls the head of size {st.size} the run's final one, "
+                                    f"but the log is signed to size {signed}", check="beacon")
         statements[st.size] = st
+        windows[st.prev_size] = st.size
     prev = 0
     chain = [statements[k] for k in sorted(statements)]
     for st in chain:
@@ -100,9 +125,11 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     p = m.online["p"]
     covered = chain[-1].window(n).stop if chain else 0
     selected = selected_by(chain, p, n)
-    final = bool(chain) and chain[-1].size == signed and bundle.complete
+    final = bool(chain) and chain[-1].size == signed and bundle.complete and chain[-1].final
+    last = chain[-1] if final else None
     return OnlinePlan(key_fingerprint(public_hex(public)), p, m.online["every"], len(chain), selected,
-                      covered, range(covered, n), final)
+                      covered, range(covered, n), final, last.others if last else None,
+                      last.unfinished if last else None)
 
 
 class OnlineStates:

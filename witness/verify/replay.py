@@ -28,6 +28,7 @@ from ..fingerprint.probes import relative_distance
 from ..session import TrainingSession
 from ..task.base import Task
 from .challenges import ReplayChallenge
+from .ledger import LedgerEntry
 from .verdict import ChallengeResult
 
 # Tolerance mode, for replay on other hardware (other kernels): relative distances. The first
@@ -103,8 +104,14 @@ class SegmentPlan:
     ends: Sequence[int]
 
     def start(self, step: int) -> int:
-        """The last committed start at or before ``step``."""
-        return self.starts[bisect.bisect_right(self.starts, step) - 1]
+        """The last committed start at or before ``step`` (none: unusable here, never a wrap-around
+        to a later state, from which replay would reach the step without replaying it)."""
+        i = bisect.bisect_right(self.starts, step) - 1
+        if i < 0:
+            raise MalformedInput(f"step {step}: replay: the bundle holds no committed state at or before step {step} "
+                                 "to replay it from (an online run may leave out its checkpoints: audit it online, "
+                                 "with --mode online, or with the trainer's response, --mode interactive)")
+        return self.starts[i]
 
     def end(self, step: int) -> int:
         """The first committed end at or after ``step``."""
@@ -192,6 +199,12 @@ class Replayer:
         self.position: int | None = None
         self._replayed_from: int | None = None  # every step from here to `position` was replayed and checked
         self.steps_run = 0
+        # the evidence: a step enters the ledger only once replay reached a committed state after it
+        # and compared it, starting from a committed state whose hash was checked (``_origin``)
+        self.ledger: list[LedgerEntry] = []
+        self._done: set[int] = set()
+        self._origin: tuple[int, str] | None = None
+        self._pending: list[int] = []  # replayed since the last compared committed state
 
     def committed(self, step: int) -> dict[str, torch.Tensor]:
         """The state after ``step`` updates from the state source, checked against its commitment."""
@@ -206,24 +219,56 @@ class Replayer:
         """Start from the committed state after ``step`` updates, and check it against its record."""
         load_state(self.session.model, self.session.optimizer, self.committed(step))
         self.position = self._replayed_from = step
+        self._origin, self._pending = (step, self.bundle.committed_state(step).hex()), []  # type: ignore[union-attr]
         check_state(self.bundle, self.session, step, self.exact, self.thresholds)
 
+    def add_earlier(self, entry: LedgerEntry) -> None:
+        """Evidence from an earlier audit of the same commitments (a leaderboard's live round), kept
+        only where its start and end are this bundle's committed states."""
+        n = len(self.bundle.steps)
+        start = self.bundle.committed_state(entry.start) if entry.start <= n else None
+        end = self.bundle.committed_state(entry.end) if entry.end <= n else None
+        if start is None or end is None or start.hex() != entry.start_hash or end.hex() != entry.end_hash:
+            raise MalformedInput(f"an earlier replay of step {entry.step} is not from and to this run's committed "
+                                 "states")
+        self._record(LedgerEntry(**{**entry.__dict__, "earlier": True}))
+
     def challenge(self, step: int, length: int, result: ChallengeResult) -> None:
-        """Replay the segment that holds steps ``step .. step + length - 1``; raise on any mismatch."""
+        """Replay the segment that holds steps ``step .. step + length - 1``; raise on any mismatch,
+        and unless the ledger then holds every one of those steps."""
         start, end = self.plan.segment(step, length)
         action = segment_action(self.position, self._replayed_from, step, length, start, self.exact)
-        if action == "done":
-            return
         if action == "load":
             self.load(start)
         try:
-            while self.position < end:  # type: ignore[operator]
+            while action != "done" and self.position < end:  # type: ignore[operator]
                 self.advance(result)
-            if not self.exact:
+            if action != "done" and not self.exact:
                 self.compare_state(end, result)
         except VerificationError:
-            self.position = self._replayed_from = None
+            self.position = self._replayed_from = self._origin = None
+            self._pending = []
             raise
+        missing = [t for t in range(step, step + length) if t not in self._done]
+        if missing:
+            raise VerificationError(f"the challenge replayed no evidence for step {missing[0]}: no replay from a "
+                                    "checked committed state reached a committed state after it", step=step,
+                                    check="replay")
+
+    def _record(self, entry: LedgerEntry) -> None:
+        if entry.step not in self._done:
+            self.ledger.append(entry)
+            self._done.add(entry.step)
+
+    def _reached(self, end: int, comparison: str) -> None:
+        """Replay reached the committed state after ``end`` updates and it compared: the steps
+        replayed since the last such state are evidence."""
+        assert self._origin is not None
+        want = self.bundle.committed_state(end)
+        assert want is not None
+        for t in self._pending:
+            self._record(LedgerEntry(t, self._origin[0], self._origin[1], end, want.hex(), comparison))
+        self._pending = []
 
     def advance(self, result: ChallengeResult | None = None) -> None:
         """Replay the step at the current position and compare everything with its record."""
@@ -236,6 +281,7 @@ class Replayer:
         out = self.session.step(t, samples)
         self.position = t + 1
         self.steps_run += 1
+        self._pending.append(t)
         fp, sk = self.session.fingerprint(), self.session.sketch()
         if self.exact:
             self._compare_exact(rec, out.loss, out.grad_norm, fp.digest, fp.vector(), sk)
@@ -245,6 +291,7 @@ class Replayer:
                 if not same(got, rec.state_hash):
                     raise VerificationError("the replayed training state does not hash to the committed one "
                                             "(parameters, buffers or optimizer state differ)", step=t, check="replay")
+                self._reached(t + 1, "hash")
         else:
             self._compare_tolerant(rec, out.loss, fp.vector(), sk, before, result)
 
@@ -258,6 +305,7 @@ class Replayer:
             raise VerificationError(f"the replayed state is not the committed one: {e}", step=step - 1,
                                     check="replay") from None
         self._judge(d, step - 1, result, "at the segment's committed state")
+        self._reached(step, "tolerance")
 
     def _judge(self, d: dict[str, float], step: int, result: ChallengeResult | None, where: str = "") -> None:
         if result is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .ledger import LedgerEntry
+
 
 @dataclass
 class ChallengeResult:
@@ -45,24 +47,49 @@ class Verdict:
     training_flops: float = 0.0
     confidence: float | None = None  # the bound the user asked for, if any
     online: dict | None = None  # the online audit: beacon, p, windows, selected steps, what no statement covers
+    # the evidence the bound is computed from: every step replayed, from and to which committed states
+    ledger: list[LedgerEntry] = field(default_factory=list)
+    verified: int = 0  # challenges (or, online, selected steps) the ledger holds every step of
+    # the data root, and what it was checked against (None: taken on the trainer's word)
+    data_root: str = ""
+    data_checked: str | None = None
+
+    @property
+    def floor(self) -> float:
+        """The bound this verdict must reach to pass: the confidence asked for, else 90 %."""
+        from .challenges import WEAK_BOUND
+
+        return WEAK_BOUND if self.confidence is None else self.confidence
+
+    @property
+    def outcome(self) -> str:
+        """``accepted`` (and the bound reaches the floor), ``weak`` (accepted below it) or ``rejected``."""
+        if not self.accepted:
+            return "rejected"
+        return "accepted" if self.detection_probability >= self.floor else "weak"
 
     @property
     def warning(self) -> str | None:
         """The weak-audit warning, when the bound is below the confidence asked for (or 90 %)."""
-        from .challenges import WEAK_BOUND, weak_bound_warning
+        from .challenges import weak_bound_warning
 
         if self.online is None:
             return weak_bound_warning(self.detection_probability, self.bad_fraction, self.confidence)
         from ..commit.beacon import p_needed
 
-        floor = WEAK_BOUND if self.confidence is None else self.confidence
+        floor = self.floor
         if self.detection_probability >= floor:
             return None
+        if self.online.get("unfinished") is None:
+            return (f"WARNING: weak audit: the online bound is 0, below the {100 * floor:g}% "
+                    f"{'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
+                    "no final beacon statement counts the run's other attempts (or add an after-the-fact audit)")
         need = p_needed(floor, self.bad_fraction, self.steps - self.online["unaudited"])
         return (f"WARNING: weak audit: the online bound {100 * self.detection_probability:.2f}% is below the "
                 f"{100 * floor:g}% {'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
                 f"the run's beacon selected steps with p = {self.online['p']:g}, and {100 * floor:g}% needs "
-                f"p >= {need:.3g} with every step under a statement (or add an after-the-fact audit)")
+                f"p >= {need:.3g} with every step under a statement and no other attempt "
+                "(or add an after-the-fact audit)")
 
     @property
     def cost_fraction(self) -> float:
@@ -71,19 +98,27 @@ class Verdict:
 
     def _formula(self) -> str:
         if self.online is not None:
-            return "1-(1-p)^ceil(fT)" + (" less the steps not audited" if self.online["unaudited"] else "")
-        return "every step replayed" if self.steps and self.challenges >= self.steps else "1-(1-f)^q"
+            k = self.online.get("unfinished")
+            if k is None:
+                return "0: other attempts unknown"
+            one = "1-(1-p)^ceil(fT)" + (" less the steps not audited" if self.online["unaudited"] else "")
+            return f"({one})^{k + 1} over {k + 1} attempts" if k else one
+        if self.steps and {e.step for e in self.ledger} >= set(range(self.steps)):
+            return "every step replayed"
+        return f"1-(1-f)^q, q = {self.verified} challenge(s) the ledger verifies"
 
     def to_json(self) -> dict:
-        """The ``--json`` form."""
+        """The ``--json`` form: the verdict (accepted, weak or rejected) and the bound beside everything."""
         out = asdict(self)
         out["cost_fraction"] = self.cost_fraction
         out["warning"] = self.warning
+        out["verdict"] = self.outcome
+        out["bound"] = self.detection_probability
         return out
 
     def summary(self) -> str:
         """A few readable lines."""
-        head = "ACCEPTED" if self.accepted else "REJECTED"
+        head = {"accepted": "ACCEPTED", "weak": "ACCEPTED (WEAK)", "rejected": "REJECTED"}[self.outcome]
         lines = [
             f"{head}: {self.task} run of {self.steps} steps ({'complete' if self.complete else 'incomplete'}), signed by {self.signer}",
             f"  mode {self.mode}, {'exact' if self.exact else 'tolerance'} comparison, {self.challenges} challenge(s), "
@@ -96,12 +131,21 @@ class Verdict:
             f"with probability >= {100 * self.detection_probability:.2f}% "
             f"({self._formula()})",
         ]
+        earlier = sum(1 for e in self.ledger if e.earlier)
+        lines.insert(2, f"  evidence: {len(self.ledger)} step(s) replayed from a committed state whose hash was checked "
+                        "onto a committed state that was compared" + (f" ({earlier} by an earlier audit)" if earlier
+                                                                         else ""))
         if self.online is not None:
             o = self.online
             lines.insert(2, f"  online: beacon {o['beacon']}, {o['windows']} statement(s), p = {o['p']:g}, selected "
                             f"steps {_steps(o['selected'])}"
                             + (f"; {o['unaudited']} step(s) after the last statement not audited online"
                                if o["unaudited"] else ""))
+            lines.insert(3, f"  attempts: {o['attempts']}")
+        if self.data_root:
+            lines.append(f"  data root {self.data_root[:16]}…: " + (f"checked against {self.data_checked}"
+                         if self.data_checked else "taken on the trainer's word (not compared with any data this "
+                         "verifier holds: pass --data-root HEX, or audit offline with the data)"))
         if self.warning:
             lines.insert(1, f"  {self.warning}")
         if self.thresholds:

@@ -1,0 +1,363 @@
+"""A verdict never claims more than it checked: each finding of a dishonest trainer against the
+bounds, tried through the command a user runs. The bound comes from the ledger of steps actually
+replayed, one window has one draw, restarts are priced in, a weak audit does not exit 0, the data
+root is named with what it was checked against, and an online upload is taken once."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from lbhelpers import fresh_postgres
+
+from witness.beacon.app import create_app
+from witness.beacon.client import BeaconClient
+from witness.bundle.layout import STATEMENTS
+from witness.cli import main
+from witness.commit.beacon import BeaconStatement, online_bound, run_id
+from witness.commit.hashing import canonical_json, parse_canonical_json
+from witness.commit.log import RunLog
+from witness.commit.signing import generate_key, public_hex, save_key
+from witness.errors import MalformedInput
+from witness.record.online import OnlineSpec
+from witness.record.recorder import Recorder
+from witness.task import build_task
+from witness.verify import verify_bundle
+from witness.verify.replay import SegmentPlan
+from witness.web import start_uvicorn, stop_uvicorn
+
+STEPS, P, EVERY = 40, 0.25, 4
+SPEC = OnlineSpec(p=P, every=EVERY, ring=2 * EVERY + 1)
+
+
+class Served:
+    """A beacon on loopback (real HTTP: requests can race), on SQLite or PostgreSQL."""
+
+    def __init__(self, db: str):
+        self.key = generate_key()
+        self.public_key = public_hex(self.key.public_key())
+        self.app = create_app(db, self.key)
+        self.server, self.thread, self.url = start_uvicorn(self.app)
+
+    def link(self) -> BeaconClient:
+        return BeaconClient(self.url)
+
+    def close(self) -> None:
+        stop_uvicorn(self.server, self.thread)
+
+
+@pytest.fixture
+def beacon(tmp_path):
+    b = Served(f"sqlite:///{tmp_path / 'beacon.db'}")
+    yield b
+    b.close()
+
+
+def train(out: Path, link, *, key=None, bad: set[int] = frozenset(), steps: int = STEPS, stop: int | None = None,
+          config: dict | None = None, task=None):
+    """A tiny online run; at each step in ``bad`` the trainer nudges the weights first (its committed
+    state before the step is the honest one). ``stop``: an attempt walked away from at that step."""
+    task = task or build_task("tiny", {"steps": steps, **(config or {})})
+    rec = Recorder.create(task, out, key or generate_key(), r=b"\x05" * 32, checkpoint_every=10, beacon=link,
+                          online=SPEC, self_check=not bad)
+    for t in range(steps if stop is None else stop):
+        if t in bad:
+            with torch.no_grad():
+                for p in rec.model.parameters():
+                    p.add_(0.01)
+        rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
+    if stop is None:
+        rec.finish()
+    else:
+        rec.online.wait()  # its heads were answered: the trainer saw the draws, then walked away
+        rec.online.close()
+    return rec
+
+
+def statements(bundle: Path) -> list[BeaconStatement]:
+    return [BeaconStatement.from_json(parse_canonical_json(x)) for x in (bundle / STATEMENTS).read_bytes().splitlines()]
+
+
+def cli_json(capsys, *args) -> tuple[int, dict]:
+    capsys.readouterr()
+    code = main([*map(str, args), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+# --- finding 1: an offline audit that replays nothing ------------------------------------------
+
+def test_a_plan_never_wraps_around_to_a_later_state():
+    plan = SegmentPlan([12, 40], [12, 20, 40])
+    assert plan.start(12) == 12 and plan.start(39) == 12
+    with pytest.raises(MalformedInput, match="no committed state at or before step 5"):
+        plan.start(5)  # the final state (40) was where replay "started" before: it replayed nothing
+
+
+def test_the_offline_audit_of_an_online_run_left_with_its_final_checkpoint_is_never_accepted(tmp_path, beacon,
+                                                                                          capsys):
+    # the red team's run: 12 forged steps of 40, then every checkpoint but the final one deleted, and online/
+    bad = set(range(14, 26))
+    train(tmp_path / "run", beacon.link(), bad=bad)
+    run = tmp_path / "run"
+    for p in (run / "checkpoints").iterdir():
+        if p.name != f"{STEPS:08d}.safetensors":
+            p.unlink()
+    shutil.rmtree(run / "online")
+    for nonce in ("01", "02", "03"):
+        capsys.readouterr()
+        assert main(["verify", str(run), "--challenges", "30", "--nonce", nonce, "--allow-weak"]) == 2
+        err = capsys.readouterr().err
+        assert "no committed state at or before step" in err and "ACCEPTED" not in err
+    # with the initial checkpoint and the kept states, the offline audit replays from them: the
+    # forged steps are caught, and every step counted has its start and end in the ledger
+    train(tmp_path / "again", beacon.link(), bad=bad)
+    for p in (tmp_path / "again" / "checkpoints").iterdir():
+        if p.name not in ("00000000.safetensors", f"{STEPS:08d}.safetensors"):
+            p.unlink()
+    code, v = cli_json(capsys, "verify", tmp_path / "again", "--challenges", "30", "--nonce", "01", "--allow-weak")
+    assert code == 1 and v["verdict"] == "rejected"
+
+
+def test_every_counted_challenge_has_its_steps_in_the_ledger(tmp_path, beacon, capsys):
+    train(tmp_path / "run", beacon.link())
+    code, v = cli_json(capsys, "verify", tmp_path / "run", "--challenges", "6", "--nonce", "07", "--allow-weak")
+    assert code == 0 and v["verdict"] == "weak" and v["verified"] == 6
+    steps = {e["step"] for e in v["ledger"]}
+    assert {r["step"] for r in v["results"]} <= steps
+    for e in v["ledger"]:
+        assert e["start"] <= e["step"] < e["end"] and e["comparison"] == "hash" and not e["earlier"]
+    assert v["bound"] == pytest.approx(1 - 0.95 ** 6)
+
+
+# --- finding 2: several draws of one window ----------------------------------------------------
+
+def _log(key, records: int) -> RunLog:
+    log = RunLog()
+    log.append({"type": "manifest", "public_key": public_hex(key.public_key()), "task": "x", "n": 1})
+    for i in range(1, records):
+        log.append({"type": "step", "step": i - 1})
+    return log
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
+def test_parallel_heads_extending_one_stamped_head_get_one_draw(tmp_path, db):
+    served = Served(f"sqlite:///{tmp_path / 'b.db'}" if db == "sqlite" else fresh_postgres())
+    try:
+        key = generate_key()
+        log = _log(key, 16)
+        link = served.link()
+        link.stamp(RunLog(log.lines[:1]).sign_head(key), log)
+        link.stamp(RunLog(log.lines[:2]).sign_head(key), log)
+        run = run_id(log.lines[0]).hex()
+        bodies = [{"tree_head": RunLog(log.lines[:n]).sign_head(key).to_json(), "run": run,
+                   "consistency": [h.hex() for h in log.tree.consistency_proof(2, n)]} for n in range(3, 15)]
+        answers: list[httpx.Response] = []
+        go = threading.Barrier(len(bodies))
+
+        def send(body: dict) -> None:
+            with httpx.Client(base_url=served.url, timeout=60) as http:
+                go.wait()
+                answers.append(http.post("/api/beacon/heads", json=body))
+
+        threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = sorted(a.status_code for a in answers)
+        # one is stamped; the others are refused: those checked before it committed lost the
+        # conditional update (409), those checked after it no longer extend (400), or are older than
+        # (409), the last stamped head
+        assert codes[0] == 200 and len(codes) == 12 and set(codes[1:]) <= {400, 409}, codes
+        assert all("last one stamped" in a.json()["detail"] or "drawn once" in a.json()["detail"]
+                   for a in answers if a.status_code != 200)
+        winner = BeaconStatement.from_json(next(a.json() for a in answers if a.status_code == 200))
+        assert winner.prev_size == 2
+        info = httpx.get(f"{served.url}/api/beacon/runs/{run}").json()
+        assert [s["prev_size"] for s in info["statements"]] == [0, 1, 2]
+        assert info["last_size"] == winner.size  # what was stamped, not what was last written
+    finally:
+        served.close()
+
+
+def test_a_bundle_with_two_statements_of_one_window_is_rejected(tmp_path, beacon, capsys):
+    rec = train(tmp_path / "run", beacon.link())
+    sts = statements(tmp_path / "run")
+    # what a racing beacon (witness 0.5) signed: a second draw for the window after one stamped head,
+    # for another head of the same log
+    first = sts[2]
+    log = rec.log
+    twin = BeaconStatement(beacon.public_key, first.run, first.size + 1, log.root(first.size + 1), first.prev_size,
+                           b"\x42" * 32, first.received_ms, False).signed(beacon.key)
+    with open(tmp_path / "run" / STATEMENTS, "ab") as f:
+        f.write(canonical_json(twin.to_json()) + b"\n")
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "run"), "--mode", "online", "--beacon-key", beacon.public_key]) == 1
+    assert "two beacon statements open a window after the head of size" in capsys.readouterr().err
+
+
+# --- finding 3: restarting until the draw misses -----------------------------------------------
+
+def test_restarts_are_linked_by_key_and_recipe_and_priced_into_the_bound(tmp_path, beacon, capsys):
+    key = generate_key()
+    save_key(key, tmp_path / "key.pem")
+    # two attempts walked away from when the draw selected the bad step: one with the run's key,
+    # one with a fresh key (the same recipe links it); and a finished run of another recipe and key
+    train(tmp_path / "a1", beacon.link(), key=key, stop=22)
+    train(tmp_path / "a2", beacon.link(), stop=22)
+    train(tmp_path / "other", beacon.link(), config={"lr": 0.02})
+    # the presented run, through the command line
+    assert main(["train", "--task", "tiny", "--steps", str(STEPS), "--checkpoint-every", "10", "--key",
+                 str(tmp_path / "key.pem"), "--out", str(tmp_path / "run"), "--quiet", "--beacon", beacon.url,
+                 "--online-p", str(P), "--online-every", str(EVERY)]) == 0
+    final = statements(tmp_path / "run")[-1]
+    assert final.final and final.version == 2 and (final.others, final.unfinished) == (2, 2)
+    code, v = cli_json(capsys, "verify", tmp_path / "run", "--mode", "online", "--beacon-key", beacon.public_key,
+                       "--allow-weak")
+    assert code == 0 and v["online"]["unfinished"] == 2
+    b = math.ceil(0.05 * STEPS)
+    assert v["bound"] == pytest.approx((1 - (1 - P) ** b) ** 3) == pytest.approx(online_bound(P, 0.05, STEPS, 0, 2))
+    capsys.readouterr()
+    main(["verify", str(tmp_path / "run"), "--mode", "online", "--beacon-key", beacon.public_key, "--allow-weak"])
+    out = capsys.readouterr().out
+    assert "2 other run(s) with this run's key, recipe or account, 2 of them never finished" in out
+    assert "over 3 attempts" in out
+
+
+# --- finding 4: accepted with a bound of 0 ----------------------------------------------------
+
+def test_a_bundle_that_leaves_out_its_last_statements_does_not_exit_0(tmp_path, beacon, capsys):
+    train(tmp_path / "run", beacon.link())
+    path = tmp_path / "run" / STATEMENTS
+    path.write_bytes(b"".join(line + b"\n" for line in path.read_bytes().splitlines()[:-2]))
+    args = ["verify", str(tmp_path / "run"), "--mode", "online", "--beacon-key", beacon.public_key]
+    capsys.readouterr()
+    assert main(args) == 3
+    assert "WEAK" in capsys.readouterr().err
+    code, v = cli_json(capsys, *args)
+    assert code == 3 and v["verdict"] == "weak" and v["accepted"] and v["bound"] == 0.0
+    assert v["online"]["unfinished"] is None and "other attempts unknown" in v["online"]["attempts"]
+    assert main([*args, "--allow-weak"]) == 0
+    # an honest audit that reaches the confidence asked for exits 0 without it
+    assert main(["verify", str(tmp_path / "run"), "--challenges", str(STEPS)]) == 0
+
+
+# --- finding 5: the data root named, and what it was checked against ----------------------------
+
+class OtherTeacher:
+    """A ``tiny`` recipe trained on another teacher's samples (a task object the trainer made)."""
+
+    def __new__(cls, steps: int):
+        from witness.data.synthetic import SyntheticClassification
+
+        from witness.task.registry import task_class
+
+        task = task_class("tiny").from_config({"steps": steps})  # its own object: build_task's are shared
+        c = task.config
+        other = SyntheticClassification(c.dataset_size, c.features, c.classes, seed=b"another teacher")
+        task.__dict__["_dataset"] = other  # the cached dataset the recorder reads
+        return task
+
+
+def test_a_cheap_audit_rejects_a_synthetic_task_trained_on_other_data(tmp_path, beacon, capsys):
+    train(tmp_path / "run", beacon.link(), task=OtherTeacher(STEPS))
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "run"), "--mode", "online", "--beacon-key", beacon.public_key,
+                 "--allow-weak"]) == 1
+    assert "it trained on other data" in capsys.readouterr().err
+
+
+def test_every_verdict_names_the_data_root_and_what_it_was_checked_against(tmp_path, beacon, capsys):
+    train(tmp_path / "run", beacon.link())
+    root = json.loads((tmp_path / "run" / "log.jsonl").read_text().split("\n")[0])["data_root"]
+    online = ["verify", tmp_path / "run", "--mode", "online", "--beacon-key", beacon.public_key, "--allow-weak"]
+    code, v = cli_json(capsys, *online)
+    assert code == 0 and v["data_root"] == root and "generates from its recipe (rebuilt here)" in v["data_checked"], v
+    code, v = cli_json(capsys, *online, "--data-root", root)
+    assert code == 0 and v["data_checked"] == "the data root the verifier named (--data-root)"
+    code, v = cli_json(capsys, *online, "--data-root", "ab" * 32)
+    assert code == 1 and "not on the data root" in " ".join(v["failures"])
+    code, v = cli_json(capsys, "verify", tmp_path / "run", "--challenges", "2", "--allow-weak")
+    assert code == 0 and v["data_checked"].startswith("the dataset here")
+    # a task whose data the verifier does not hold: the root is the trainer's word, and the verdict says so
+    from witness.verify.verdict import Verdict
+
+    text = Verdict(True, "interactive", True, "x", 1, True, "s", 1, 0.05, 1.0, "", data_root=root).summary()
+    assert "taken on the trainer's word" in text and root[:16] in text
+
+
+# --- finding 6: online uploads to the leaderboard are taken once ---------------------------------
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_parallel_online_uploads_of_one_step_keep_one_object(tmp_path, backend):
+    from lbhelpers import Authed, make_settings, register
+    from sqlalchemy import select
+
+    from witness.leaderboard import client as C
+    from witness.leaderboard.app import create_app as leaderboard_app
+    from witness.leaderboard.db import OnlineStep
+    from witness.leaderboard.service import Leaderboard
+    from witness.leaderboard.store import online_prefix
+    from witness.leaderboard.tracks import parse_track
+
+    class Quiet(C.LeaderboardBeacon):
+        publish = None  # this trainer uploads nothing itself: the test races the uploads
+
+    lb = Leaderboard(make_settings(backend, tmp_path, tracks=(parse_track("all=tiny:steps=12,online=1.0@accuracy+"),)))
+    server, thread, url = start_uvicorn(leaderboard_app(lb=lb))
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            alice, eve = register(http, "alice"), register(http, "eve")
+            a = Authed(http, alice.token)
+            tk = C.ticket(a, "all")
+            task = build_task(tk["task"], tk["config"])
+            rec = Recorder.create(task, tmp_path / "run", alice.key, r=bytes.fromhex(tk["r"]), r_source="ticket",
+                                  checkpoint_every=4, beacon=Quiet(a, tk["run_id"]),
+                                  online=OnlineSpec.for_steps(12, p=1.0), self_check=False)
+            for t in range(6):
+                rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
+            rec.online.wait()
+        run = tk["run_id"]
+        state = (tmp_path / "run" / "online" / "states" / "00000001.safetensors").read_bytes()
+        put = f"/api/runs/{run}/online/states/1"
+        # another account's upload is refused before a byte of it is stored
+        with httpx.Client(base_url=url, timeout=60) as http:
+            assert http.put(put, content=b"\0" * 100_000, headers=Authed(http, eve.token).headers).status_code == 403
+        assert not list((lb.store.root / "incoming").glob("upload-*"))
+
+        def race(bodies: list[bytes]) -> list[int]:
+            codes: list[int] = []
+            go = threading.Barrier(len(bodies))
+
+            def one(body: bytes) -> None:
+                with httpx.Client(base_url=url, timeout=60) as http:
+                    go.wait()
+                    codes.append(http.put(put, content=body, headers=Authed(http, alice.token).headers).status_code)
+
+            ts = [threading.Thread(target=one, args=(b,)) for b in bodies]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            return sorted(codes)
+
+        assert race([state] * 8) == [201] + [409] * 7
+        put = f"/api/runs/{run}/online/states/2"
+        assert race([state + bytes([i]) for i in range(7)]) == [201] + [409] * 6  # different bytes
+        kept = [k for k, _ in lb.store.keys(online_prefix(run, "states"))]
+        with lb.Session() as s:
+            named = {r.step: r.state_sha256 for r in s.scalars(select(OnlineStep).where(OnlineStep.run_id == run))}
+        # one object per step, each the one its row names: none orphaned
+        assert sorted(kept) == sorted(k for k in kept if any(named[st] and named[st] in k for st in (1, 2)))
+        assert len([k for k in kept if "/00000002." in k]) == 1 and len([k for k in kept if "/00000001." in k]) == 1
+        rec.online.close()
+    finally:
+        stop_uvicorn(server, thread)
+        lb.engine.dispose()
+
