@@ -28,7 +28,6 @@ from witness.errors import MalformedInput
 from witness.record.online import OnlineSpec
 from witness.record.recorder import Recorder
 from witness.task import build_task
-from witness.verify import verify_bundle
 from witness.verify.replay import SegmentPlan
 from witness.web import start_uvicorn, stop_uvicorn
 
@@ -255,7 +254,6 @@ class OtherTeacher:
 
     def __new__(cls, steps: int):
         from witness.data.synthetic import SyntheticClassification
-
         from witness.task.registry import task_class
 
         task = task_class("tiny").from_config({"steps": steps})  # its own object: build_task's are shared
