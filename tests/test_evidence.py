@@ -59,12 +59,12 @@ def beacon(tmp_path):
 
 
 def train(out: Path, link, *, key=None, bad: set[int] = frozenset(), steps: int = STEPS, stop: int | None = None,
-          config: dict | None = None, task=None):
+          config: dict | None = None, task=None, spec: OnlineSpec = SPEC):
     """A tiny online run; at each step in ``bad`` the trainer nudges the weights first (its committed
     state before the step is the honest one). ``stop``: an attempt walked away from at that step."""
     task = task or build_task("tiny", {"steps": steps, **(config or {})})
     rec = Recorder.create(task, out, key or generate_key(), r=b"\x05" * 32, checkpoint_every=10, beacon=link,
-                          online=SPEC, self_check=not bad)
+                          online=spec, self_check=not bad)
     for t in range(steps if stop is None else stop):
         if t in bad:
             with torch.no_grad():
