@@ -107,12 +107,12 @@ def _judge(honest: Path, path: Path, **kw) -> str:
     else:
         o = v.online
         assert set(o["selected"]) <= done  # nothing skipped in a standalone audit
-        if o["unfinished"] is None:
+        if o["attempts"] is None:
             want = 0.0
         else:
             unseen = o["unaudited"] + sum(1 for t in o["selected"] if t not in done)
             b = max(0, math.ceil(F * n - 1e-9) - unseen)
-            want = (1 - (1 - o["p"]) ** b) ** (o["unfinished"] + 1)
+            want = (1 - (1 - o["p"]) ** b) ** (o["attempts"] + 1)
     assert v.detection_probability == pytest.approx(want, abs=1e-12)
     return "accepted"
 

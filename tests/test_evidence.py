@@ -59,11 +59,11 @@ def beacon(tmp_path):
 
 
 def train(out: Path, link, *, key=None, bad: set[int] = frozenset(), steps: int = STEPS, stop: int | None = None,
-          config: dict | None = None, task=None, spec: OnlineSpec = SPEC):
+          config: dict | None = None, task=None, spec: OnlineSpec = SPEC, r: bytes = b"\x05" * 32):
     """A tiny online run; at each step in ``bad`` the trainer nudges the weights first (its committed
     state before the step is the honest one). ``stop``: an attempt walked away from at that step."""
     task = task or build_task("tiny", {"steps": steps, **(config or {})})
-    rec = Recorder.create(task, out, key or generate_key(), r=b"\x05" * 32, checkpoint_every=10, beacon=link,
+    rec = Recorder.create(task, out, key or generate_key(), r=r, checkpoint_every=10, beacon=link,
                           online=spec, self_check=not bad)
     for t in range(steps if stop is None else stop):
         if t in bad:
@@ -185,6 +185,55 @@ def test_parallel_heads_extending_one_stamped_head_get_one_draw(tmp_path, db):
         served.close()
 
 
+def test_two_heads_of_one_size_raced_in_are_kept_as_equivocation(tmp_path):
+    served = Served(f"sqlite:///{tmp_path / 'b.db'}")
+    try:
+        for trial in range(4):
+            key = generate_key()
+            honest, fork = _log(key, 6), _log(key, 6)
+            fork.lines[-1] = canonical_json({"type": "step", "step": 4, "fork": trial})
+            fork = RunLog(fork.lines)
+            link = served.link()
+            link.stamp(RunLog(honest.lines[:1]).sign_head(key), honest)
+            run = run_id(honest.lines[0]).hex()
+            bodies = [{"tree_head": log.sign_head(key).to_json(), "run": run,
+                       "consistency": [h.hex() for h in log.tree.consistency_proof(1, 6)]} for log in (honest, fork)]
+            codes: list[int] = []
+            go = threading.Barrier(2)
+
+            def send(body: dict) -> None:
+                with httpx.Client(base_url=served.url, timeout=60) as http:
+                    go.wait()
+                    codes.append(http.post("/api/beacon/heads", json=body).status_code)
+
+            threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sorted(codes) == [200, 409]
+            info = httpx.get(f"{served.url}/api/beacon/runs/{run}").json()
+            assert info["equivocated"] and len(info["evidence"]) == 1  # whichever came second: a fork, kept
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
+def test_a_head_of_an_impossible_size_is_refused_not_a_server_error(tmp_path, db):
+    served = Served(f"sqlite:///{tmp_path / 'b.db'}" if db == "sqlite" else fresh_postgres())
+    try:
+        key = generate_key()
+        log = _log(key, 3)
+        BeaconClient(served.url).stamp(RunLog(log.lines[:1]).sign_head(key), log)
+        head = log.sign_head(key).to_json()
+        for size in (2**31 + 5, 2**62 + 5, 2**63 + 5, 2**64):
+            r = httpx.post(f"{served.url}/api/beacon/heads", json={"tree_head": {**head, "size": size}, "consistency": [],
+                                                                   "run": run_id(log.lines[0]).hex()})
+            assert r.status_code == 400 and "at most 2147483647" in r.json()["detail"], (size, r.text)
+    finally:
+        served.close()
+
+
 def test_a_bundle_with_two_statements_of_one_window_is_rejected(tmp_path, beacon, capsys):
     rec = train(tmp_path / "run", beacon.link())
     sts = statements(tmp_path / "run")
@@ -203,30 +252,52 @@ def test_a_bundle_with_two_statements_of_one_window_is_rejected(tmp_path, beacon
 
 # --- finding 3: restarting until the draw misses -----------------------------------------------
 
-def test_restarts_are_linked_by_key_and_recipe_and_priced_into_the_bound(tmp_path, beacon, capsys):
-    key = generate_key()
-    save_key(key, tmp_path / "key.pem")
-    # two attempts walked away from when the draw selected the bad step: one with the run's key,
-    # one with a fresh key (the same recipe links it); and a finished run of another recipe and key
-    train(tmp_path / "a1", beacon.link(), key=key, stop=22)
-    train(tmp_path / "a2", beacon.link(), stop=22)
-    train(tmp_path / "other", beacon.link(), config={"lr": 0.02})
+def test_restarts_of_one_computation_are_priced_into_the_bound_whatever_key_or_finish(tmp_path, beacon, capsys):
+    from witness.cli.args import trainer_r
+
+    r = trainer_r("restart")  # what `witness train --seed restart` uses
+    save_key(generate_key(), tmp_path / "key.pem")
+    # attempts at the presented run's computation (its run seed and training recipe), each under a fresh
+    # key: walked away from when the draw selected the bad step, finished (all of them can be: they are
+    # one computation), and one that changes only what is observed of the training (the sketch)
+    train(tmp_path / "a1", beacon.link(), r=r, stop=22)
+    train(tmp_path / "a2", beacon.link(), r=r)
+    train(tmp_path / "a3", beacon.link(), r=r, config={"sketch_dims": 9}, stop=22)
+    # linked but not priced: the same seed with another learning rate (a sweep trains anew), and a
+    # stranger's run of the same recipe under another seed (which anyone could open, to grieve)
+    train(tmp_path / "sweep", beacon.link(), r=r, config={"lr": 0.02})
+    train(tmp_path / "stranger", beacon.link(), r=b"\x06" * 32, stop=5)
     # the presented run, through the command line
     assert main(["train", "--task", "tiny", "--steps", str(STEPS), "--checkpoint-every", "10", "--key",
                  str(tmp_path / "key.pem"), "--out", str(tmp_path / "run"), "--quiet", "--beacon", beacon.url,
-                 "--online-p", str(P), "--online-every", str(EVERY)]) == 0
+                 "--seed", "restart", "--online-p", str(P), "--online-every", str(EVERY)]) == 0
     final = statements(tmp_path / "run")[-1]
-    assert final.final and final.version == 2 and (final.others, final.unfinished) == (2, 2)
+    assert final.final and final.version == 2 and (final.others, final.attempts) == (5, 3)
     code, v = cli_json(capsys, "verify", tmp_path / "run", "--mode", "online", "--beacon-key", beacon.public_key,
                        "--allow-weak")
-    assert code == 0 and v["online"]["unfinished"] == 2
+    assert code == 0 and v["online"]["attempts"] == 3
     b = math.ceil(0.05 * STEPS)
-    assert v["bound"] == pytest.approx((1 - (1 - P) ** b) ** 3) == pytest.approx(online_bound(P, 0.05, STEPS, 0, 2))
+    assert v["bound"] == pytest.approx((1 - (1 - P) ** b) ** 4) == pytest.approx(online_bound(P, 0.05, STEPS, 0, 3))
     capsys.readouterr()
     main(["verify", str(tmp_path / "run"), "--mode", "online", "--beacon-key", beacon.public_key, "--allow-weak"])
     out = capsys.readouterr().out
-    assert "2 other run(s) with this run's key, recipe or account, 2 of them never finished" in out
-    assert "over 3 attempts" in out
+    assert "linked 5 other run(s) to this one" in out and "prices 3 of them in" in out and "over 4 attempts" in out
+    assert "fresh key with another run seed is not seen" in out
+
+
+def test_a_head_that_calls_an_abandoned_attempt_finished_does_not_unprice_it(tmp_path, beacon):
+    from witness.cli.args import trainer_r
+
+    r = trainer_r("fake-finish")
+    rec = train(tmp_path / "a", beacon.link(), r=r, stop=22)
+    # the trainer signs a head for one made-up record whose extensions say the run ended
+    rec.log.append({"type": "end", "made": "up"})
+    link = beacon.link()
+    link.statements(rec.log)  # where the beacon stands for this run
+    fake = rec.log.sign_head(rec.key, extensions={"final_state_hash": "00" * 32})
+    assert link.stamp(fake, rec.log).final
+    train(tmp_path / "run", beacon.link(), r=r)
+    assert statements(tmp_path / "run")[-1].attempts == 1
 
 
 # --- finding 4: accepted with a bound of 0 ----------------------------------------------------
@@ -241,7 +312,7 @@ def test_a_bundle_that_leaves_out_its_last_statements_does_not_exit_0(tmp_path, 
     assert "WEAK" in capsys.readouterr().err
     code, v = cli_json(capsys, *args)
     assert code == 3 and v["verdict"] == "weak" and v["accepted"] and v["bound"] == 0.0
-    assert v["online"]["unfinished"] is None and "other attempts unknown" in v["online"]["attempts"]
+    assert v["online"]["attempts"] is None and "other attempts unknown" in v["online"]["linking"]
     assert main([*args, "--allow-weak"]) == 0
     # an honest audit that reaches the confidence asked for exits 0 without it
     assert main(["verify", str(tmp_path / "run"), "--challenges", str(STEPS)]) == 0

@@ -225,3 +225,41 @@ def test_a_state_from_another_step_is_a_failed_step(server, tmp_path):
     r = tc.get(f"/api/runs/{run_id}").json()
     assert r["status"] == "rejected" and "does not hash to the committed state" in r["reason"]
     rec.online.close()
+
+
+def test_an_online_submission_without_its_initial_checkpoint_is_rejected(server, tmp_path, monkeypatch):
+    lb, tc = server
+    mallory = register(tc, "mallory")
+    run_id = _train(tc, mallory, "all", tmp_path / "run")
+    cert = C.write_evaluation(tmp_path / "run", mallory.key, tmp_path / "eval.json")
+    # a submission that leaves its re-challenges nothing to replay from before its first kept state
+    leave = C.online_leave_out
+    monkeypatch.setattr(C, "online_leave_out", lambda b: leave(b) | {"checkpoints/00000000.safetensors"})
+    C.submit(Authed(tc, mallory.token), tmp_path / "run", cert)
+    while work(lb, once=True):  # the live rounds, then the certification
+        pass
+    r = tc.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "rejected" and "leaves out its initial checkpoint" in r["reason"]
+
+
+def test_an_accounts_abandoned_attempts_are_priced_into_its_certified_bound(server, tmp_path):
+    lb, tc = server
+    alice = register(tc, "alice")
+    # an attempt walked away from after its first windows were drawn
+    rec = _online_recorder(tc, alice, "live", tmp_path / "gone", p=0.6)
+    _steps_of(rec, range(12))
+    rec.online.wait()
+    rec.online.close()
+    assert tc.get(f"/api/runs/{rec.online.link.run_id}").json()["status"] == "ticketed"
+    run_id = _train(tc, alice, "live", tmp_path / "run")
+    cert = C.write_evaluation(tmp_path / "run", alice.key, tmp_path / "eval.json")
+    C.submit(Authed(tc, alice.token), tmp_path / "run", cert)
+    while work(lb, once=True):
+        pass
+    r = tc.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "certified", r["reason"]
+    v = r["verdict"]
+    assert v["online"]["attempts"] == 1 and "over 2 attempt(s)" in v["online"]["linking"]
+    from witness.commit.beacon import online_bound
+
+    assert r["bound"] == pytest.approx(online_bound(v["online"]["p"], lb.settings.bad_fraction, 100, 0, 1))

@@ -213,8 +213,11 @@ def same_hardware(recorded: dict[str, str], here: dict[str, str]) -> bool:
     replay still has to match every bit."""
     gpu = ("kind", "name", "cuda", "cudnn", "kernels", "compiler")
     keys = ("kind", "machine", "kernels", "compiler") if recorded.get("kind") == "cpu" else gpu
-    # a run of a release before 0.5 names a long kernel choice cut off where this one hashes its tail
-    return all(recorded[k] == here.get(k) or (k == "kernels" and recorded[k] == _legacy(kernel_words()))
+    # a run of a release before 0.5 names a long kernel choice cut off where this one hashes its tail:
+    # only a cut one (KERNELS_MAX characters) read on this machine (``here`` is its own) is read so
+    return all(recorded[k] == here.get(k) or (k == "kernels" and len(recorded[k]) == KERNELS_MAX
+                                              and here.get(k) == cpu_kernels()
+                                              and recorded[k] == _legacy(kernel_words()))
                for k in keys if k in recorded)
 
 

@@ -42,8 +42,10 @@ class BeaconRun(BeaconBase):
     last_root: Mapped[str] = mapped_column(String(64))
     final: Mapped[bool] = mapped_column(Boolean, default=False)
     equivocated: Mapped[bool] = mapped_column(Boolean, default=False)
-    # what links restarts: the recipe (``commit.beacon.recipe_id``) and, at a leaderboard, the account
+    # what links attempts: the recipe (``commit.beacon.recipe_id``), the run seed and, at a leaderboard,
+    # the account (the key is ``public_key``)
     recipe: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    seed: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     account: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
@@ -85,17 +87,17 @@ def create_tables(engine: Engine) -> None:
 
 
 def add_linking(conn: Connection) -> None:
-    """Add what witness 0.5's tables lack, filled in from what they hold: each run's recipe, an account
-    column, and each stamped head's window start, unique per run (one draw per window)."""
+    """Add what witness 0.5's tables lack, filled in from what they hold: each run's recipe and run seed,
+    an account column, and each stamped head's window start, unique per run (one draw per window)."""
     have = {c["name"] for c in inspect(conn).get_columns("beacon_runs")}
     if "recipe" not in have:
-        conn.execute(text("ALTER TABLE beacon_runs ADD COLUMN recipe VARCHAR(64)"))
-        conn.execute(text("ALTER TABLE beacon_runs ADD COLUMN account VARCHAR(128)"))
-        conn.execute(text("CREATE INDEX ix_beacon_runs_recipe ON beacon_runs (recipe)"))
-        conn.execute(text("CREATE INDEX ix_beacon_runs_account ON beacon_runs (account)"))
+        for column, width in (("recipe", 64), ("seed", 64), ("account", 128)):
+            conn.execute(text(f"ALTER TABLE beacon_runs ADD COLUMN {column} VARCHAR({width})"))
+            conn.execute(text(f"CREATE INDEX ix_beacon_runs_{column} ON beacon_runs ({column})"))
         for rid, manifest in conn.execute(text("SELECT id, manifest FROM beacon_runs")).all():
-            conn.execute(text("UPDATE beacon_runs SET recipe = :r WHERE id = :i"),
-                         {"r": recipe_id(json.loads(manifest)).hex(), "i": rid})
+            m = json.loads(manifest)
+            conn.execute(text("UPDATE beacon_runs SET recipe = :r, seed = :s WHERE id = :i"),
+                         {"r": recipe_id(m).hex(), "s": str(m.get("run_seed"))[:64], "i": rid})
     if "prev_size" not in {c["name"] for c in inspect(conn).get_columns("beacon_heads")}:
         conn.execute(text("ALTER TABLE beacon_heads ADD COLUMN prev_size INTEGER"))
         for hid, st in conn.execute(text("SELECT id, statement_json FROM beacon_heads")).all():

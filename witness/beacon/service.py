@@ -63,10 +63,11 @@ class Beacon:
         return public_hex(self.key.public_key())
 
     def stamp(self, s: Session, tree_head: object, consistency: object = (), manifest: str | None = None,
-              run: str | None = None, account: str | None = None) -> BeaconStatement:
+              run: str | None = None, account: str | None = None, attempts: int = 0) -> BeaconStatement:
         """Check ``tree_head`` and answer it with a signed statement (the same one again for a head
         already stamped). ``account`` names who streams the run, where the caller knows it (a
-        leaderboard): its runs are linked to each other as well. Raises ``BeaconRefused``."""
+        leaderboard), and ``attempts`` is the caller's own count of that account's other attempts
+        (its runs that were not certified): a final statement prices them in. Raises ``BeaconRefused``."""
         try:
             head = SignedTreeHead.from_json(tree_head)
             proof = self._proof(consistency)
@@ -74,13 +75,13 @@ class Beacon:
             raise BeaconRefused(400, f"tree head refused: {e}") from None
         row = self._run(s, head, proof, manifest, run)
         if row is None:  # a new run, its first head checked against its manifest
-            return self._new_run(s, head, proof, manifest, account)  # type: ignore[arg-type]
+            return self._new_run(s, head, proof, manifest, account, attempts)  # type: ignore[arg-type]
         if row.account != account:
             # a run first streamed by someone else (or around the leaderboard, to its beacon's own
             # routes) has draws its trainer may have seen: none of them is an account's
             raise BeaconRefused(409, f"run {row.run[:16]}… was first streamed to this beacon "
                                      + ("outside the leaderboard" if row.account is None else "by another account"))
-        return self._extend(s, row, head, proof)
+        return self._extend(s, row, head, proof, attempts)
 
     @staticmethod
     def _proof(consistency: object) -> list[bytes]:
@@ -103,7 +104,7 @@ class Beacon:
         return found
 
     def _new_run(self, s: Session, head: SignedTreeHead, proof: list[bytes], manifest: str,
-                 account: str | None) -> BeaconStatement:
+                 account: str | None, attempts: int) -> BeaconStatement:
         line = manifest.encode()
         try:
             m = parse_canonical_json(line)
@@ -121,9 +122,14 @@ class Beacon:
             recipe = recipe_id(m).hex()
         except (ValueError, UnicodeError) as e:
             raise BeaconRefused(400, f"manifest: {e}") from None
+        try:  # in its one spelling: a run a verifier accepts has one (a manifest without is no attempt at it)
+            seed = from_hex(m.get("run_seed"), "run_seed", 32).hex()
+        except (ValueError, TypeError):
+            seed = None
         t = now_ms()
         row = BeaconRun(run=run_id(line).hex(), public_key=m["public_key"], manifest=manifest, first_ms=t, last_ms=t,
-                        last_size=0, last_root="", final=False, equivocated=False, recipe=recipe, account=account)
+                        last_size=0, last_root="", final=False, equivocated=False, recipe=recipe, seed=seed,
+                        account=account)
         s.add(row)
         try:
             s.flush()
@@ -134,10 +140,11 @@ class Beacon:
             if known.account != account:
                 raise BeaconRefused(409, f"run {known.run[:16]}… was first streamed to this beacon by another "
                                          "client") from None
-            return self._extend(s, known, head, proof)
-        return self._answer(s, row, head, t)
+            return self._extend(s, known, head, proof, attempts)
+        return self._answer(s, row, head, t, attempts)
 
-    def _extend(self, s: Session, row: BeaconRun, head: SignedTreeHead, proof: list[bytes]) -> BeaconStatement:
+    def _extend(self, s: Session, row: BeaconRun, head: SignedTreeHead, proof: list[bytes],
+                attempts: int = 0) -> BeaconStatement:
         try:
             head.verify(public_key_from_hex(row.public_key))
         except VerificationError as e:
@@ -159,9 +166,9 @@ class Beacon:
         except VerificationError as e:
             raise BeaconRefused(400, f"the tree head does not extend the last one stamped for the run "
                                      f"(size {row.last_size}): {e}") from None
-        return self._answer(s, row, head, now_ms())
+        return self._answer(s, row, head, now_ms(), attempts)
 
-    def _answer(self, s: Session, row: BeaconRun, head: SignedTreeHead, t: int) -> BeaconStatement:
+    def _answer(self, s: Session, row: BeaconRun, head: SignedTreeHead, t: int, attempts: int = 0) -> BeaconStatement:
         """Stamp ``head`` as the run's next window, once: the check of the last stamped size and its
         update are one conditional UPDATE, so of parallel heads that extend one stamped head exactly
         one is answered (a draw per window); the others are refused."""
@@ -176,12 +183,13 @@ class Beacon:
         if won != 1:
             s.rollback()
             return self._lost(s, row, head, prev_size)
-        others = unfinished = None
+        others = priced = None
         if final:  # counted under the run's row lock, with every attempt first seen before this head
-            others, unfinished = self._linked(s, row)
+            others, priced = self._linked(s, row)
+            priced += attempts
         statement = BeaconStatement(self.public_key, bytes.fromhex(row.run), head.size, head.root, prev_size,
                                     self.draw(prev_size, head.size), t, final, others=others,
-                                    unfinished=unfinished).signed(self.key)
+                                    attempts=priced).signed(self.key)
         s.add(BeaconHead(run_id=row.id, size=head.size, root=head.root.hex(), prev_size=prev_size,
                          head_json=canonical_json(head.to_json()).decode(),
                          statement_json=canonical_json(statement.to_json()).decode(), received_ms=t))
@@ -197,24 +205,31 @@ class Beacon:
         """A head that another request overtook: the statement of the same head if that is what was
         stamped (a repeat), else a refusal (its window was drawn for another head)."""
         stamped = s.scalar(select(BeaconHead).where(BeaconHead.run_id == row.id, BeaconHead.size == head.size))
-        if stamped is not None and same(bytes.fromhex(stamped.root), head.root):
-            return BeaconStatement.from_json(json.loads(stamped.statement_json))
+        if stamped is not None:
+            if same(bytes.fromhex(stamped.root), head.root):
+                return BeaconStatement.from_json(json.loads(stamped.statement_json))
+            return self._equivocation(s, row, stamped, head)  # raced in with another root: a fork, kept
         now = s.scalar(select(BeaconRun.last_size).where(BeaconRun.id == row.id))
         raise BeaconRefused(409, f"another head of run {row.run[:16]}… was stamped while this one (size {head.size}) "
                                  f"was checked: the window after size {prev_size} is drawn once, and the run's last "
                                  f"stamped head is now of size {now}; send heads in order, one at a time")
 
     def _linked(self, s: Session, row: BeaconRun) -> tuple[int, int]:
-        """How many other runs share this run's signing key and its recipe or (at a leaderboard, where
-        every run of a track shares the track's recipe, and accounts are what a trainer has) its
-        account, and how many of them have no final head (walked away from, or still going: either
-        way a draw its trainer saw)."""
-        same_owner = [BeaconRun.public_key == row.public_key,
-                      BeaconRun.recipe == row.recipe if row.account is None else BeaconRun.account == row.account]
-        linked = (BeaconRun.id != row.id, or_(*same_owner))
-        others = s.scalar(select(func.count()).select_from(BeaconRun).where(*linked))
-        unfinished = s.scalar(select(func.count()).select_from(BeaconRun).where(*linked, BeaconRun.final.is_(False)))
-        return int(others or 0), int(unfinished or 0)
+        """How many other runs this beacon linked to this one, and how many of them it prices in.
+
+        Linked (reported): the same signing key, recipe, run seed or account. Priced: the runs with the
+        same run seed and the same training recipe, finished or not: they are one computation, so a
+        trainer pays for it once and gets a draw per run (a "final" head costs it nothing to sign).
+        The seed is the trainer's secret until its first head, so no one else can add such a run.
+        Runs under a fresh key with another seed are other computations, each paid for up to its
+        bad steps (a leaderboard prices its account's uncertified runs itself: ``attempts``)."""
+        same = [BeaconRun.public_key == row.public_key, BeaconRun.recipe == row.recipe, BeaconRun.seed == row.seed]
+        if row.account is not None:
+            same.append(BeaconRun.account == row.account)
+        others = s.scalar(select(func.count()).select_from(BeaconRun).where(BeaconRun.id != row.id, or_(*same)))
+        priced = s.scalar(select(func.count()).select_from(BeaconRun).where(
+            BeaconRun.id != row.id, BeaconRun.seed == row.seed, BeaconRun.recipe == row.recipe))
+        return int(others or 0), int(priced or 0)
 
     def _equivocation(self, s: Session, row: BeaconRun, stamped: BeaconHead, other: SignedTreeHead) -> BeaconStatement:
         evidence = {"run": row.run, "size": other.size, "stamped": json.loads(stamped.head_json),

@@ -23,9 +23,11 @@ from .hashing import canonical_json, from_hex, leaf_hash, tagged_hash
 from .signing import public_hex
 
 STATEMENT_FORMAT = "witness-beacon-statement"
-# Version 2 adds, to a run's final statement, the beacon's count of the other runs it linked to this
-# one (same signing key, same recipe or, at a leaderboard, same account) and how many of those never
-# finished: a trainer that restarts until a draw misses its bad steps leaves unfinished attempts.
+# Version 2 adds, to a run's final statement, what the beacon knows of the trainer's other attempts:
+# ``others``, the runs it linked to this one (same signing key, recipe, run seed or, at a leaderboard,
+# account), and ``attempts``, those it prices into the bound: attempts that shared this run's
+# computation (the same run seed and training recipe) and, at a leaderboard, the account's runs
+# that were not certified. A trainer that restarts until a draw misses its bad steps is priced in.
 STATEMENT_VERSION = 2
 STATEMENT_VERSIONS = (1, 2)  # version 1 statements (witness 0.5) verify, but count no attempts
 CONTEXT = b"witness beacon statement v1\x00"  # domain separation: never a valid tree-head signature
@@ -34,7 +36,7 @@ MAX_STATEMENT_BYTES = 4096
 MAX_INT = 1 << 62  # sizes, times and counts (beyond any database's integer: refused, not overflowed)
 _FIELDS = {"format", "version", "beacon", "run", "size", "root", "prev_size", "beta", "received_ms", "final",
            "signature"}
-_ATTEMPTS = {"others", "unfinished"}  # on a version 2 final statement only
+_ATTEMPTS = {"others", "attempts"}  # on a version 2 final statement only
 
 
 def run_id(manifest_line: bytes) -> bytes:
@@ -42,15 +44,21 @@ def run_id(manifest_line: bytes) -> bytes:
     return leaf_hash(manifest_line)
 
 
-# What a recipe is, for linking restarts: the manifest without its seed (r, run_seed and the initial
-# state they give), its key, or any setting a trainer can change without changing what is trained
-# (checkpoint cadence, threads, online settings). A changed recipe under a fresh key is not linked.
+# What a recipe is, for linking runs: the manifest without its seed (r, run_seed and the initial state
+# they give), its key, the settings that do not change what is trained (checkpoint cadence, threads,
+# online settings) and, in the task's config, the fields that only shape what is observed of the
+# training (the probes, the fingerprint and the sketch).
 RECIPE_FIELDS = ("task", "task_config", "data_root", "dataset_size", "steps_planned")
+OBSERVATIONAL = ("fingerprint_dims", "sketch_dims", "probes", "probe_len")
 
 
 def recipe_id(manifest: dict) -> bytes:
-    """The recipe a manifest trains, as a hash: runs that share it are attempts at one result."""
-    return tagged_hash("witness/recipe/v1", canonical_json({k: manifest.get(k) for k in RECIPE_FIELDS}))
+    """The training a manifest's recipe defines, as a hash."""
+    config = manifest.get("task_config")
+    if isinstance(config, dict):
+        config = {k: v for k, v in config.items() if k not in OBSERVATIONAL}
+    return tagged_hash("witness/recipe/v1", canonical_json({**{k: manifest.get(k) for k in RECIPE_FIELDS},
+                                                            "task_config": config}))
 
 
 @dataclass(frozen=True)
@@ -66,10 +74,10 @@ class BeaconStatement:
     received_ms: int
     final: bool  # the head is the run's last (it carries the end record's extensions)
     signature: bytes = b""
-    # a final statement's count of other runs linked to this one, and of those that never finished
-    # (None: not a final statement, or a version 1 statement, which counts none)
+    # a final statement's count of other runs linked to this one, and of the attempts among them that
+    # are priced into the bound (None: not a final statement, or a version 1 one, which counts none)
     others: int | None = None
-    unfinished: int | None = None
+    attempts: int | None = None
     version: int = STATEMENT_VERSION
 
     def body(self) -> dict:
@@ -78,7 +86,7 @@ class BeaconStatement:
                "run": self.run.hex(), "size": self.size, "root": self.root.hex(), "prev_size": self.prev_size,
                "beta": self.beta.hex(), "received_ms": self.received_ms, "final": self.final}
         if self.others is not None:
-            out |= {"others": self.others, "unfinished": self.unfinished}
+            out |= {"others": self.others, "attempts": self.attempts}
         return out
 
     def message(self) -> bytes:
@@ -124,14 +132,12 @@ class BeaconStatement:
             raise MalformedInput("beacon statement: its window is empty (prev_size >= size)")
         if type(obj["final"]) is not bool:
             raise MalformedInput("beacon statement: final must be true or false")
-        if counted and not obj["unfinished"] <= obj["others"]:
-            raise MalformedInput("beacon statement: more unfinished attempts than attempts")
         try:
             from_hex(obj["beacon"], "beacon key")
             return cls(obj["beacon"], from_hex(obj["run"], "run"), obj["size"], from_hex(obj["root"], "root"),
                        obj["prev_size"], from_hex(obj["beta"], "beta", BETA_BYTES), obj["received_ms"],
                        obj["final"], from_hex(obj["signature"], "signature", 64),
-                       obj.get("others"), obj.get("unfinished"), obj["version"])
+                       obj.get("others"), obj.get("attempts"), obj["version"])
         except ValueError as e:
             raise MalformedInput(f"beacon statement: {e}") from None
 

@@ -138,6 +138,9 @@ def key_fingerprint(public: str) -> str:
     return sha256(bytes.fromhex(public)).hex()[:16]
 
 
+MAX_TREE_SIZE = (1 << 31) - 1  # records a log may hold: a 32-bit database integer
+
+
 @dataclass(frozen=True)
 class SignedTreeHead:
     """A log's size and root at a moment, signed by the trainer's key."""
@@ -198,6 +201,10 @@ class SignedTreeHead:
         size, ts = obj["size"], obj["timestamp_ms"]
         if type(size) is not int or type(ts) is not int or size < 0 or ts < 0:
             raise MalformedInput("tree head size and timestamp must be non-negative integers")
+        if size > MAX_TREE_SIZE or ts >= 1 << 62:
+            # no log is that long (its records alone would pass every bound); a database's integer columns
+            # and the beacon's statements hold what is accepted here
+            raise MalformedInput(f"a tree head's size is at most {MAX_TREE_SIZE} and its timestamp below 2^62")
         try:
             return cls(size, from_hex(obj["root"], "root"), ts, from_hex(obj["signature"], "signature", 64), ext)
         except ValueError as e:

@@ -16,7 +16,7 @@ from typing import NoReturn
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
-from ..beacon.service import Beacon, BeaconRefused
+from ..beacon.service import FINAL_EXTENSION, Beacon, BeaconRefused
 from ..bundle.layout import MAX_RECORD_BYTES, STATEMENTS
 from ..bundle.reader import open_bundle
 from ..bundle.schema import parse_online
@@ -138,6 +138,16 @@ def _lock_writes(s: Session) -> None:
         s.execute(text("LOCK TABLE accounts IN SHARE ROW EXCLUSIVE MODE"))
     else:
         s.execute(text("UPDATE accounts SET id = id WHERE 0"))
+
+
+def _lock_run(s: Session, run_id: int) -> None:
+    """Hold the run's row for this transaction (SQLite: the database's write lock), so that a head
+    is checked against the last one and stored as one step: of heads streamed in parallel, each is
+    checked against what the one before it stored."""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+    else:
+        s.execute(update(Run).where(Run.id == run_id).values(id=Run.id).execution_options(synchronize_session=False))
 
 
 def _hide(e: Exception, staging: Path) -> str:
@@ -268,6 +278,8 @@ class Leaderboard:
         run = self.run(s, run_id)
         if run.account_id != acct.id:
             raise ApiError(403, f"run {run_id} belongs to another account")
+        _lock_run(s, run.id)
+        s.refresh(run)  # as it is now that this request holds it
         if run.status != "ticketed":
             if run.status == "rejected":
                 raise ApiError(409, f"run {run_id} was rejected: {run.reason}")
@@ -336,14 +348,25 @@ class Leaderboard:
         if first is None:
             raise ApiError(409, "the run's first streamed head is missing")
         run = s.get(Run, head.run_id)
+        tree_head = json.loads(head.head_json)
+        attempts = self.other_attempts(s, run) if FINAL_EXTENSION in (tree_head.get("extensions") or {}) else 0
         try:  # the account's runs are linked at the beacon, whatever keys and recipes they use
-            st = self.beacon.stamp(s, json.loads(head.head_json), consistency, manifest, first.root,
-                                   account=f"account:{run.account_id}")
+            st = self.beacon.stamp(s, tree_head, consistency, manifest, first.root,
+                                   account=f"account:{run.account_id}", attempts=attempts)
         except BeaconRefused as e:
             raise ApiError(e.status, e.message) from None
         if run.online_p is not None:
             self._select(s, run, st)
         return st.to_json()
+
+    def other_attempts(self, s: Session, run: Run) -> int:
+        """The account's other runs that streamed a head (their trainer saw draws) and were not
+        certified: abandoned, rejected, revoked or not yet decided. Each may have been an attempt at
+        this run that a draw caught, so the run's final statement prices them into its bound (a run
+        killed and resumed with ``--resume`` stays one run)."""
+        streamed = select(Head.run_id).where(Head.run_id == Run.id).exists()
+        return int(s.scalar(select(func.count()).select_from(Run).where(
+            Run.account_id == run.account_id, Run.id != run.id, Run.status != "certified", streamed)) or 0)
 
     def _select(self, s: Session, run: Run, st: BeaconStatement) -> None:
         """Note the steps a statement selects (once: the same head again gets the same statement)."""

@@ -236,7 +236,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         verdict.online = {"beacon": online.beacon, "p": online.p, "every": online.every, "windows": online.windows,
                           "selected": online.selected, "covered": online.covered,
                           "unaudited": len(online.unaudited), "final": online.final, "others": online.others,
-                          "unfinished": online.unfinished, "attempts": online.attempts()}
+                          "attempts": online.attempts, "linking": online.linking()}
     if local is None and bundle.complete and mode != "offline":
         verdict.checks.append("every replayed sample is the committed dataset's, with its documents")
     if not bundle.complete:
@@ -318,7 +318,7 @@ def _bound(verdict: Verdict, drawn: list[ReplayChallenge], online: OnlinePlan | 
         done = replayed(verdict.ledger)
         verdict.verified = sum(1 for t in online.selected if t in done)
         verdict.detection_probability = online_bound_from(verdict.ledger, online.selected, online.p, f, n,
-                                                          len(online.unaudited), online.unfinished)
+                                                          len(online.unaudited), online.attempts)
 
 
 def default_response_dir(bundle_dir: str | os.PathLike) -> Path:

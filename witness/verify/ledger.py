@@ -78,8 +78,8 @@ def online_bound_from(ledger: Sequence[LedgerEntry], selected: Iterable[int], p:
     """The online bound: each bad step is selected with probability p, independently; a dishonest
     trainer puts its bad steps first where no statement looks (``uncovered`` steps) and where a
     selected step was not replayed, so b = max(0, ceil(fT) - uncovered - selected-but-not-replayed);
-    one attempt escapes with (1 - p)^b, and a trainer that made ``attempts`` unfinished other
-    attempts presents whichever escaped: the bound is (1 - (1 - p)^b)^(attempts + 1). Unknown
+    one attempt escapes with (1 - p)^b, and a trainer that made ``attempts`` other attempts
+    (those the beacon priced in) presents whichever escaped: the bound is (1 - (1 - p)^b)^(attempts + 1). Unknown
     attempts (no final statement counts them) give 0."""
     if attempts is None:
         return 0.0

@@ -38,10 +38,10 @@ class OnlinePlan:
     covered: int  # steps 0 .. covered - 1 lie in a statement's window
     unaudited: range
     final: bool  # the run's final head has a statement
-    # the final statement's count of other runs the beacon linked to this one (same key, recipe or
-    # account), and of those that never finished; None where no final statement counts them
+    # the final statement's count of other runs the beacon linked to this one (key, recipe, run seed
+    # or account), and of the attempts among them it prices in; None where no final statement counts
     others: int | None = None
-    unfinished: int | None = None
+    attempts: int | None = None
 
     def describe(self) -> str:
         """One line for the verdict."""
@@ -51,16 +51,17 @@ class OnlinePlan:
         return (f"{self.windows} beacon statement(s) by {self.beacon} chain over steps 0..{self.covered - 1}, "
                 f"selecting {len(self.selected)} step(s) at p = {self.p:g}{gap}")
 
-    def attempts(self) -> str:
-        """What the beacon saw of other attempts, for the verdict."""
-        if self.unfinished is None:
+    def linking(self) -> str:
+        """What the beacon saw of other attempts, and what that leaves unseen, for the verdict."""
+        if self.attempts is None:
             why = "the bundle holds no final statement" if not self.final else \
                 "its final statement is of version 1, which counts none"
-            return (f"other attempts unknown: {why}, so the beacon's count of other runs with this key or recipe "
-                    "(restarts until a draw misses) is missing and the online bound is 0")
-        return (f"the beacon saw {self.others} other run(s) with this run's key, recipe or account, {self.unfinished} "
-                "of them never finished: the bound is taken over "
-                f"{self.unfinished + 1} attempt(s)")
+            return (f"other attempts unknown: {why}, so the beacon's count of the trainer's other attempts (restarts "
+                    "until a draw misses) is missing and the online bound is 0")
+        return (f"the beacon linked {self.others} other run(s) to this one (its key, recipe, run seed or account) and "
+                f"prices {self.attempts} of them in as attempts at it: the bound is taken over {self.attempts + 1} "
+                "attempt(s); an attempt under a fresh key with another run seed is not seen (it costs its trainer "
+                "its own training up to its bad steps)")
 
 
 def parse_statements(bundle: Bundle) -> list[BeaconStatement]:
@@ -129,7 +130,7 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     last = chain[-1] if final else None
     return OnlinePlan(key_fingerprint(public_hex(public)), p, m.online["every"], len(chain), selected,
                       covered, range(covered, n), final, last.others if last else None,
-                      last.unfinished if last else None)
+                      last.attempts if last else None)
 
 
 class OnlineStates:

@@ -80,7 +80,7 @@ class Verdict:
         floor = self.floor
         if self.detection_probability >= floor:
             return None
-        if self.online.get("unfinished") is None:
+        if self.online.get("attempts") is None:
             return (f"WARNING: weak audit: the online bound is 0, below the {100 * floor:g}% "
                     f"{'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
                     "no final beacon statement counts the run's other attempts (or add an after-the-fact audit)")
@@ -98,7 +98,7 @@ class Verdict:
 
     def _formula(self) -> str:
         if self.online is not None:
-            k = self.online.get("unfinished")
+            k = self.online.get("attempts")
             if k is None:
                 return "0: other attempts unknown"
             one = "1-(1-p)^ceil(fT)" + (" less the steps not audited" if self.online["unaudited"] else "")
@@ -141,7 +141,7 @@ class Verdict:
                             f"steps {_steps(o['selected'])}"
                             + (f"; {o['unaudited']} step(s) after the last statement not audited online"
                                if o["unaudited"] else ""))
-            lines.insert(3, f"  attempts: {o['attempts']}")
+            lines.insert(3, f"  attempts: {o['linking']}")
         if self.data_root:
             lines.append(f"  data root {self.data_root[:16]}…: " + (f"checked against {self.data_checked}"
                          if self.data_checked else "taken on the trainer's word (not compared with any data this "

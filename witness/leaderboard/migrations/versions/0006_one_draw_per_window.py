@@ -18,8 +18,16 @@ depends_on = None
 
 
 def upgrade() -> None:
-    """Add beacon_runs.recipe and .account, beacon_heads.prev_size, online_steps.ledger_json."""
-    add_linking(op.get_bind())
+    """Add beacon_runs.recipe, .seed and .account, beacon_heads.prev_size, online_steps.ledger_json; the
+    account of every run the leaderboard streamed (its first head's root names it at the beacon), so
+    that a run in progress during the upgrade goes on, linked to its account."""
+    conn = op.get_bind()
+    add_linking(conn)
+    firsts = conn.execute(sa.text("SELECT heads.root, runs.account_id FROM heads JOIN runs ON heads.run_id = runs.id "
+                                  "WHERE heads.size = 1")).all()
+    for root, account in firsts:
+        conn.execute(sa.text("UPDATE beacon_runs SET account = :a WHERE run = :r AND account IS NULL"),
+                     {"a": f"account:{account}", "r": root})
     with op.batch_alter_table("online_steps") as t:
         t.add_column(sa.Column("ledger_json", sa.Text(), nullable=True))
 
@@ -31,5 +39,5 @@ def downgrade() -> None:
     with op.batch_alter_table("beacon_heads") as t:
         t.drop_column("prev_size")
     with op.batch_alter_table("beacon_runs") as t:
-        t.drop_column("account")
-        t.drop_column("recipe")
+        for column in ("account", "seed", "recipe"):
+            t.drop_column(column)
