@@ -89,6 +89,32 @@ def cli_json(capsys, *args) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
+def at_once(call, items: list) -> list:
+    """``call(item)`` for every item, each in its own thread, all released together; the results."""
+    results: list = []
+    go = threading.Barrier(len(items))
+
+    def one(item) -> None:
+        go.wait()
+        results.append(call(item))
+
+    threads = [threading.Thread(target=one, args=(x,)) for x in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def post_heads(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    """The bodies posted to a beacon's heads at once, each on its own connection."""
+    def post(body: dict) -> httpx.Response:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            return http.post("/api/beacon/heads", json=body)
+
+    return at_once(post, bodies)
+
+
 # --- finding 1: an offline audit that replays nothing ------------------------------------------
 
 def test_a_plan_never_wraps_around_to_a_later_state():
@@ -156,19 +182,7 @@ def test_parallel_heads_extending_one_stamped_head_get_one_draw(tmp_path, db):
         run = run_id(log.lines[0]).hex()
         bodies = [{"tree_head": RunLog(log.lines[:n]).sign_head(key).to_json(), "run": run,
                    "consistency": [h.hex() for h in log.tree.consistency_proof(2, n)]} for n in range(3, 15)]
-        answers: list[httpx.Response] = []
-        go = threading.Barrier(len(bodies))
-
-        def send(body: dict) -> None:
-            with httpx.Client(base_url=served.url, timeout=60) as http:
-                go.wait()
-                answers.append(http.post("/api/beacon/heads", json=body))
-
-        threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        answers = post_heads(served.url, bodies)
         codes = sorted(a.status_code for a in answers)
         # one is stamped; the others are refused: those checked before it committed lost the
         # conditional update (409), those checked after it no longer extend (400), or are older than
@@ -198,20 +212,7 @@ def test_two_heads_of_one_size_raced_in_are_kept_as_equivocation(tmp_path):
             run = run_id(honest.lines[0]).hex()
             bodies = [{"tree_head": log.sign_head(key).to_json(), "run": run,
                        "consistency": [h.hex() for h in log.tree.consistency_proof(1, 6)]} for log in (honest, fork)]
-            codes: list[int] = []
-            go = threading.Barrier(2)
-
-            def send(body: dict) -> None:
-                with httpx.Client(base_url=served.url, timeout=60) as http:
-                    go.wait()
-                    codes.append(http.post("/api/beacon/heads", json=body).status_code)
-
-            threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert sorted(codes) == [200, 409]
+            assert sorted(a.status_code for a in post_heads(served.url, bodies)) == [200, 409]
             info = httpx.get(f"{served.url}/api/beacon/runs/{run}").json()
             assert info["equivocated"] and len(info["evidence"]) == 1  # whichever came second: a fork, kept
     finally:
@@ -401,20 +402,11 @@ def test_parallel_online_uploads_of_one_step_keep_one_object(tmp_path, backend):
         assert not list((lb.store.root / "incoming").glob("upload-*"))
 
         def race(bodies: list[bytes]) -> list[int]:
-            codes: list[int] = []
-            go = threading.Barrier(len(bodies))
-
-            def one(body: bytes) -> None:
+            def one(body: bytes) -> int:
                 with httpx.Client(base_url=url, timeout=60) as http:
-                    go.wait()
-                    codes.append(http.put(put, content=body, headers=Authed(http, alice.token).headers).status_code)
+                    return http.put(put, content=body, headers=Authed(http, alice.token).headers).status_code
 
-            ts = [threading.Thread(target=one, args=(b,)) for b in bodies]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            return sorted(codes)
+            return sorted(at_once(one, bodies))
 
         assert race([state] * 8) == [201] + [409] * 7
         put = f"/api/runs/{run}/online/states/2"
