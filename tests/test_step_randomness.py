@@ -123,7 +123,7 @@ def test_a_run_with_global_dropout_is_recorded_and_verified_exactly(site, tmp_pa
 
 # --- the record-time self-check ---------------------------------------------------------------
 
-def _loop(task, out, *, loss_of=None, lr_scale=1.0, report=float, self_check=True):
+def _loop(task, out, *, loss_of=None, lr_scale=1.0, report=float, self_check=True, log_lr=None, factor=None):
     """A user's own loop around the recorder: its step, its loss, its learning rate."""
     from witness.commit.signing import generate_key
     from witness.record import Recorder
@@ -144,21 +144,23 @@ def _loop(task, out, *, loss_of=None, lr_scale=1.0, report=float, self_check=Tru
             losses = []
             for k, micro in enumerate(task.split_batch(batch, task.grad_accum)):
                 loss = task.step_loss(rec.model, micro, micro_seed(rec.step_seed(t), k))
-                (loss / task.grad_accum).backward()
+                (loss / task.grad_accum * (factor() if factor else 1.0)).backward()
                 losses.append(float(loss.detach()))
             value = mean_of_ranks(losses)
         gn = clip_whole([p for p in rec.model.parameters() if p.grad is not None], task.config.grad_clip)
         rec.optimizer.step()
-        rec.log_step(t, StepOutput(report(value), rec.lr(t), float(gn)))
+        rec.log_step(t, StepOutput(report(value), (log_lr or rec.lr)(t), float(gn)))
     rec.finish()
     return rec
 
 
-def test_an_honest_own_loop_passes_the_self_check_and_says_what_it_cost(site, tmp_path):
+def test_an_honest_own_loop_passes_the_self_check_and_says_what_it_cost(site, tmp_path, capsys):
     task = registry.build_task("dropout-test", {"steps": 6, "batch_size": 8})
     rec = _loop(task, tmp_path / "run")
     r = rec.self_check.report()
     assert r["steps"][0] == 0 and len(r["steps"]) == 2 and 1 <= r["steps"][1] <= 5 and r["seconds"] > 0
+    # the loop says so, in one line, when it finishes
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"self-check: step(s) 0 and {r['steps'][1]} ")
 
 
 @pytest.mark.parametrize("flaw, message", [
@@ -178,6 +180,41 @@ def test_a_loop_that_would_not_replay_stops_at_step_0_and_says_why(site, tmp_pat
     # the same loop without the check records a run that the verifier then rejects
     _loop(_task(), tmp_path / "unchecked", self_check=False, **flaw)
     assert main(["verify", "--allow-weak", str(tmp_path / "unchecked"), "--challenges", "6", "--json"]) == 1
+
+
+@pytest.mark.parametrize("flaw, config, message", [
+    # a rate of its own, logged: named as the rate, not as a parameter difference
+    ({"lr_scale": 1.01, "log_lr": "scaled"}, {}, "the learning rate is not the schedule's: your loop logged"),
+    # a rate of its own, not logged: the parameter difference, with the rate the optimizer held
+    ({"lr_scale": 1.01}, {}, "the optimizer's parameter groups hold the learning rate"),
+    # a random factor on the loss in an accumulation loop: an accumulation hint, not one backward's
+    ({"factor": lambda: 1.0 + random.random()}, {"grad_accum": 2},
+     "after 2 backward passes, one per micro-batch"),
+])
+def test_a_self_check_message_names_the_real_cause(site, tmp_path, flaw, config, message):
+    from witness.record.selfcheck import SelfCheckFailed
+
+    task = registry.build_task("dropout-test", {"steps": 6, "batch_size": 8, **config})
+    if flaw.get("log_lr") == "scaled":
+        flaw = {**flaw, "log_lr": lambda t: task.schedule.at(t) * 1.01}
+    with pytest.raises(SelfCheckFailed, match=message) as e:
+        _loop(task, tmp_path / "run", **flaw)
+    assert "after one backward over the whole batch" not in str(e.value)
+
+
+def test_the_command_line_prints_a_self_check_failure_whole(tmp_path, monkeypatch, capsys):
+    from witness.record import Recorder
+    from witness.record.selfcheck import SelfCheckFailed
+
+    why = "step 0 does not replay: " + "a reason, " * 60 + "and the fix at the very end"
+
+    def fail(self, progress=True):
+        raise SelfCheckFailed(why)
+
+    monkeypatch.setattr(Recorder, "train", fail)
+    assert main(["train", "--task", "tiny", "--steps", "3", "--out", str(tmp_path / "a"), "--key",
+                 str(tmp_path / "k.pem"), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {why}"
 
 
 def _task():

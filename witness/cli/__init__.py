@@ -81,7 +81,10 @@ def _main(argv: list[str] | None) -> int:
         print(unusable_or_rejected(e), file=sys.stderr)
         return e.exit_code
     except ValueError as e:
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        from ..record.selfcheck import SelfCheckFailed
+
+        # the self-check's message says how to fix the loop: never cut (other errors stay one short line)
+        print(f"error: {one_line(str(e), None if isinstance(e, SelfCheckFailed) else 300)}", file=sys.stderr)
         return 2
     except OSError as e:  # a path too long, a folder for a file, a full disk, no permission, ...
         print(f"error: {_os_error(e)}", file=sys.stderr)

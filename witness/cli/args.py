@@ -98,10 +98,11 @@ def challenges_q(args: argparse.Namespace) -> int:
     return challenges_needed(args.confidence or DEFAULT_CONFIDENCE, args.bad_fraction or DEFAULT_BAD_FRACTION)
 
 
-def one_line(text: str, limit: int = 300) -> str:
-    """A message on one line of bounded length (a 5000-character path is not worth repeating)."""
+def one_line(text: str, limit: int | None = 300) -> str:
+    """A message on one line of bounded length (a 5000-character path is not worth repeating);
+    ``limit=None`` keeps it whole."""
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
 
 
 def unusable_or_rejected(e: VerificationError, rejected: str = "REJECTED") -> str:

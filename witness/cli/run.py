@@ -82,21 +82,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                               self_check=not args.no_self_check)
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
-    if rec.self_check is not None:
-        print(self_check_summary(rec.self_check.report()), file=sys.stderr)
     hint = rec.cost()["hint"]
     if hint:
         print(f"note: {hint}", file=sys.stderr)
     if rec.online is not None:
         print(online_summary(rec.online), file=sys.stderr)
     return 0
-
-
-def self_check_summary(r: dict) -> str:
-    """What the record-time self-check replayed and what it cost, in a line."""
-    steps = " and ".join(str(t) for t in r["steps"])
-    return (f"self-check: step(s) {steps} replayed as a verifier will, bit for bit ({r['seconds']:.2f} s; "
-            "--no-self-check skips it)")
 
 
 def _beacon(args: argparse.Namespace):

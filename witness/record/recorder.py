@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -517,6 +518,8 @@ class Recorder:
         if self.online is not None:
             self.online.finish()  # every statement received, every selected state written
         self.writer.close()
+        if self.self_check is not None and self.self_check.checked:  # in your own loop too: it ran, at this cost
+            print(self.self_check.summary(), file=sys.stderr)
         return head
 
     def train(self, progress: bool = True) -> SignedTreeHead:

@@ -83,6 +83,14 @@ class SelfCheck:
                 "step eagerly, and compiled kernels round differently, so the verifier would reject the run. Set "
                 "compile=True in the recipe (replay then compiles the step the same way) and train rec.step_model, "
                 "or train rec.model without torch.compile")
+        want = rec.lr(step)
+        if not _same_float(out.lr, want):  # (the optimizer's own groups may already hold the next step's rate)
+            self.before = None
+            raise SelfCheckFailed(
+                f"step {step} does not replay: the learning rate is not the schedule's: your loop logged {out.lr!r}, the "
+                f"recipe's schedule gives {want!r} at step {step}; replay steps with the schedule's rate (rec.lr(t)), "
+                "so set every parameter group's lr to rec.lr(t) before the step and log that rate (a jittered or "
+                "otherwise adjusted rate is another recipe, and the verifier rejects it)")
         s = rec.session
         replay = TrainingSession(rec.task, s.run_seed, s.dataset_size, 1, "none", s.device)
         load_state(replay.model, replay.optimizer, self.before)
@@ -91,7 +99,12 @@ class SelfCheck:
         after = state_tensors(rec.model, rec.optimizer)
         replayed = state_tensors(replay.model, replay.optimizer)
         self.before = None
-        problem = _compare(step, out, got, after, replayed, drew)
+        problem = _compare(step, out, got, after, replayed, drew, rec.task.grad_accum)
+        held = sorted({float(g["lr"]) for g in rec.optimizer.param_groups})
+        if problem and "the update is not the task's" in problem and held != [want]:
+            problem += (f"; the optimizer's parameter groups hold the learning rate {held[0] if len(held) == 1 else held}"
+                        f", the schedule's is {want!r}: if your loop stepped with a rate of its own (jittered, "
+                        "scaled, another schedule), that is the difference")
         if problem and _compiled_so_far() and not rec.task.compiles:
             problem += ("; torch.compile has compiled code in this process: if your loop runs the step compiled, set "
                         "compile=True in the recipe and train rec.step_model (replay then compiles it the same way)")
@@ -104,6 +117,12 @@ class SelfCheck:
     def report(self) -> dict:
         """What the check did and what it cost."""
         return {"steps": sorted(self.checked), "seconds": self.seconds}
+
+    def summary(self) -> str:
+        """What the check replayed and what it cost, in a line (a run says it when it finishes)."""
+        steps = " and ".join(str(t) for t in sorted(self.checked)) or "none"
+        return (f"self-check: step(s) {steps} replayed as a verifier will, bit for bit ({self.seconds:.2f} s; "
+                "--no-self-check or Recorder.create(self_check=False) skips it)")
 
 
 def _compiled_so_far() -> int:
@@ -133,7 +152,7 @@ def _same(a: Any, b: Any) -> bool:  # noqa: ANN401 - generator states of three k
 
 
 def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch.Tensor],
-             replayed: dict[str, torch.Tensor], drew: list[str]) -> str | None:
+             replayed: dict[str, torch.Tensor], drew: list[str], accum: int = 1) -> str | None:
     """What differs between the loop's step and the replayed one, and how to fix it; None if nothing."""
     hint_rng = ""
     if drew:
@@ -147,9 +166,12 @@ def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch
                 "of per-example means; a few ulps are the same math in another order, such as torch.compile's "
                 f"fused kernels: replay compiles only a recipe with compile=True){hint_rng}")
     if not _same_float(out.grad_norm, got.grad_norm):
+        how = (f"after {accum} backward passes, one per micro-batch (rec.micro_batches(t)), each loss divided by "
+               f"{accum} and nothing else (a factor of your own, random or not, changes the gradients)"
+               if accum > 1 else "after one backward over the whole batch")
         return (f"step {step} does not replay: your loop's gradient norm is {out.grad_norm!r}, the task's step gives "
                 f"{got.grad_norm!r}; replay clips as the task does (clip_grad_norm_ over all parameters at the "
-                f"recipe's grad_clip) after one backward over the whole batch{hint_rng}")
+                f"recipe's grad_clip) {how}{hint_rng}")
     names = sorted(set(after) | set(replayed))
     for name in names:
         a, b = after.get(name), replayed.get(name)
@@ -163,7 +185,8 @@ def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch
                         "one: an fp16 loop scales, unscales and steps with the run's GradScaler, rec.scaler (its "
                         "scale is committed state), as task.train_step does")
             what = "optimizer state" if name.startswith("optimizer.") else "parameter or buffer"
+            accumulated = (f", or the {accum} micro-batches' gradients summed in another way" if accum > 1 else "")
             return (f"step {step} does not replay: after it, the {what} {name} differs from the replayed one "
                     f"(largest difference {diff:.3g}) although the loss and gradient norm match; the update is "
-                    "not the task's: its optimizer, learning rate, clipping or gradient accumulation" + hint_rng)
+                    f"not the task's: its optimizer or its settings, or the clipping{accumulated}" + hint_rng)
     return None
