@@ -58,6 +58,14 @@ def beacon(tmp_path):
     b.close()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def either_beacon(request, tmp_path):
+    """A beacon on SQLite, then on PostgreSQL (the races are the database's)."""
+    b = Served(f"sqlite:///{tmp_path / 'b.db'}" if request.param == "sqlite" else fresh_postgres())
+    yield b
+    b.close()
+
+
 def train(out: Path, link, *, key=None, bad: set[int] = frozenset(), steps: int = STEPS, stop: int | None = None,
           config: dict | None = None, task=None, spec: OnlineSpec = SPEC, r: bytes = b"\x05" * 32):
     """A tiny online run; at each step in ``bad`` the trainer nudges the weights first (its committed
@@ -170,33 +178,29 @@ def _log(key, records: int) -> RunLog:
     return log
 
 
-@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
-def test_parallel_heads_extending_one_stamped_head_get_one_draw(tmp_path, db):
-    served = Served(f"sqlite:///{tmp_path / 'b.db'}" if db == "sqlite" else fresh_postgres())
-    try:
-        key = generate_key()
-        log = _log(key, 16)
-        link = served.link()
-        link.stamp(RunLog(log.lines[:1]).sign_head(key), log)
-        link.stamp(RunLog(log.lines[:2]).sign_head(key), log)
-        run = run_id(log.lines[0]).hex()
-        bodies = [{"tree_head": RunLog(log.lines[:n]).sign_head(key).to_json(), "run": run,
-                   "consistency": [h.hex() for h in log.tree.consistency_proof(2, n)]} for n in range(3, 15)]
-        answers = post_heads(served.url, bodies)
-        codes = sorted(a.status_code for a in answers)
-        # one is stamped; the others are refused: those checked before it committed lost the
-        # conditional update (409), those checked after it no longer extend (400), or are older than
-        # (409), the last stamped head
-        assert codes[0] == 200 and len(codes) == 12 and set(codes[1:]) <= {400, 409}, codes
-        assert all("last one stamped" in a.json()["detail"] or "drawn once" in a.json()["detail"]
-                   for a in answers if a.status_code != 200)
-        winner = BeaconStatement.from_json(next(a.json() for a in answers if a.status_code == 200))
-        assert winner.prev_size == 2
-        info = httpx.get(f"{served.url}/api/beacon/runs/{run}").json()
-        assert [s["prev_size"] for s in info["statements"]] == [0, 1, 2]
-        assert info["last_size"] == winner.size  # what was stamped, not what was last written
-    finally:
-        served.close()
+def test_parallel_heads_extending_one_stamped_head_get_one_draw(either_beacon):
+    served = either_beacon
+    key = generate_key()
+    log = _log(key, 16)
+    link = served.link()
+    link.stamp(RunLog(log.lines[:1]).sign_head(key), log)
+    link.stamp(RunLog(log.lines[:2]).sign_head(key), log)
+    run = run_id(log.lines[0]).hex()
+    bodies = [{"tree_head": RunLog(log.lines[:n]).sign_head(key).to_json(), "run": run,
+               "consistency": [h.hex() for h in log.tree.consistency_proof(2, n)]} for n in range(3, 15)]
+    answers = post_heads(served.url, bodies)
+    codes = sorted(a.status_code for a in answers)
+    # one is stamped; the others are refused: those checked before it committed lost the
+    # conditional update (409), those checked after it no longer extend (400), or are older than
+    # (409), the last stamped head
+    assert codes[0] == 200 and len(codes) == 12 and set(codes[1:]) <= {400, 409}, codes
+    assert all("last one stamped" in a.json()["detail"] or "drawn once" in a.json()["detail"]
+               for a in answers if a.status_code != 200)
+    winner = BeaconStatement.from_json(next(a.json() for a in answers if a.status_code == 200))
+    assert winner.prev_size == 2
+    info = httpx.get(f"{served.url}/api/beacon/runs/{run}").json()
+    assert [s["prev_size"] for s in info["statements"]] == [0, 1, 2]
+    assert info["last_size"] == winner.size  # what was stamped, not what was last written
 
 
 def test_two_heads_of_one_size_raced_in_are_kept_as_equivocation(tmp_path):
@@ -219,20 +223,16 @@ def test_two_heads_of_one_size_raced_in_are_kept_as_equivocation(tmp_path):
         served.close()
 
 
-@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
-def test_a_head_of_an_impossible_size_is_refused_not_a_server_error(tmp_path, db):
-    served = Served(f"sqlite:///{tmp_path / 'b.db'}" if db == "sqlite" else fresh_postgres())
-    try:
-        key = generate_key()
-        log = _log(key, 3)
-        BeaconClient(served.url).stamp(RunLog(log.lines[:1]).sign_head(key), log)
-        head = log.sign_head(key).to_json()
-        for size in (2**31 + 5, 2**62 + 5, 2**63 + 5, 2**64):
-            r = httpx.post(f"{served.url}/api/beacon/heads", json={"tree_head": {**head, "size": size}, "consistency": [],
-                                                                   "run": run_id(log.lines[0]).hex()})
-            assert r.status_code == 400 and "at most 2147483647" in r.json()["detail"], (size, r.text)
-    finally:
-        served.close()
+def test_a_head_of_an_impossible_size_is_refused_not_a_server_error(either_beacon):
+    served = either_beacon
+    key = generate_key()
+    log = _log(key, 3)
+    BeaconClient(served.url).stamp(RunLog(log.lines[:1]).sign_head(key), log)
+    head = log.sign_head(key).to_json()
+    for size in (2**31 + 5, 2**62 + 5, 2**63 + 5, 2**64):
+        r = httpx.post(f"{served.url}/api/beacon/heads", json={"tree_head": {**head, "size": size}, "consistency": [],
+                                                               "run": run_id(log.lines[0]).hex()})
+        assert r.status_code == 400 and "at most 2147483647" in r.json()["detail"], (size, r.text)
 
 
 def test_a_bundle_with_two_statements_of_one_window_is_rejected(tmp_path, beacon, capsys):
