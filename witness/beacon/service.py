@@ -223,10 +223,10 @@ class Beacon:
         The seed is the trainer's secret until its first head, so no one else can add such a run.
         Runs under a fresh key with another seed are other computations, each paid for up to its
         bad steps (a leaderboard prices its account's uncertified runs itself: ``attempts``)."""
-        same = [BeaconRun.public_key == row.public_key, BeaconRun.recipe == row.recipe, BeaconRun.seed == row.seed]
+        links = [BeaconRun.public_key == row.public_key, BeaconRun.recipe == row.recipe, BeaconRun.seed == row.seed]
         if row.account is not None:
-            same.append(BeaconRun.account == row.account)
-        others = s.scalar(select(func.count()).select_from(BeaconRun).where(BeaconRun.id != row.id, or_(*same)))
+            links.append(BeaconRun.account == row.account)
+        others = s.scalar(select(func.count()).select_from(BeaconRun).where(BeaconRun.id != row.id, or_(*links)))
         priced = s.scalar(select(func.count()).select_from(BeaconRun).where(
             BeaconRun.id != row.id, BeaconRun.seed == row.seed, BeaconRun.recipe == row.recipe))
         return int(others or 0), int(priced or 0)
@@ -262,6 +262,6 @@ class Beacon:
 
 
 def run_json(r: BeaconRun) -> dict:
-    """A run's public summary (``recipe``: what links restarts of one recipe under fresh keys)."""
+    """A run's public summary (its ``recipe`` too: who trained one recipe how often; never its seed)."""
     return {"run": r.run, "public_key": r.public_key, "recipe": r.recipe, "first_ms": r.first_ms,
             "last_ms": r.last_ms, "last_size": r.last_size, "final": r.final, "equivocated": r.equivocated}
