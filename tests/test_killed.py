@@ -8,8 +8,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from witness.bundle.reader import open_bundle
 from witness.commit.signing import generate_key, save_key
+from witness.errors import MalformedInput
 from witness.verify import verify_bundle
 
 STEPS, EVERY = 600, 20
@@ -56,3 +59,31 @@ def test_kill_9_then_verify_then_resume(tmp_path):
     res = subprocess.run(_train(straight, key), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert open_bundle(out).end.final_state_hash == open_bundle(straight).end.final_state_hash
+
+
+def test_a_checkpoint_write_cut_short_is_left_aside_and_cleared_by_the_resume(tmp_path):
+    from helpers import train_tiny
+
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    key = generate_key()
+    task = build_task("tiny", {"steps": 8})
+    rec = Recorder.create(task, tmp_path / "b", key, r=b"\x03" * 32, checkpoint_every=4)
+    for t in range(6):
+        rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
+    del rec
+    # what a kill leaves while safetensors writes a file through its temp file, and our own temp files
+    for name in ("checkpoints/.tmpTk9udY", "checkpoints/00000008.safetensors.tmp", "checkpoints/.tmpAbC123"):
+        (tmp_path / "b" / name).write_bytes(b"half a checkpoint")
+    v = verify_bundle(tmp_path / "b", challenges=4, nonce=b"t")
+    assert v.accepted and not v.complete
+    resumed = Recorder.resume(tmp_path / "b", key)
+    assert not list((tmp_path / "b" / "checkpoints").glob(".tmp*"))
+    resumed.train(progress=False)
+    assert verify_bundle(tmp_path / "b", challenges=8, nonce=b"all").complete
+    # a file of that shape outside the folders a write goes to is still an unexpected file
+    train_tiny(tmp_path / "c", config={"steps": 4}, checkpoint_every=2)
+    (tmp_path / "c" / ".tmpTk9udY").write_bytes(b"x")
+    with pytest.raises(MalformedInput, match="unexpected file"):
+        open_bundle(tmp_path / "c")

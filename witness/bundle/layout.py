@@ -50,6 +50,19 @@ def checkpoint_step(rel: str) -> int | None:
     return int(m.group(1))
 
 
+def partial_write(rel: str) -> bool:
+    """Whether ``rel`` is what a write cut short by a crash leaves in ``checkpoints/`` or
+    ``online/states|samples/``: our ``NAME.tmp``, or the ``.tmpXXXXXX`` file safetensors writes a
+    file through (it renames it into place only when the file is whole)."""
+    folder, _, name = rel.rpartition("/")
+    if folder not in (CHECKPOINTS, ONLINE_STATES, ONLINE_SAMPLES):
+        return False
+    if name.startswith(".tmp") and len(name) <= 16 and name[4:].isalnum():
+        return True
+    whole = f"{folder}/{name.removesuffix('.tmp')}"
+    return name.endswith(".tmp") and (checkpoint_step(whole) is not None or online_file(whole) is not None)
+
+
 def due(step: int, every: int, steps: int) -> bool:
     """Whether the state after ``step`` is committed on an ``every``-step cadence: every
     ``every`` updates, and after the last step of the recipe."""

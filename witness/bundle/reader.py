@@ -34,6 +34,7 @@ from .layout import (
     due,
     marker_bytes,
     online_file,
+    partial_write,
 )
 from .schema import HEAD_EXTENSION_FIELDS, EndRecord, Manifest, StepRecord
 
@@ -163,8 +164,7 @@ def _scan(root: Path) -> tuple[set[str], list[str]]:
                 raise MalformedInput(f"{rel} is not a regular file")
             if Path(name).suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(full):
                 raise MalformedInput(f"{rel} looks like a pickle; witness never unpickles anything")
-            if (rel.startswith(f"{CHECKPOINTS}/") and rel.endswith(".safetensors.tmp")) or \
-                    (rel.startswith(f"{ONLINE}/") and online_file(rel.removesuffix(".tmp")) and rel.endswith(".tmp")):
+            if partial_write(rel):
                 temps.append(rel)
                 continue
             if rel not in (MARKER, LOG, HEADS, LEAVES, PROBES, STATEMENTS) and checkpoint_step(rel) is None \

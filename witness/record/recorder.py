@@ -29,7 +29,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .. import __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
-from ..bundle.layout import CHECKPOINTS, HEADS, LEAVES, LOG, ONLINE, PROBES, checkpoint_name, due
+from ..bundle.layout import (
+    CHECKPOINTS,
+    HEADS,
+    LEAVES,
+    LOG,
+    ONLINE,
+    PROBES,
+    checkpoint_name,
+    due,
+    partial_write,
+)
 from ..bundle.schema import MANIFEST_VERSION, Manifest
 from ..bundle.state import default_digest, load_state, model_hash, state_hash, state_tensors
 from ..bundle.writer import BundleWriter, read_lines, truncate_lines
@@ -298,10 +308,11 @@ class Recorder:
         truncate_lines(out / LOG, keep)
         truncate_lines(out / HEADS, len(heads))
         for f in (out / CHECKPOINTS).iterdir():
-            if f.name.endswith(".tmp") or int(f.name.split(".")[0]) > last:
+            if partial_write(f"{CHECKPOINTS}/{f.name}") or int(f.name.split(".")[0]) > last:
                 f.unlink()
-        for f in (out / ONLINE).glob("*/*.tmp"):  # a selected state or samples file the crash cut short
-            f.unlink()
+        for f in (out / ONLINE).glob("*/*"):  # a selected state or samples file the crash cut short
+            if partial_write(f.relative_to(out).as_posix()):
+                f.unlink()
         session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"], device=kind)
         load_state(session.model, session.optimizer, read_checkpoint(out / checkpoint_name(resume_at)))
         log = RunLog(lines[:keep])
