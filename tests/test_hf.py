@@ -95,3 +95,24 @@ def test_a_trainer_that_does_not_accumulate_as_the_recipe_says_is_refused(tmp_pa
     trainer = Trainer(model=rec.model, args=args, train_dataset=committed_dataset(rec), optimizers=(rec.optimizer, None))
     with pytest.raises(ValueError, match="per_device_train_batch_size=4 and gradient_accumulation_steps=2"):
         attach(trainer, rec)
+
+
+def test_the_trainer_with_torch_compile_is_refused_before_a_step_with_advice_it_can_follow(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from witness.commit.signing import generate_key
+    from witness.integrations.committed import committed_dataset
+    from witness.integrations.hf import attach
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    task = build_task("hf-gpt2", {"steps": 2, "batch_size": 8, "block": 16, "n_layer": 1, "n_head": 2,
+                                  "d_model": 16, "corpus_max_bytes": 100_000})
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x02" * 32)
+    args = TrainingArguments(output_dir=str(tmp_path / "t"), max_steps=2, per_device_train_batch_size=8,
+                             report_to=[], use_cpu=True, torch_compile=True)
+    trainer = Trainer(model=rec.model, args=args, train_dataset=committed_dataset(rec), optimizers=(rec.optimizer, None))
+    with pytest.raises(ValueError, match=r"torch_compile=True runs the step compiled.*leave torch_compile out of "
+                                         r"TrainingArguments \(False, its default\)"):
+        attach(trainer, rec)
+    assert len(rec.log) == 1  # nothing but the manifest: no step ran

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
+import sys
 from typing import TypeVar
 
 import torch
@@ -15,6 +17,63 @@ from .fingerprint.sketch import ParameterSketch
 from .task.base import StepOutput, Task
 
 T = TypeVar("T")
+
+# MKL's Conditional Numerical Reproducibility modes (mkl_cbwr_get/set; MKL_CBWR_BRANCH = 1)
+_CNR_NAMES = {1: "off", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSE4_2", 7: "AVX", 8: "AVX2", 9: "AVX512_MIC",
+              10: "AVX512", 11: "AVX512_MIC_E1", 12: "AVX512_E1"}
+
+
+def _mkl_cbwr() -> tuple | None:
+    """MKL's get and set of its reproducible mode, from the libtorch that links it (None where
+    torch has no MKL: ARM, macOS)."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        lib = ctypes.CDLL(path)
+        get, put = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set
+    except (OSError, AttributeError):
+        return None
+    for f in (get, put):
+        f.restype, f.argtypes = ctypes.c_int, [ctypes.c_int]
+    return get, put
+
+
+def pin_mkl() -> str:
+    """Put MKL in its run-to-run reproducible mode, unless MKL_CBWR already chose one; the mode in force.
+
+    Without it (MKL's default, "off") MKL may take another code path for the same matrix product by
+    the alignment of its operands in memory and its run-time dispatch, so two runs of one step on one
+    machine may round a sum differently; AUTO keeps this CPU's fastest path and makes it the same
+    every time (at a fixed thread count). MKL reads the mode at its first call: a process that
+    multiplied matrices before witness was imported keeps "off" (``mkl_mode`` then says so)."""
+    calls = _mkl_cbwr()
+    if calls is None:
+        return "no MKL"
+    get, put = calls
+    if get(1) == 1 and not os.environ.get("MKL_CBWR"):
+        put(2)  # -8 once MKL has run: the mode can no longer change, and stays "off"
+    return mkl_mode()
+
+
+def mkl_mode() -> str:
+    """MKL's reproducible mode in force in this process, in words ("off", "AUTO", ...; "no MKL")."""
+    calls = _mkl_cbwr()
+    if calls is None:
+        return "no MKL"
+    mode = calls[0](-1)
+    name = _CNR_NAMES.get(mode & 0xFFFF, str(mode & 0xFFFF))
+    return f"{name},STRICT" if mode & 0x10000 else name
+
+
+def warn_mkl() -> None:
+    """Say so where MKL runs without its reproducible mode (it multiplied matrices before witness
+    was imported): a step may then round differently in replay than when it was recorded."""
+    if mkl_mode() == "off":
+        print("warning: MKL multiplied matrices before witness was imported, so its reproducible mode could not be "
+              "set: a step may round differently when replayed. Import witness before torch's first matrix "
+              "multiply, or set MKL_CBWR=AUTO in the environment", file=sys.stderr)
+
+
+pin_mkl()  # as this module is imported: before the recorder or a verifier multiplies a matrix
 
 
 class TrainingSession:

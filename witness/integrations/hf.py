@@ -131,6 +131,15 @@ def attach(trainer: Any, rec: Any) -> None:
     t = _transformers()
     c, args = rec.task.config, trainer.args
     accum = rec.task.grad_accum
+    # refused before the first step: the self-check would stop the run at step 0 anyway, with advice
+    # (train rec.step_model) that a Trainer cannot follow
+    if getattr(args, "torch_compile", False):
+        raise ValueError("the Trainer's torch_compile=True runs the step compiled, and replay runs the hf-gpt2 step "
+                         "eagerly (compiled kernels round differently: the verifier would reject the run): leave "
+                         "torch_compile out of TrainingArguments (False, its default)")
+    if rec.task.compiles:
+        raise ValueError("a recipe with compile=True is for witness's own step and your own loop (rec.step_model); "
+                         "under the Trainer, leave compile out of the recipe and torch_compile out of TrainingArguments")
     if args.per_device_train_batch_size * accum != c.batch_size or args.gradient_accumulation_steps != accum:
         raise ValueError(f"set per_device_train_batch_size={c.batch_size // accum} and gradient_accumulation_steps="
                          f"{accum}: the task's {c.batch_size} samples a step, in its grad_accum micro-batches")

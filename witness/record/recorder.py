@@ -58,6 +58,7 @@ from ..session import (
     device_info,
     same_hardware,
     torch_version,
+    warn_mkl,
 )
 from ..task.base import (
     StepOutput,
@@ -165,6 +166,7 @@ class Recorder:
             raise ValueError("checkpoint_every must be a multiple of state_every (every checkpoint is a committed state)")
         if threads:
             torch.set_num_threads(bounded_threads(threads))
+        warn_mkl()
         # Only a task a verifier can build is worth recording: built in, or from an installed
         # plugin (whose code the manifest pins); an unregistered class would be unverifiable.
         if task_class(task.name) is not type(task):

@@ -219,8 +219,18 @@ class Task:
 
     def step_model(self, model: nn.Module) -> nn.Module:
         """What the step runs: the model, or ``torch.compile(model)`` where the recipe compiles (the
-        same parameters; what every recording path and replay step through)."""
-        return torch.compile(model) if self.compiles else model
+        same parameters; what every recording path and replay step through).
+
+        A compiling recipe turns on torch's deterministic algorithms for the process: inductor
+        otherwise lowers an embedding's backward (an index_put with accumulate) to a parallel loop of
+        atomic adds, whose order, and so whose rounding, changes from run to run at 2 threads or
+        more; in deterministic mode it calls ATen's serial kernel instead (measured: 11 distinct
+        gradients in 12 backward passes of one Embedding+Linear at 2 threads, then 1)."""
+        if not self.compiles:
+            return model
+        # warn_only: a CPU op with no deterministic kernel warns rather than stopping the run
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return torch.compile(model)
 
     @property
     def precision(self) -> str:

@@ -25,7 +25,7 @@ from ..commit.hashing import same
 from ..data.dataset import Dataset
 from ..errors import MalformedInput, VerificationError
 from ..fingerprint.probes import relative_distance
-from ..session import TrainingSession
+from ..session import TrainingSession, warn_mkl
 from ..task.base import Task
 from .challenges import ReplayChallenge
 from .ledger import LedgerEntry
@@ -194,6 +194,7 @@ class Replayer:
         self.bundle, self.task, self.source, self.states, self.plan = bundle, task, source, states, plan
         self.exact = exact
         self.thresholds = dict(DEFAULT_THRESHOLDS, **(thresholds or {}))
+        warn_mkl()
         self.session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
         self.parameters = {f"model.{n}" for n, _ in self.session.model.named_parameters()}
         self.position: int | None = None
