@@ -33,6 +33,14 @@ class CompiledMLP(GenericTask):
         return F.cross_entropy(outputs, batch["y"], reduction="none")
 
 
+@pytest.fixture(autouse=True)
+def deterministic_mode_given_back():
+    """A compiling recipe turns on torch's deterministic algorithms for the process: not for the next test."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 @pytest.fixture
 def task(monkeypatch):
     monkeypatch.setitem(registry.BUILTIN, CompiledMLP.name, CompiledMLP)  # as a plugin would register it
