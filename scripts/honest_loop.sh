@@ -32,11 +32,11 @@ for cfg in $configs; do
     if ! HOME="$home" "$witness" train --task "$task" --steps "$steps" --checkpoint-every "$steps" \
         --threads "$threads" --out "$run" --quiet --data "$data" "${fields[@]}" >"$home/train.log" 2>&1; then
       selfcheck=$((selfcheck + 1))
-      cp "$home/train.log" "$keep/$task-$threads-$i.train.log"
+      cp "$home/train.log" "$keep/$task-$threads${recipe:+-$recipe}-$i.train.log"
     elif ! HOME="$home" "$witness" verify "$run" --challenges "$steps" --threads "$threads" --data "$data" \
         >"$home/verify.log" 2>&1; then
       rejected=$((rejected + 1))
-      cp "$home/verify.log" "$keep/$task-$threads-$i.verify.log"
+      cp "$home/verify.log" "$keep/$task-$threads${recipe:+-$recipe}-$i.verify.log"
     fi
     rm -rf "$home"
   done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -23,6 +24,7 @@ _CNR_NAMES = {1: "off", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSE4_2", 7: "
               10: "AVX512", 11: "AVX512_MIC_E1", 12: "AVX512_E1"}
 
 
+@functools.cache  # one lookup per process: pin_mkl and every recorder's and replayer's warn_mkl ask
 def _mkl_cbwr() -> tuple | None:
     """MKL's get and set of its reproducible mode, from the libtorch that links it (None where
     torch has no MKL: ARM, macOS)."""
