@@ -57,8 +57,9 @@ def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], step: int, dig
     return state_hash(tensors, digest), file_sha256(path)
 
 
-def write_state(path: Path, tensors: dict[str, torch.Tensor], step: int) -> None:
-    """Write a state atomically (temp file, fsync, rename), in the checkpoint format."""
+def write_state(path: Path, tensors: dict[str, torch.Tensor], step: int, sync: bool = True) -> None:
+    """Write a state atomically (temp file, fsync, rename), in the checkpoint format (``sync=False``:
+    no fsync, for a scratch copy that nothing needs after a crash)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -71,8 +72,9 @@ def write_state(path: Path, tensors: dict[str, torch.Tensor], step: int) -> None
         out[k] = t.clone() if ptr in storages and t.numel() else t
         storages.add(ptr)
     save_safetensors(out, tmp, {"format": STATE_FORMAT, "step": str(step)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    if sync:
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -38,6 +38,17 @@ def fraction(value: str) -> float:
     return v
 
 
+def share(value: str) -> float:
+    """A share of something in [0, 1] (0: none)."""
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a number") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError("must lie in [0, 1]")
+    return v
+
+
 def probability(value: str) -> float:
     try:
         v = float(value)

@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 from ..errors import RunRejected, VerificationError
-from .args import DEFAULT_KEY, config_value, data_arg, positive, probability, trainer_r
+from .args import DEFAULT_KEY, config_value, data_arg, positive, probability, share, trainer_r
+
+SELF_CHECK_SHARE = 0.01  # witness.record.background.DEFAULT_SHARE (imported here, it would import torch)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -79,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed), checkpoint_every=args.checkpoint_every,
                               state_every=args.state_every, threads=args.threads, device=args.device, beacon=beacon,
                               online=_online_spec(args, task.config.steps) if beacon else None,
-                              self_check=not args.no_self_check)
+                              self_check=not args.no_self_check, self_check_share=args.self_check_share)
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
     hint = rec.cost()["hint"]
@@ -344,7 +346,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="keep a full checkpoint every N steps (default 50; a multiple of --state-every)")
     t.add_argument("--no-self-check", action="store_true",
                    help="skip the record-time self-check (step 0 and one random later step replayed as a "
-                        "verifier will, stopping at once if the bits differ)")
+                        "verifier will, stopping at once if the bits differ; later steps sampled in the "
+                        "background)")
+    t.add_argument("--self-check-share", type=share, default=SELF_CHECK_SHARE, metavar="FRACTION",
+                   help="what the background self-check may cost, as a fraction of the training steps' time "
+                        f"(default {SELF_CHECK_SHARE:g}; 0 turns it off): sampled later steps replayed by a checker "
+                        "process, the run stopped before its next tree head if one does not replay")
     t.add_argument("--state-every", type=positive, default=1,
                    help="commit the hash of the whole training state every K steps (default 1: every step)")
     t.add_argument("--seed", help="the trainer's r (any string); random by default")

@@ -70,6 +70,7 @@ from ..task.base import (
     to_device,
 )
 from ..task.registry import build_task, check_task_source, task_class, task_source
+from .background import DEFAULT_SHARE
 from .online import BeaconLink, OnlineChallenges, OnlineSpec
 from .selfcheck import SelfCheck, check_steps
 
@@ -126,6 +127,7 @@ class Recorder:
         # where the time goes: the loop's steps, and the recorder's work on their records
         self.step_seconds = self.record_seconds = 0.0
         self._left: float | None = None
+        self._aside = 0.0  # the recorder's own work between two records (the self-check's copy)
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -135,7 +137,7 @@ class Recorder:
                session: TrainingSession | None = None, init_state: dict | None = None,
                parallelism: str = "none", device: str | torch.device = "cpu", shards: int = 1,
                leaves: bool = True, beacon: BeaconLink | None = None, online: OnlineSpec | None = None,
-               self_check: bool = True) -> Recorder:
+               self_check: bool = True, self_check_share: float = DEFAULT_SHARE) -> Recorder:
         """Start a new run: derive the seed, build the initial state, sign the manifest.
 
         ``leaves`` writes the dataset's per-sample commitments into the bundle (``dataset.leaves``,
@@ -151,10 +153,15 @@ class Recorder:
 
         ``self_check`` replays step 0 and one random later step as a verifier will, right after
         they are recorded, and stops with what differs if the bits are not the same (a
-        single-process run; it costs two steps and, while one is checked, a second model).
+        single-process run; it costs two steps and, while one is checked, a second model). Later
+        steps are sampled and replayed in the background by a checker process, for at most
+        ``self_check_share`` of the loop's step time (1 % by default); a mismatch stops the run
+        before its next tree head is signed.
         """
         if len(r) != 32:
             raise ValueError("r must be 32 bytes")
+        if not 0 <= self_check_share <= 1:
+            raise ValueError(f"the self-check's share of training is a fraction in [0, 1], not {self_check_share!r}")
         if online is not None and beacon is None:
             raise ValueError("online challenges need a beacon")
         if beacon is not None:
@@ -232,7 +239,7 @@ class Recorder:
         writer.append_record(log.append(manifest))
         rec = cls(task, Path(out), key, session, writer, log, manifest, 0, on_head)
         if self_check and session.world_size == 1 and parallelism == "none":
-            rec.self_check = SelfCheck(rec, check_steps(task.config.steps))
+            rec.self_check = SelfCheck(rec, check_steps(task.config.steps), self_check_share)
         if beacon is not None:
             rec.online = rec._online(online, beacon)  # type: ignore[arg-type]
             rec.online.keep(0, init_state)
@@ -370,7 +377,9 @@ class Recorder:
         idx = self.batch_indices(step)
         self.expect(step, idx, ds.batch_root(idx))
         if self.self_check is not None:
+            began = time.perf_counter()
             self.self_check.start(step)  # the state this step starts from, to replay it from
+            self._aside += time.perf_counter() - began  # the recorder's work, not the loop's step
         return self.task.collate([ds.sample_bytes(i) for i in idx])
 
     def micro_batches(self, step: int) -> Iterator[Any]:
@@ -416,7 +425,9 @@ class Recorder:
         """
         entered = time.perf_counter()
         if self._left is not None:
-            self.step_seconds += entered - self._left  # the loop's own step, between two records
+            self.step_seconds += entered - self._left - self._aside  # the loop's own step, between two records
+            self.record_seconds += self._aside
+        self._aside = 0.0
         try:
             self._log_step(step, out, fingerprint, sketch, state, live, state_root)
         finally:
@@ -531,8 +542,10 @@ class Recorder:
         if self.online is not None:
             self.online.finish()  # every statement received, every selected state written
         self.writer.close()
-        if self.self_check is not None and self.self_check.checked:  # in your own loop too: it ran, at this cost
-            print(self.self_check.summary(), file=sys.stderr)
+        if self.self_check is not None:
+            self.self_check.close()
+            if self.self_check.checked:  # in your own loop too: it ran, at this cost
+                print(self.self_check.summary(), file=sys.stderr)
         return head
 
     def train(self, progress: bool = True) -> SignedTreeHead:
@@ -557,6 +570,8 @@ class Recorder:
         try:
             yield
         except BaseException:
+            if self.self_check is not None:
+                self.self_check.close(now=True)
             if self.online is not None:
                 self.online.close()
             if self._snapshots is not None:
@@ -567,7 +582,7 @@ class Recorder:
         """The recorder's cost against the loop's own step time (its self-check apart), and where it
         is over 5 % of a step with the state committed at every step, a ``--state-every K`` that
         brings it near 5 % and what that costs the audit."""
-        checked = self.self_check.seconds if self.self_check is not None else 0.0
+        checked = self.self_check.local_seconds() if self.self_check is not None else 0.0
         record = max(self.record_seconds - checked, 0.0)
         total = self.step_seconds + record
         share = record / total if total > 0 else 0.0
@@ -585,6 +600,8 @@ class Recorder:
                 "state_every_hint": k, "hint": hint}
 
     def _publish_head(self, extensions: dict | None = None) -> SignedTreeHead:
+        if self.self_check is not None:
+            self.self_check.settle()  # a sampled step being replayed: no head signs it before it passed
         head = self.log.sign_head(self.key, extensions=extensions)
         self.writer.append_head(head)
         if self.on_head is not None:

@@ -25,8 +25,9 @@ import torch
 from ..bundle.state import load_state, state_tensors
 from ..session import TrainingSession
 from ..task.base import StepOutput
+from .background import DEFAULT_SHARE, BackgroundCheck
 
-LATER_STEPS = 50  # the later step is drawn from steps 1 .. 50
+LATER_STEPS = 50  # the later step is drawn from steps 1 .. 50; the background samples steps after them
 
 
 class SelfCheckFailed(ValueError):
@@ -50,17 +51,22 @@ def _ulps(a: float, b: float) -> int:
 class SelfCheck:
     """Replays the chosen steps of one recorder and compares bits."""
 
-    def __init__(self, rec: Any, steps: list[int]):  # noqa: ANN401 - the Recorder (imports this module)
+    def __init__(self, rec: Any, steps: list[int], share: float = DEFAULT_SHARE,  # noqa: ANN401 - the Recorder
+                 sampled: set[int] | None = None):
         self.rec, self.steps = rec, set(steps)
         self.before: dict[str, torch.Tensor] | None = None
         self.rng: tuple | None = None
         self.compiled = 0
         self.checked: list[int] = []
         self.seconds = 0.0
+        # the later steps, sampled and replayed by a checker process while the run trains
+        self.background = BackgroundCheck(rec, share, LATER_STEPS,
+                                          steps=None if sampled is None else set(sampled) - self.steps)
 
     def start(self, step: int) -> None:
         """Before the loop's step: keep the state it starts from, and the global generators' states."""
         if step not in self.steps:
+            self.background.start(step)
             return
         started = time.perf_counter()
         self.before = {k: v.detach().clone() for k, v in state_tensors(self.rec.model, self.rec.optimizer).items()}
@@ -69,11 +75,21 @@ class SelfCheck:
         self.seconds += time.perf_counter() - started
 
     def finish(self, step: int, out: StepOutput) -> None:
-        """After the loop's step: replay it and compare (raises ``SelfCheckFailed``)."""
+        """After the loop's step: replay it and compare (raises ``SelfCheckFailed``); at every step,
+        check the logged learning rate against the schedule (the cheap audit checks each)."""
+        rec = self.rec
+        want = rec.lr(step)
+        if not _same_float(out.lr, want):  # (the optimizer's own groups may already hold the next step's rate)
+            self.before = None
+            raise SelfCheckFailed(
+                f"step {step} does not replay: the learning rate is not the schedule's: your loop logged {out.lr!r}, the "
+                f"recipe's schedule gives {want!r} at step {step}; replay steps with the schedule's rate (rec.lr(t)), "
+                "so set every parameter group's lr to rec.lr(t) before the step and log that rate (a jittered or "
+                "otherwise adjusted rate is another recipe, and the verifier rejects it)")
         if step not in self.steps or self.before is None:
+            self.background.finish(step, out)
             return
         started = time.perf_counter()
-        rec = self.rec
         drew = [name for name, (a, b) in zip(("torch's global", "Python's random", "NumPy's global"),
                                              zip(self.rng, _rng_states(), strict=True), strict=True) if not _same(a, b)]
         if _compiled_so_far() != self.compiled and not rec.task.compiles:
@@ -83,14 +99,6 @@ class SelfCheck:
                 "step eagerly, and compiled kernels round differently, so the verifier would reject the run. Set "
                 "compile=True in the recipe (replay then compiles the step the same way) and train rec.step_model, "
                 "or train rec.model without torch.compile")
-        want = rec.lr(step)
-        if not _same_float(out.lr, want):  # (the optimizer's own groups may already hold the next step's rate)
-            self.before = None
-            raise SelfCheckFailed(
-                f"step {step} does not replay: the learning rate is not the schedule's: your loop logged {out.lr!r}, the "
-                f"recipe's schedule gives {want!r} at step {step}; replay steps with the schedule's rate (rec.lr(t)), "
-                "so set every parameter group's lr to rec.lr(t) before the step and log that rate (a jittered or "
-                "otherwise adjusted rate is another recipe, and the verifier rejects it)")
         s = rec.session
         replay = TrainingSession(rec.task, s.run_seed, s.dataset_size, 1, "none", s.device)
         load_state(replay.model, replay.optimizer, self.before)
@@ -114,15 +122,28 @@ class SelfCheck:
                                             "will; Recorder.create(self_check=False) or --no-self-check skips it)")
         self.checked.append(step)
 
+    def settle(self) -> None:
+        """Before a tree head is signed: wait for the sampled step being replayed (raises
+        ``SelfCheckFailed`` if it did not replay)."""
+        self.background.settle()
+
+    def close(self, now: bool = False) -> None:
+        """Stop the background checker (``now``: at once, as a failed loop stops)."""
+        self.background.close(now)
+
+    def local_seconds(self) -> float:
+        """What the check cost this process (its copies and in-process replays)."""
+        return self.seconds + self.background.parent_seconds
+
     def report(self) -> dict:
         """What the check did and what it cost."""
-        return {"steps": sorted(self.checked), "seconds": self.seconds}
+        return {"steps": sorted(self.checked), "seconds": self.seconds, "background": self.background.report()}
 
     def summary(self) -> str:
         """What the check replayed and what it cost, in a line (a run says it when it finishes)."""
         steps = " and ".join(str(t) for t in sorted(self.checked)) or "none"
-        return (f"self-check: step(s) {steps} replayed as a verifier will, bit for bit ({self.seconds:.2f} s; "
-                "--no-self-check or Recorder.create(self_check=False) skips it)")
+        return (f"self-check: step(s) {steps} replayed as a verifier will, bit for bit ({self.seconds:.2f} s); "
+                f"{self.background.summary()}; --no-self-check or Recorder.create(self_check=False) skips it")
 
 
 def _compiled_so_far() -> int:
