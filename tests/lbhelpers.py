@@ -124,6 +124,15 @@ class Authed:
         """PUT with the token."""
         return self.client.put(url, headers=self.headers | kw.pop("headers", {}), **kw)
 
+    def stream(self, method: str, url: str, **kw):
+        """A streamed request with the token (as httpx.Client.stream)."""
+        return self.client.stream(method, url, headers=self.headers | kw.pop("headers", {}), **kw)
+
+    @property
+    def base_url(self):
+        """The shared client's base URL."""
+        return self.client.base_url
+
 
 def train_and_certify(client, trainer: Trainer, out: Path, track: str = "quick", *, lr_cheat: dict | None = None,
                       key=None, stream: bool = True, checkpoint_every: int = 5) -> tuple[int, Path, Path]:

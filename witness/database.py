@@ -19,6 +19,14 @@ def check_db_url(url: str) -> str:
     return url
 
 
+def shown_url(url: str) -> str:
+    """A database URL as it may be printed: its password hidden, its query left out."""
+    try:
+        return make_url(url).set(query={}).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url.split("?")[0][:100]
+
+
 def make_engine(url: str) -> Engine:
     """An engine for ``url``; SQLite gets WAL and a busy timeout so several processes can share it."""
     check_db_url(url)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import OrderedDict
 
 import numpy as np
 from starlette.responses import JSONResponse
@@ -48,6 +49,44 @@ class BodyLimit:
             return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)
+
+
+class RateLimit:
+    """ASGI middleware: each client address may make ``per_minute`` requests a minute, in bursts of
+    up to ``burst`` (a token bucket); past that it gets a 429 with a ``Retry-After``, before anything
+    reads its request. At most ``clients`` addresses are tracked (the longest idle are forgotten), so
+    a flood of addresses costs bounded memory."""
+
+    def __init__(self, app, per_minute: int = 1200, burst: int = 200, clients: int = 10_000):  # noqa: ANN001 - ASGI app
+        if per_minute < 1 or burst < 1:
+            raise ValueError("a rate limit allows at least one request a minute, in bursts of at least one")
+        self.app, self.rate, self.burst, self.clients = app, per_minute / 60.0, burst, clients
+        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # address: (tokens, when)
+        self.lock = threading.Lock()
+
+    def allow(self, client: str, now: float | None = None) -> float:
+        """0 if ``client`` may make a request now (and count it), else the seconds until it may."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            tokens, then = self.buckets.pop(client, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+            wait = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+            self.buckets[client] = (tokens - 1 if wait == 0 else tokens, now)
+            while len(self.buckets) > self.clients:
+                self.buckets.popitem(last=False)
+            return wait
+
+    async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI signature
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        client = (scope.get("client") or ("unknown", 0))[0]
+        wait = self.allow(client)
+        if wait > 0:
+            retry = max(1, int(wait + 0.999))
+            return await JSONResponse({"detail": f"rate limit: at most {round(self.rate * 60)} requests a minute "
+                                                 f"from one address; try again in {retry} s"}, 429,
+                                      headers={"Retry-After": str(retry)})(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 # A JSON string: its brackets are text, not nesting (an unterminated one is left in place: the

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from .. import __version__
 from ..commit.signing import public_pem
-from ..web import BodyLimit, readable_validation_errors
-from .service import Beacon, BeaconRefused
+from ..web import BodyLimit, RateLimit, readable_validation_errors
+from .service import RUNS_PAGE, Beacon, BeaconRefused
 
 SessionFactory = Callable[[], AbstractContextManager[Session]]
 
@@ -50,10 +51,12 @@ def router(beacon: Beacon, sessions: SessionFactory, prefix: str = "/api/beacon"
             return beacon.stamp(s, body.tree_head, body.consistency, body.manifest, body.run).to_json()
 
     @r.get("/runs")
-    def runs() -> list[dict]:
-        """Every run answered for: aborted runs show as runs whose last head is not final."""
+    def runs(limit: Annotated[int, Query(ge=1, le=RUNS_PAGE)] = RUNS_PAGE,
+             offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> list[dict]:
+        """The runs answered for, newest first, a page at a time (``limit``, ``offset``): aborted runs
+        show as runs whose last head is not final."""
         with sessions() as s:
-            return beacon.runs(s)
+            return beacon.runs(s, limit, offset)
 
     @r.get("/runs/{run}")
     def run(run: str) -> dict:
@@ -75,13 +78,17 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse(body, e.status)
 
 
-def create_app(db_url: str, key) -> FastAPI:  # noqa: ANN001 - an Ed25519 private key
-    """A standalone beacon on the database at ``db_url`` (its tables created if missing)."""
-    from ..database import make_engine, sessions
+def create_app(db_url: str, key, per_minute: int = 1200, burst: int = 200) -> FastAPI:  # noqa: ANN001 - an Ed25519 private key
+    """A standalone beacon on the database at ``db_url`` (its tables created if missing); each client
+    address may make ``per_minute`` requests a minute, in bursts of ``burst``."""
+    from ..database import make_engine, sessions, shown_url
     from .db import create_tables
 
     engine = make_engine(db_url)
-    create_tables(engine)
+    try:
+        create_tables(engine)
+    except OperationalError as e:  # no server there, a wrong password, a file it may not write
+        raise ValueError(f"cannot open the database {shown_url(db_url)}: {str(e.orig).strip().splitlines()[0]}") from None
     factory = sessions(engine)
     beacon = Beacon(key)
     app = FastAPI(title="witness beacon", version=__version__,
@@ -92,5 +99,6 @@ def create_app(db_url: str, key) -> FastAPI:  # noqa: ANN001 - an Ed25519 privat
 
     app.include_router(router(beacon, factory))
     app.add_middleware(BodyLimit)
+    app.add_middleware(RateLimit, per_minute=per_minute, burst=burst)  # outermost: a flood is refused first
     app.state.beacon = beacon
     return app

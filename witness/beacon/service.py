@@ -28,6 +28,8 @@ from .db import BeaconEvidence, BeaconHead, BeaconRun
 
 MAX_CONSISTENCY_HASHES = 64
 MAX_MANIFEST_BYTES = 1 << 20
+MAX_HEAD_SIZE = 2**31 - 1  # the tables' sizes are 32-bit integers (two billion records: no run comes near)
+RUNS_PAGE = 100  # runs a list returns at most, unless it asks for fewer
 FINAL_EXTENSION = "final_state_hash"  # a run's last head states its final state in its extensions
 
 
@@ -73,6 +75,12 @@ class Beacon:
             proof = self._proof(consistency)
         except (VerificationError, ValueError) as e:
             raise BeaconRefused(400, f"tree head refused: {e}") from None
+        # every number and every text is checked before it reaches the database
+        if not 1 <= head.size <= MAX_HEAD_SIZE:
+            raise BeaconRefused(400, f"tree_head.size: {head.size} is not a size this beacon stamps (1 to "
+                                     f"{MAX_HEAD_SIZE})")
+        if head.extensions is not None:
+            check_text(head.extensions, "tree_head.extensions")
         row = self._run(s, head, proof, manifest, run)
         if row is None:  # a new run, its first head checked against its manifest
             return self._new_run(s, head, proof, manifest, account, attempts)  # type: ignore[arg-type]
@@ -93,10 +101,13 @@ class Beacon:
              run: str | None) -> BeaconRun | None:
         if manifest is not None:
             if not isinstance(manifest, str) or len(manifest) > MAX_MANIFEST_BYTES:
-                raise BeaconRefused(400, "the manifest must be its log line, at most 1 MiB")
+                raise BeaconRefused(400, "manifest: the manifest must be its log line, at most 1 MiB")
+            check_text(manifest, "manifest")
             run = run_id(manifest.encode()).hex()
         if not isinstance(run, str):
-            raise BeaconRefused(400, "a head comes with its run (or, the first time, with its manifest)")
+            raise BeaconRefused(400, "run: a head comes with its run (or, the first time, with its manifest)")
+        if not is_run_name(run):
+            raise BeaconRefused(400, "run: a run is named by 64 lowercase hex digits (its manifest's leaf hash)")
         found = s.scalar(select(BeaconRun).where(BeaconRun.run == run))
         if found is None and manifest is None:
             raise BeaconRefused(404, f"this beacon has answered for no run {run[:64]!r}: send the first head with "
@@ -242,14 +253,16 @@ class Beacon:
                                  "roots; both are kept as proof and the run is refused", evidence)
 
     # --- what anyone may read -------------------------------------------------------------
-    def runs(self, s: Session) -> list[dict]:
-        """Every run this beacon answered for, newest first, with its last head and whether it ended."""
-        rows = s.scalars(select(BeaconRun).order_by(BeaconRun.first_ms.desc(), BeaconRun.id.desc()))
+    def runs(self, s: Session, limit: int = RUNS_PAGE, offset: int = 0) -> list[dict]:
+        """The runs this beacon answered for, newest first, with their last heads and whether they
+        ended: at most ``limit`` of them, after the first ``offset``."""
+        rows = s.scalars(select(BeaconRun).order_by(BeaconRun.first_ms.desc(), BeaconRun.id.desc())
+                         .offset(offset).limit(limit))
         return [run_json(r) for r in rows]
 
     def run(self, s: Session, run: str) -> dict:
         """One run: its statements in order and any evidence of equivocation."""
-        row = s.scalar(select(BeaconRun).where(BeaconRun.run == run)) if isinstance(run, str) else None
+        row = s.scalar(select(BeaconRun).where(BeaconRun.run == run)) if is_run_name(run) else None
         if row is None:
             raise BeaconRefused(404, f"this beacon has answered for no run {str(run)[:64]!r}")
         heads = s.scalars(select(BeaconHead).where(BeaconHead.run_id == row.id).order_by(BeaconHead.size))
@@ -259,6 +272,30 @@ class Beacon:
             "evidence": [{"size": e.size, "stamped": json.loads(e.stamped_json), "other": json.loads(e.other_json)}
                          for e in evidence],
         }
+
+
+def is_run_name(run: object) -> bool:
+    """A run's name as the beacon keeps it: 64 lowercase hex digits."""
+    return isinstance(run, str) and len(run) == 64 and all(c in "0123456789abcdef" for c in run)
+
+
+def check_text(value: object, field: str) -> None:
+    """Refuse (400, naming ``field``) a text that the databases cannot keep: a lone surrogate (no
+    UTF-8 spells it) or a NUL (PostgreSQL's text has none), in a string or a JSON value's keys and strings."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise BeaconRefused(400, f"{field}: holds a NUL character")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BeaconRefused(400, f"{field}: holds a lone surrogate, which is not text (no UTF-8 spells it)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, field)
+            check_text(v, f"{field}.{k}" if isinstance(k, str) and k.isidentifier() else field)
+    elif isinstance(value, list):
+        for v in value:
+            check_text(v, field)
 
 
 def run_json(r: BeaconRun) -> dict:

@@ -38,6 +38,17 @@ def fraction(value: str) -> float:
     return v
 
 
+def seconds(value: str) -> float:
+    """A positive duration in seconds (at most a day)."""
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a number of seconds") from None
+    if not 0 < v <= 86400:
+        raise argparse.ArgumentTypeError("must lie in (0, 86400] seconds")
+    return v
+
+
 def share(value: str) -> float:
     """A share of something in [0, 1] (0: none)."""
     try:

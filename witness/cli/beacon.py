@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .args import positive
+
 DEFAULT_DB = "beacon.db"
 DEFAULT_BEACON_KEY = "beacon_key.pem"
 
@@ -16,18 +18,39 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
 
     from ..beacon.app import create_app
     from ..commit.signing import key_fingerprint, load_or_create_key, public_hex
-    from ..database import check_db_url
+    from ..database import check_db_url, shown_url
 
     key = load_or_create_key(Path(args.key))
-    db = args.db or f"sqlite:///{Path(DEFAULT_DB).resolve()}"
-    app = create_app(check_db_url(db), key)
+    db = database_url(args.db or DEFAULT_DB)
+    app = create_app(check_db_url(db), key, per_minute=args.per_minute)
     pub = public_hex(key.public_key())
     print(f"beacon public key {pub} (fingerprint {key_fingerprint(pub)}); verifiers pass it as --beacon-key",
           flush=True)
-    print(f"serving on http://{args.host}:{args.port}/api/beacon (database {db.split('?')[0]})", file=sys.stderr,
+    print(f"serving on http://{args.host}:{args.port}/api/beacon (database {shown_url(db)})", file=sys.stderr,
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def database_url(value: str) -> str:
+    """A database URL, or a SQLite file's path made one (its folder must exist)."""
+    if "://" in value:
+        return value
+    path = Path(value).expanduser().resolve()
+    if not path.parent.is_dir():
+        raise ValueError(f"--db {value}: the folder {path.parent} does not exist")
+    return f"sqlite:///{path}"
+
+
+def port(value: str) -> int:
+    """A TCP port to listen on: 0 to 65535 (0: one the system picks)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a port number") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {n}")
+    return n
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -35,9 +58,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("beacon", help="the online-challenge beacon")
     bs = b.add_subparsers(dest="beacon_command", required=True)
     s = bs.add_parser("serve", help="stamp the heads training runs stream with fresh, signed randomness")
-    s.add_argument("--db", help=f"database URL (default: sqlite:///{DEFAULT_DB} here; postgresql://… to scale out)")
+    s.add_argument("--db", help=f"a SQLite file's path or a database URL (default: {DEFAULT_DB} here; "
+                                "postgresql://… to scale out)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    s.add_argument("--port", type=port, default=8100, help="port (default 8100)")
+    s.add_argument("--per-minute", type=positive, default=1200,
+                   help="requests a minute one client address may make (default 1200, in bursts of 200)")
     s.add_argument("--key", default=DEFAULT_BEACON_KEY,
                    help=f"the beacon's signing key (created if missing; default {DEFAULT_BEACON_KEY})")
     s.set_defaults(func=cmd_beacon_serve)

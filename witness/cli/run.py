@@ -10,7 +10,16 @@ import time
 from pathlib import Path
 
 from ..errors import RunRejected, VerificationError
-from .args import DEFAULT_KEY, config_value, data_arg, positive, probability, share, trainer_r
+from .args import (
+    DEFAULT_KEY,
+    config_value,
+    data_arg,
+    positive,
+    probability,
+    seconds,
+    share,
+    trainer_r,
+)
 
 SELF_CHECK_SHARE = 0.01  # witness.record.background.DEFAULT_SHARE (imported here, it would import torch)
 
@@ -94,14 +103,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _beacon(args: argparse.Namespace):
     """The beacon client ``--beacon`` names (its key pinned with ``--beacon-key``), or None."""
-    if not args.beacon:
+    if args.beacon is None:
         if args.beacon_key or args.online_p or args.online_every:
             raise ValueError("--beacon-key, --online-p and --online-every go with --beacon URL")
         return None
+    if not args.beacon.strip():
+        raise ValueError("--beacon names no beacon (an empty URL): give its URL, or leave --beacon out")
     from ..beacon.client import BeaconClient
     from ..commit.signing import read_public_key
 
-    return BeaconClient(args.beacon, read_public_key(args.beacon_key) if args.beacon_key else None)
+    return BeaconClient(args.beacon, read_public_key(args.beacon_key) if args.beacon_key else None,
+                        patience=args.beacon_patience)
 
 
 def _online_spec(args: argparse.Namespace, steps: int):
@@ -368,6 +380,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--beacon", metavar="URL", help="take online challenges: stream a head to this beacon every "
                                                    "--online-every steps and keep the states it selects")
+    t.add_argument("--beacon-patience", type=seconds, default=600.0, metavar="SECONDS",
+                   help="how long a request to the beacon is tried again before training stops (default 600; "
+                        "training goes on meanwhile until its ring of kept states is full)")
     t.add_argument("--beacon-key", help="pin the beacon's public key (raw hex or PEM, or a file holding either)")
     t.add_argument("--online-p", type=probability,
                    help="the probability a beacon selects each step (default: enough for 99%% against 5%% bad steps)")

@@ -159,6 +159,9 @@ class HeadStreamer:
                 time.sleep(2 ** attempt)
 
 
+UPLOAD_RATE = 1e6  # bytes a second an upload is given at least, on top of a minute, before it is given up
+
+
 class LeaderboardBeacon(BeaconClient):
     """The leaderboard's beacon as the recorder's link: each head goes to the run's head endpoint
     (which stamps its time and answers with the beacon's statement), so it is streamed once."""
@@ -182,6 +185,7 @@ class LeaderboardBeacon(BeaconClient):
         size = Path(path).stat().st_size  # streamed from the file, never held whole (a state can be GBs)
         resp = self._request("PUT", f"/api/runs/{self.run_id}/online/{kind}/{step}",
                              content=lambda: _file_chunks(path), patient=True,
+                             deadline=max(self.deadline, 60 + size / UPLOAD_RATE),
                              headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
         if resp.status_code == 409 and "came already" in resp.text:
             return  # sent before a retry or a crash: the server has it
