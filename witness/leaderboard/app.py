@@ -42,6 +42,9 @@ from .store import (
     plot_key,
 )
 
+# a run's id in a path: the tables' ids are 32-bit integers, so anything else is a 400, not a 500
+RunId = Annotated[int, Path_(ge=1, le=2**31 - 1)]
+
 log = logging.getLogger("witness.leaderboard")
 
 PAGE_SIZE = 100
@@ -246,7 +249,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return {"run_id": run.id, "r": run.r, "ticket_ms": run.ticket_ms} | track_json(t)
 
     @app.post("/api/runs/{run_id}/heads", status_code=201, tags=["runs"])
-    def add_head(run_id: int, body: HeadIn, s: DB, acct: Acct) -> dict:
+    def add_head(run_id: RunId, body: HeadIn, s: DB, acct: Acct) -> dict:
         """Stream a signed tree head; the server checks it extends the last one and stamps its time."""
         h = lb.add_head(s, acct, run_id, body.tree_head, body.consistency, body.manifest, body.records)
         statement = lb.stamp(s, h, body.consistency, body.manifest)
@@ -255,7 +258,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.put("/api/runs/{run_id}/online/{kind}/{step}", status_code=201, tags=["runs"],
              openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {
                  "schema": {"type": "string", "format": "binary"}}}}})
-    async def online_upload(run_id: int, kind: Annotated[str, Path_(pattern="^(states|samples)$")],
+    async def online_upload(run_id: RunId, kind: Annotated[str, Path_(pattern="^(states|samples)$")],
                             step: Annotated[int, Path_(ge=0, le=2**31 - 1)], request: Request, acct: Acct) -> dict:
         """Upload, while the run trains, the state before a step the beacon selected (``states``: a
         safetensors file) or its batch's samples (``samples``: JSON); once both are here the server's
@@ -283,7 +286,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return await run_in_threadpool(keep)
 
     @app.get("/api/runs/{run_id}/heads", tags=["runs"])
-    def heads(run_id: int, s: DB) -> list[dict]:
+    def heads(run_id: RunId, s: DB) -> list[dict]:
         """The streamed heads with the server's receipt times."""
         lb.run(s, run_id)
         return [head_json(h) for h in lb.heads(s, run_id)]
@@ -315,7 +318,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return await run_in_threadpool(check)
 
     @app.get("/api/runs/{run_id}", tags=["runs"])
-    def run(run_id: int, s: DB) -> dict:
+    def run(run_id: RunId, s: DB) -> dict:
         """A run: status, verdict, bound, evaluation, contamination, streamed heads."""
         r = lb.run(s, run_id)
         out = run_json(r, s.get(Account, r.account_id), s.get(Track, r.track))
@@ -325,7 +328,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return out
 
     @app.patch("/api/runs/{run_id}", tags=["runs"])
-    def describe(run_id: int, body: RunInfo, s: DB, acct: Acct) -> dict:
+    def describe(run_id: RunId, body: RunInfo, s: DB, acct: Acct) -> dict:
         """Set a run's name, description and code link (its owner only; the verdict does not change)."""
         r = lb.describe(s, acct, run_id, body.model_fields_set, body.title, body.description, body.code_url)
         return run_json(r, s.get(Account, r.account_id), s.get(Track, r.track))
@@ -336,7 +339,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return {"public_key": lb.public_key, "pem": public_pem(lb.key.public_key())}
 
     @app.get("/api/runs/{run_id}/certification", tags=["certification"])
-    def certification(run_id: int, s: DB) -> dict:
+    def certification(run_id: RunId, s: DB) -> dict:
         """The server's latest signed decision on a run: an in-toto Statement in a DSSE envelope."""
         r = lb.run(s, run_id)
         if not r.statement:
@@ -344,13 +347,13 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return json.loads(r.statement)
 
     @app.post("/api/runs/{run_id}/challenges", status_code=202, tags=["challenges"])
-    def challenge(run_id: int, body: ChallengeIn, s: DB, acct: Acct) -> dict:
+    def challenge(run_id: RunId, body: ChallengeIn, s: DB, acct: Acct) -> dict:
         """Ask for more replay challenges on a certified run (rate-limited); a failure revokes it."""
         job = lb.request_challenges(s, acct, run_id, body.count)
         return {"run_id": run_id, "job_id": job.id, "count": job.count, "status": job.status}
 
     @app.get("/api/runs/{run_id}/challenges", tags=["challenges"])
-    def challenges(run_id: int, s: DB) -> list[dict]:
+    def challenges(run_id: RunId, s: DB) -> list[dict]:
         """The run's public challenge history, every challenge with its distances."""
         lb.run(s, run_id)
         return history(s, run_id)
@@ -393,7 +396,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                         headers={"Cache-Control": "no-cache", "Content-Security-Policy": CSP})
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
-    def run_page(run_id: int, s: DB, request: Request) -> HTMLResponse:
+    def run_page(run_id: RunId, s: DB, request: Request) -> HTMLResponse:
         r = lb.run(s, run_id)
         files = committed_files(lb, r)
         t = s.get(Track, r.track)
@@ -408,7 +411,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                     online=online_progress(s, r.id) if r.online_p is not None else None)
 
     @app.get("/runs/{run_id}/badge.svg", include_in_schema=False)
-    def badge(run_id: int, s: DB) -> Response:
+    def badge(run_id: RunId, s: DB) -> Response:
         r = lb.run(s, run_id)
         colour = {"certified": "#2e7d32", "rejected": "#c62828", "revoked": "#c62828"}.get(r.status, "#757575")
         label = r.status if r.status != "certified" else f"certified {100 * (r.bound or 0):.0f}%"
@@ -417,7 +420,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
                         headers={"Cache-Control": "no-cache", "Content-Security-Policy": CSP})
 
     @app.get("/runs/{run_id}/plots/{name}.svg", include_in_schema=False)
-    def plot(run_id: int, name: str, s: DB) -> Response:
+    def plot(run_id: RunId, name: str, s: DB) -> Response:
         r = lb.run(s, run_id)
         if name not in ("loss", "optimizer", "fingerprints"):
             raise ApiError(404, "no such plot")
@@ -429,7 +432,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return response
 
     @app.get("/runs/{run_id}/download/{name}", include_in_schema=False)
-    def download(run_id: int, name: str, s: DB) -> Response:
+    def download(run_id: RunId, name: str, s: DB) -> Response:
         r = lb.run(s, run_id)
         stored = {"verdict.json": r.verdict_json, "certification.dsse.json": r.statement}
         if name in stored:

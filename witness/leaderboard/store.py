@@ -587,9 +587,27 @@ def _member_path(name: str) -> PurePosixPath:
     return p
 
 
+MAX_TAR_META = 1 << 16  # bytes of a pax or GNU long-name header: a long path and a few fields need far less
+_META_TYPES = frozenset((tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                         tarfile.SOLARIS_XHDTYPE))
+
+
+class _BoundedInfo(tarfile.TarInfo):
+    """A tar header whose pax or GNU long-name records are bounded before ``tarfile`` reads them
+    (it reads such a record whole, however large the header says it is), and counted against the
+    archive's unpacked bytes."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile):  # noqa: ANN202 - tarfile's own hook
+        if self.type in _META_TYPES:
+            if self.size > MAX_TAR_META:
+                raise MalformedInput(f"the archive has a {self.size}-byte extended header; at most {MAX_TAR_META}")
+            tarfile_.witness_meta = getattr(tarfile_, "witness_meta", 0) + self.size
+        return super()._proc_member(tarfile_)
+
+
 def _unpack(archive: Path, dest: Path, limit: int) -> None:
     try:
-        tf = tarfile.open(archive, mode="r:*")
+        tf = tarfile.open(archive, mode="r:*", tarinfo=_BoundedInfo)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise MalformedInput(f"the upload is not a tar archive: {e}") from None
     _members(tf, dest, limit)
@@ -598,7 +616,7 @@ def _unpack(archive: Path, dest: Path, limit: int) -> None:
 def _unpack_stream(f: io.RawIOBase, dest: Path, limit: int) -> None:
     """As ``_unpack``, reading the archive once, front to back, as it arrives."""
     try:
-        tf = tarfile.open(fileobj=io.BufferedReader(f, 1 << 20), mode="r|*")
+        tf = tarfile.open(fileobj=io.BufferedReader(f, 1 << 20), mode="r|*", tarinfo=_BoundedInfo)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise MalformedInput(f"the upload is not a tar archive: {e}") from None
     _members(tf, dest, limit)
@@ -620,7 +638,7 @@ def _members(tf: tarfile.TarFile, dest: Path, limit: int) -> None:
                 if not member.isfile():
                     raise MalformedInput(f"archive member {member.name!r} is a link or special file")
                 total += member.size
-                if total > limit:
+                if total + getattr(tf, "witness_meta", 0) > limit:  # the extended headers count too
                     raise MalformedInput(f"the archive unpacks to more than the server's limit of {limit} bytes")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 src = tf.extractfile(member)

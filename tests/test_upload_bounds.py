@@ -1,0 +1,101 @@
+"""The leaderboard's uploads against hostile archives and ids: an extended tar header is bounded
+before tarfile reads it and counts against the unpacked bytes, and an id too large for the tables
+is a 400, never a 500."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import tarfile
+import time
+import tracemalloc
+
+import pytest
+from lbhelpers import make_settings, register
+from starlette.testclient import TestClient
+
+from witness.errors import MalformedInput
+from witness.leaderboard.app import create_app
+from witness.leaderboard.service import Leaderboard
+from witness.leaderboard.store import MAX_TAR_META, _unpack
+
+
+def _header(name: str, size: int, kind: bytes) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = size, kind
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def _huge_pax(path, size: int = 256 << 20) -> None:
+    """A gzip of a few hundred KB whose tar says: a pax header of ``size`` bytes (all zeros)."""
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        f.write(_header("././@PaxHeader", size, tarfile.XHDTYPE))
+        zeros = bytes(1 << 20)
+        for _ in range(size >> 20):
+            f.write(zeros)
+        f.write(bytes(1024))
+
+
+@pytest.fixture
+def app(tmp_path):
+    lb = Leaderboard(make_settings("sqlite", tmp_path))
+    with TestClient(create_app(lb=lb), raise_server_exceptions=False) as tc:
+        yield tc
+
+
+def test_a_huge_pax_header_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "up.tar.gz"
+    _huge_pax(path)
+    assert path.stat().st_size < 2 << 20
+    (tmp_path / "out").mkdir()
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(MalformedInput, match=f"extended header; at most {MAX_TAR_META}"):
+            _unpack(path, tmp_path / "out", 1 << 30)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak  # it allocated 256 MB and more before
+    assert time.monotonic() - started < 5
+
+
+def test_extended_headers_count_against_the_unpacked_bytes(tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(4):
+            info = tarfile.TarInfo(f"bundle/f{i}")
+            info.pax_headers = {"comment": "x" * 30_000}  # 30 KB of header for a 10-byte file
+            info.size = 10
+            tf.addfile(info, io.BytesIO(b"0123456789"))
+    path = tmp_path / "a.tar"
+    path.write_bytes(buf.getvalue())
+    (tmp_path / "out").mkdir()
+    with pytest.raises(MalformedInput, match="unpacks to more than the server's limit of 100000 bytes"):
+        _unpack(path, tmp_path / "out", 100_000)  # 40 bytes of files, 120 KB of headers
+
+
+def test_a_huge_pax_header_uploaded_as_a_submission_is_a_400(app, tmp_path):
+    trainer = register(app, "pax")
+    path = tmp_path / "up.tar.gz"
+    _huge_pax(path, 64 << 20)
+    r = app.post("/api/submissions", content=path.read_bytes(),
+                 headers={"Authorization": f"Bearer {trainer.token}", "Content-Type": "application/x-tar"})
+    assert r.status_code in (400, 422) and "extended header" in r.text, r.text
+
+
+@pytest.mark.parametrize("path", ["/api/runs/{}", "/api/runs/{}/heads", "/api/runs/{}/certification",
+                                  "/api/runs/{}/challenges", "/runs/{}", "/runs/{}/badge.svg"])
+@pytest.mark.parametrize("run_id", [2**31, 2**63, 2**70, 0, -1])
+def test_a_run_id_too_large_for_the_tables_is_a_400(app, path, run_id):
+    r = app.get(path.format(run_id))
+    assert r.status_code == 400, (path, run_id, r.status_code, r.text[:200])
+    assert "run_id" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("run_id", [2**31, 2**70])
+def test_an_online_upload_to_a_run_id_too_large_is_a_400(app, run_id):
+    trainer = register(app, f"big{run_id % 97}")
+    r = app.put(f"/api/runs/{run_id}/online/states/0", content=b"x" * 10,
+                headers={"Authorization": f"Bearer {trainer.token}", "Content-Type": "application/octet-stream"})
+    assert r.status_code == 400 and "run_id" in r.json()["detail"], r.text
