@@ -100,6 +100,11 @@ def test_a_text_query_finds_the_windows_that_hold_its_tokens(trained, capsys, mo
     assert found["needle_bytes"] == 12 and found["samples_found"] > 0  # 6 byte tokens, 2 bytes each
     assert main(["data", "find", "run", "--text", "\x00never\x00there"]) == 1
     assert "0 document(s) of the run's dataset contain the 12 token(s)" in capsys.readouterr().out
+    # a file to look for is bounded: a device is refused with a clear error, not read without end
+    assert main(["data", "find", "run", "--file", "/dev/zero"]) == 2
+    assert "--file /dev/zero: over 1048576 bytes" in capsys.readouterr().err
+    assert main(["data", "exclude", "run", "--file", "/dev/zero", "--out", "p.json"]) == 2
+    assert "larger than any document a proof names" in capsys.readouterr().err
 
 
 def test_a_recipe_with_an_absolute_data_path_is_refused_at_record_time(trained, tmp_path):

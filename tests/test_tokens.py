@@ -17,7 +17,13 @@ from witness.data import tokens as T
 from witness.data.dataset import Dataset, sample_hash
 from witness.data.leaves import documents_key, read_leaves
 from witness.data.proofs import pack, unpack
-from witness.data.tokens import DOCUMENT_TAGS, TokenCorpus, open_shard, write_llmc_shard
+from witness.data.tokens import (
+    DOCUMENT_TAGS,
+    TokenCorpus,
+    open_shard,
+    shard_format,
+    write_llmc_shard,
+)
 from witness.errors import MalformedInput, VerificationError
 from witness.task import registry
 from witness.task.generic import GenericTask
@@ -111,9 +117,20 @@ def test_the_shard_formats(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     with pytest.raises(ValueError, match="whole number"):
         open_shard(tmp_path / "odd.bin", "u16")
-    # a header whose count does not fit the file is not taken for one: the file is raw tokens
-    (tmp_path / "lie.bin").write_bytes(np.array([20240520, 1, 5], "<i4").tobytes() + bytes(4 * 253 + 20))
-    assert len(open_shard(tmp_path / "lie.bin")) == (4 * 256 + 20) // 2
+    # a damaged header is an error, never 512 tokens of raw data: a count that does not fit the
+    # file, a wrong version, a wrong magic under an llm.c-shaped header, an all-zero header
+    damaged = {"lie": ([20240520, 1, 5], "it counts 5 tokens and the file holds 10"),
+               "version": ([20240520, 3, 10], "its version is 3; magic 20240520 goes with version 1"),
+               "magic": ([20240521, 1, 10], "its magic is 20240521, not llm.c's"),
+               "zero": ([0, 0, 0], "its magic is 0, not llm.c's")}
+    for name, (ints, says) in damaged.items():
+        (tmp_path / f"{name}.bin").write_bytes(np.array(ints, "<i4").tobytes() + bytes(4 * 253 + 20))
+        with pytest.raises(ValueError, match=f"has an llm.c shard header, but {says}"):
+            open_shard(tmp_path / f"{name}.bin")
+        assert len(open_shard(tmp_path / f"{name}.bin", "u16")) == (4 * 256 + 20) // 2  # asked for: raw
+        (tmp_path / f"{name}.bin").unlink()
+    assert shard_format(open_shard(tmp_path / "a.bin")) == "llmc-u16"
+    assert shard_format(open_shard(tmp_path / "raw.bin")) == "u16"
     (tmp_path / "odd.bin").unlink()
     with pytest.raises(ValueError, match="mix 16- and 32-bit"):
         TokenCorpus(tmp_path, 4)
@@ -169,6 +186,35 @@ def test_witness_data_commit(tmp_path, capsys):
     assert report["shards"] == 3 and report["leaves_bytes"] == out.stat().st_size
     assert main(["data", "commit", str(tmp_path), "--block", "64", "--out", str(out)]) == 2  # never overwrites
     assert "exists" in capsys.readouterr().err
+    assert report["format"] == ["llmc-u16"]  # it says which format it read
+
+
+def test_witness_data_commit_never_harms_its_data_and_refuses_bad_shards(tmp_path, capsys):
+    rng = np.random.default_rng(6)
+    shard = tmp_path / "tok.bin"
+    write_llmc_shard(shard, rng.integers(0, 50257, 5000).astype("<u2"))
+    before = shard.read_bytes()
+    for out in (shard, tmp_path / "." / "tok.bin"):  # the source itself, however it is spelled
+        assert main(["data", "commit", str(shard), "--block", "64", "--out", str(out), "--force"]) == 2
+        assert "is one of the shards being committed" in capsys.readouterr().err
+    assert shard.read_bytes() == before
+    assert main(["data", "commit", str(tmp_path), "--block", "64", "--out", str(shard), "--force"]) == 2
+    assert shard.read_bytes() == before  # a folder's shard too
+    capsys.readouterr()
+    assert main(["data", "commit", str(shard), "--block", "64", "--out", str(tmp_path / "l"), "--eot", "-1"]) == 2
+    assert "end-of-text token -1 is not a 16-bit token id" in capsys.readouterr().err
+    bad = tmp_path / "bad" / "tok.bin"
+    bad.parent.mkdir()
+    bad.write_bytes(np.array([20240520, 1, 4999], "<i4").tobytes() + before[12:])  # one token short of the file
+    assert main(["data", "commit", str(bad), "--block", "64", "--out", str(tmp_path / "l2")]) == 2
+    err = capsys.readouterr().err
+    assert "has an llm.c shard header, but it counts 4999 tokens and the file holds 5000" in err
+    assert not (tmp_path / "l2").exists()
+    raw = tmp_path / "raw" / "tok.bin"
+    raw.parent.mkdir()
+    rng.integers(1, 50257, 5000).astype("<u2").tofile(raw)
+    assert main(["data", "commit", str(raw), "--block", "64", "--out", str(tmp_path / "l3")]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == ["u16"]
 
 
 def test_the_commitment_benchmark_runs_end_to_end(tmp_path):

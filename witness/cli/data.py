@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def _search(args: argparse.Namespace, run) -> int:  # noqa: ANN001 - RunCommitme
     """``witness data find``: which documents and samples contain a text, and whether the run used them."""
     from ..verify.data_queries import search_text
 
-    needle = Path(args.file).read_bytes() if args.file is not None else run.dataset.text_bytes(args.text)
+    needle = read_bounded(args.file, MAX_SEARCH_BYTES, "--file") if args.file is not None \
+        else run.dataset.text_bytes(args.text)
     found = search_text(run, needle, args.limit)
     if args.json:
         print(json.dumps(found))
@@ -84,6 +86,18 @@ def _search(args: argparse.Namespace, run) -> int:  # noqa: ANN001 - RunCommitme
         if found["documents_found"] > len(found["documents"]):
             print(f"  … and {found['documents_found'] - len(found['documents'])} more (--limit)")
     return 0 if found["samples_used"] or found["documents_used"] else 1
+
+
+MAX_SEARCH_BYTES = 1 << 20  # a text to look for: a passage, not a corpus
+
+
+def read_bounded(path: str, limit: int, what: str) -> bytes:
+    """A file's bytes, at most ``limit`` of them (a device or a huge file is refused, not read whole)."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{what} {path}: over {limit} bytes; a text to look for is at most {limit} bytes")
+    return data
 
 
 def released_model(bundle_dir: str, model: str | None, out: Path) -> dict:
@@ -143,10 +157,13 @@ def cmd_commit(args: argparse.Namespace) -> int:
     """Commit a token corpus: its root, and the leaves file that publishes its per-sample commitments."""
     import time
 
-    from ..data.tokens import TokenCorpus, shard_paths
+    from ..data.tokens import TokenCorpus, shard_format, shard_paths
 
-    corpus = TokenCorpus(args.source, args.block, eot=args.eot, fmt=args.format)
     out = Path(args.out)
+    for shard in shard_paths(args.source):  # --force replaces the leaves file, never the data
+        if out.resolve() == shard.resolve() or (out.exists() and os.path.samefile(out, shard)):
+            raise ValueError(f"--out {out} is one of the shards being committed ({shard}): name another file")
+    corpus = TokenCorpus(args.source, args.block, eot=args.eot, fmt=args.format)
     if out.exists() and not args.force:
         raise ValueError(f"{out} exists (pass --force to replace it)")
     started = time.perf_counter()
@@ -154,6 +171,7 @@ def cmd_commit(args: argparse.Namespace) -> int:
     took = time.perf_counter() - started
     print(json.dumps({"root": root.hex(), "samples": len(corpus), "tokens": corpus.tokens_total,
                       "shards": len(shard_paths(args.source)), "block": args.block, "token_bytes": corpus.width,
+                      "format": sorted({shard_format(x) for x in corpus.shards}),
                       "leaves": str(out), "leaves_bytes": out.stat().st_size, "seconds": round(took, 3)}, indent=2))
     return 0
 

@@ -54,20 +54,29 @@ DOCUMENT_TAGS = {2: "witness/tokens-u16/v1", 4: "witness/tokens-u32/v1"}
 STREAM_BYTES = 64 << 20
 
 
+LLMC_VERSION = {20240520: 1, 20240801: 7}  # llm.c's header version beside each magic
+
+
 def open_shard(path: str | os.PathLike, fmt: str = "auto") -> np.ndarray:
     """The tokens of one shard, memory-mapped: ``fmt`` is ``llmc`` (the 256-int32 header),
-    ``u16`` (nanoGPT's headerless file), ``u32``, or ``auto`` (``llmc`` where the header's magic
-    and token count fit the file's size, else ``u16``)."""
+    ``u16`` (nanoGPT's headerless file), ``u32``, or ``auto``: ``llmc`` where the file starts with
+    llm.c's magic, or with an llm.c-shaped header (the 253 ints after magic, version and count all
+    0: no token stream starts so), else ``u16``. An llm.c header is validated whole (magic, version,
+    a token count that fits the file's size): a damaged one is an error, never read as tokens."""
     path = Path(path)
     size = path.stat().st_size
     if fmt in ("auto", "llmc"):
         header = np.fromfile(path, "<i4", LLMC_HEADER_INTS) if size >= 4 * LLMC_HEADER_INTS else None
         dtype = LLMC_MAGIC.get(int(header[0])) if header is not None else None
-        if dtype is not None and 4 * LLMC_HEADER_INTS + int(header[2]) * dtype.itemsize == size and header[2] >= 0:
+        shaped = header is not None and not header[3:].any()
+        if dtype is not None or shaped or fmt == "llmc":
+            problem = _llmc_problem(header, size)
+            if problem and (dtype is not None or shaped):
+                raise ValueError(f"{path} has an llm.c shard header, but {problem}: the shard is damaged or not "
+                                 "llm.c's (--format u16 or u32 reads a headerless file)")
+            if problem:
+                raise ValueError(f"{path} is not an llm.c token shard: {problem}")
             return np.memmap(path, dtype, "r", 4 * LLMC_HEADER_INTS, (int(header[2]),))
-        if fmt == "llmc":
-            raise ValueError(f"{path} is not an llm.c token shard (magic 20240520 or 20240801, a token "
-                             "count that fits the file)")
         fmt = "u16"
     widths = {"u16": np.dtype("<u2"), "u32": np.dtype("<u4")}
     if fmt not in widths:
@@ -75,6 +84,28 @@ def open_shard(path: str | os.PathLike, fmt: str = "auto") -> np.ndarray:
     if size % widths[fmt].itemsize:
         raise ValueError(f"{path} is not a whole number of {fmt} tokens")
     return np.memmap(path, widths[fmt], "r", 0, (size // widths[fmt].itemsize,))
+
+
+def _llmc_problem(header: np.ndarray | None, size: int) -> str | None:
+    """What is wrong with an llm.c shard's header, or None."""
+    if header is None:
+        return f"{size} bytes, shorter than its {4 * LLMC_HEADER_INTS}-byte header"
+    magic, version, count = (int(x) for x in header[:3])
+    dtype = LLMC_MAGIC.get(magic)
+    if dtype is None:
+        return f"its magic is {magic}, not llm.c's 20240520 (uint16 tokens) or 20240801 (uint32)"
+    if version != LLMC_VERSION[magic]:
+        return f"its version is {version}; magic {magic} goes with version {LLMC_VERSION[magic]}"
+    held = (size - 4 * LLMC_HEADER_INTS) / dtype.itemsize
+    if count < 0 or count != held:
+        return f"it counts {count} tokens and the file holds {held:g}"
+    return None
+
+
+def shard_format(shard: np.ndarray) -> str:
+    """How a shard ``open_shard`` opened was read: ``llmc-u16``, ``llmc-u32``, ``u16`` or ``u32``."""
+    width = f"u{8 * shard.dtype.itemsize}"
+    return f"llmc-{width}" if getattr(shard, "offset", 0) == 4 * LLMC_HEADER_INTS else width
 
 
 def write_llmc_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
@@ -134,6 +165,9 @@ class TokenCorpus(Dataset):
             raise ValueError("the shards mix 16- and 32-bit tokens")
         self.width = self.unit = widths.pop()
         self.dtype = self.shards[0].dtype
+        if not 0 <= eot < 1 << (8 * self.width):
+            raise ValueError(f"the end-of-text token {eot} is not a {8 * self.width}-bit token id "
+                             f"(0 to {(1 << (8 * self.width)) - 1})")
         self.block, self.eot = block, eot
         self.starts = np.concatenate([[0], np.cumsum([len(s) for s in self.shards])]).astype(np.int64)
         self.tokens_total = int(self.starts[-1])

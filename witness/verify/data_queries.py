@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from ..bundle.reader import Bundle, open_bundle
@@ -56,11 +55,20 @@ def check_data_proof(proof: Any, *, head: SignedTreeHead | None = None, public_k
                        head=head, public_key=public_key)
 
 
+MAX_DOCUMENT_BYTES = 256 << 20  # a document a proof names (a device or a corpus is refused)
+
+
 def query_document(dataset: Dataset, file: str | None, text: str | None) -> bytes:
     """The document hash a query names."""
     if (file is None) == (text is None):
         raise ValueError("name the document with exactly one of --file or --text")
-    content = Path(file).read_bytes() if file is not None else dataset.text_bytes(text)  # type: ignore[arg-type]
+    if file is not None:
+        with open(file, "rb") as f:  # a document: bounded (a device or a huge file is refused, not read whole)
+            content = f.read(MAX_DOCUMENT_BYTES + 1)
+        if len(content) > MAX_DOCUMENT_BYTES:
+            raise ValueError(f"--file {file}: over {MAX_DOCUMENT_BYTES} bytes, larger than any document a proof names")
+    else:
+        content = dataset.text_bytes(text)  # type: ignore[arg-type]
     return dataset.document_hash(content)
 
 
