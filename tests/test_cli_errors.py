@@ -135,3 +135,14 @@ def test_a_full_disk_while_training_is_one_line_and_leaves_a_verifiable_prefix(t
     assert v.returncode == 0, v.stderr
     verdict = json.loads(v.stdout)
     assert verdict["accepted"] and verdict["complete"] is False and 0 < verdict["steps"] < 60, v.stdout
+
+
+@pytest.mark.parametrize("value", ["1.0", "1.5", "-0.1"])
+def test_a_dropout_that_is_no_probability_is_refused_before_training(tmp_path, capsys, value):
+    from witness.cli import main
+
+    assert main(["train", "--task", "tinygpt", "--steps", "2", "--config", f"dropout={value}", "--out",
+                 str(tmp_path / "r"), "--key", str(tmp_path / "k.pem"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "dropout is a probability in [0, 1)" in err or "config field dropout of task tinygpt is out of range" in err
+    assert not (tmp_path / "r").exists()  # refused before anything was written, not blamed on the optimizer

@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 from witness.beacon.app import create_app
 from witness.beacon.client import BeaconClient, BeaconError
 from witness.bundle.layout import STATEMENTS, online_samples_name, online_state_name
+from witness.cli import main
 from witness.commit.beacon import BeaconStatement, online_bound, run_id, selected, selected_steps
 from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.log import RunLog
@@ -449,3 +450,18 @@ def test_a_beacon_that_is_not_the_pinned_one_stops_training_before_it_starts(tmp
         ["train", "--task", "tiny", "--steps", "4", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "k.pem"),
          "--quiet", "--beacon", url, "--beacon-key", pinned])))
     assert codes == [2] and "not the pinned" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("garbage", [b"not json\n", b'{"type": "statement"}\n', b"\xff\xfe\n"])
+def test_garbage_statements_are_refused_offline_and_by_respond_too(tmp_path, beacon, capsys, garbage):
+    out = tmp_path / "run"
+    train(out, beacon.link())
+    kept = (out / STATEMENTS).read_bytes()
+    (out / STATEMENTS).write_bytes(kept + garbage)
+    assert main(["verify", "--allow-weak", str(out), "--challenges", "2"]) == 2
+    assert "is not a beacon statement" in capsys.readouterr().err
+    assert main(["respond", str(out), "--nonce", "5eed", "--challenges", "2", "--out", str(tmp_path / "a")]) == 2
+    assert "is not a beacon statement" in capsys.readouterr().err
+    # a last line torn by a crash is no garbage: offline verification reads what is whole
+    (out / STATEMENTS).write_bytes(kept + kept.splitlines(keepends=True)[0][:30])
+    assert main(["verify", "--allow-weak", str(out), "--challenges", "2"]) == 0, capsys.readouterr().err

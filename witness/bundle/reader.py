@@ -367,6 +367,22 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
             online[found[0]][found[1]] = root / rel
     if manifest.online is None and (STATEMENTS in files or online["states"] or online["samples"]):
         raise MalformedInput(f"the bundle holds {ONLINE}/ files, but its manifest takes no online challenges")
+    if STATEMENTS in files:
+        _check_statement_lines(root / STATEMENTS)
     return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes, leaves,
                   root / STATEMENTS if STATEMENTS in files else None, online["states"], online["samples"],
                   missing if manifest.online is not None else [], root / PROBES if PROBES in files else None)
+
+
+def _check_statement_lines(path: Path) -> None:
+    """Every whole line of the beacon's statements is a statement (every mode reads the bundle so:
+    a garbage file is refused by offline verification too, not only by the online audit). A last
+    line torn by a crash is left to the online audit, which refuses it; offline needs none."""
+    from ..commit.beacon import BeaconStatement
+
+    lines, _ = _lines(_read_bounded(path, MAX_STATEMENTS_BYTES, STATEMENTS), STATEMENTS)
+    for i, line in enumerate(lines):
+        try:
+            BeaconStatement.from_json(parse_canonical_json(line))
+        except (ValueError, VerificationError) as e:
+            raise MalformedInput(f"{STATEMENTS}: line {i + 1} is not a beacon statement: {e}") from None

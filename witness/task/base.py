@@ -211,6 +211,10 @@ class Task:
                              "equal micro-batches")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision is one of {', '.join(PRECISIONS)}")
+        dropout = getattr(c, "dropout", None)  # a recipe's dropout, where it has one (tinygpt's, a plugin's)
+        if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and not 0 <= dropout < 1:
+            # at 1 every activation is dropped and rescaled by 1/(1-p): the outputs are NaN from step 0
+            raise ValueError(f"dropout is a probability in [0, 1), not {dropout!r}")
 
     @property
     def compiles(self) -> bool:
