@@ -30,12 +30,14 @@ leaderboard-demo: setup
 	$(VENV)/bin/witness leaderboard demo
 
 # The same demo scaled out: PostgreSQL and an S3-compatible store (SeaweedFS) on loopback, two
-# worker processes that share only those with the server (its own database and bucket, emptied first)
+# worker processes that share only those with the server (its own database, witness_demo, and bucket,
+# witness-demo; a second run refuses to touch what the first left: `make leaderboard-demo-scale RESET=1`
+# empties them first, and says what it empties)
 leaderboard-demo-scale: setup
 	url="$$(scripts/services.sh)" && AWS_ENDPOINT_URL=http://127.0.0.1:$${WITNESS_S3_PORT:-8333} \
 	  AWS_ACCESS_KEY_ID=$${WITNESS_S3_ACCESS_KEY:-witness} AWS_SECRET_ACCESS_KEY=$${WITNESS_S3_SECRET:-witness-s3-secret} AWS_DEFAULT_REGION=us-east-1 \
 	  $(VENV)/bin/witness leaderboard demo --dir leaderboard-demo-scale --db "$${url%/*}/witness_demo" \
-	  --store s3://witness-demo/demo --workers 2 --reset
+	  --store s3://witness-demo/demo --workers 2 $(if $(RESET),--reset)
 
 # PostgreSQL 15 and an S3-compatible store (SeaweedFS) on loopback, and Chromium, for the leaderboard's tests
 services:

@@ -23,7 +23,8 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-as_pg() { if [ "$(id -u)" -eq 0 ]; then su postgres -c "$*"; else sudo -u postgres sh -c "$*"; fi; }
+# from /, which the postgres user may enter (psql complains "could not change directory" otherwise)
+as_pg() { (cd / && if [ "$(id -u)" -eq 0 ]; then su postgres -c "$*"; else sudo -u postgres sh -c "$*"; fi); }
 if ! pg_lsclusters -h | awk '$1 == 15 && $2 == "main"' | grep -q .; then
   as_pg "pg_createcluster 15 main -p $PG_PORT" >/dev/null
 fi

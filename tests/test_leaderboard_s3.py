@@ -234,3 +234,67 @@ def test_a_working_folder_keeps_unpacked_bundles_within_its_bound_least_recently
         assert cached() == [1, 2, 3]
     store.evict()  # free again: the least recently used goes
     assert cached() == [2, 3]
+
+
+def _procs_with(text: str) -> list[int]:
+    """The pids of this machine's processes whose command line holds ``text``."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd and int(d) != os.getpid():
+                found.append(int(d))
+    return found
+
+
+def test_the_scale_out_demo_says_what_reset_empties(s3, tmp_path, capsys):
+    from witness.leaderboard.demo import DEFAULT_TRACKS, _scaled
+
+    db = fresh_postgres()
+    tracks = tuple(DEFAULT_TRACKS[:1])
+    lb = _scaled(tmp_path / "a", tracks, db, s3, reset=False)
+    with TestClient(create_app(lb=lb)) as client:
+        register(client, "someone")  # a leaderboard with an account in it
+    (tmp_path / "obj").write_bytes(b"x")
+    lb.store.put("runs/1/x", tmp_path / "obj")
+    lb.engine.dispose()
+    assert _scaled(tmp_path / "b", tracks, db, s3, reset=False) is None  # refused without --reset
+    assert "holds a leaderboard already; give empty ones, or --reset" in capsys.readouterr().err
+    lb = _scaled(tmp_path / "c", tracks, db, s3, reset=True)
+    err = capsys.readouterr().err
+    assert "--reset: emptying the database postgresql+psycopg://witness:***@" in err and "(1 account(s)" in err
+    assert f"{s3} (1 object(s))" in err
+    lb.engine.dispose()
+
+
+def test_sigterm_stops_the_scale_out_demo_and_its_workers(s3, tmp_path):
+    folder = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "witness.cli", "leaderboard", "demo", "--dir", str(folder), "--db",
+                             fresh_postgres(), "--store", s3, "--workers", "2", "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ | S3_ENV)
+    try:
+        _stopped_by_sigterm(proc, folder)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _procs_with(str(folder / "worker-")):
+            os.kill(pid, 9)
+
+
+def _stopped_by_sigterm(proc: subprocess.Popen, folder) -> None:
+    deadline = time.monotonic() + 120
+    while len(_procs_with(str(folder / "worker-"))) < 2:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "the demo's workers did not start"
+        time.sleep(0.2)
+    proc.terminate()  # SIGTERM, as a service manager or `kill` sends it
+    proc.wait(60)
+    deadline = time.monotonic() + 40
+    while _procs_with(str(folder / "worker-")):
+        assert time.monotonic() < deadline, "the demo's workers outlived it"
+        time.sleep(0.2)
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and "Permission denied" not in err, err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -102,3 +103,14 @@ def create_app(db_url: str, key, per_minute: int = 1200, burst: int = 200) -> Fa
     app.add_middleware(RateLimit, per_minute=per_minute, burst=burst)  # outermost: a flood is refused first
     app.state.beacon = beacon
     return app
+
+
+def served_app() -> FastAPI:
+    """The app of one of ``witness beacon serve --workers N``'s processes (uvicorn's factory): its
+    database, key file and rate limit come from the environment the command set."""
+    import os
+
+    from ..commit.signing import load_key
+
+    return create_app(os.environ["WITNESS_BEACON_DB"], load_key(Path(os.environ["WITNESS_BEACON_KEY"])),
+                      per_minute=int(os.environ.get("WITNESS_BEACON_PER_MINUTE", "1200")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,13 +23,21 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
 
     key = load_or_create_key(Path(args.key))
     db = database_url(args.db or DEFAULT_DB)
-    app = create_app(check_db_url(db), key, per_minute=args.per_minute)
+    app = create_app(check_db_url(db), key, per_minute=args.per_minute)  # its tables made once, here
     pub = public_hex(key.public_key())
     print(f"beacon public key {pub} (fingerprint {key_fingerprint(pub)}); verifiers pass it as --beacon-key",
           flush=True)
-    print(f"serving on http://{args.host}:{args.port}/api/beacon (database {shown_url(db)})", file=sys.stderr,
-          flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    print(f"serving on http://{args.host}:{args.port}/api/beacon (database {shown_url(db)}"
+          + (f", {args.workers} worker processes" if args.workers > 1 else "") + ")", file=sys.stderr, flush=True)
+    if args.workers == 1:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        return 0
+    # several processes share the database (one draw per window is its conditional update, not a lock
+    # in a process); each builds the app from what this one checked
+    os.environ.update(WITNESS_BEACON_DB=db, WITNESS_BEACON_KEY=str(Path(args.key).resolve()),
+                      WITNESS_BEACON_PER_MINUTE=str(args.per_minute))
+    uvicorn.run("witness.beacon.app:served_app", factory=True, workers=args.workers, host=args.host,
+                port=args.port, log_level="warning")
     return 0
 
 
@@ -63,7 +72,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=port, default=8100, help="port (default 8100)")
     s.add_argument("--per-minute", type=positive, default=1200,
-                   help="requests a minute one client address may make (default 1200, in bursts of 200)")
+                   help="requests a minute one client address may make of a worker process (default 1200, in "
+                        "bursts of 200)")
+    s.add_argument("--workers", type=positive, default=1,
+                   help="server processes (default 1; on PostgreSQL, one per core scales it out)")
     s.add_argument("--key", default=DEFAULT_BEACON_KEY,
                    help=f"the beacon's signing key (created if missing; default {DEFAULT_BEACON_KEY})")
     s.set_defaults(func=cmd_beacon_serve)

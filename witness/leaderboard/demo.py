@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from sqlalchemy import func, select
 
 from ..beacon.db import BeaconBase
 from ..commit.signing import generate_key, public_hex, save_key
+from ..database import shown_url
 from . import client as C
 from .db import Account, Base, Job
 from .service import Leaderboard, Settings
@@ -108,11 +110,15 @@ def _scaled(folder: Path, tracks: tuple, db: str, store: str, reset: bool) -> Le
         lb.engine.dispose()
         return None
     if reset:
+        keys = list(lb.store.keys(""))
+        if used or keys:  # said before it is done: the demo never empties anything without a word
+            print(f"--reset: emptying the database {shown_url(db)} ({used} account(s) and their runs) and "
+                  f"{store} ({len(keys)} object(s))", file=sys.stderr)
         with lb.Session() as s:
             for table in [*reversed(Base.metadata.sorted_tables), *reversed(BeaconBase.metadata.sorted_tables)]:
                 s.execute(table.delete())
             s.commit()
-        for key, _ in list(lb.store.keys("")):
+        for key, _ in keys:
             lb.store.delete(key)
     lb.sync_tracks()
     return lb
@@ -146,6 +152,10 @@ def drain(lb: Leaderboard, procs: list[subprocess.Popen], timeout_s: float = 180
         time.sleep(0.2)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(folder: Path, port: int = 8080, serve: bool = True, db: str | None = None, store: str | None = None,
              workers: int = 1, reset: bool = False) -> int:
     """Fill a fresh leaderboard in ``folder`` and (unless ``serve`` is False) serve it until Ctrl-C;
@@ -161,69 +171,78 @@ def run_demo(folder: Path, port: int = 8080, serve: bool = True, db: str | None 
         return 2
     server, thread, url = start_server(lb, port=port)
     print(f"leaderboard at {url}; training and submitting runs on track {DEMO_TRACK}", file=sys.stderr)
-    procs = start_workers(lb, folder, workers) if scaled else []
-    if scaled:
-        print(f"  {workers} worker process(es) certify, sharing only the database and {store}", file=sys.stderr)
-    # the server's worker (the embedded default) or the worker processes: every job done
-    certify: Callable[[], object] = (lambda: drain(lb, procs)) if scaled else (lambda: work(lb, once=True))
-    people = {}
-    for name in ("alice", "bob", "carol", "mallory", "dave", "eve"):
-        key = generate_key()
-        save_key(key, folder / "keys" / f"{name}.pem")
-        with C.connect(url) as c:
-            people[name] = (key, C.register(c, name, public_hex(key.public_key()))["token"])
-    runs = {}
-    for name in ("alice", "bob", "carol", "mallory"):
-        key, token = people[name]
-        runs[name] = train_run(url, token, key, folder / "runs" / name, DEMO_TRACK,
-                               lr_cheat=1.5 if name == "mallory" else 1.0, info=DEMO_INFO[name])
-        print(f"  {name}: trained and submitted run {runs[name]}", file=sys.stderr)
-    certify()  # the server's worker: draws challenges, replays, checks the evaluation
-    # On the online track the server's worker replays the steps its beacon selected as their
-    # states arrive, while the run trains (a worker thread, as `serve` runs worker processes).
-    stop_online = threading.Event()
-    online_worker = threading.Thread(target=work, args=(lb,), kwargs={"stop": stop_online.is_set, "poll_s": 0.1},
-                                     daemon=True)
-    if not scaled:  # the worker processes are at it already
-        online_worker.start()
-    for name in ("dave", "eve"):
-        key, token = people[name]
-        runs[name] = train_run(url, token, key, folder / "runs" / name, ONLINE_TRACK,
-                               lr_cheat=1.5 if name == "eve" else 1.0, info=DEMO_INFO[name])
-        print(f"  {name}: trained run {runs[name]} on {ONLINE_TRACK}", file=sys.stderr)
-    stop_online.set()
-    if not scaled:
-        online_worker.join()
-    certify()  # the online runs' certification: what was not replayed while they trained
-    with C.connect(url, people["bob"][1]) as c:
-        C.challenge(c, runs["alice"], 30)  # bob doubts alice's run and asks for more challenges
-    certify()
-    print(f"  bob asked for 30 more challenges on alice's run {runs['alice']}", file=sys.stderr)
-    with C.connect(url) as c:
-        for name, run_id in runs.items():
-            r = c.get(f"/api/runs/{run_id}").json()
-            value = f"{r['metric']} {r['metric_value']:.4f}" if r["metric_value"] is not None else ""
-            passed = f"{r['challenges_passed']} challenges passed, bound {r['bound']:.4f}" if r["status"] == "certified" else ""
-            o = r["online"]
-            live = f"{o['while_training']} of {o['selected']} selected steps replayed while it trained" if o else ""
-            parts = [r["status"].upper(), value, passed, live, r["reason"] or ""]
-            print(f"  run {run_id} by {name}: " + ", ".join(p for p in parts if p))
-    print(f"open {url}/tracks/{DEMO_TRACK} and {url}/tracks/{ONLINE_TRACK} (API docs at {url}/docs)")
+    procs: list[subprocess.Popen] = []
     stop = threading.Event()
-    if serve and not scaled:
-        threading.Thread(target=work, args=(lb,), kwargs={"stop": stop.is_set}, daemon=True).start()
+    # SIGTERM stops the demo as Ctrl-C does: its worker processes and its server with it
+    main = threading.current_thread() is threading.main_thread()  # (only it may set a handler)
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
+        procs.extend(start_workers(lb, folder, workers) if scaled else [])
+        if scaled:
+            print(f"  {workers} worker process(es) certify, sharing only the database and {store}", file=sys.stderr)
+        # the server's worker (the embedded default) or the worker processes: every job done
+        certify: Callable[[], object] = (lambda: drain(lb, procs)) if scaled else (lambda: work(lb, once=True))
+        people = {}
+        for name in ("alice", "bob", "carol", "mallory", "dave", "eve"):
+            key = generate_key()
+            save_key(key, folder / "keys" / f"{name}.pem")
+            with C.connect(url) as c:
+                people[name] = (key, C.register(c, name, public_hex(key.public_key()))["token"])
+        runs = {}
+        for name in ("alice", "bob", "carol", "mallory"):
+            key, token = people[name]
+            runs[name] = train_run(url, token, key, folder / "runs" / name, DEMO_TRACK,
+                                   lr_cheat=1.5 if name == "mallory" else 1.0, info=DEMO_INFO[name])
+            print(f"  {name}: trained and submitted run {runs[name]}", file=sys.stderr)
+        certify()  # the server's worker: draws challenges, replays, checks the evaluation
+        # On the online track the server's worker replays the steps its beacon selected as their
+        # states arrive, while the run trains (a worker thread, as `serve` runs worker processes).
+        stop_online = threading.Event()
+        online_worker = threading.Thread(target=work, args=(lb,), kwargs={"stop": stop_online.is_set, "poll_s": 0.1},
+                                         daemon=True)
+        if not scaled:  # the worker processes are at it already
+            online_worker.start()
+        for name in ("dave", "eve"):
+            key, token = people[name]
+            runs[name] = train_run(url, token, key, folder / "runs" / name, ONLINE_TRACK,
+                                   lr_cheat=1.5 if name == "eve" else 1.0, info=DEMO_INFO[name])
+            print(f"  {name}: trained run {runs[name]} on {ONLINE_TRACK}", file=sys.stderr)
+        stop_online.set()
+        if not scaled:
+            online_worker.join()
+        certify()  # the online runs' certification: what was not replayed while they trained
+        with C.connect(url, people["bob"][1]) as c:
+            C.challenge(c, runs["alice"], 30)  # bob doubts alice's run and asks for more challenges
+        certify()
+        print(f"  bob asked for 30 more challenges on alice's run {runs['alice']}", file=sys.stderr)
+        with C.connect(url) as c:
+            for name, run_id in runs.items():
+                r = c.get(f"/api/runs/{run_id}").json()
+                value = f"{r['metric']} {r['metric_value']:.4f}" if r["metric_value"] is not None else ""
+                passed = f"{r['challenges_passed']} challenges passed, bound {r['bound']:.4f}" if r["status"] == "certified" else ""
+                o = r["online"]
+                live = f"{o['while_training']} of {o['selected']} selected steps replayed while it trained" if o else ""
+                parts = [r["status"].upper(), value, passed, live, r["reason"] or ""]
+                print(f"  run {run_id} by {name}: " + ", ".join(p for p in parts if p))
+        print(f"open {url}/tracks/{DEMO_TRACK} and {url}/tracks/{ONLINE_TRACK} (API docs at {url}/docs)")
+        if serve and not scaled:
+            threading.Thread(target=work, args=(lb,), kwargs={"stop": stop.is_set}, daemon=True).start()
         while serve and thread.is_alive():
             thread.join(0.5)
     except KeyboardInterrupt:
         pass
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         server.should_exit = True
         thread.join()
         stop.set()
         for p in procs:
             p.terminate()
         for p in procs:
-            p.wait(30)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
         lb.engine.dispose()
     return 0
