@@ -42,7 +42,7 @@ import json, sys, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 from upload_memory import peak_rss_mb
-from witness.leaderboard.s3store import S3Store
+from witness.store.s3 import S3Store
 import os
 store = S3Store({url!r}, Path({work!r}))
 rest = peak_rss_mb(os.getpid())

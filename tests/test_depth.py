@@ -29,7 +29,7 @@ from witness.commit.log import RunLog
 from witness.commit.signing import generate_key, public_hex
 from witness.leaderboard.app import create_app
 from witness.leaderboard.service import ApiError, Leaderboard
-from witness.leaderboard.store import Upload
+from witness.store import Upload
 from witness.verify.respond import respond
 from witness.web import json_depth
 

@@ -373,8 +373,8 @@ def test_parallel_online_uploads_of_one_step_keep_one_object(tmp_path, backend):
     from witness.leaderboard.app import create_app as leaderboard_app
     from witness.leaderboard.db import OnlineStep
     from witness.leaderboard.service import Leaderboard
-    from witness.leaderboard.store import online_prefix
     from witness.leaderboard.tracks import parse_track
+    from witness.store import online_prefix
 
     class Quiet(C.LeaderboardBeacon):
         publish = None  # this trainer uploads nothing itself: the test races the uploads

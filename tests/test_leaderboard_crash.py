@@ -30,7 +30,7 @@ from lbhelpers import (
 from sqlalchemy import create_engine, func, select
 
 from witness.leaderboard.db import Job, Round, Run
-from witness.leaderboard.store import open_store, pack
+from witness.store import open_store, pack
 
 
 def _free_port() -> int:

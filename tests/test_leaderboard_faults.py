@@ -108,7 +108,7 @@ def test_files_stored_before_a_commit_that_never_came_are_not_served_and_are_rem
 
     from witness.leaderboard.db import Run
     from witness.leaderboard.recovery import recover
-    from witness.leaderboard.store import Upload, archive_key, model_key, pack, plot_key
+    from witness.store import Upload, archive_key, model_key, pack, plot_key
 
     lb = Leaderboard(make_settings("sqlite", tmp_path))
     with TestClient(create_app(lb=lb)) as tc:

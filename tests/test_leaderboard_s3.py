@@ -34,8 +34,8 @@ from lbhelpers import (
 
 from witness.leaderboard.app import create_app
 from witness.leaderboard.service import Leaderboard, Settings
-from witness.leaderboard.store import archive_key
 from witness.leaderboard.tracks import parse_track
+from witness.store import archive_key
 from witness.web import start_uvicorn, stop_uvicorn
 
 
@@ -48,7 +48,7 @@ def s3(monkeypatch):
 def test_the_s3_store_round_trips_a_multipart_file_and_lists_and_deletes(s3, tmp_path):
     from boto3.s3.transfer import TransferConfig
 
-    from witness.leaderboard.s3store import S3Store
+    from witness.store.s3 import S3Store
 
     store = S3Store(s3, tmp_path / "work")
     store.transfer = TransferConfig(multipart_threshold=5 << 20, multipart_chunksize=5 << 20)  # S3's smallest part
@@ -210,7 +210,7 @@ def test_a_worker_elsewhere_audits_an_online_run_on_the_servers_statements_not_t
 
 
 def test_a_working_folder_keeps_unpacked_bundles_within_its_bound_least_recently_used_first(s3, tmp_path):
-    from witness.leaderboard.s3store import S3Store
+    from witness.store.s3 import S3Store
 
     store = S3Store(s3, tmp_path / "work")
     store.cache_bytes = 5 << 20  # two of these bundles, not three

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from lbhelpers import BUCKET, S3_URL, fresh_s3
 
-from witness.leaderboard.s3store import S3Store
+from witness.store.s3 import S3Store
 
 
 @pytest.fixture

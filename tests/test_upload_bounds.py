@@ -17,7 +17,8 @@ from starlette.testclient import TestClient
 from witness.errors import MalformedInput
 from witness.leaderboard.app import create_app
 from witness.leaderboard.service import Leaderboard
-from witness.leaderboard.store import MAX_TAR_META, _unpack
+from witness.store import MAX_TAR_META
+from witness.store.archive import _unpack
 
 
 def _header(name: str, size: int, kind: bytes) -> bytes:

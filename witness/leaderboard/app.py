@@ -27,12 +27,7 @@ from ..beacon.app import router as beacon_router
 from ..commit.signing import public_pem
 from ..errors import MalformedInput
 from ..report import FINGERPRINT_CAPTION
-from ..verify.online import MAX_SAMPLES_JSON
-from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
-from .db import Account, ChallengeRow, Head, Round, Run, Track
-from .online import online_progress
-from .service import ApiError, Leaderboard, Settings
-from .store import (
+from ..store import (
     EVALUATION,
     Upload,
     UploadTooLarge,
@@ -41,6 +36,11 @@ from .store import (
     model_key,
     plot_key,
 )
+from ..verify.online import MAX_SAMPLES_JSON
+from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
+from .db import Account, ChallengeRow, Head, Round, Run, Track
+from .online import online_progress
+from .service import ApiError, Leaderboard, Settings
 
 # a run's id in a path: the tables' ids are 32-bit integers, so anything else is a 400, not a 500
 RunId = Annotated[int, Path_(ge=1, le=2**31 - 1)]

@@ -123,8 +123,8 @@ def record_decision(lb, s, run, rnd=None, verdict=None, bundle=None, subjects=No
 
     ``subjects`` names what was decided on where the run has neither a model nor a submission yet
     (a step replayed while the run trained: the uploaded state it failed from)."""
+    from ..store import model_key
     from .db import Account, ChallengeRow, Track
-    from .store import model_key
 
     acct, track = s.get(Account, run.account_id), s.get(Track, run.track)
     if subjects:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .store import DEFAULT_MAX_UPLOAD
+from ..store import DEFAULT_MAX_UPLOAD
 
 DEFAULT_STORE = "leaderboard-data"
 DEFAULT_CACHE_GB = 50.0  # unpacked bundles a server's or worker's working folder keeps, with an s3:// store

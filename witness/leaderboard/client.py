@@ -14,7 +14,7 @@ import httpx
 from ..beacon.client import BeaconClient, BeaconError, _detail
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
-from .store import pack
+from ..store import pack
 
 TOKENS = Path.home() / ".witness" / "leaderboard-tokens.json"
 TOKEN_ENV = "WITNESS_LEADERBOARD_TOKEN"

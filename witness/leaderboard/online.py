@@ -29,13 +29,13 @@ from ..bundle.layout import (
 )
 from ..commit.signing import SignedTreeHead
 from ..errors import RunRejected, VerificationError
+from ..store import link_or_copy, online_key, online_prefix
 from ..task.registry import build_task
 from ..verify.audit import verify_bundle
 from . import queue
 from .certification import record_decision
 from .db import Account, ChallengeRow, Head, Job, LogLine, OnlineStep, Round, Run, Track, now_ms
 from .service import Leaderboard
-from .store import link_or_copy, online_key, online_prefix
 
 
 def track_leaves(lb: Leaderboard, track: Track) -> Path:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from sqlalchemy import select
 
+from ..store import remove_path
 from . import queue
 from .db import Job, OnlineStep, Run
 from .service import Leaderboard
-from .store import remove_path
 
 log = logging.getLogger("witness.leaderboard")
 

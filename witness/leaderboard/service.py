@@ -33,6 +33,7 @@ from ..commit.signing import (
     public_key_from_hex,
 )
 from ..errors import VerificationError
+from ..store import DEFAULT_MAX_UPLOAD, EVALUATION, Upload, online_key, open_store
 from ..verify.challenges import challenges_needed
 from . import queue
 from .db import (
@@ -48,7 +49,6 @@ from .db import (
     now_ms,
     sessions,
 )
-from .store import DEFAULT_MAX_UPLOAD, EVALUATION, Upload, online_key, open_store
 from .tracks import DEFAULT_TRACKS, TrackSpec
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -26,13 +26,13 @@ from ..errors import MalformedInput, RunRejected, VerificationError
 from ..evals.evaluate import verify_eval
 from ..evals.release import export_model
 from ..report import plot_fingerprints, plot_loss, plot_optimizer
+from ..store import EVALUATION, evaluation_key, model_key, plot_key
 from ..verify.audit import verify_bundle
 from ..verify.ledger import LedgerEntry
 from . import queue
 from .certification import record_decision
 from .db import Account, ChallengeRow, Head, Job, OnlineStep, Round, Run, Track, now_ms
 from .service import Leaderboard
-from .store import EVALUATION, evaluation_key, model_key, plot_key
 
 log = logging.getLogger("witness.leaderboard.worker")
 

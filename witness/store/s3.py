@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bundle.checkpoint import file_sha256
-from .store import Sink, Store, Upload
+from .base import Sink, Store, Upload
 
 PART = 16 * 1024 * 1024  # x4 in flight: about 64 MB of a transfer in memory at once
 PRESIGN_S = 15 * 60  # how long a download link is good for
