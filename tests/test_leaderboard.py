@@ -49,6 +49,9 @@ def test_honest_run_is_certified_with_its_evidence(server, tmp_path):
     run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "run")
     heads = tc.get(f"/api/runs/{run_id}/heads").json()
     assert [h["size"] for h in heads] == [1, 6, 11, 16, 21, 22]  # manifest, 4 checkpoints, end record
+    # a page at a time: after a size, at most a limit
+    assert [h["size"] for h in tc.get(f"/api/runs/{run_id}/heads?after=6&limit=2").json()] == [11, 16]
+    assert tc.get(f"/api/runs/{run_id}/heads?limit=1001").status_code == 400
     assert all(h["received_ms"] >= _run(lb, run_id).ticket_ms for h in heads)
     out = submit(tc, alice, bundle, cert)
     assert out == {"run_id": run_id, "status": "pending", "url": f"/runs/{run_id}"}
@@ -58,6 +61,9 @@ def test_honest_run_is_certified_with_its_evidence(server, tmp_path):
     q = lb.settings.certify_challenges
     assert r["challenges_passed"] == 20 and r["verdict"]["challenges"] == 20  # q = 90 > 20 steps: all replayed
     assert r["bound"] == 1.0 and q == 90  # every step was replayed
+    rounds = tc.get(f"/api/runs/{run_id}/challenges").json()
+    assert len(rounds) == 1 and tc.get(f"/api/runs/{run_id}/challenges?offset=1").json() == []
+    assert tc.get(f"/api/runs/{run_id}/challenges?limit=101").status_code == 400
     assert r["metric"] == "accuracy" and r["metric_value"] == r["aggregates"]["accuracy"]
     assert r["contamination"].startswith("clean: all 256 evaluation documents")
     hist = tc.get(f"/api/runs/{run_id}/challenges").json()

@@ -44,6 +44,8 @@ from .service import ApiError, Leaderboard, Settings
 
 # a run's id in a path: the tables' ids are 32-bit integers, so anything else is a 400, not a 500
 RunId = Annotated[int, Path_(ge=1, le=2**31 - 1)]
+LIST_PAGE = 1000  # heads a list returns at most
+ROUNDS_PAGE = 100  # challenge rounds a list returns at most (each with its challenges)
 
 log = logging.getLogger("witness.leaderboard")
 
@@ -286,10 +288,13 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return await run_in_threadpool(keep)
 
     @app.get("/api/runs/{run_id}/heads", tags=["runs"])
-    def heads(run_id: RunId, s: DB) -> list[dict]:
-        """The streamed heads with the server's receipt times."""
+    def heads(run_id: RunId, s: DB, after: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+              limit: Annotated[int, Query(ge=1, le=LIST_PAGE)] = LIST_PAGE) -> list[dict]:
+        """The streamed heads with the server's receipt times, in order, a page at a time: at most
+        ``limit`` of them, of sizes over ``after`` (the last size of the page before)."""
         lb.run(s, run_id)
-        return [head_json(h) for h in lb.heads(s, run_id)]
+        rows = s.scalars(select(Head).where(Head.run_id == run_id, Head.size > after).order_by(Head.size).limit(limit))
+        return [head_json(h) for h in rows]
 
     @app.post("/api/submissions", status_code=202, tags=["runs"],
               openapi_extra={"requestBody": {"required": True, "content": {"application/x-tar": {
@@ -353,10 +358,12 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return {"run_id": run_id, "job_id": job.id, "count": job.count, "status": job.status}
 
     @app.get("/api/runs/{run_id}/challenges", tags=["challenges"])
-    def challenges(run_id: RunId, s: DB) -> list[dict]:
-        """The run's public challenge history, every challenge with its distances."""
+    def challenges(run_id: RunId, s: DB, offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+                   limit: Annotated[int, Query(ge=1, le=ROUNDS_PAGE)] = ROUNDS_PAGE) -> list[dict]:
+        """The run's public challenge history, oldest round first, every challenge with its distances:
+        at most ``limit`` rounds, after the first ``offset``."""
         lb.run(s, run_id)
-        return history(s, run_id)
+        return history(s, run_id, offset, limit)
 
     # --- pages --------------------------------------------------------------------------
     def base_url(request: Request) -> str:
@@ -564,10 +571,11 @@ def head_json(h: Head) -> dict:
     return {"size": h.size, "root": h.root, "received_ms": h.received_ms, "tree_head": json.loads(h.head_json)}
 
 
-def history(s: Session, run_id: int) -> list[dict]:
-    """Every challenge round on a run, oldest first, with each challenge's distances."""
+def history(s: Session, run_id: int, offset: int = 0, limit: int | None = None) -> list[dict]:
+    """The challenge rounds on a run, oldest first (``limit`` of them after the first ``offset``; all
+    by default), with each challenge's distances."""
     out = []
-    for rnd in s.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.id)):
+    for rnd in s.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.id).offset(offset).limit(limit)):
         who = s.get(Account, rnd.requested_by).name if rnd.requested_by else "server"
         rows = s.scalars(select(ChallengeRow).where(ChallengeRow.round_id == rnd.id).order_by(ChallengeRow.step))
         out.append({"round": rnd.id, "job_id": rnd.job_id, "kind": rnd.kind, "requested_by": who, "nonce": rnd.nonce, "count": rnd.count,

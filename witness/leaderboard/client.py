@@ -264,8 +264,14 @@ def wait_round(client: httpx.Client, run_id: int, job_id: int, timeout: float = 
     """Poll a run's challenge history until the round of ``job_id`` is there."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for rnd in _ok(client.get(f"/api/runs/{run_id}/challenges")):
-            if rnd["job_id"] == job_id:
-                return rnd
+        offset = 0
+        while True:  # a page at a time
+            page = _ok(client.get(f"/api/runs/{run_id}/challenges", params={"offset": offset}))
+            for rnd in page:
+                if rnd["job_id"] == job_id:
+                    return rnd
+            if not page:
+                break
+            offset += len(page)
         time.sleep(poll)
     raise LeaderboardError(f"no result for job {job_id} after {timeout:.0f} s")
