@@ -1,0 +1,191 @@
+"""What the leaderboard shows of its tracks and runs: the tables, ranks, record history and JSON
+views its API and pages share."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ..store import EVALUATION, archive_key, evaluation_key, model_key, plot_key
+from .db import Account, ChallengeRow, Head, Round, Run, Track
+from .service import ApiError, Leaderboard
+
+PAGE_SIZE = 100
+
+
+MAX_PAGE = 1_000_000  # a larger page number is refused (422), not turned into an overflowing offset
+
+
+STATUSES = ("ticketed", "pending", "verifying", "certified", "rejected", "revoked")
+
+
+SORTS = {"metric": Run.metric_value, "submitted": Run.submitted_ms, "steps": Run.steps, "bound": Run.bound,
+         "id": Run.id}
+
+
+def default_order(track: Track, sort: str) -> str:
+    """Best first for the metric, newest first for dates, largest first otherwise."""
+    if sort == "metric":
+        return "desc" if track.higher_is_better else "asc"
+    return "desc"
+
+
+def table(s: Session, track: Track, sort: str, order: str | None, status: str, since: str | None,
+          until: str | None, page: int) -> tuple[list[tuple[Run, Account]], int]:
+    """One page of a track's table, sorted and filtered."""
+    if sort not in SORTS:
+        raise ApiError(400, f"sort by one of {', '.join(SORTS)}")
+    order = order or default_order(track, sort)
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order is asc or desc")
+    if status != "all" and status not in STATUSES:
+        raise ApiError(400, f"status is all or one of {', '.join(STATUSES)}")
+    q = select(Run, Account).join(Account, Run.account_id == Account.id).where(Run.track == track.name)
+    if status != "all":
+        q = q.where(Run.status == status)
+    lo, hi = _date_ms(since), _date_ms(until, end=True)
+    when = func.coalesce(Run.submitted_ms, Run.ticket_ms)
+    if lo is not None:
+        q = q.where(when >= lo)
+    if hi is not None:
+        q = q.where(when < hi)
+    total = s.scalar(select(func.count()).select_from(q.subquery()))
+    col = SORTS[sort]
+    q = q.order_by(col.is_(None), col.desc() if order == "desc" else col.asc(), Run.id)
+    rows = s.execute(q.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)).all()
+    return [(r, a) for r, a in rows], total
+
+
+def ranks(s: Session, track: Track) -> dict[int, int]:
+    """Each certified run's rank by the track's metric, best first; equal scores share a rank."""
+    col = Run.metric_value.desc() if track.higher_is_better else Run.metric_value.asc()
+    rows = s.execute(select(Run.id, Run.metric_value).where(
+        Run.track == track.name, Run.status == "certified", Run.metric_value.is_not(None)).order_by(col, Run.id)).all()
+    out: dict[int, int] = {}
+    for i, (run_id, value) in enumerate(rows):
+        out[run_id] = out[rows[i - 1][0]] if i and value == rows[i - 1][1] else i + 1
+    return out
+
+
+def history_svg(track: Track, points: list[tuple[int, int, float]]) -> str:
+    """The record history: the best certified score over time, each new record marked with its run."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 3))
+    ax = fig.subplots()
+    better = (lambda a, b: a > b) if track.higher_is_better else (lambda a, b: a < b)
+    xs, best, records = [], [], []
+    for run_id, ms, value in points:
+        when = dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc)
+        if not best or better(value, best[-1]):
+            records.append((when, value, run_id))
+        xs.append(when)
+        best.append(value if not best or better(value, best[-1]) else best[-1])
+    if xs:
+        ax.step(xs + [dt.datetime.now(dt.timezone.utc)], best + best[-1:], where="post", color="tab:blue",
+                label="best certified score")
+        ax.scatter([w for w, _, _ in records], [v for _, v, _ in records], color="tab:blue", zorder=3)
+        for when, value, run_id in records:
+            ax.annotate(f"#{run_id}", (when, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.scatter(xs, [v for _, _, v in points], s=8, color="grey", zorder=2, label="certified run")
+        ax.legend(fontsize=8)
+        fig.autofmt_xdate()
+    else:
+        ax.text(0.5, 0.5, "no certified run yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"{track.name}: record history ({'higher' if track.higher_is_better else 'lower'} is better)")
+    ax.set_xlabel("decided (UTC)")
+    ax.set_ylabel(track.metric)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    return buf.getvalue()
+
+
+def safe_link(url: str | None) -> str | None:
+    """A submitter's code link, only if it is plain http(s) (never javascript: or data:)."""
+    return url if url and url.startswith(("https://", "http://")) and len(url) <= 300 else None
+
+
+def track_json(t: Track) -> dict:
+    """JSON form of a track."""
+    return {"track": t.name, "task": t.task, "config": json.loads(t.config_json), "data_root": t.data_root,
+            "eval_root": t.eval_root, "eval_size": t.eval_size, "metric": t.metric,
+            "higher_is_better": t.higher_is_better, "description": t.description, "online_p": t.online_p}
+
+
+def run_json(r: Run, a: Account, t: Track) -> dict:
+    """JSON form of a run (without its verdict)."""
+    return {"id": r.id, "track": r.track, "account": a.name, "status": r.status, "metric": t.metric,
+            "metric_value": r.metric_value, "aggregates": json.loads(r.aggregates_json) if r.aggregates_json else None,
+            "bound": r.bound, "challenges_passed": r.challenges_passed,
+            "eval_bound": r.eval_bound, "contamination": r.contamination, "data_root": t.data_root,
+            "steps": r.steps, "final_root": r.final_root, "final_size": r.final_size,
+            "final_state_hash": r.final_state_hash, "r": r.r, "ticket_ms": r.ticket_ms,
+            "submitted_ms": r.submitted_ms, "decided_ms": r.decided_ms, "reason": r.reason,
+            "bundle_sha256": r.bundle_sha256, "bundle_bytes": r.bundle_bytes, "title": r.title,
+            "description": r.description, "code_url": r.code_url,
+            "certification": f"/api/runs/{r.id}/certification" if r.statement else None}
+
+
+def head_json(h: Head) -> dict:
+    """JSON form of a streamed head, with the server's stamp."""
+    return {"size": h.size, "root": h.root, "received_ms": h.received_ms, "tree_head": json.loads(h.head_json)}
+
+
+def history(s: Session, run_id: int, offset: int = 0, limit: int | None = None) -> list[dict]:
+    """The challenge rounds on a run, oldest first (``limit`` of them after the first ``offset``; all
+    by default), with each challenge's distances."""
+    out = []
+    for rnd in s.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.id).offset(offset).limit(limit)):
+        who = s.get(Account, rnd.requested_by).name if rnd.requested_by else "server"
+        rows = s.scalars(select(ChallengeRow).where(ChallengeRow.round_id == rnd.id).order_by(ChallengeRow.step))
+        out.append({"round": rnd.id, "job_id": rnd.job_id, "kind": rnd.kind, "requested_by": who, "nonce": rnd.nonce, "count": rnd.count,
+                    "passed": rnd.passed, "bound": rnd.bound, "detail": rnd.detail, "worker": rnd.worker,
+                    "finished_ms": rnd.finished_ms,
+                    "challenges": [{"step": c.step, "length": c.length, "passed": c.passed,
+                                    "distances": json.loads(c.distances_json), "failure": c.failure} for c in rows]})
+    return out
+
+
+def _date_ms(value: str | None, end: bool = False) -> int | None:
+    if not value:
+        return None
+    try:
+        d = dt.datetime.strptime(value, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
+    except ValueError:
+        raise ApiError(400, f"dates are YYYY-MM-DD, not {value!r}") from None
+    if end and d.date() == dt.date.max:  # the day after the last date there is: no bound at all
+        return None
+    return int((d + (dt.timedelta(days=1) if end else dt.timedelta())).timestamp() * 1000)
+
+
+def _fmt_ms(ms: int | None) -> str:
+    return "" if ms is None else dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+CSP = "default-src 'none'; img-src 'self'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'"
+
+
+DOWNLOADS = ("submission.tar", EVALUATION, "model.safetensors")
+
+
+def committed_files(lb: Leaderboard, r: Run) -> dict[str, str]:
+    """The stored objects of a run that a committed row names, by name (their keys): the submission
+    once its row records it (its SHA-256), the released model once a certification is committed,
+    the plots once any decision is. Objects are stored before the row that makes them visible, so a
+    crash between the two leaves objects nobody is shown (and the next start removes them)."""
+    out: dict[str, str] = {}
+    if r.bundle_sha256 is not None:
+        out["submission.tar"] = archive_key(r.id)
+        out[EVALUATION] = evaluation_key(r.id)
+    if r.status in ("certified", "revoked") and r.statement:
+        out["model.safetensors"] = model_key(r.id)
+    if r.decided_ms is not None:
+        for name in ("loss", "optimizer", "fingerprints"):
+            out[f"{name}.svg"] = plot_key(r.id, name)
+    return {k: key for k, key in out.items() if lb.store.exists(key)}
