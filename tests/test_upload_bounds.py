@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import tarfile
 import time
 import tracemalloc
@@ -100,3 +101,31 @@ def test_an_online_upload_to_a_run_id_too_large_is_a_400(app, run_id):
     r = app.put(f"/api/runs/{run_id}/online/states/0", content=b"x" * 10,
                 headers={"Authorization": f"Bearer {trainer.token}", "Content-Type": "application/octet-stream"})
     assert r.status_code == 400 and "run_id" in r.json()["detail"], r.text
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def either(request, tmp_path):
+    lb = Leaderboard(make_settings(request.param, tmp_path))
+    with TestClient(create_app(lb=lb), raise_server_exceptions=False) as tc:
+        yield tc
+    lb.engine.dispose()
+
+
+@pytest.mark.parametrize("field, bad", [("title", "a\x00b"), ("description", "\ud800"), ("code_url", "x\x00")])
+def test_a_text_no_database_keeps_is_a_400_naming_its_field(either, field, bad):
+    trainer = register(either, f"t{abs(hash((field, bad))) % 10**6}")
+    body = json.dumps({"track": "quick", field: bad})  # the surrogate travels as JSON's \ud800 escape
+    r = either.post("/api/tickets", content=body, headers={"Authorization": f"Bearer {trainer.token}",
+                                                           "Content-Type": "application/json"})
+    assert r.status_code == 400 and field in r.json()["detail"], r.text
+    r = either.post("/api/accounts", content=json.dumps({"name": "n\x00", "public_key": "ab" * 32}),
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("count", [2**31, 2**63, 2**70, -1, 0])
+def test_a_challenge_count_out_of_range_is_a_4xx(either, count):
+    trainer = register(either, f"c{abs(count) % 10**6}")
+    r = either.post("/api/runs/1/challenges", json={"count": count},
+                    headers={"Authorization": f"Bearer {trainer.token}"})
+    assert 400 <= r.status_code < 500, r.text

@@ -4,15 +4,44 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..web import MAX_JSON_BODY
 
 
+def text_problem(value: Any) -> str | None:  # noqa: ANN401 - any JSON value
+    """What makes a text one the databases cannot keep (a NUL: PostgreSQL's text has none; a lone
+    surrogate: no UTF-8 spells it), anywhere in a JSON value's strings and keys; None if nothing."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return "holds a NUL character"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "holds a lone surrogate, which is not text"
+        return None
+    items = list(value.items()) if isinstance(value, dict) else [(None, v) for v in value] \
+        if isinstance(value, list) else []
+    for k, v in items:
+        problem = (text_problem(k) if k is not None else None) or text_problem(v)
+        if problem:
+            return problem
+    return None
+
+
 class StrictModel(BaseModel):
-    """A request body: JSON types as they are ("5" and true are not counts), no unknown fields."""
+    """A request body: JSON types as they are ("5" and true are not counts), no unknown fields, and
+    every text one the databases can keep (checked here, so a bad one is a 400 naming its field)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="after")
+    def _texts(self) -> StrictModel:
+        for name in type(self).model_fields:
+            problem = text_problem(getattr(self, name))
+            if problem:
+                raise ValueError(f"{name} {problem}")
+        return self
 
 
 class AccountIn(StrictModel):
