@@ -76,6 +76,14 @@ def test_a_loop_that_stops_replaying_later_is_stopped_before_a_head_signs_that_s
     sizes = _signed_sizes(tmp_path / "run")
     assert sizes and max(sizes) <= 1 + 5, sizes
     assert rec.self_check.background.proc is None  # the checker is gone
+    # the bundle keeps what its heads signed and nothing after: no unsigned record of step 5 or later,
+    # no checkpoint after it, so --resume cannot continue (and sign) from the step that did not replay
+    log = (tmp_path / "run" / "log.jsonl").read_bytes().splitlines()
+    assert len(log) == max(sizes)
+    assert all(int(f.name.split(".")[0]) <= max(sizes) - 1 for f in (tmp_path / "run" / "checkpoints").iterdir())
+    resumed = Recorder.resume(tmp_path / "run", rec.key)  # honest from the last signed checkpoint on
+    resumed.train(progress=False)
+    assert main(["verify", str(tmp_path / "run"), "--challenges", "12", "--json"]) == 0
 
 
 def test_the_same_loop_unchecked_is_signed_and_then_rejected(tmp_path, capsys):

@@ -37,12 +37,13 @@ from ..bundle.layout import (
     ONLINE,
     PROBES,
     checkpoint_name,
+    checkpoint_step,
     due,
     partial_write,
 )
 from ..bundle.schema import MANIFEST_VERSION, Manifest
 from ..bundle.state import default_digest, load_state, model_hash, state_hash, state_tensors
-from ..bundle.writer import BundleWriter, read_lines, truncate_lines
+from ..bundle.writer import BundleWriter, head_sizes, read_lines, truncate_lines
 from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
@@ -72,7 +73,7 @@ from ..task.base import (
 from ..task.registry import build_task, check_task_source, task_class, task_source
 from .background import DEFAULT_SHARE
 from .online import BeaconLink, OnlineChallenges, OnlineSpec
-from .selfcheck import SelfCheck, check_steps
+from .selfcheck import SelfCheck, SelfCheckFailed, check_steps
 
 HeadCallback = Callable[[SignedTreeHead, RunLog], None]
 
@@ -378,7 +379,8 @@ class Recorder:
         self.expect(step, idx, ds.batch_root(idx))
         if self.self_check is not None:
             began = time.perf_counter()
-            self.self_check.start(step)  # the state this step starts from, to replay it from
+            with self._unsigned_dropped_on_failure():
+                self.self_check.start(step)  # the state this step starts from (and any sampled step's answer)
             self._aside += time.perf_counter() - began  # the recorder's work, not the loop's step
         return self.task.collate([ds.sample_bytes(i) for i in idx])
 
@@ -441,7 +443,8 @@ class Recorder:
         _, idx, root = self._pending
         self._pending = None
         if self.self_check is not None:
-            self.self_check.finish(step, out)  # raises, before anything is signed, if the step does not replay
+            with self._unsigned_dropped_on_failure():
+                self.self_check.finish(step, out)  # raises, before anything is signed, if the step does not replay
         if self.online is not None:
             self.online.drain()
         fp = fingerprint if fingerprint is not None else self.session.fingerprint()
@@ -599,9 +602,28 @@ class Recorder:
         return {"step_seconds": self.step_seconds, "record_seconds": record, "share": share, "per_step": per_step,
                 "state_every_hint": k, "hint": hint}
 
+    @contextlib.contextmanager
+    def _unsigned_dropped_on_failure(self) -> Iterator[None]:
+        """Where the self-check finds a step that does not replay, the bundle keeps what its heads
+        signed and nothing after: the failed step's record, the records after it and their
+        checkpoints go, so that ``--resume`` (which keeps an intact checkpoint's records) never
+        continues, and signs, a run from a step that would not replay."""
+        try:
+            yield
+        except SelfCheckFailed:
+            signed = head_sizes(self.out / HEADS)
+            keep = max(signed, default=1)
+            truncate_lines(self.out / LOG, keep)
+            for f in (self.out / CHECKPOINTS).iterdir():
+                step = checkpoint_step(f"{CHECKPOINTS}/{f.name}")
+                if step is not None and step > keep - 1:
+                    f.unlink()
+            raise
+
     def _publish_head(self, extensions: dict | None = None) -> SignedTreeHead:
         if self.self_check is not None:
-            self.self_check.settle()  # a sampled step being replayed: no head signs it before it passed
+            with self._unsigned_dropped_on_failure():
+                self.self_check.settle()  # a sampled step being replayed: no head signs it before it passed
         head = self.log.sign_head(self.key, extensions=extensions)
         self.writer.append_head(head)
         if self.on_head is not None:
