@@ -38,12 +38,17 @@ def fraction(value: str) -> float:
     return v
 
 
+def parsed(value: str, cast: type = float, what: str = "a number") -> float:
+    """``value`` as a number (``cast``), or the argument error that says it is not ``what``."""
+    try:
+        return cast(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not {what}") from None
+
+
 def seconds(value: str) -> float:
     """A positive duration in seconds (at most a day)."""
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a number of seconds") from None
+    v = parsed(value, float, "a number of seconds")
     if not 0 < v <= 86400:
         raise argparse.ArgumentTypeError("must lie in (0, 86400] seconds")
     return v
@@ -51,20 +56,14 @@ def seconds(value: str) -> float:
 
 def share(value: str) -> float:
     """A share of something in [0, 1] (0: none)."""
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a number") from None
+    v = parsed(value)
     if not 0 <= v <= 1:
         raise argparse.ArgumentTypeError("must lie in [0, 1]")
     return v
 
 
 def probability(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a number") from None
+    v = parsed(value)
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError("must lie in (0, 1]")
     return v

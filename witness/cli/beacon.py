@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .args import positive
+from .args import parsed, positive
 
 DEFAULT_DB = "beacon.db"
 DEFAULT_BEACON_KEY = "beacon_key.pem"
@@ -53,10 +53,7 @@ def database_url(value: str) -> str:
 
 def port(value: str) -> int:
     """A TCP port to listen on: 0 to 65535 (0: one the system picks)."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a port number") from None
+    n = parsed(value, int, "a port number")
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {n}")
     return n

@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..cli.args import parsed
 from ..store import DEFAULT_MAX_UPLOAD
 
 DEFAULT_STORE = "leaderboard-data"
@@ -72,10 +73,7 @@ def _presign(args: argparse.Namespace, store: Path | str) -> str | None:
 
 def _count(value: str) -> int:
     """A non-negative integer flag of sane size."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not an integer") from None
+    n = parsed(value, int, "an integer")
     if not 0 <= n <= 10**12:
         raise argparse.ArgumentTypeError(f"{value[:40]} is out of range")
     return n
