@@ -26,6 +26,7 @@ def _recorder(tmp_path, steps=8, sampled=(3, 5, 6), task="tiny", **config):
                           r=b"\x05" * 32, checkpoint_every=4)
     rec.self_check.close()
     rec.self_check = SelfCheck(rec, [0, 1], sampled=set(sampled))  # these steps, whatever they cost
+    rec.self_check.prepare(0)  # (create prepared its own self-check's step 0)
     return rec
 
 
@@ -170,7 +171,7 @@ def test_a_share_outside_0_and_1_is_refused(tmp_path):
 
 
 def test_the_checker_reads_its_samples_file_strictly(tmp_path):
-    from witness.record.checker import read_samples, write_samples
+    from witness.record.background import read_samples, write_samples
 
     path = tmp_path / "s.bin"
     write_samples(path, [b"a", b"", b"xyz" * 10])
@@ -184,3 +185,140 @@ def test_the_checker_reads_its_samples_file_strictly(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+# --- what a dishonest or unlucky loop tried (the review of the background check) ----------------
+
+def _loop_with(rec, *, after_log=None, before_step=None, catch=False, stop_at=None):
+    """The task's step in a loop of the user's own; ``after_log(t)`` runs after step t's record,
+    ``before_step(t)`` before its forward; ``catch`` goes on after a SelfCheckFailed (once)."""
+    task, caught = rec.task, []
+    for t in range(task.config.steps if stop_at is None else stop_at):
+        try:
+            batch = rec.batch(t)
+            if before_step:
+                before_step(t)
+            out = task.train_step(rec.step_model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
+            rec.log_step(t, out)
+        except SelfCheckFailed as e:
+            if not catch or caught:
+                raise
+            caught.append(e)
+            continue
+        if after_log:
+            after_log(t)
+    return rec.finish()
+
+
+def _clamp_from(step: int, rec):
+    def after_log(t):
+        if t >= step:  # after the record, before the next batch: the committed state is not what trains on
+            with torch.no_grad():
+                next(rec.model.parameters()).clamp_(-0.01, 0.01)
+    return after_log
+
+
+@pytest.mark.parametrize("sampled", [(), (6,)])
+def test_weights_changed_after_a_record_are_caught_where_the_next_step_is_checked(tmp_path, sampled):
+    rec = Recorder.create(build_task("tiny", {"steps": 12}), tmp_path / "run", generate_key(), r=b"\x08" * 32,
+                          checkpoint_every=4)
+    rec.self_check.close()
+    rec.self_check = SelfCheck(rec, [0, 6] if not sampled else [0], sampled=set(sampled))
+    rec.self_check.prepare(0)
+    with pytest.raises(SelfCheckFailed, match="step 6 does not replay"):
+        _loop_with(rec, after_log=_clamp_from(5, rec))
+    assert max(_signed_sizes(tmp_path / "run")) <= 1 + 6
+
+
+def test_a_state_whose_layout_changes_after_warm_up_stops_the_run(tmp_path):
+    rec = _recorder(tmp_path, steps=12, sampled=(6,))
+
+    def grow(t):
+        if t == 5:
+            rec.model.register_buffer("ema", torch.zeros(3))  # a buffer of its own, after warm-up
+    with pytest.raises(SelfCheckFailed, match="model.ema is in your state only|does not fit the task's model"):
+        _loop_with(rec, after_log=grow)
+    assert max(_signed_sizes(tmp_path / "run")) <= 1 + 6
+
+
+def test_a_loop_that_catches_the_failure_and_goes_on_signs_nothing_after_it(tmp_path):
+    rec = _recorder(tmp_path, steps=12, sampled=(5,))
+    with pytest.raises(SelfCheckFailed, match="step 5 does not replay"):
+        _own_loop_catching(rec)
+    assert max(_signed_sizes(tmp_path / "run")) <= 1 + 5
+
+
+def _own_loop_catching(rec):
+    task = rec.task
+    failed = None
+    for t in range(task.config.steps):
+        try:
+            batch = rec.batch(t)
+            for g in rec.optimizer.param_groups:
+                g["lr"] = rec.lr(t)
+            rec.optimizer.zero_grad(set_to_none=True)
+            loss = task.step_loss(rec.model, batch, rec.step_seed(t))
+            loss.backward()
+            gn = clip_whole([p for p in rec.model.parameters() if p.grad is not None], task.config.grad_clip)
+            rec.optimizer.step()
+            if t == 5:
+                with torch.no_grad():
+                    next(rec.model.parameters()).view(-1)[0] += 1e-4
+            rec.log_step(t, StepOutput(float(loss.detach()), rec.lr(t), float(gn)))
+        except SelfCheckFailed as e:
+            if failed is not None:
+                raise  # raised again: the failure is kept
+            failed = e  # a loop that shrugs it off once
+    return rec.finish()
+
+
+def test_a_thread_count_changed_after_create_stops_the_run(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        rec = Recorder.create(build_task("tiny", {"steps": 6}), tmp_path / "run", generate_key(), r=b"\x0a" * 32,
+                              threads=2)
+        torch.set_num_threads(1)
+        with pytest.raises(SelfCheckFailed, match="ran at 1 thread.*the run recorded 2"):
+            rec.train(progress=False)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_resumed_run_is_self_checked_too(tmp_path):
+    key = generate_key()
+    task = build_task("tiny", {"steps": 12})
+    rec = Recorder.create(task, tmp_path / "run", key, r=b"\x0b" * 32, checkpoint_every=4)
+    for t in range(6):  # killed after step 5
+        rec.log_step(t, task.train_step(rec.step_model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
+    rec.self_check.close()
+    resumed = Recorder.resume(tmp_path / "run", key)
+    assert resumed.self_check is not None
+    t = resumed.start_step
+    batch = resumed.batch(t)
+    out = task.train_step(resumed.step_model, resumed.optimizer, batch, resumed.lr(t) * 1.01, resumed.step_seed(t))
+    with pytest.raises(SelfCheckFailed, match="the learning rate is not the schedule's"):
+        resumed.log_step(t, out)
+
+
+def test_a_process_with_many_open_files_keeps_its_check(tmp_path):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    files = [open(tmp_path / f"f{i}", "w") for i in range(1100)]  # descriptors past select()'s 1023
+    try:
+        rec = _recorder(tmp_path, sampled=(3,))
+        rec.train(progress=False)
+        assert rec.self_check.background.report()["steps"] == [3]
+    finally:
+        for f in files:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_checker_that_cannot_be_started_leaves_the_run_alone(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bg.sys, "executable", str(tmp_path / "no-python-here"))
+    rec = _recorder(tmp_path, sampled=(3, 5))
+    rec.train(progress=False)
+    assert "background self-check is off for the rest of this run: FileNotFoundError" in capsys.readouterr().err

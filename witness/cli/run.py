@@ -74,7 +74,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return train_with_leaderboard(args, key)
     beacon = _beacon(args)
     if args.resume:
-        rec = Recorder.resume(args.out, key, threads=args.threads, beacon=beacon)
+        rec = Recorder.resume(args.out, key, threads=args.threads, beacon=beacon, self_check=not args.no_self_check,
+                              self_check_share=args.self_check_share)
         print(f"resuming {args.out} at step {rec.start_step}", file=sys.stderr)
     else:
         config = dict(args.config or [])

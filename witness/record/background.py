@@ -4,16 +4,20 @@ Step 0 and one early step are replayed in the trainer's process, right after the
 (``selfcheck``). A run's later steps can still stop replaying (a kernel that picks another path for
 another shape, a loop that changes after its warm-up), so the recorder also samples steps after the
 early ones and has a checker process replay them (``checker``) while training goes on: the state
-before a sampled step, its batch's samples and the state after it go to files in a scratch folder,
-and the checker answers with what differs. A mismatch stops the run at the next record or, at the
-latest, before the next tree head is signed, so no head ever signs a step that failed its check.
+before a sampled step (copied when the record of the step before it is written: the committed
+state a verifier replays from), its batch's samples and the state after it go to files in a
+scratch folder, and the checker answers with what differs. A mismatch stops the run at the next
+record or, at the latest, before the next tree head is signed, so no head ever signs a step that
+failed its check.
 
 What it may cost is a budget: ``share`` of the loop's own step time so far (1 % by default), of
 which the checker's start (importing torch, building the model) and every sampled step's copies and
 replay are spent. A step is sampled only while the budget holds its cost, at a random place in the
 window of steps that earns it, so a short run samples none and a long one samples steps spread over
-all of it. The checker runs on the CPU at the run's thread count (exact replay needs that count);
-a compiling recipe or a run on another device is checked at its start only.
+all of it. The checker runs on the CPU at the run's recorded thread count (exact replay needs that
+count); a compiling recipe or a run on another device is checked at its start only. Whatever keeps
+the checker from working (it cannot start, a full scratch disk, it dies) turns the background check
+off with a warning: it is the trainer's aid, never a reason to stop an honest run.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import contextlib
 import json
 import os
 import secrets
-import select
+import selectors
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -37,11 +42,40 @@ import torch
 from ..bundle.checkpoint import write_state
 from ..bundle.state import state_tensors
 from ..task.base import StepOutput
-from .checker import write_samples
 
 DEFAULT_SHARE = 0.01  # of the loop's step time: what the background check may cost
-START_ESTIMATE = 3.0  # seconds a checker takes to start, until one has said (importing torch, building the task)
-READY_WAIT = 120.0  # seconds a head waits for a checker's first answer before it gives the checker up
+START_ESTIMATE = 4.0  # seconds a checker takes to start, until one has said (importing torch, building the task)
+READY_WAIT = 120.0  # seconds a head waits at least for the checker's answer before it gives the checker up
+MAX_SAMPLES_FILE = 1 << 31  # the recorder writes one batch's samples; nothing bigger is one
+
+
+def write_samples(path: Path, samples: list[bytes]) -> None:
+    """Write a batch's samples for the checker: a count, then each sample's length and bytes."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(samples)))
+        for s in samples:
+            f.write(struct.pack("<Q", len(s)))
+            f.write(s)
+
+
+def read_samples(path: Path) -> list[bytes]:
+    """The batch's samples as ``write_samples`` wrote them (strictly: a torn or padded file is refused)."""
+    raw = Path(path).read_bytes()
+    if len(raw) > MAX_SAMPLES_FILE or len(raw) < 8:
+        raise ValueError(f"{Path(path).name} is not a samples file")
+    (n,), at, out = struct.unpack_from("<Q", raw), 8, []
+    for _ in range(n):
+        if at + 8 > len(raw):
+            raise ValueError(f"{Path(path).name} is truncated")
+        (size,) = struct.unpack_from("<Q", raw, at)
+        at += 8
+        if at + size > len(raw):
+            raise ValueError(f"{Path(path).name} is truncated")
+        out.append(raw[at : at + size])
+        at += size
+    if at != len(raw):
+        raise ValueError(f"{Path(path).name} has bytes after its samples")
+    return out
 
 
 class BackgroundCheck:
@@ -59,9 +93,10 @@ class BackgroundCheck:
         self.ready = False
         self.unavailable: str | None = self._unavailable()
         self.proc: subprocess.Popen | None = None
+        self.selector: selectors.BaseSelector | None = None
         self.folder: Path | None = None
         self.buffer = b""
-        self.pending: tuple[int, Any] | None = None  # a sampled step between its batch and its record
+        self.pending: list[Any] | None = None  # [step, generators' states]: a sampled step before its record
         self.in_flight: int | None = None  # the step the checker replays now
         self.job_estimate: float | None = None
         self.job_parent = 0.0  # this process's copies for the step in flight
@@ -77,9 +112,10 @@ class BackgroundCheck:
             return f"not for a run on {rec.session.device.type} (the checker replays on the CPU)"
         return None
 
-    # --- what the recorder calls ---------------------------------------------------------
-    def start(self, step: int) -> None:
-        """Before the loop's step: sample it or not; if so, write the state it starts from."""
+    # --- what the self-check calls -------------------------------------------------------
+    def prepare(self, step: int) -> None:
+        """``step`` is next and the recorder just committed the state before it: sample it or not;
+        if so, write that state."""
         if self.unavailable is not None or (self.forced is None and step <= self.after):
             return
         if self.forced is not None and step in self.forced:
@@ -88,38 +124,54 @@ class BackgroundCheck:
         if self.unavailable is not None or self.in_flight is not None or not self._chosen(step):
             return
         began = time.perf_counter()
-        self._launch()
-        before = self.folder / f"before-{step}.safetensors"
-        write_state(before, state_tensors(self.rec.model, self.rec.optimizer), step, sync=False)
-        from .selfcheck import _rng_states
-
-        self.pending = (step, _rng_states())
+        try:
+            self._launch()
+            write_state(self.folder / f"before-{step}.safetensors",
+                        state_tensors(self.rec.model, self.rec.optimizer), step, sync=False)
+        except OSError as e:  # no interpreter to start, a full scratch disk, ...
+            self._give_up(f"{type(e).__name__}: {e}")
+            return
+        self.pending = [step, None]
         self.job_parent = time.perf_counter() - began
         self.parent_seconds += self.job_parent
+
+    def start(self, step: int) -> None:
+        """The loop asks for ``step``'s batch: the global generators' states (a sampled step's
+        draws outside the step's randomness are named), and any answer the checker has sent."""
+        if self.pending is not None and self.pending[0] == step:
+            from .selfcheck import _rng_states
+
+            self.pending[1] = _rng_states()
+        self.poll()
 
     def finish(self, step: int, out: StepOutput) -> None:
         """After the loop's step: hand a sampled step to the checker; collect any answer (raises
         ``SelfCheckFailed`` for a step that did not replay)."""
-        if self.pending is not None and self.pending[0] == step:
+        if self.pending is not None and self.pending[0] == step and self.unavailable is None:
             began = time.perf_counter()
             from .selfcheck import _rng_states, _same
 
-            _, rng = self.pending
+            rng = self.pending[1]
             self.pending = None
-            drew = [name for name, a, b in zip(("torch's global", "Python's random", "NumPy's global"), rng,
-                                                _rng_states(), strict=True) if not _same(a, b)]
-            after = self.folder / f"after-{step}.safetensors"
-            write_state(after, state_tensors(self.rec.model, self.rec.optimizer), step + 1, sync=False)
-            samples = self.folder / f"samples-{step}.bin"
-            ds = self.rec.task.dataset()
-            write_samples(samples, [ds.sample_bytes(i) for i in self.rec.batch_indices(step)])
+            drew = [] if rng is None else [
+                name for name, a, b in zip(("torch's global", "Python's random", "NumPy's global"), rng,
+                                           _rng_states(), strict=True) if not _same(a, b)]
+            after, samples = self.folder / f"after-{step}.safetensors", self.folder / f"samples-{step}.bin"
+            try:
+                write_state(after, state_tensors(self.rec.model, self.rec.optimizer), step + 1, sync=False)
+                ds = self.rec.task.dataset()
+                write_samples(samples, [ds.sample_bytes(i) for i in self.rec.batch_indices(step)])
+            except OSError as e:
+                self._give_up(f"{type(e).__name__}: {e}")
+                return
             job = {"step": step, "before": str(self.folder / f"before-{step}.safetensors"), "after": str(after),
                    "samples": str(samples), "loss": float(out.loss).hex(), "lr": float(out.lr).hex(),
                    "grad_norm": float(out.grad_norm).hex(), "drew": drew, "accum": self.rec.task.grad_accum}
             self._send(job)
             self.in_flight = step
-            self.job_parent += time.perf_counter() - began
-            self.parent_seconds += time.perf_counter() - began
+            spent = time.perf_counter() - began
+            self.job_parent += spent
+            self.parent_seconds += spent
         self.poll()
 
     def settle(self) -> None:
@@ -131,8 +183,11 @@ class BackgroundCheck:
         """Stop the checker (``now``: without letting it finish its step, as a failed loop stops) and
         remove its scratch folder."""
         if self.proc is not None:
+            # an explicit end: a process the loop forked since (a data loader's workers) holds the
+            # pipe open too, so the checker would never see its input end
+            self._send({"quit": True})
             with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # it ends when its input does
+                self.proc.stdin.close()
             if now:
                 self.proc.kill()
             try:
@@ -140,6 +195,9 @@ class BackgroundCheck:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            if self.selector is not None:
+                self.selector.close()
+                self.selector = None
             self.proc.stdout.close()
             self.proc = None
         if self.folder is not None:
@@ -204,40 +262,65 @@ class BackgroundCheck:
     def _launch(self) -> None:
         if self.proc is not None:
             return
+        import witness
+
         self.folder = Path(tempfile.mkdtemp(prefix="witness-selfcheck-"))
         # a loop that dies without closing the recorder still leaves no scratch states behind
         weakref.finalize(self, shutil.rmtree, self.folder, True)
         rec, s = self.rec, self.rec.session
         spec = {"task": rec.task.name, "config": rec.task.config_json(), "run_seed": s.run_seed.hex(),
-                "dataset_size": s.dataset_size, "threads": torch.get_num_threads()}
+                "dataset_size": s.dataset_size, "threads": rec.manifest.get("threads", torch.get_num_threads()),
+                "witness": str(Path(witness.__file__).resolve()), "folder": str(self.folder)}
         # the checker imports what this process imports: this very witness and the task's plugin,
-        # wherever they come from (a script's folder, a path a loop added)
+        # wherever they come from (a script's folder, a path a loop added); -P keeps the working
+        # folder off its path (another copy of witness there would be imported instead)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        flags = ["-P"] if sys.version_info >= (3, 11) else []
         log = open(self.folder / "checker.log", "wb")  # noqa: SIM115 - the child holds it open
         self.started_at = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "witness.record.checker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log, env=env, close_fds=True)
-        log.close()
+        try:
+            self.proc = subprocess.Popen([sys.executable, *flags, "-m", "witness.record.checker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                         close_fds=True)
+        finally:
+            log.close()
+        self.selector = selectors.DefaultSelector()  # (select.select refuses descriptors past 1023)
+        self.selector.register(self.proc.stdout, selectors.EVENT_READ)
         self._send(spec)
 
     def _send(self, message: dict) -> None:
         try:
             self.proc.stdin.write((json.dumps(message) + "\n").encode())
             self.proc.stdin.flush()
-        except OSError:  # it stopped: poll says why
+        except (OSError, ValueError):  # it stopped (or its pipe is closed): poll says why
             pass
+
+    def _wait(self) -> float:
+        """How long a head waits for the step in flight: at least ``READY_WAIT``, longer where a
+        step's replay takes longer (a large model's)."""
+        mean_step = self.rec.step_seconds / max(self.rec.next_step - self.rec.start_step, 1)
+        return max(READY_WAIT, 5 * (self.job_estimate or 2 * mean_step) + (0 if self.ready else START_ESTIMATE))
 
     def poll(self, block: bool = False) -> None:
         """Read what the checker has said (``block``: until it answers the step it replays)."""
         from .selfcheck import SelfCheckFailed
 
-        deadline = time.monotonic() + READY_WAIT
+        try:
+            self._read(block)
+        except SelfCheckFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever goes wrong with the checker is not the run's fault
+            self._give_up(f"{type(e).__name__}: {e}")
+
+    def _read(self, block: bool) -> None:
+        from .selfcheck import SelfCheckFailed
+
+        deadline = time.monotonic() + self._wait()
         while self.proc is not None:
             wait = max(deadline - time.monotonic(), 0.0) if block else 0.0
-            ready, _, _ = select.select([self.proc.stdout], [], [], wait)
-            if not ready:
+            if not self.selector.select(wait):
                 if block and time.monotonic() >= deadline:
-                    self._give_up(f"the checker did not answer in {READY_WAIT:g} s")
+                    self._give_up(f"the checker did not answer in {self._wait():.0f} s")
                 return
             chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
             if not chunk:
@@ -275,8 +358,8 @@ class BackgroundCheck:
         here, and says so — this is not the run's fault."""
         log = ""
         if self.folder is not None and (self.folder / "checker.log").exists():
-            log = (self.folder / "checker.log").read_text(errors="replace").strip().splitlines()[-3:]
-            log = " | ".join(log)
+            tail = (self.folder / "checker.log").read_text(errors="replace").strip().splitlines()[-3:]
+            log = " | ".join(tail)
         self.unavailable = why + (f" ({log})" if log and why.endswith("stopped") else "")
         print(f"warning: the background self-check is off for the rest of this run: {self.unavailable}",
               file=sys.stderr)

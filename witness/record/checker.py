@@ -15,42 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import struct
+import shutil
 import sys
 import time
 import traceback
 from pathlib import Path
-
-MAX_SAMPLES_FILE = 1 << 31  # the recorder writes one batch's samples; nothing bigger is one
-
-
-def read_samples(path: Path) -> list[bytes]:
-    """The batch's samples as the recorder wrote them: a count, then each sample's length and bytes."""
-    raw = Path(path).read_bytes()
-    if len(raw) > MAX_SAMPLES_FILE or len(raw) < 8:
-        raise ValueError(f"{path.name} is not a samples file")
-    (n,), at, out = struct.unpack_from("<Q", raw), 8, []
-    for _ in range(n):
-        if at + 8 > len(raw):
-            raise ValueError(f"{path.name} is truncated")
-        (size,) = struct.unpack_from("<Q", raw, at)
-        at += 8
-        if at + size > len(raw):
-            raise ValueError(f"{path.name} is truncated")
-        out.append(raw[at : at + size])
-        at += size
-    if at != len(raw):
-        raise ValueError(f"{path.name} has bytes after its samples")
-    return out
-
-
-def write_samples(path: Path, samples: list[bytes]) -> None:
-    """Write a batch's samples for the checker (``read_samples`` reads them)."""
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(samples)))
-        for s in samples:
-            f.write(struct.pack("<Q", len(s)))
-            f.write(s)
 
 
 def main() -> int:
@@ -64,16 +33,32 @@ def main() -> int:
 
     spec = json.loads(sys.stdin.readline() or "{}")
     try:
+        return _serve(spec, say)
+    finally:
+        # the scratch states go with the checker, however the trainer ended (SIGTERM runs no finalizer)
+        if spec.get("folder"):
+            shutil.rmtree(spec["folder"], ignore_errors=True)
+
+
+def _serve(spec: dict, say) -> int:  # noqa: ANN001 - a function that sends a reply
+    try:
         import torch
 
         torch.set_num_threads(int(spec["threads"]))
+        import witness
+
         from ..bundle.checkpoint import read_checkpoint
         from ..bundle.state import load_state, state_tensors
+        from ..errors import MalformedInput
         from ..session import TrainingSession
         from ..task.base import StepOutput
         from ..task.registry import build_task
+        from .background import read_samples
         from .selfcheck import _compare
 
+        here = str(Path(witness.__file__).resolve())
+        if spec.get("witness") and here != spec["witness"]:
+            raise ValueError(f"this checker imports witness from {here}, the trainer from {spec['witness']}")
         task = build_task(spec["task"], spec["config"])
         if task.config_json() != spec["config"]:
             raise ValueError(f"the task {spec['task']!r} does not build the run's recipe here")
@@ -84,10 +69,19 @@ def main() -> int:
     say({"ready": True})
     for line in sys.stdin:
         job = json.loads(line)
+        if job.get("quit"):
+            return 0
         started = time.perf_counter()
         step = int(job["step"])
         try:
-            load_state(session.model, session.optimizer, read_checkpoint(Path(job["before"])))
+            before = read_checkpoint(Path(job["before"]))
+            try:
+                load_state(session.model, session.optimizer, before)
+            except MalformedInput as e:  # the loop's state is not the task's: a verifier could not load it either
+                say({"step": step, "seconds": time.perf_counter() - started,
+                     "problem": f"step {step} does not replay: the state before it does not fit the task's model "
+                                f"and optimizer ({e}): your model or optimizer is not the task's"})
+                continue
             got = session.step(step, read_samples(Path(job["samples"])))
             after = read_checkpoint(Path(job["after"]))
             out = StepOutput(float.fromhex(job["loss"]), float.fromhex(job["lr"]), float.fromhex(job["grad_norm"]))

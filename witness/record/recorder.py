@@ -245,11 +245,14 @@ class Recorder:
             rec.online = rec._online(online, beacon)  # type: ignore[arg-type]
             rec.online.keep(0, init_state)
         rec._publish_head()  # the manifest is signed before step 0
+        if rec.self_check is not None:
+            rec.self_check.prepare(0)  # the initial state, as committed: what step 0 is replayed from
         return rec
 
     @classmethod
     def resume(cls, out: str | os.PathLike, key: Ed25519PrivateKey, *, threads: int | None = None,
-               on_head: HeadCallback | None = None, beacon: BeaconLink | None = None) -> Recorder:
+               on_head: HeadCallback | None = None, beacon: BeaconLink | None = None, self_check: bool = True,
+               self_check_share: float = DEFAULT_SHARE) -> Recorder:
         """Continue a killed run from an intact checkpoint, keeping every signed head valid.
 
         Records that a head signed already are trained again from the checkpoint before them and
@@ -331,6 +334,10 @@ class Recorder:
         if online is not None:
             online.log = log
             online.keep(resume_at, state_tensors(session.model, session.optimizer))
+        if self_check and manifest.get("world_size", 1) == 1 and manifest.get("parallelism", "none") == "none":
+            # a resumed run is checked as a new one is: its first step here, sampled later ones, every rate
+            rec.self_check = SelfCheck(rec, [resume_at], self_check_share)
+            rec.self_check.prepare(resume_at)
         return rec
 
     def _online(self, spec: OnlineSpec, beacon: BeaconLink) -> OnlineChallenges:
@@ -374,6 +381,8 @@ class Recorder:
 
     def batch(self, step: int) -> Any:
         """The committed batch of ``step``, collated into tensors."""
+        if self.self_check is not None and self.self_check.failed is not None:
+            raise self.self_check.failed  # a run stopped by its self-check takes no step after
         ds = self.task.dataset()
         idx = self.batch_indices(step)
         self.expect(step, idx, ds.batch_root(idx))
@@ -432,6 +441,8 @@ class Recorder:
         self._aside = 0.0
         try:
             self._log_step(step, out, fingerprint, sketch, state, live, state_root)
+            if self.self_check is not None:  # the state just committed: the next step is replayed from it
+                self.self_check.prepare(step + 1)
         finally:
             self._left = time.perf_counter()
             self.record_seconds += self._left - entered

@@ -17,12 +17,13 @@ import random
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
 from ..bundle.state import load_state, state_tensors
+from ..errors import MalformedInput
 from ..session import TrainingSession
 from ..task.base import StepOutput
 from .background import DEFAULT_SHARE, BackgroundCheck
@@ -49,59 +50,109 @@ def _ulps(a: float, b: float) -> int:
 
 
 class SelfCheck:
-    """Replays the chosen steps of one recorder and compares bits."""
+    """Replays the chosen steps of one recorder and compares bits.
+
+    A step is replayed from the state the recorder committed before it: copied when the record
+    of the step before is written (``prepare``), not when the loop asks for the step's batch, so
+    a loop that changes the weights in between (after ``log_step``) is replayed as the verifier
+    replays it, and caught. A failure is kept: every later call raises it again, so a loop that
+    catches it and goes on still signs nothing after it.
+    """
 
     def __init__(self, rec: Any, steps: list[int], share: float = DEFAULT_SHARE,  # noqa: ANN401 - the Recorder
                  sampled: set[int] | None = None):
         self.rec, self.steps = rec, set(steps)
         self.before: dict[str, torch.Tensor] | None = None
+        self.prepared: int | None = None  # the step ``before`` is the committed state before
         self.rng: tuple | None = None
         self.compiled = 0
         self.checked: list[int] = []
         self.seconds = 0.0
+        self.failed: SelfCheckFailed | None = None
         # the later steps, sampled and replayed by a checker process while the run trains
         self.background = BackgroundCheck(rec, share, LATER_STEPS,
                                           steps=None if sampled is None else set(sampled) - self.steps)
 
-    def start(self, step: int) -> None:
-        """Before the loop's step: keep the state it starts from, and the global generators' states."""
-        if step not in self.steps:
-            self.background.start(step)
+    def _fail(self, e: SelfCheckFailed) -> NoReturn:
+        self.failed = e
+        self.before = None
+        raise e
+
+    def _go_on(self) -> None:
+        if self.failed is not None:
+            raise self.failed  # the run stopped at a step that did not replay: nothing after it is signed
+
+    def prepare(self, step: int) -> None:
+        """The committed state before ``step`` (the recorder just committed it): keep a copy where
+        ``step`` is checked, in this process or by the checker."""
+        if self.failed is not None or step >= self.rec.task.config.steps:
             return
-        started = time.perf_counter()
-        self.before = {k: v.detach().clone() for k, v in state_tensors(self.rec.model, self.rec.optimizer).items()}
-        self.rng = _rng_states()
-        self.compiled = _compiled_so_far()
-        self.seconds += time.perf_counter() - started
+        if step in self.steps:
+            started = time.perf_counter()
+            self.before = {k: v.detach().clone() for k, v in state_tensors(self.rec.model, self.rec.optimizer).items()}
+            self.prepared = step
+            self.seconds += time.perf_counter() - started
+            return
+        try:
+            self.background.prepare(step)  # (its copies are counted as its own)
+        except SelfCheckFailed as e:
+            self._fail(e)
+
+    def start(self, step: int) -> None:
+        """Before the loop's step (its batch): the global generators' states, and what torch.compile
+        compiled so far; and any answer the checker has sent."""
+        self._go_on()
+        if step in self.steps and self.prepared == step:
+            self.rng = _rng_states()
+            self.compiled = _compiled_so_far()
+            return
+        try:
+            self.background.start(step)
+        except SelfCheckFailed as e:
+            self._fail(e)
 
     def finish(self, step: int, out: StepOutput) -> None:
         """After the loop's step: replay it and compare (raises ``SelfCheckFailed``); at every step,
-        check the logged learning rate against the schedule (the cheap audit checks each)."""
+        check the logged learning rate against the schedule (the cheap audit checks each) and the
+        thread count against the recorded one (replay runs at that count)."""
+        self._go_on()
         rec = self.rec
+        recorded = rec.manifest.get("threads")
+        if recorded is not None and torch.get_num_threads() != recorded:
+            self._fail(SelfCheckFailed(
+                f"step {step} ran at {torch.get_num_threads()} thread(s), but the run recorded {recorded}: replay runs "
+                f"at {recorded}, and a sum over threads rounds otherwise at another count, so the verifier would "
+                "reject the run; leave torch's thread count as Recorder.create(threads=…) set it"))
         want = rec.lr(step)
         if not _same_float(out.lr, want):  # (the optimizer's own groups may already hold the next step's rate)
-            self.before = None
-            raise SelfCheckFailed(
+            self._fail(SelfCheckFailed(
                 f"step {step} does not replay: the learning rate is not the schedule's: your loop logged {out.lr!r}, the "
                 f"recipe's schedule gives {want!r} at step {step}; replay steps with the schedule's rate (rec.lr(t)), "
                 "so set every parameter group's lr to rec.lr(t) before the step and log that rate (a jittered or "
-                "otherwise adjusted rate is another recipe, and the verifier rejects it)")
-        if step not in self.steps or self.before is None:
-            self.background.finish(step, out)
+                "otherwise adjusted rate is another recipe, and the verifier rejects it)"))
+        if step not in self.steps or self.before is None or self.prepared != step:
+            try:
+                self.background.finish(step, out)
+            except SelfCheckFailed as e:
+                self._fail(e)
             return
         started = time.perf_counter()
+        rng = self.rng or _rng_states()
         drew = [name for name, (a, b) in zip(("torch's global", "Python's random", "NumPy's global"),
-                                             zip(self.rng, _rng_states(), strict=True), strict=True) if not _same(a, b)]
+                                             zip(rng, _rng_states(), strict=True), strict=True) if not _same(a, b)]
         if _compiled_so_far() != self.compiled and not rec.task.compiles:
-            self.before = None
-            raise SelfCheckFailed(
+            self._fail(SelfCheckFailed(
                 f"step {step} ran code that torch.compile compiled, but the recipe does not compile: replay runs the "
                 "step eagerly, and compiled kernels round differently, so the verifier would reject the run. Set "
                 "compile=True in the recipe (replay then compiles the step the same way) and train rec.step_model, "
-                "or train rec.model without torch.compile")
+                "or train rec.model without torch.compile"))
         s = rec.session
         replay = TrainingSession(rec.task, s.run_seed, s.dataset_size, 1, "none", s.device)
-        load_state(replay.model, replay.optimizer, self.before)
+        try:
+            load_state(replay.model, replay.optimizer, self.before)
+        except MalformedInput as e:  # the loop's state is not the task's: the verifier could not load it either
+            self._fail(SelfCheckFailed(f"step {step} does not replay: the state before it does not fit the task's "
+                                       f"model and optimizer ({e}): your model or optimizer is not the task's"))
         ds = rec.task.dataset()
         got = replay.step(step, [ds.sample_bytes(i) for i in rec.batch_indices(step)])
         after = state_tensors(rec.model, rec.optimizer)
@@ -118,14 +169,18 @@ class SelfCheck:
                         "compile=True in the recipe and train rec.step_model (replay then compiles it the same way)")
         self.seconds += time.perf_counter() - started
         if problem:
-            raise SelfCheckFailed(problem + " (the record-time self-check replayed the step as `witness verify` "
-                                            "will; Recorder.create(self_check=False) or --no-self-check skips it)")
+            self._fail(SelfCheckFailed(problem + " (the record-time self-check replayed the step as `witness verify` "
+                                                 "will; Recorder.create(self_check=False) or --no-self-check skips it)"))
         self.checked.append(step)
 
     def settle(self) -> None:
         """Before a tree head is signed: wait for the sampled step being replayed (raises
-        ``SelfCheckFailed`` if it did not replay)."""
-        self.background.settle()
+        ``SelfCheckFailed`` if it did not replay, or if an earlier step did not)."""
+        self._go_on()
+        try:
+            self.background.settle()
+        except SelfCheckFailed as e:
+            self._fail(e)
 
     def close(self, now: bool = False) -> None:
         """Stop the background checker (``now``: at once, as a failed loop stops)."""
