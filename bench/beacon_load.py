@@ -5,7 +5,8 @@ test server of ``scripts/services.sh``; ``--db sqlite`` for a file), builds ever
 (each run's manifest, its signed heads and their consistency proofs, so the load generator spends
 its time on the wire), then ``--runs`` runs each stream ``--heads`` heads in their own thread, a
 head every ``--every`` seconds (the pace of a training run that streams a head every few steps; 0:
-as fast as the beacon answers). Prints p50, p95 and p99 of the stamp latency, the statements a
+as fast as the beacon answers; each run starts at a random moment of the first interval, as runs
+do, not in lockstep). Prints p50, p95 and p99 of the stamp latency, the statements a
 second, and the errors (anything but a 200).
 
     python bench/beacon_load.py [--runs 50] [--heads 40] [--every 0.25] [--db URL|sqlite] [--workers 2]
@@ -14,6 +15,7 @@ second, and the errors (anything but a 200).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -114,9 +116,10 @@ def main() -> None:
         lock = threading.Lock()
         go = threading.Barrier(args.runs)
 
-        def stream(requests: list[dict]) -> None:
+        def stream(requests: list[dict], phase: float) -> None:
             with httpx.Client(base_url=url, timeout=60) as http:
                 go.wait()
+                time.sleep(phase)  # runs started at their own moments, not in lockstep
                 for body in requests:
                     started = time.perf_counter()
                     try:
@@ -132,7 +135,8 @@ def main() -> None:
                     if args.every:
                         time.sleep(max(args.every - took, 0.0))
 
-        threads = [threading.Thread(target=stream, args=(r,)) for r in runs]
+        rng = random.Random(0)
+        threads = [threading.Thread(target=stream, args=(r, rng.uniform(0, args.every))) for r in runs]
         began = time.perf_counter()
         for t in threads:
             t.start()
