@@ -150,3 +150,43 @@ def test_beacon_serve_takes_a_sqlite_path(tmp_path):
 
     assert database_url(str(tmp_path / "b.db")) == f"sqlite:///{tmp_path / 'b.db'}"
     assert database_url("postgresql://h/db") == "postgresql://h/db"
+
+
+def test_a_body_of_unterminated_strings_is_measured_in_one_pass(http):
+    from witness.web import json_depth
+
+    body = b'"' + b'\\"' * (128 << 10)  # every quote escaped: one string that never ends (quadratic before)
+    assert json_depth(body) == 0 and json_depth(b'[[' + body) == 2
+    r = http.post("/api/beacon/heads", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_extensions_over_their_bound_are_refused(http):
+    key = generate_key()
+    log = _log(key)
+    head = SignedTreeHead.sign(key, len(log), log.root(), extensions={"pad": "x" * (70 << 10)})
+    r = http.post("/api/beacon/heads", json=_first(log, head))
+    assert r.status_code == 400 and "tree_head.extensions: over" in r.json()["detail"]
+
+
+def test_a_run_caught_forking_keeps_one_proof_whatever_it_sends_after(http):
+    key = generate_key()
+    honest = _log(key, 6)
+    assert http.post("/api/beacon/heads", json=_first(RunLog(honest.lines[:4]), RunLog(honest.lines[:4]).sign_head(key))).status_code == 200
+    run = http.get("/api/beacon/runs?limit=1").json()[0]["run"]
+    for salt in range(5):  # forks of the stamped size 4, each signed by the run's key
+        fork = RunLog(honest.lines[:1])
+        for i in range(1, 4):
+            fork.append({"type": "step", "step": i - 1, "salt": salt})
+        r = http.post("/api/beacon/heads", json={"tree_head": fork.sign_head(key).to_json(), "run": run,
+                                                 "consistency": []})
+        assert r.status_code == 409
+    assert len(http.get(f"/api/beacon/runs/{run}").json()["evidence"]) == 1
+
+
+def test_the_rate_limit_counts_an_ipv6_host_by_its_slash_64():
+    from witness.web import client_key
+
+    assert client_key("2001:db8::1") == client_key("2001:db8::ffff:1") == "2001:db8::/64"
+    assert client_key("2001:db8:0:1::1") != client_key("2001:db8::1")
+    assert client_key("10.0.0.1") == "10.0.0.1"

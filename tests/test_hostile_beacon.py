@@ -118,3 +118,52 @@ def test_an_empty_beacon_url_is_refused(tmp_path, capsys):
                  str(tmp_path / "k.pem"), "--quiet", "--beacon", ""]) == 2
     assert "--beacon names no beacon" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def _raw_server(answer: bytes):
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(5)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(answer)
+            conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def test_a_compressed_answer_is_refused_before_it_is_inflated(tmp_path):
+    import resource
+    import zlib
+
+    from witness.beacon.client import BeaconClient, BeaconError
+
+    def gz(data: bytes) -> bytes:
+        c = zlib.compressobj(9, zlib.DEFLATED, 31)
+        return c.compress(data) + c.flush()
+    body = gz(gz(bytes(200 << 20)))  # under a KB on the wire, 200 MB inflated
+    srv = _raw_server(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip, gzip\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with pytest.raises(BeaconError, match="not the identity encoding asked for"):
+            BeaconClient(f"http://127.0.0.1:{srv.getsockname()[1]}", retries=1)
+    finally:
+        srv.close()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: it inflated nothing
+
+
+def test_a_refusal_cannot_write_control_characters_to_the_terminal():
+    from witness.beacon.client import Answer, _detail
+
+    said = _detail(Answer(400, b'{"detail": "bad\\u001b[2J\\u0007 head"}'))
+    assert "\x1b" not in said and "\x07" not in said and "bad" in said and "head" in said

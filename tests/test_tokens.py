@@ -200,6 +200,14 @@ def test_witness_data_commit_never_harms_its_data_and_refuses_bad_shards(tmp_pat
     assert shard.read_bytes() == before
     assert main(["data", "commit", str(tmp_path), "--block", "64", "--out", str(shard), "--force"]) == 2
     assert shard.read_bytes() == before  # a folder's shard too
+    # nor through the scratch file beside --out: a shard named OUT.table, or a link there
+    table = tmp_path / "t" / "corpus.table"
+    table.parent.mkdir()
+    write_llmc_shard(table, rng.integers(0, 50257, 5000).astype("<u2"))
+    kept = table.read_bytes()
+    assert main(["data", "commit", str(table), "--block", "64", "--out", str(tmp_path / "t" / "corpus")]) == 0
+    assert table.read_bytes() == kept
+    capsys.readouterr()
     capsys.readouterr()
     assert main(["data", "commit", str(shard), "--block", "64", "--out", str(tmp_path / "l"), "--eot", "-1"]) == 2
     assert "end-of-text token -1 is not a 16-bit token id" in capsys.readouterr().err
@@ -306,3 +314,9 @@ def test_a_run_on_a_token_corpus_verifies_and_answers_data_queries(corpus_task, 
                  str(tmp_path / "exc.json"), "--key", str(tmp_path / "k.pem")]) == 0
     assert check_data_proof(json.loads((tmp_path / "exc.json").read_text()))["kind"] == "exclusion"
     capsys.readouterr()
+    # a proof never replaces what it is about: the document, or a file of the bundle
+    for out in (tmp_path / "never.bin", bundle / "log.jsonl"):
+        assert main(["data", "exclude", str(bundle), "--file", str(tmp_path / "never.bin"), "--out", str(out),
+                     "--key", str(tmp_path / "k.pem")]) == 2
+        assert "--out" in capsys.readouterr().err
+    assert (tmp_path / "never.bin").read_bytes() == never

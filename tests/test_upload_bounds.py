@@ -129,3 +129,20 @@ def test_a_challenge_count_out_of_range_is_a_4xx(either, count):
     r = either.post("/api/runs/1/challenges", json={"count": count},
                     headers={"Authorization": f"Bearer {trainer.token}"})
     assert 400 <= r.status_code < 500, r.text
+
+
+def test_a_chain_of_extended_headers_is_refused_before_tarfile_recurses(app, tmp_path):
+    trainer = register(app, "chain")
+    pax = tarfile.TarInfo._create_pax_generic_header({"comment": "x"}, tarfile.XHDTYPE, "utf-8")
+    member = tarfile.TarInfo("bundle/a")
+    member.size = 1
+    body = pax * 300 + member.tobuf(tarfile.USTAR_FORMAT) + b"a".ljust(512, b"\0") + bytes(1024)
+    r = app.post("/api/submissions", content=body,
+                 headers={"Authorization": f"Bearer {trainer.token}", "Content-Type": "application/x-tar"})
+    assert r.status_code == 400 and "chains more than" in r.json()["detail"], r.text
+
+
+@pytest.mark.parametrize("name", ["a%00b", "a%0A", "x" * 65])
+def test_a_track_name_that_is_none_is_a_404(either, name):
+    for path in (f"/api/tracks/{name}", f"/api/tracks/{name}/runs", f"/tracks/{name}"):
+        assert either.get(path).status_code == 404, path

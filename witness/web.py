@@ -51,6 +51,19 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+def client_key(address: str) -> str:
+    """Whom a rate limit counts: an IPv4 address, or an IPv6 address's /64 (one host is given a whole
+    /64, so counting its single addresses would give it 2^64 buckets)."""
+    if ":" not in address:
+        return address
+    try:
+        import ipaddress
+
+        return str(ipaddress.IPv6Network(f"{address}/64", strict=False))
+    except ValueError:
+        return address
+
+
 class RateLimit:
     """ASGI middleware: each client address may make ``per_minute`` requests a minute, in bursts of
     up to ``burst`` (a token bucket); past that it gets a 429 with a ``Retry-After``, before anything
@@ -79,8 +92,7 @@ class RateLimit:
     async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI signature
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        client = (scope.get("client") or ("unknown", 0))[0]
-        wait = self.allow(client)
+        wait = self.allow(client_key((scope.get("client") or ("unknown", 0))[0]))
         if wait > 0:
             retry = max(1, int(wait + 0.999))
             return await JSONResponse({"detail": f"rate limit: at most {round(self.rate * 60)} requests a minute "
@@ -89,9 +101,11 @@ class RateLimit:
         return await self.app(scope, receive, send)
 
 
-# A JSON string: its brackets are text, not nesting (an unterminated one is left in place: the
-# body is not JSON, and a parser refuses it anyway).
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+# A JSON string: its brackets are text, not nesting. An unterminated one runs to the end of the
+# body (the body is not JSON, and a parser refuses it anyway): matched so, every quote is passed
+# once, where a pattern that must end on a quote tries again from each one (quadratic: a megabyte
+# of unterminated strings took half an hour).
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?', re.S)
 _OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")
 
 

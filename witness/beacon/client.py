@@ -93,9 +93,15 @@ class BeaconClient:
 
         def attempt() -> None:
             try:
-                with http.stream(method, path, **args) as resp:
+                headers = {**(args.pop("headers", None) or {}), "Accept-Encoding": "identity"}
+                with http.stream(method, path, headers=headers, **args) as resp:
+                    encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+                    if encoding not in ("", "identity"):  # decoded, a few bytes may inflate to gigabytes
+                        out["error"] = BeaconError(f"{self.where} answered in {encoding[:40]!r}, not the identity "
+                                                   "encoding asked for; refused")
+                        return
                     body = bytearray()
-                    for chunk in resp.iter_bytes():
+                    for chunk in resp.iter_raw():
                         body += chunk
                         if len(body) > limit:
                             out["error"] = BeaconError(f"{self.where} answered with over {limit} bytes; refused")
@@ -214,8 +220,11 @@ class Answer:
 
 
 def _detail(resp: Answer | httpx.Response) -> str:
+    """What a refusal says, as plain text (a hostile server's control characters shown escaped, never
+    sent to the terminal)."""
     try:
         answer = resp.json()
+        text = str(answer.get("detail") if isinstance(answer, dict) else answer)[:500]
     except (ValueError, BeaconError):
-        return resp.text[:200]
-    return str(answer.get("detail") if isinstance(answer, dict) else answer)[:500]
+        text = resp.text[:200]
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

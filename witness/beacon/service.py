@@ -28,6 +28,7 @@ from .db import BeaconEvidence, BeaconHead, BeaconRun
 
 MAX_CONSISTENCY_HASHES = 64
 MAX_MANIFEST_BYTES = 1 << 20
+MAX_EXTENSIONS_BYTES = 1 << 16  # a final head's extensions are a few hashes and counts
 MAX_HEAD_SIZE = 2**31 - 1  # the tables' sizes are 32-bit integers (two billion records: no run comes near)
 RUNS_PAGE = 100  # runs a list returns at most, unless it asks for fewer
 FINAL_EXTENSION = "final_state_hash"  # a run's last head states its final state in its extensions
@@ -81,6 +82,8 @@ class Beacon:
                                      f"{MAX_HEAD_SIZE})")
         if head.extensions is not None:
             check_text(head.extensions, "tree_head.extensions")
+            if len(canonical_json(head.extensions)) > MAX_EXTENSIONS_BYTES:  # kept with the head, and served
+                raise BeaconRefused(400, f"tree_head.extensions: over {MAX_EXTENSIONS_BYTES} bytes")
         row = self._run(s, head, proof, manifest, run)
         if row is None:  # a new run, its first head checked against its manifest
             return self._new_run(s, head, proof, manifest, account, attempts)  # type: ignore[arg-type]
@@ -245,8 +248,12 @@ class Beacon:
     def _equivocation(self, s: Session, row: BeaconRun, stamped: BeaconHead, other: SignedTreeHead) -> BeaconStatement:
         evidence = {"run": row.run, "size": other.size, "stamped": json.loads(stamped.head_json),
                     "other": other.to_json()}
-        s.add(BeaconEvidence(run_id=row.id, size=other.size, stamped_json=stamped.head_json,
-                             other_json=canonical_json(other.to_json()).decode(), received_ms=now_ms()))
+        # one fork proves it: a run already caught keeps that proof and adds none (each further fork
+        # would grow the beacon's tables, and its public answers, at the forger's pace)
+        kept = s.scalar(select(func.count()).select_from(BeaconEvidence).where(BeaconEvidence.run_id == row.id))
+        if not kept:
+            s.add(BeaconEvidence(run_id=row.id, size=other.size, stamped_json=stamped.head_json,
+                                 other_json=canonical_json(other.to_json()).decode(), received_ms=now_ms()))
         row.equivocated = True
         s.commit()
         raise BeaconRefused(409, f"equivocation: the run's key signed two heads of size {other.size} with different "

@@ -20,6 +20,7 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
     from ..beacon.app import create_app
     from ..commit.signing import key_fingerprint, load_or_create_key, public_hex
     from ..database import check_db_url, shown_url
+    from ..web import timed_http
 
     key = load_or_create_key(Path(args.key))
     db = database_url(args.db or DEFAULT_DB)
@@ -29,15 +30,21 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
           flush=True)
     print(f"serving on http://{args.host}:{args.port}/api/beacon (database {shown_url(db)}"
           + (f", {args.workers} worker processes" if args.workers > 1 else "") + ")", file=sys.stderr, flush=True)
+    # headers in within a time limit (a client that trickles them holds a connection no longer), and
+    # no X-Forwarded-For taken from anyone: the rate limit counts the address that connected
+    served = {"host": args.host, "port": args.port, "log_level": "warning", "http": timed_http(),
+              "proxy_headers": False}
     if args.workers == 1:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, **served)
         return 0
     # several processes share the database (one draw per window is its conditional update, not a lock
     # in a process); each builds the app from what this one checked
     os.environ.update(WITNESS_BEACON_DB=db, WITNESS_BEACON_KEY=str(Path(args.key).resolve()),
                       WITNESS_BEACON_PER_MINUTE=str(args.per_minute))
-    uvicorn.run("witness.beacon.app:served_app", factory=True, workers=args.workers, host=args.host,
-                port=args.port, log_level="warning")
+    # (uvicorn hands its workers a pickled config: the header timer, a class made at run time, stays
+    # with the single process)
+    served.pop("http")
+    uvicorn.run("witness.beacon.app:served_app", factory=True, workers=args.workers, **served)
     return 0
 
 

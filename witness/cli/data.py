@@ -39,6 +39,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     if args.data_command in ("find", "search"):
         return _search(args, run)
+    _out_is_no_input(Path(args.out), args.file, args.bundle)
     document = query_document(run.dataset, args.file, args.text)
     if args.data_command == "include":
         if document not in run.usage.documents:
@@ -62,6 +63,18 @@ def cmd_data(args: argparse.Namespace) -> int:
                   "shifted against the dataset's, is not covered: `witness data find` finds the documents and "
                   "samples that contain a text", file=sys.stderr)
     return 0
+
+
+def _out_is_no_input(out: Path, file: str | None, bundle: str) -> None:
+    """``--out`` (and the envelope written beside it) may name neither the queried document nor a
+    file of the bundle: a proof never replaces what it is about."""
+    targets = [out, out.with_name(out.name + ".dsse.json")]
+    inputs = [Path(file)] if file else []
+    for t in targets:
+        if t.exists() and any(i.exists() and os.path.samefile(t, i) for i in inputs):
+            raise ValueError(f"--out {out} would replace the document it is about ({file}): name another file")
+        if Path(bundle).resolve() in t.resolve().parents:
+            raise ValueError(f"--out {out} lies inside the bundle {bundle}: name a file outside it")
 
 
 def _search(args: argparse.Namespace, run) -> int:  # noqa: ANN001 - RunCommitments

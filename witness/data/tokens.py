@@ -327,7 +327,9 @@ class TokenCorpus(Dataset):
             raise ValueError("a window this long could touch more documents than the leaves file counts")
         chunk = 1 << max(0, (STREAM_BYTES // (L * self.width)).bit_length() - 1)  # a power of two (StreamingRoot)
         path = Path(path)
-        table_tmp = path.with_name(path.name + ".table")
+        # a scratch file of its own (O_EXCL): never a name that could be a link to, or be, an input
+        fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".table")
+        table_tmp = Path(scratch)
         batches = _ahead(self._document_batches())  # the next documents hash while these windows do
         # the documents the current windows may touch: starts, ends, hashes, and the global
         # index of the first of them (their place in the document table)
@@ -336,7 +338,7 @@ class TokenCorpus(Dataset):
         base = covered = 0
         acc = StreamingRoot()
         bar = tqdm(total=n, desc="committing the corpus", unit="window", unit_scale=True, disable=not progress)
-        with bar, open(path, "wb") as f, open(table_tmp, "wb") as table:
+        with bar, open(path, "wb") as f, os.fdopen(fd, "wb") as table:
             f.write(HEADER.pack(MAGIC, n, 0, RULES.index("prefix32"), bytes(32)))
             f.truncate(HEADER.size + 40 * n + 2 * n + (-(2 * n) % 8))
             for lo in range(0, n, chunk):

@@ -79,7 +79,7 @@ class Leaderboard(StreamedRuns):
 
         At most ``registrations_per_hour`` accounts a client address may open in an hour: every
         account brings its own re-challenge allowance, so free accounts would multiply it."""
-        if not isinstance(name, str) or not NAME_RE.match(name):
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
             raise ApiError(400, "an account name is 1-64 letters, digits, '.', '_' or '-'")
         try:
             public_key = parse_public_key(public_key)  # raw hex or PEM; stored as raw hex
@@ -116,6 +116,8 @@ class Leaderboard(StreamedRuns):
     # --- tickets ---------------------------------------------------------------------------
     def track(self, s: Session, name: str) -> Track:
         """A registered track, or 404."""
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):  # (a NUL would reach PostgreSQL's text)
+            raise ApiError(404, f"no track {str(name)[:64]!r}")
         t = s.get(Track, name)
         if t is None:
             raise ApiError(404, f"no track {name!r}")

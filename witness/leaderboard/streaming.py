@@ -25,7 +25,7 @@ from ..commit.signing import (
 from ..errors import VerificationError
 from ..store import Upload, online_key
 from . import queue
-from .common import MAX_CONSISTENCY_HASHES, ApiError, _lock_run
+from .common import MAX_CONSISTENCY_HASHES, MAX_ID, ApiError, _lock_run
 from .db import (
     Account,
     Head,
@@ -256,6 +256,9 @@ class StreamedRuns:
             raise ApiError(400, f"the run's recipe is not track {track.name!r}'s ({track.task} {track.config_json})")
         if m.get("data_root") != track.data_root:
             raise ApiError(400, "the run's data root is not the track's")
+        planned = m.get("steps_planned")
+        if type(planned) is not int or not 1 <= planned <= MAX_ID:  # the beacon's selection counts on it
+            raise ApiError(400, "manifest: steps_planned must be a whole number of steps, 1 to 2^31 - 1")
         online = m.get("online")
         if online is not None:
             try:

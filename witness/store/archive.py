@@ -127,6 +127,7 @@ def _member_path(name: str) -> PurePosixPath:
     return p
 
 
+MAX_TAR_CHAIN = 4  # extended headers before one member (a global pax header, a long name, a pax header)
 MAX_TAR_META = 1 << 16  # bytes of a pax or GNU long-name header: a long path and a few fields need far less
 _META_TYPES = frozenset((tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
                          tarfile.SOLARIS_XHDTYPE))
@@ -142,6 +143,12 @@ class _BoundedInfo(tarfile.TarInfo):
             if self.size > MAX_TAR_META:
                 raise MalformedInput(f"the archive has a {self.size}-byte extended header; at most {MAX_TAR_META}")
             tarfile_.witness_meta = getattr(tarfile_, "witness_meta", 0) + self.size
+            # tarfile follows a chain of extended headers by recursion: a long one is refused first
+            tarfile_.witness_chain = getattr(tarfile_, "witness_chain", 0) + 1
+            if tarfile_.witness_chain > MAX_TAR_CHAIN:
+                raise MalformedInput(f"the archive chains more than {MAX_TAR_CHAIN} extended headers before a member")
+        else:
+            tarfile_.witness_chain = 0
         return super()._proc_member(tarfile_)
 
 
@@ -188,8 +195,8 @@ def _members(tf: tarfile.TarFile, dest: Path, limit: int) -> None:
                     shutil.copyfileobj(src, out, 1 << 20)
         except FileExistsError as e:
             raise MalformedInput(f"the archive names a file twice: {Path(e.filename).relative_to(dest)}") from None
-        except (tarfile.TarError, EOFError, OSError) as e:
-            raise MalformedInput(f"the archive is damaged: {e}") from None
+        except (tarfile.TarError, EOFError, OSError, RecursionError) as e:
+            raise MalformedInput(f"the archive is damaged: {type(e).__name__}: {e}") from None
     if not (dest / "bundle").is_dir():
         raise MalformedInput("the archive has no bundle/ folder")
 
