@@ -146,3 +146,27 @@ def test_a_chain_of_extended_headers_is_refused_before_tarfile_recurses(app, tmp
 def test_a_track_name_that_is_none_is_a_404(either, name):
     for path in (f"/api/tracks/{name}", f"/api/tracks/{name}/runs", f"/tracks/{name}"):
         assert either.get(path).status_code == 404, path
+
+
+@pytest.mark.parametrize("planned", [None, "x", 1.5, 10**30, 0])
+def test_an_online_manifest_without_a_whole_step_count_is_a_400(tmp_path, planned):
+    from witness.commit.hashing import canonical_json, leaf_hash
+    from witness.commit.signing import SignedTreeHead, generate_key, public_hex
+
+    lb = Leaderboard(make_settings("sqlite", tmp_path))
+    with TestClient(create_app(lb=lb), raise_server_exceptions=False) as c:
+        key = generate_key()
+        token = c.post("/api/accounts", json={"name": "eve", "public_key": public_hex(key.public_key())}).json()["token"]
+        auth = {"Authorization": f"Bearer {token}"}
+        t = c.post("/api/tickets", json={"track": "quick"}, headers=auth).json()
+        m = {"type": "manifest", "r": t["r"], "public_key": public_hex(key.public_key()), "task": t["task"],
+             "task_config": json.loads(canonical_json(t.get("config", t.get("task_config", {})))),
+             "data_root": t["data_root"], "online": {"p": 0.5, "every": 1, "ring": 2}, "state_every": 1}
+        if planned is not None:
+            m["steps_planned"] = planned
+        line = canonical_json(m)
+        head = SignedTreeHead.sign(key, 1, leaf_hash(line))
+        r = c.post(f"/api/runs/{t['run_id']}/heads", json={"tree_head": head.to_json(), "manifest": line.decode()},
+                   headers=auth)
+        assert r.status_code == 400 and "steps_planned" in r.json()["detail"], r.text
+    lb.engine.dispose()
