@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..commit.beacon import BETA_BYTES, BeaconStatement, recipe_id, run_id
-from ..commit.hashing import canonical_json, from_hex, parse_canonical_json, same
+from ..commit.hashing import canonical_json, from_hex, parse_canonical_json, same, text_problem
 from ..commit.merkle import verify_consistency
 from ..commit.signing import SignedTreeHead, public_hex, public_key_from_hex
 from ..errors import VerificationError
@@ -290,12 +290,9 @@ def check_text(value: object, field: str) -> None:
     """Refuse (400, naming ``field``) a text that the databases cannot keep: a lone surrogate (no
     UTF-8 spells it) or a NUL (PostgreSQL's text has none), in a string or a JSON value's keys and strings."""
     if isinstance(value, str):
-        if "\x00" in value:
-            raise BeaconRefused(400, f"{field}: holds a NUL character")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise BeaconRefused(400, f"{field}: holds a lone surrogate, which is not text (no UTF-8 spells it)") from None
+        problem = text_problem(value)
+        if problem:
+            raise BeaconRefused(400, f"{field}: {problem}")
     elif isinstance(value, dict):
         for k, v in value.items():
             check_text(k, field)

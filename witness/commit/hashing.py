@@ -155,3 +155,23 @@ def parse_canonical_json(data: bytes) -> Any:
     if canonical != data:
         raise ValueError("JSON is not in canonical form")
     return obj
+
+
+def text_problem(value: Any) -> str | None:  # noqa: ANN401 - any JSON value
+    """What makes a text one the databases cannot keep (a NUL: PostgreSQL's text has none; a lone
+    surrogate: no UTF-8 spells it), anywhere in a JSON value's strings and keys; None if nothing."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return "holds a NUL character"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "holds a lone surrogate, which is not text"
+        return None
+    items = list(value.items()) if isinstance(value, dict) else [(None, v) for v in value] \
+        if isinstance(value, list) else []
+    for k, v in items:
+        problem = (text_problem(k) if k is not None else None) or text_problem(v)
+        if problem:
+            return problem
+    return None
