@@ -72,6 +72,7 @@ from ..task.base import (
 )
 from ..task.registry import build_task, check_task_source, task_class, task_source
 from .background import DEFAULT_SHARE
+from .loop import Batches, Hooked, adopt, off_by_one_hint
 from .online import BeaconLink, OnlineChallenges, OnlineSpec
 from .selfcheck import SelfCheck, SelfCheckFailed, check_steps
 
@@ -129,6 +130,7 @@ class Recorder:
         self.step_seconds = self.record_seconds = 0.0
         self._left: float | None = None
         self._aside = 0.0  # the recorder's own work between two records (the self-check's copy)
+        self._hooked: Hooked | None = None  # the hooks that record a loop's own steps (rec.batches)
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -138,8 +140,15 @@ class Recorder:
                session: TrainingSession | None = None, init_state: dict | None = None,
                parallelism: str = "none", device: str | torch.device = "cpu", shards: int = 1,
                leaves: bool = True, beacon: BeaconLink | None = None, online: OnlineSpec | None = None,
-               self_check: bool = True, self_check_share: float = DEFAULT_SHARE) -> Recorder:
+               self_check: bool = True, self_check_share: float = DEFAULT_SHARE,
+               model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> Recorder:
         """Start a new run: derive the seed, build the initial state, sign the manifest.
+
+        ``model`` (and ``optimizer``) are the loop's own: the model is given, in place, the initial
+        state the task builds from the run seed (what a verifier rebuilds), and the optimizer is
+        checked against the recipe's (by default the recipe's is built on the loop's model). Then
+        ``rec.batches(get_batch)`` hands the loop its committed batches and each step is recorded
+        when ``optimizer.step()`` returns (``witness.record.loop``).
 
         ``leaves`` writes the dataset's per-sample commitments into the bundle (``dataset.leaves``,
         64 bytes a sample): without them a verifier needs the file from elsewhere (``--leaves``),
@@ -191,10 +200,18 @@ class Recorder:
         version = DATA_COMMITMENT
         data_root = dataset.commitment_root(version)
         run_seed = derive_run_seed(data_root, r)
+        if model is not None and (session is not None or parallelism != "none"):
+            raise ValueError("the loop's own model is adopted in a single-process run (pass session= otherwise)")
+        if optimizer is not None and model is None:
+            raise ValueError("the loop's own optimizer comes with the model it steps (model=...)")
+        if model is not None and str(device) == "cpu":
+            device = model_device(model)  # where the loop put its model
         if session is None:
             session = TrainingSession(task, run_seed, len(dataset), device=device)
         elif session.run_seed != run_seed:
             raise ValueError("the session was built from another run seed")
+        if model is not None:
+            adopt(session, model, optimizer)
         writer = BundleWriter(Path(out), create=True)
         if leaves and version >= 2:  # the per-sample commitments, which the cheap audit checks every step against
             dataset.leaves.write(Path(out) / LEAVES, data_root)
@@ -381,8 +398,20 @@ class Recorder:
 
     def batch(self, step: int) -> Any:
         """The committed batch of ``step``, collated into tensors."""
+        self.ready_for(step)
+        return self.committed_batch(step)
+
+    def committed_batch(self, step: int) -> Any:
+        """The committed batch of ``step`` (nothing else is noted: a loop may fetch it ahead)."""
+        ds = self.task.dataset()
+        return self.task.collate([ds.sample_bytes(i) for i in self.batch_indices(step)])
+
+    def ready_for(self, step: int) -> None:
+        """Before the loop trains ``step``: note its committed batch (what ``log_step`` records) and
+        the state it starts from (the self-check's)."""
         if self.self_check is not None and self.self_check.failed is not None:
             raise self.self_check.failed  # a run stopped by its self-check takes no step after
+        self._within_recipe(step)
         ds = self.task.dataset()
         idx = self.batch_indices(step)
         self.expect(step, idx, ds.batch_root(idx))
@@ -391,7 +420,19 @@ class Recorder:
             with self._unsigned_dropped_on_failure():
                 self.self_check.start(step)  # the state this step starts from (and any sampled step's answer)
             self._aside += time.perf_counter() - began  # the recorder's work, not the loop's step
-        return self.task.collate([ds.sample_bytes(i) for i in idx])
+
+    def _within_recipe(self, step: int) -> None:
+        if step >= self.task.config.steps:
+            raise ValueError(f"step {step} is beyond the recipe: {off_by_one_hint(self.task.config.steps)}")
+
+    def batches(self, source: Callable[..., Any] | Any = None) -> Batches:  # noqa: ANN401 - a loop's own
+        """The committed batches, for a loop that uses its own model and optimizer (``model=`` at
+        create): ``get_batch = rec.batches(get_batch)`` or ``for x, y in rec.batches(loader)``. Each
+        call (or item) is the next committed micro-batch; an evaluation's call goes to ``source``.
+        From then on every ``optimizer.step()`` records its step (``witness.record.loop``)."""
+        if self._hooked is None:
+            self._hooked = Hooked(self, self.model, self.optimizer)
+        return Batches(self._hooked, source)
 
     def micro_batches(self, step: int) -> Iterator[Any]:
         """The committed batch of ``step`` as the recipe's ``grad_accum`` micro-batches, in order, on
@@ -434,6 +475,7 @@ class Recorder:
         hands in the ``state_root`` its ranks computed from their shards instead (or a future of
         it, which it settles before the next record), never at a checkpoint.
         """
+        self._within_recipe(step)
         entered = time.perf_counter()
         if self._left is not None:
             self.step_seconds += entered - self._left - self._aside  # the loop's own step, between two records
@@ -540,6 +582,8 @@ class Recorder:
 
     def finish(self) -> SignedTreeHead:
         """Append the end record and sign the final tree head."""
+        if self._hooked is not None:
+            self._hooked.close()
         self.flush()
         if self._snapshots is not None:
             self._snapshots.close()
@@ -584,6 +628,8 @@ class Recorder:
         try:
             yield
         except BaseException:
+            if self._hooked is not None:
+                self._hooked.close()
             if self.self_check is not None:
                 self.self_check.close(now=True)
             if self.online is not None:

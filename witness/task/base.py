@@ -280,6 +280,28 @@ class Task:
         """Mean training loss of a batch; ``generator`` drives dropout."""
         raise NotImplementedError
 
+    def loss_from(self, outputs: Any, batch: Any) -> torch.Tensor:  # noqa: ANN401 - a forward's outputs
+        """The loss in what a loop's own forward returned on ``batch`` (what ``loss`` computes, for a
+        loop witnessed by hooks): an output's ``loss`` (Hugging Face's), the 0-dim tensor of a
+        tuple (nanoGPT's ``(logits, loss)``), or a 0-dim tensor itself."""
+        found = getattr(outputs, "loss", None)
+        if torch.is_tensor(found) and found.dim() == 0:
+            return found
+        if torch.is_tensor(outputs) and outputs.dim() == 0:
+            return outputs
+        if isinstance(outputs, (tuple, list)):
+            for x in outputs:
+                if torch.is_tensor(x) and x.dim() == 0 and x.is_floating_point():
+                    return x
+        raise ValueError(f"the task {self.name!r} finds no loss in the forward's output ({type(outputs).__name__}): "
+                         "override its loss_from(outputs, batch)")
+
+    @classmethod
+    def recipe_from(cls, settings: dict, model: nn.Module | None = None) -> dict:
+        """The recipe from a loop's own settings (and its model), for ``witness.record.start_run``: by
+        default the settings are the recipe; a plugin maps its loop's names (nanoGPT's ``max_iters``)."""
+        return dict(settings)
+
     # --- the step -----------------------------------------------------------------------
     def step_loss(self, model: nn.Module, batch: Any, seed: int) -> torch.Tensor:
         """The loss of a batch under the step's randomness: the task's own dropout generator and

@@ -82,6 +82,18 @@ def warmup_cosine(lr: float, step: int, steps: int, warmup: int = 0, min_ratio: 
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def nanogpt_lr(step: int, lr: float, warmup: int, decay_steps: int, min_lr: float) -> float:
+    """nanoGPT's ``get_lr``, operation for operation (so its floats are the same bits): linear warmup
+    as ``lr * (step + 1) / (warmup + 1)``, cosine decay to ``min_lr`` at ``decay_steps``, then ``min_lr``."""
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    if step > decay_steps:
+        return min_lr
+    decay_ratio = (step - warmup) / (decay_steps - warmup)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (lr - min_lr)
+
+
 def step_decay(lr: float, step: int, every: int, gamma: float = 0.1) -> float:
     """``StepLR``: ``lr * gamma ** (step // every)``."""
     return lr * gamma ** (step // every)
@@ -146,6 +158,16 @@ class GenericTask(Task):
         if outputs.dim() == 3:  # a language model's logits: [B, T, V] against targets [B, T]
             return F.cross_entropy(outputs.transpose(1, 2), targets, reduction="none")
         return F.cross_entropy(outputs, targets, reduction="none")
+
+    def loss_from(self, outputs: Any, batch: Any) -> torch.Tensor:  # noqa: ANN401 - a forward's outputs
+        """The loss in a loop's forward output: ``Task.loss_from``'s, or the mean of the per-example
+        losses of outputs that are predictions (what ``loss`` computes by default)."""
+        try:
+            return super().loss_from(outputs, batch)
+        except ValueError:
+            if not torch.is_tensor(outputs):
+                raise
+            return self.example_losses(outputs, batch).mean()
 
     def lr_at(self, step: int) -> float:
         """The learning rate at ``step``: warmup, then cosine decay, from the recipe."""

@@ -15,7 +15,7 @@ import importlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import Distribution, EntryPoint, entry_points
 from pathlib import Path
 
 from ..commit.hashing import canonical_json
@@ -72,20 +72,31 @@ def _entry_point(name: str) -> EntryPoint:
     return eps[0]
 
 
-def package_files_sha256(module: str) -> str:
+def package_files_sha256(module: str, also: tuple[str, ...] = ()) -> str:
     """SHA-256 over the files of ``module``'s top-level package, by relative path and content
-    (compiled caches left out): the code a verifier would run, whether installed or editable."""
-    top = importlib.import_module(module.split(".")[0])
-    roots = [Path(p) for p in getattr(top, "__path__", [])] or [Path(top.__file__)]
+    (compiled caches left out): the code a verifier would run, whether installed or editable.
+    ``also``: the distribution's other top-level modules and packages (a plugin that lives next to
+    the loop's own ``model.py`` and imports it), each file then named under its top-level name."""
+    tops = [module.split(".")[0], *sorted(set(also) - {module.split(".")[0]})]
     entries = []
-    for root in roots:
-        paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-        for p in paths:
-            if "__pycache__" in p.parts or p.suffix in (".pyc", ".pyo"):
-                continue
-            rel = p.name if root.is_file() else p.relative_to(root).as_posix()
-            entries.append([rel, hashlib.sha256(p.read_bytes()).hexdigest()])
+    for name in tops:
+        top = importlib.import_module(name)
+        roots = [Path(p) for p in getattr(top, "__path__", [])] or [Path(top.__file__)]
+        for root in roots:
+            paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+            for p in paths:
+                if "__pycache__" in p.parts or p.suffix in (".pyc", ".pyo"):
+                    continue
+                rel = p.name if root.is_file() else p.relative_to(root).as_posix()
+                # one top-level name hashes as it always did (runs recorded before stay pinned)
+                entries.append([rel if len(tops) == 1 else f"{name}/{rel}", hashlib.sha256(p.read_bytes()).hexdigest()])
     return hashlib.sha256(canonical_json(sorted(entries))).hexdigest()
+
+
+def top_level_names(dist: Distribution) -> tuple[str, ...]:
+    """The top-level modules and packages a distribution installs (its ``top_level.txt``)."""
+    text = dist.read_text("top_level.txt") or ""
+    return tuple(sorted({line.strip() for line in text.splitlines() if line.strip().isidentifier()}))
 
 
 def task_source(name: str) -> TaskSource | None:
@@ -96,7 +107,7 @@ def task_source(name: str) -> TaskSource | None:
     dist = ep.dist
     if dist is None:
         raise ValueError(f"task {name!r} comes from no installed distribution")
-    return TaskSource(dist.name, dist.version, _plugin_code(name, ep, lambda: package_files_sha256(ep.module)))
+    return TaskSource(dist.name, dist.version, _plugin_code(name, ep, lambda: package_files_sha256(ep.module, top_level_names(dist))))
 
 
 def _plugin_code(name: str, ep: EntryPoint, load):  # noqa: ANN001, ANN202 - a thunk and what it returns

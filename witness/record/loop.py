@@ -1,0 +1,349 @@
+"""Witnessing a training loop as it is written: the user's own model, optimizer and batches.
+
+``Recorder.create(..., model=model, optimizer=optimizer)`` adopts the loop's own objects: the
+model's weights are set, in place, to the initial state the task's plugin builds from the run seed
+(what a verifier rebuilds), and the optimizer is checked against the recipe's. Then
+``get_batch = rec.batches(get_batch)`` (or ``loader = rec.batches(loader)``) hands the loop the
+committed batches, and the loop needs nothing else: hooks on the model and the optimizer record
+each step when ``optimizer.step()`` returns.
+
+What the hooks do, each because replay must compute what the loop computed:
+
+* a batch handed out is the committed one of its step, split into the recipe's micro-batches in
+  order (the loop asks for them one at a time, as nanoGPT's ``get_batch`` is asked, prefetching
+  included);
+* a forward on a handed-out micro-batch runs with torch's, Python's and NumPy's global generators
+  seeded from that micro-batch's committed seed (so ``nn.Dropout`` draws the masks replay draws);
+  they get their own state back when the step is recorded;
+* the forward's output gives the micro-batch's loss (``task.loss_from``), and at the end of the
+  last micro-batch's backward the gradients' total norm is taken, as the clipping takes it, before
+  the loop clips;
+* ``optimizer.step()`` returning writes the step's record: the micro losses' mean, the learning
+  rate the optimizer held, the norm.
+
+A forward or a batch asked for without gradients (an evaluation, ``@torch.no_grad()``), or a call
+``get_batch("val")``, is the loop's own: it goes to the original function and nothing is seeded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..task.base import mean_of_ranks, micro_seed, model_device, to_device
+
+if TYPE_CHECKING:
+    from .recorder import Recorder
+
+# the optimizer settings a loop's own optimizer may leave at torch's default where the recipe's sets
+# them: ``None`` is "torch chooses", which on the CPU is the single-tensor kernel the recipe names
+KERNEL_FLAGS = ("foreach", "fused")
+
+
+def off_by_one_hint(steps: int) -> str:
+    """What to say when a loop takes a step beyond its recipe (nanoGPT's loop takes max_iters + 1)."""
+    return (f"the recipe has {steps} steps (0..{steps - 1}). nanoGPT's train.py takes max_iters + 1 steps: it "
+            "breaks when iter_num > max_iters, after training step max_iters; give the recipe steps = max_iters + 1, "
+            "or break at iter_num >= max_iters")
+
+
+def adopt_model(model: torch.nn.Module, built: torch.nn.Module) -> None:
+    """Give the loop's own ``model`` the initial state ``built`` (the task's, from the run seed), in
+    place, so that the loop's references to its tensors (an optimizer built on them) stay valid."""
+    if type(model) is not type(built):
+        raise ValueError(f"the loop's model is a {type(model).__qualname__}; the task's plugin builds a "
+                         f"{type(built).__qualname__}: a verifier would replay another model")
+    mine, theirs = model.state_dict(), built.state_dict()
+    missing, extra = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
+    if missing or extra:
+        raise ValueError(f"the loop's model does not have the task's tensors (missing {missing[:3]}, extra "
+                         f"{extra[:3]}): build it with the recipe's settings")
+    for k, v in theirs.items():
+        if mine[k].shape != v.shape or mine[k].dtype != v.dtype:
+            raise ValueError(f"the loop's model's {k} is {tuple(mine[k].shape)} {mine[k].dtype}; the task's is "
+                             f"{tuple(v.shape)} {v.dtype}: build it with the recipe's settings")
+    with torch.no_grad():
+        for k, v in theirs.items():
+            mine[k].copy_(v)
+
+
+def adopt(session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:  # noqa: ANN401
+    """Make the loop's own model (and optimizer) the session's: the model takes the initial state
+    the session built, and the optimizer (the recipe's, built on the loop's model, where the loop
+    has none) must step as the recipe's does."""
+    task = session.task
+    adopt_model(model, session.model)
+    if optimizer is None:
+        optimizer = task.build_optimizer(model)
+    else:
+        check_optimizer(optimizer, model, session.optimizer, session.model)
+    scaler = getattr(session.optimizer, "witness_scaler", None)
+    if scaler is not None:
+        optimizer.witness_scaler = scaler
+    session.model, session.optimizer = model, optimizer
+    session.step_model = task.step_model(model)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, want: torch.optim.Optimizer,
+                    want_model: torch.nn.Module) -> None:
+    """Refuse a loop's optimizer that would not step as the recipe's does (``want``, built on
+    ``want_model``); a kernel flag left to torch (``None``) is set to the recipe's where they agree."""
+    if type(optimizer) is not type(want):
+        raise ValueError(f"the loop's optimizer is {type(optimizer).__name__}; the recipe's is {type(want).__name__}")
+    if optimizer.state:
+        raise ValueError("the loop's optimizer has stepped already: adopt it before the first step")
+    names = {id(p): n for n, p in model.named_parameters()}
+    want_names = {id(p): n for n, p in want_model.named_parameters()}
+    if len(optimizer.param_groups) != len(want.param_groups):
+        raise ValueError(f"the loop's optimizer has {len(optimizer.param_groups)} parameter group(s); the recipe's "
+                         f"has {len(want.param_groups)} (weight decay on matrices, none on vectors)")
+    for i, (g, w) in enumerate(zip(optimizer.param_groups, want.param_groups, strict=True)):
+        got, exp = [names.get(id(p), "?") for p in g["params"]], [want_names[id(p)] for p in w["params"]]
+        if got != exp:
+            raise ValueError(f"the loop's optimizer's group {i} holds {got[:3]}…; the recipe's holds {exp[:3]}… "
+                             "(a verifier would step other tensors with other settings)")
+        for key in sorted(set(g) | set(w)):
+            if key in ("params", "lr", "initial_lr"):
+                continue  # the rate is the schedule's, set by the loop at every step and checked there
+            mine, theirs = g.get(key), w.get(key)
+            if key in KERNEL_FLAGS and mine is None and not theirs and model_device(model).type == "cpu":
+                g[key] = theirs  # torch's own choice on the CPU is the single-tensor kernel: say so
+                continue
+            if _norm(mine) != _norm(theirs):
+                raise ValueError(f"the loop's optimizer's {key} is {mine!r} (group {i}); the recipe's is {theirs!r}: "
+                                 "put it in the recipe, or build the optimizer with the recipe's value")
+
+
+def _norm(v: Any) -> Any:  # noqa: ANN401 - an optimizer setting
+    return tuple(_norm(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+class Hooked:
+    """The hooks that record a loop's steps from its own model and optimizer (see the module)."""
+
+    def __init__(self, rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        task = rec.task
+        if task.precision == "fp16":
+            raise ValueError("an fp16 loop scales its gradients: take the batches with rec.batch(t) and record each "
+                             "step with rec.log_step (the hooks cannot see the unscaled gradient norm)")
+        self.rec, self.model, self.optimizer = rec, model, optimizer
+        self.accum = task.grad_accum
+        self.steps = task.config.steps
+        self.device = model_device(model)
+        self.handed = rec.start_step * self.accum  # micro-batches handed out so far, counting from step 0
+        self.parts: dict[int, list[Any]] = {}  # step -> its micro-batches, while they are handed out
+        # a handed-out tensor, by id, -> (it, step, micro-batch, the micro-batch): kept until its step is recorded
+        self.live: dict[int, tuple[torch.Tensor, int, int, Any]] = {}
+        self.losses: dict[int, float] = {}  # this step's micro-batch -> its loss
+        self.norm: float | None = None
+        self.saved: tuple | None = None  # the generators' own states while a step owns them
+        self.step = rec.start_step  # the step the optimizer takes next
+        self.ready = -1  # the last step whose committed batch the recorder was told of
+        self.handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, with_kwargs=True),
+            optimizer.register_step_post_hook(self._stepped),
+        ]
+
+    def close(self) -> None:
+        """Remove the hooks and give the generators back their own state."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self._give_back()
+
+    # --- batches --------------------------------------------------------------------------
+    def next_micro(self) -> Any:  # noqa: ANN401 - a collated micro-batch
+        """The next committed micro-batch, on the model's device (None past the recipe's steps)."""
+        step, k = divmod(self.handed, self.accum)
+        if step >= self.steps:
+            return None
+        if step not in self.parts:
+            batch = self.rec.committed_batch(step)
+            self.parts[step] = self.rec.task.split_batch(batch, self.accum) if self.accum > 1 else [batch]
+        part = to_device(self.parts[step][k], self.device)
+        if k == self.accum - 1:
+            del self.parts[step]
+        self.handed += 1
+        for t in _tensors(part):
+            self.live[id(t)] = (t, step, k, part)
+        return part
+
+    # --- the model's hooks ------------------------------------------------------------------
+    def _which(self, args: tuple, kwargs: dict) -> tuple | None:
+        for t in _tensors((args, kwargs)):
+            hit = self.live.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1:]
+        return None
+
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        hit = self._which(args, kwargs)
+        if hit is None:
+            return
+        step, k, _ = hit
+        if step != self.step:
+            raise ValueError(f"a forward on step {step}'s batch while step {self.step} is being trained: take the "
+                             "batches in order, one step's micro-batches before the next step's")
+        if self.saved is None:
+            self.saved = _generators()
+        self.rec.ready_for(step)
+        seed = self.rec.step_seed(step)
+        _seed_generators(seed if self.accum == 1 else micro_seed(seed, k), self.device)
+
+    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:  # noqa: ANN401
+        if not torch.is_grad_enabled():
+            return
+        hit = self._which(args, kwargs)
+        if hit is None or hit[0] != self.step:
+            return
+        _, k, batch = hit
+        with torch.no_grad():
+            self.losses[k] = float(self.rec.task.loss_from(outputs, batch).detach())
+        if k == self.accum - 1:  # the last micro-batch: its backward leaves the step's gradients
+            for t in _tensors(outputs):
+                if t.requires_grad:
+                    t.register_hook(self._backward_started)
+                    break
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        # runs as the last micro-batch's backward reaches the output; the engine calls the callback when
+        # that whole backward is done, with every gradient in place and before the loop clips them
+        torch.autograd.Variable._execution_engine.queue_callback(self._take_norm)
+
+    def _take_norm(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.norm = float(torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)) if grads else 0.0
+
+    # --- the optimizer's hook ---------------------------------------------------------------------
+    def _stepped(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        step = self.step
+        if step >= self.steps:
+            raise ValueError(f"the loop took step {step}: {off_by_one_hint(self.steps)}")
+        if len(self.losses) != self.accum or self.norm is None:
+            raise ValueError(f"step {step} ran a forward and backward on {len(self.losses)} of its {self.accum} "
+                             "committed micro-batch(es): the loop must train each step on the batches "
+                             "rec.batches hands it, in order")
+        rates = {g["lr"] for g in optimizer.param_groups}
+        if len(rates) != 1:
+            raise ValueError(f"step {step} ran with {len(rates)} learning rates in its parameter groups; the recipe "
+                             "has one schedule")
+        from ..task.base import StepOutput
+
+        out = StepOutput(mean_of_ranks([self.losses[k] for k in range(self.accum)]), float(rates.pop()), self.norm)
+        self.losses, self.norm = {}, None
+        self.live = {i: v for i, v in self.live.items() if v[1] > step}
+        self._give_back()
+        self.step = step + 1
+        self.rec.log_step(step, out)
+
+    def _give_back(self) -> None:
+        if self.saved is not None:
+            _set_generators(self.saved)
+            self.saved = None
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:  # noqa: ANN401 - a batch or a model's outputs
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, dict) or hasattr(x, "items") and hasattr(x, "keys"):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def _generators() -> tuple:
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+
+def _set_generators(saved: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    cpu, cuda, py, npy = saved
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+def _seed_generators(seed: int, device: torch.device) -> None:
+    """As ``step_randomness`` seeds them for replay (torch's CPU and the device's, Python's, NumPy's)."""
+    import random
+
+    import numpy as np
+
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+
+
+class Batches:
+    """What ``rec.batches(source)`` gives a loop: called like its ``get_batch``, or iterated like
+    its DataLoader, it yields the committed micro-batches in order; an evaluation's call (no
+    gradients, or a split other than ``"train"``) goes to the loop's own ``source``."""
+
+    def __init__(self, hooked: Hooked, source: Callable[..., Any] | Iterable[Any] | None):
+        self.hooked, self.source = hooked, source
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - the loop's own batch
+        split = args[0] if args and isinstance(args[0], str) else kwargs.get("split", "train")
+        if not torch.is_grad_enabled() or split != "train":
+            return self._own(*args, **kwargs)
+        part = self.hooked.next_micro()
+        if part is None:  # past the last step (a loop that prefetches): never trained on, or refused
+            return self._own(*args, **kwargs)
+        return part
+
+    def _own(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        if not callable(self.source):
+            raise ValueError("rec.batches was given no function of the loop's own to ask for this batch")
+        return self.source(*args, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:
+        while (part := self.hooked.next_micro()) is not None:
+            yield part
+
+    def __len__(self) -> int:
+        h = self.hooked
+        return h.steps * h.accum - h.handed
+
+
+def start_run(task: str, settings: dict, out: str, *, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer | None = None, key: str = "witness-key.pem",
+              beacon: str | None = None, **kwargs: Any) -> Recorder:  # noqa: ANN401
+    """Witness a loop in one line: the task ``task`` (an installed plugin's) with the recipe its
+    ``recipe_from`` reads off the loop's ``settings`` and ``model``, the loop's own model and
+    optimizer adopted, a key at ``key`` (created there if missing), a fresh random ``r``, and online
+    challenges from the beacon at ``beacon`` if one is named. ``kwargs`` go to ``Recorder.create``."""
+    import os
+    from pathlib import Path
+
+    from ..commit.signing import load_or_create_key
+    from ..task.registry import build_task, task_class
+    from .recorder import Recorder
+
+    built = build_task(task, task_class(task).recipe_from(settings, model))
+    link = None
+    if beacon:
+        from ..beacon.client import BeaconClient
+
+        link = BeaconClient(beacon)
+    return Recorder.create(built, out, load_or_create_key(Path(key)), r=os.urandom(32), model=model,
+                           optimizer=optimizer, beacon=link, **kwargs)
