@@ -17,7 +17,7 @@ class NanoGPT(GenericTask):
     def recipe_from(cls, s, model):  # train.py's settings, and the model it built
         if s["init_from"] != "scratch":
             raise ValueError("witness certifies a run from its seeded initial state: init_from must be 'scratch'")
-        accum = s["gradient_accumulation_steps"]  # steps: train.py takes iter_num 0..max_iters
+        accum = s["gradient_accumulation_steps"]  # and steps: train.py takes iter_num 0..max_iters
         return dict(asdict(model.config), steps=s["max_iters"] + 1, batch_size=s["batch_size"] * accum, grad_accum=accum,
                     lr=s["learning_rate"], warmup=s["warmup_iters"], weight_decay=s["weight_decay"], grad_clip=s["grad_clip"],
                     optimizer_args={"betas": [s["beta1"], s["beta2"]]}, compile=s["compile"],
@@ -36,5 +36,5 @@ class NanoGPT(GenericTask):
         return model(*batch)[0]
 
     def lr_at(self, it):  # train.py's get_lr
-        c = self.config
-        return nanogpt_lr(it, c.lr, c.warmup, c.lr_decay_iters, c.min_lr) if c.decay_lr else c.lr
+        return nanogpt_lr(it, *(getattr(self.config, k) for k in ("lr", "warmup", "lr_decay_iters", "min_lr"))) \
+            if self.config.decay_lr else self.config.lr
