@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import MalformedInput, VerificationError
-from .args import DEFAULT_KEY, data_arg, positive, unusable_or_rejected
+from .args import DEFAULT_KEY, data_arg, one_line, positive, unusable_or_rejected
 from .audit import read_head
 
 
@@ -40,10 +40,18 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.data_command in ("find", "search"):
         return _search(args, run)
     _out_is_no_input(Path(args.out), args.file, args.bundle)
-    document = query_document(run.dataset, args.file, args.text)
+    try:
+        document = query_document(run.dataset, args.file, args.text)
+    except ValueError as e:  # e.g. a text file of odd length on a dataset of 2-byte tokens
+        hint = _kind_hint(run.dataset, args)
+        if hint is None:
+            raise
+        print(f"error: {one_line(str(e))}\n{hint}", file=sys.stderr)  # the hint in full (main cuts an error)
+        return 2
     if args.data_command == "include":
         if document not in run.usage.documents:
             print(f"document {document.hex()} was never used by this run (try: witness data exclude)", file=sys.stderr)
+            _print_hint(_kind_hint(run.dataset, args))
             return 1
         doc = prove_inclusion(run, document)
         print(f"document {document.hex()} was used in {len(doc['uses'])} step(s)")
@@ -62,7 +70,32 @@ def cmd_data(args: argparse.Namespace) -> int:
                   "never trained on a document with exactly these bytes; a fragment of a used document, or a window "
                   "shifted against the dataset's, is not covered: `witness data find` finds the documents and "
                   "samples that contain a text", file=sys.stderr)
+            _print_hint(_kind_hint(run.dataset, args))  # a document of the dataset fits its kind: no hint then
     return 0
+
+
+def _kind_hint(dataset, args: argparse.Namespace) -> str | None:  # noqa: ANN001 - a Dataset
+    """The hint for a query input that plainly does not fit the dataset's kind (``data.hints``), or None.
+
+    Asked only where the answer is "never used", "nothing found" or an error, and printed beside
+    it: the answer for the bytes given always stands, so a hint can neither turn "never used"
+    into "used" nor hide an answer."""
+    from ..data.hints import PEEK_BYTES, file_hint, text_hint
+
+    if args.file is None:
+        # a text searched for may lie in a tensor sample's bytes (its header's names): only a
+        # document query (include, exclude) can plainly not fit
+        return None if args.data_command in ("find", "search") else text_hint(dataset)
+    try:
+        peek = read_bounded(args.file, PEEK_BYTES, "--file", cut=True)
+    except OSError:  # the answer was given for the file already; no hint is lost for an unreadable one
+        return None
+    return file_hint(dataset, args.file, peek)
+
+
+def _print_hint(hint: str | None) -> None:
+    if hint is not None:
+        print(hint, file=sys.stderr)
 
 
 def _out_is_no_input(out: Path, file: str | None, bundle: str) -> None:
@@ -83,7 +116,7 @@ def _search(args: argparse.Namespace, run) -> int:  # noqa: ANN001 - RunCommitme
 
     needle = read_bounded(args.file, MAX_SEARCH_BYTES, "--file") if args.file is not None \
         else run.dataset.text_bytes(args.text)
-    found = search_text(run, needle, args.limit)
+    found = used_first(search_text(run, needle, sys.maxsize), args.limit)
     if args.json:
         print(json.dumps(found))
     else:
@@ -97,17 +130,31 @@ def _search(args: argparse.Namespace, run) -> int:  # noqa: ANN001 - RunCommitme
         for d in found["documents"]:
             print(f"  {'USED  ' if d['used'] else 'unused'} {d['document']} ({d['hash'][:16]}…)")
         if found["documents_found"] > len(found["documents"]):
-            print(f"  … and {found['documents_found'] - len(found['documents'])} more (--limit)")
+            hidden_used = found["documents_used"] - sum(d["used"] for d in found["documents"])
+            print(f"  … and {found['documents_found'] - len(found['documents'])} more, {hidden_used} of them used "
+                  "(--limit)")
+    if not found["documents_found"] and not found["samples_found"]:
+        _print_hint(_kind_hint(run.dataset, args))  # nothing found: a text given as token ids, say
     return 0 if found["samples_used"] or found["documents_used"] else 1
+
+
+def used_first(found: dict, limit: int) -> dict:
+    """``search_text``'s answer with its documents and samples listed used ones first (each group
+    in dataset order), then cut to ``limit``: a limit never hides a used one behind unused ones."""
+    out = dict(found)
+    for key in ("documents", "samples"):
+        out[key] = sorted(found[key], key=lambda item: not item["used"])[:limit]  # a stable sort
+    return out
 
 
 MAX_SEARCH_BYTES = 1 << 20  # a text to look for: a passage, not a corpus
 
 
-def read_bounded(path: str, limit: int, what: str) -> bytes:
-    """A file's bytes, at most ``limit`` of them (a device or a huge file is refused, not read whole)."""
+def read_bounded(path: str, limit: int, what: str, cut: bool = False) -> bytes:
+    """A file's bytes, at most ``limit`` of them (a device or a huge file is refused, not read whole;
+    with ``cut``, its first ``limit`` bytes are enough)."""
     with open(path, "rb") as f:
-        data = f.read(limit + 1)
+        data = f.read(limit if cut else limit + 1)
     if len(data) > limit:
         raise ValueError(f"{what} {path}: over {limit} bytes; a text to look for is at most {limit} bytes")
     return data
@@ -125,6 +172,9 @@ def released_model(bundle_dir: str, model: str | None, out: Path) -> dict:
 
 
 def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
+    """``witness data check``: as ``witness verify`` reports a verdict, a ``VALID: …`` line on
+    stdout, then the summary as JSON (whole, after that one line; ``--json``: the JSON alone), exit
+    0; or an ``INVALID: …`` (exit 1) or ``UNUSABLE INPUT: …`` (exit 2) line on stderr."""
     from ..bundle.reader import open_bundle
     from ..commit.dsse import read_json_or_envelope, read_with_statement
     from ..data.proofs import MAX_PROOF_BYTES
@@ -157,13 +207,41 @@ def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
             check_subject(stmt, args.model, final, digest)
             summary["subject"] = f"{Path(args.model).name}: the run's final model, named by the statement"
     except VerificationError as e:
-        print(unusable_or_rejected(e, "INVALID"), file=sys.stderr)
+        if args.json:  # a script reading stdout gets an answer either way, as from witness verify --json
+            print(json.dumps({"valid": False, "failures": [str(e)]}))
+        # what is wrong, naming the proof; unusable input keeps the line every command prints for it
+        line = unusable_or_rejected(e) if isinstance(e, MalformedInput) else f"INVALID: {args.proof}: {e}"
+        print(one_line(line, None), file=sys.stderr)
         return e.exit_code
     if head is None:
         summary["note"] = "checked against the proof's own signed head; pin one with --bundle or --tree-head"
-    print(json.dumps(summary, indent=2))
+    if args.json:
+        print(json.dumps({"valid": True} | summary))
+    else:
+        print(_valid_line(args, summary, head, key))
+        print(json.dumps(summary, indent=2))
     return 0
 
+
+def _valid_line(args: argparse.Namespace, summary: dict, head, key: str | None) -> str:  # noqa: ANN001 - a head
+    """The one line that says what a valid proof shows and what it was checked against."""
+    steps = summary.get("steps", [])
+    shown = ", ".join(map(str, steps)) if len(steps) <= 8 else f"{', '.join(map(str, steps[:6]))}, …, {steps[-1]}"
+    claim = (f"document {summary['document']} was used by the run, in {len(steps)} step(s) ({shown})"
+             if summary["kind"] == "inclusion" else f"document {summary['document']} was never used by the run")
+    if args.bundle:
+        pin = f"against the final signed head of the bundle {args.bundle} and its key"
+        if summary.get("used_data"):
+            pin += ", with the used-data trees rebuilt from its leaves"
+    elif head is not None:
+        pin = f"against the published tree head {args.tree_head}" + \
+              (" and its key" if key else " (which names no key: the proof's own key signed it)")
+    else:
+        pin = "against the proof's own signed head and key only (pin one with --bundle or --tree-head)"
+    task = f"task {summary['task']}, " if summary.get("task") else ""
+    model = f"; the statement names the released model {Path(args.model).name}" if args.model else ""
+    return (f"VALID: {summary['kind']} proof: {claim} ({task}document rule {summary['document_rule']}, signed by "
+            f"{summary['signer']}), checked {pin}{model}")
 
 
 def cmd_commit(args: argparse.Namespace) -> int:
@@ -224,14 +302,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g = se.add_mutually_exclusive_group(required=True)
     g.add_argument("--text", help="the text to look for (its UTF-8 bytes)")
     g.add_argument("--file", help="a file holding the bytes to look for")
-    se.add_argument("--limit", type=positive, default=100, help="most documents and samples listed (default 100)")
+    se.add_argument("--limit", type=positive, default=100, help="most documents and samples listed, used ones first "
+                                                                 "(default 100)")
     se.add_argument("--json", action="store_true", help="print the answer as one JSON object")
     data_arg(se)
     se.set_defaults(func=cmd_data)
-    c = dsub.add_parser("check", help="check a proof against the public commitments (0 valid, 1 invalid, 2 unusable)")
+    c = dsub.add_parser("check", help="check a proof against the public commitments: a VALID line, then the "
+                                     "summary as JSON (0 valid, 1 invalid, 2 unusable)")
     c.add_argument("proof", help="the proof (JSON or its DSSE envelope)")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--bundle", help="check against this bundle's signed head and key")
     g.add_argument("--tree-head", help="a published signed tree head (JSON, with public_key)")
     c.add_argument("--model", help="also check that the signed envelope names this released model file")
+    c.add_argument("--json", action="store_true", help="print the answer as one JSON object alone (no VALID "
+                                                       "line; {\"valid\": false, ...} when it is not)")
     c.set_defaults(func=cmd_data)
