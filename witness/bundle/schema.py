@@ -105,7 +105,9 @@ class Manifest:
     def parse(cls, obj: Any) -> Manifest:
         """Strictly parse the manifest record."""
         w = "manifest"
-        _keys(obj, cls.FIELDS, {"task_source", "data_commitment", "online"}, w)
+        _keys(obj, cls.FIELDS, {"task_source", "data_commitment", "online", "data_files"}, w)
+        if "data_files" in obj:
+            parse_data_files(obj["data_files"], f"{w}.data_files")
         online = parse_online(obj["online"], f"{w}.online") if "online" in obj else None
         if "data_commitment" in obj and (type(obj["data_commitment"]) is not int or obj["data_commitment"] != 2):
             raise _fail(w, "data_commitment must be 2 (or absent: version 1)")
@@ -174,6 +176,26 @@ class Manifest:
 
 
 MAX_ONLINE_RING = 1 << 16
+
+
+def parse_data_files(obj: Any, where: str) -> dict:
+    """The small data files a run's task read, by name: their SHA-256 and size (found by content)."""
+    from ..data.locate import SIDE_FILE_MAX, SIDE_FILES_MAX, check_name
+
+    _dict(obj, where)
+    if len(obj) > SIDE_FILES_MAX:
+        raise _fail(where, f"more than {SIDE_FILES_MAX} files")
+    for name, v in obj.items():
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise _fail(where, str(e)) from None
+        if len(name) > 512:
+            raise _fail(where, "a data name over 512 characters")
+        _keys(v, {"sha256", "size"}, set(), f"{where}[{name!r}]")
+        parse_hex(v["sha256"], f"{where}[{name!r}].sha256")
+        _int(v["size"], f"{where}[{name!r}].size", 0, SIDE_FILE_MAX)
+    return obj
 
 
 def parse_online(obj: Any, where: str) -> dict:

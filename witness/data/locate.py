@@ -134,3 +134,45 @@ def candidates(name: str) -> Iterator[Path]:
                 if p.suffix == suffix and p.resolve() not in seen:
                     seen.add(p.resolve())
                     yield p
+
+
+SIDE_FILE_MAX = 64 << 20  # a file a task reads up to this size is pinned by its hash in the manifest
+SIDE_FILES_MAX = 64  # names a manifest pins so
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, hex."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def side_files(names: list[str]) -> dict[str, dict]:
+    """What a run's manifest pins of the data files its task read (``asked``): each file up to
+    ``SIDE_FILE_MAX`` by its SHA-256 and size, so a verifier finds it by content wherever it lies
+    (a larger file, a corpus, is found by the dataset's committed root instead)."""
+    out: dict[str, dict] = {}
+    for name in names[:SIDE_FILES_MAX]:
+        try:
+            p = data_file(name)
+        except FileNotFoundError:
+            continue
+        if p.is_file() and p.stat().st_size <= SIDE_FILE_MAX:
+            out[name] = {"sha256": file_sha256(p), "size": p.stat().st_size}
+    return out
+
+
+def find_by_content(name: str, sha256: str, size: int) -> Path | None:
+    """The file of the search path with this content: the one the name points to, else any
+    candidate for the name (another file name, another folder) of that size and hash."""
+    for p in candidates(name):
+        try:
+            if p.is_file() and p.stat().st_size == size and file_sha256(p) == sha256:
+                return p
+        except OSError:
+            continue
+    return None

@@ -49,3 +49,20 @@ def same_batch(got: Any, want: Any) -> bool:
 def committed_dataset(rec: Any) -> CommittedDataset:
     """The training set to give the ``Trainer``."""
     return CommittedDataset(rec)
+
+
+def check_same_dataset(rec: Any, dataset: Any) -> None:  # noqa: ANN401 - the framework's dataset
+    """Refuse a framework's own dataset unless its samples, coded as the task codes them, are the
+    committed ones (the same root): the loop's data is then the data a verifier rebuilds."""
+    task = rec.task
+    if not hasattr(task, "_as_dataset"):
+        raise ValueError(f"the task {task.name!r} builds its own data: give the framework committed_dataset(rec)")
+    try:
+        mine = task._as_dataset(dataset, "train")
+        root = mine.commitment_root(rec.manifest.get("data_commitment", 1))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"the loop's dataset cannot be coded as the task {task.name!r} codes its samples: {e}") from None
+    if len(mine) != rec.manifest["dataset_size"] or root.hex() != rec.manifest["data_root"]:
+        raise ValueError(f"the loop's dataset ({len(mine)} samples, root {root.hex()[:16]}…) is not the task's "
+                         f"({rec.manifest['dataset_size']} samples, root {rec.manifest['data_root'][:16]}…): the "
+                         "plugin's make_dataset must build the samples the script trains on")

@@ -29,9 +29,15 @@ from torch import nn
 
 from ..task.base import StepOutput, mean_of_ranks, micro_seed
 from ..task.tinygpt import TinyGPTConfig, TinyGPTTask
-from .committed import CommittedOrder, committed_dataset, same_batch
+from .committed import (
+    CommittedDataset,
+    CommittedOrder,
+    check_same_dataset,
+    committed_dataset,
+    same_batch,
+)
 
-__all__ = ["HFGPT2Task", "attach", "committed_dataset"]
+__all__ = ["HFGPT2Task", "attach", "committed_dataset", "trainer_lr", "trainer_recipe"]
 
 
 def _transformers():
@@ -126,6 +132,24 @@ class _LinearSchedule:
         return self.c.lr * self.lam(step, num_warmup_steps=self.c.warmup, num_training_steps=self.c.steps)
 
 
+def trainer_recipe(args: Any) -> dict:  # noqa: ANN401 - TrainingArguments, or vars() of them
+    """The part of a recipe that a ``Trainer``'s ``TrainingArguments`` set (what ``attach`` checks):
+    steps, the batch a step and its accumulation, the rate, warm-up, weight decay and clipping."""
+    a = args if isinstance(args, dict) else vars(args)
+    accum = a["gradient_accumulation_steps"]
+    return dict(steps=a["max_steps"], batch_size=a["per_device_train_batch_size"] * accum, grad_accum=accum,
+                lr=a["learning_rate"], warmup=a["warmup_steps"], weight_decay=a["weight_decay"],
+                grad_clip=a["max_grad_norm"])
+
+
+def trainer_lr(config: Any, step: int) -> float:  # noqa: ANN401 - a recipe
+    """The learning rate of ``step`` under the ``Trainer``'s linear schedule with warm-up (its
+    ``LambdaLR``: the base rate times the same lambda, so the same bits)."""
+    from transformers.optimization import _get_linear_schedule_with_warmup_lr_lambda as lam
+
+    return config.lr * lam(step, num_warmup_steps=config.warmup, num_training_steps=config.steps)
+
+
 def attach(trainer: Any, rec: Any) -> None:
     """Make ``trainer`` run the committed steps of ``rec`` and record each one."""
     t = _transformers()
@@ -147,8 +171,14 @@ def attach(trainer: Any, rec: Any) -> None:
         raise ValueError(f"set max_steps={c.steps}, warmup_steps={c.warmup} and the linear schedule, as the task")
     if args.max_grad_norm != c.grad_clip or args.learning_rate != c.lr:
         raise ValueError(f"set max_grad_norm={c.grad_clip} and learning_rate={c.lr}, as the task")
+    if trainer.optimizer is None and trainer.model is rec.model:
+        trainer.optimizer = rec.optimizer  # the recipe's AdamW (the Trainer's own), built on the script's model
     if trainer.model is not rec.model or trainer.optimizer is not rec.optimizer:
-        raise ValueError("give the Trainer the recorder's model and optimizer (they are what the log commits)")
+        raise ValueError("give the Trainer the model the recorder adopted (start_run(..., model=model)), and no "
+                         "optimizer of its own: the recorder's is the recipe's, built on that model")
+    if not isinstance(trainer.train_dataset, CommittedDataset):
+        check_same_dataset(rec, trainer.train_dataset)
+        trainer.train_dataset = committed_dataset(rec)  # the same samples, by index, as the task's bytes
     seen: dict[str, Any] = {}
     task = rec.task
 

@@ -48,7 +48,7 @@ from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
 from ..data.dataset import DATA_COMMITMENT
-from ..data.locate import is_absolute
+from ..data.locate import asked, is_absolute, side_files
 from ..data.order import derive_run_seed
 from ..data.usage import used_roots
 from ..session import (
@@ -190,7 +190,9 @@ class Recorder:
             raise ValueError(f"the task {task.name!r} being recorded is not the registered class of that name")
         source = task_source(task.name)
         check_no_paths(task.config_json())
-        dataset = task.dataset()
+        with asked() as read:  # the data files the task reads: the small ones are pinned by content
+            dataset = task.dataset()
+            task.probe_bytes()
         if dataset.DOCUMENT_RULE != task.document_rule:
             raise ValueError(f"the task {task.name!r} decides document rule {task.document_rule!r}, but its "
                              f"dataset gives documents under {dataset.DOCUMENT_RULE!r}: a verifier would reject "
@@ -207,7 +209,9 @@ class Recorder:
         if model is not None and str(device) == "cpu":
             device = model_device(model)  # where the loop put its model
         if session is None:
-            session = TrainingSession(task, run_seed, len(dataset), device=device)
+            with asked() as built:
+                session = TrainingSession(task, run_seed, len(dataset), device=device)
+            read += [n for n in built if n not in read]
         elif session.run_seed != run_seed:
             raise ValueError("the session was built from another run seed")
         if model is not None:
@@ -253,6 +257,9 @@ class Recorder:
             manifest["task_source"] = source.to_json()
         if online is not None:
             manifest["online"] = online.to_json()
+        pins = side_files(read)
+        if pins:  # so that a verifier finds each wherever it lies, by its content
+            manifest["data_files"] = pins
         log = RunLog()
         writer.append_record(log.append(manifest))
         rec = cls(task, Path(out), key, session, writer, log, manifest, 0, on_head)

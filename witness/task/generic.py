@@ -225,8 +225,19 @@ class GenericTask(Task):
 
     def collate(self, samples: list[bytes]) -> Any:
         """Canonical bytes -> a batch, by the codec (a ``TokenWindows`` dataset is its own)."""
-        codec = self._dataset if isinstance(self._dataset, TokenWindows) else self.samples
-        return codec.collate(samples)
+        return self._codec().collate(samples)
+
+    def _codec(self) -> Any:  # noqa: ANN401 - TokenWindows or the task's ``samples``
+        # Collating needs no data: a TokenWindows dataset (its own codec) opens its file only when a
+        # sample is read, and a dataset that must read its data to be built (a list from a file) is
+        # coded by ``samples``; so where that data is not here (the cheap audit), ``samples`` codes.
+        made = self.__dict__.get("_datasets", {}).get("train")
+        if made is None:
+            try:
+                made = self._dataset
+            except OSError:
+                return self.samples
+        return made if isinstance(made, TokenWindows) else self.samples
 
     def build_model(self, seed: bytes) -> nn.Module:
         """``make_model()`` with the global RNG seeded from the run seed (restored afterwards)."""
