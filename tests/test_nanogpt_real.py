@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import with_beacon
+
 from witness.cli import main
 from witness.task import registry
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from witness_example_nanogpt.model import GPT, GPTConfig, get_lr
 
 from witness.commit.signing import generate_key
 from witness.record import Recorder, start_run
 from witness.task import build_task
 from witness.verify import verify_bundle
-from witness_example_nanogpt.model import GPT, GPTConfig, get_lr
 
 MODEL = dict(block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
 RECIPE = dict(steps=6, batch_size=4, grad_accum=2, lr=1e-3, min_lr=1e-4, warmup=2, weight_decay=0.1, grad_clip=1.0,
