@@ -5,6 +5,7 @@ and a stock ``Trainer`` with its own AdamW and linear schedule.
 
     python prepare.py                     # data/clm/train.txt and data/clm/vocab.json
     python run_clm.py --output_dir out    # then: witness verify out/witness
+    WITNESS_BEACON=URL python run_clm.py   # the same, taking online challenges from a beacon
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ def main(argv: list[str]) -> None:
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses([*DEFAULTS, *argv])
     train_dataset = load_blocks("data/clm/train.txt", "data/clm/vocab.json", block=32)
     model = build_model(len(load_vocab("data/clm/vocab.json")), block=32)
-    rec = start_run("clm", vars(args), os.path.join(args.output_dir, "witness"), model=model,  # witness
-                    beacon=os.environ.get("WITNESS_BEACON"))  # witness: online challenges from a beacon
+    rec = start_run("clm", vars(args), os.path.join(args.output_dir, "witness"), model=model)  # witness
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
     attach(trainer, rec)  # witness
     trainer.train()

@@ -39,7 +39,7 @@ from ..task.base import (
     step_randomness,
 )
 from ..task.generic import GenericTask
-from .committed import CommittedDataset, CommittedOrder, same_batch
+from .committed import CommittedDataset, CommittedOrder, check_same_dataset, same_batch
 
 
 class LightningTask(GenericTask):
@@ -64,6 +64,24 @@ class LightningTask(GenericTask):
         """The recipe fields the module's ``__init__`` takes, by name."""
         taken = inspect.signature(self.module.__init__).parameters
         return {f.name: getattr(self.config, f.name) for f in fields(self.config) if f.name in taken}
+
+    @classmethod
+    def recipe_from(cls, settings: dict, model: nn.Module | None = None) -> dict:
+        """The recipe from the run's own objects: the module's hyperparameters (``save_hyperparameters``)
+        that are recipe fields, and from ``settings``, a ``"trainer"`` (its ``max_steps``,
+        ``accumulate_grad_batches``, ``gradient_clip_val``), a ``"loader"`` (its ``batch_size``, a
+        micro-batch) and any recipe field by name."""
+        names = {f.name for f in fields(cls.Config)}
+        hparams = dict(getattr(model, "hparams", {}) or {})
+        out = {k: v for k, v in hparams.items() if k in names}
+        trainer, loader = settings.get("trainer"), settings.get("loader")
+        accum = 1
+        if trainer is not None:
+            accum = trainer.accumulate_grad_batches
+            out.update(steps=trainer.max_steps, grad_accum=accum, grad_clip=float(trainer.gradient_clip_val or 0.0))
+        if loader is not None:
+            out["batch_size"] = loader.batch_size * accum
+        return out | {k: v for k, v in settings.items() if k in names}
 
     def make_model(self) -> nn.Module:
         """The user's module, from the recipe."""
@@ -164,10 +182,17 @@ def _configured(out: Any) -> tuple[torch.optim.Optimizer, Any, str, int]:  # noq
     return opt, sched, interval, frequency
 
 
-def committed_loader(rec: Any) -> torch.utils.data.DataLoader:
+def committed_loader(rec: Any, loader: torch.utils.data.DataLoader | None = None) -> torch.utils.data.DataLoader:
     """The committed order as a data loader: one (micro-)batch per step and ``grad_accum``, collated
-    by the task (pass it as ``trainer.fit(rec.model, train_dataloaders=committed_loader(rec))``)."""
+    by the task (pass it as ``trainer.fit(model, train_dataloaders=committed_loader(rec, loader))``).
+    ``loader``: the script's own, whose dataset must be the committed one (checked here) and whose
+    micro-batch size must be the recipe's."""
     task = rec.task
+    if loader is not None:
+        if loader.batch_size != task.config.batch_size // task.grad_accum:
+            raise ValueError(f"the loader's batch_size is {loader.batch_size}; the recipe's micro-batch is "
+                             f"{task.config.batch_size // task.grad_accum}")
+        check_same_dataset(rec, loader.dataset)
     return torch.utils.data.DataLoader(CommittedDataset(rec), batch_size=task.config.batch_size // task.grad_accum,
                                        sampler=CommittedOrder(rec), collate_fn=task.collate)
 

@@ -27,6 +27,7 @@ A forward or a batch asked for without gradients (an evaluation, ``@torch.no_gra
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 # the optimizer settings a loop's own optimizer may leave at torch's default where the recipe's sets
 # them: ``None`` is "torch chooses", which on the CPU is the single-tensor kernel the recipe names
 KERNEL_FLAGS = ("foreach", "fused")
+BEACON_ENV = "WITNESS_BEACON"  # start_run's beacon where the script names none
 
 
 def off_by_one_hint(steps: int) -> str:
@@ -49,10 +51,21 @@ def off_by_one_hint(steps: int) -> str:
             "or break at iter_num >= max_iters")
 
 
+def same_class(a: type, b: type) -> bool:
+    """The same class, or the same class of the same file imported twice: a script run as
+    ``__main__`` defines the class its plugin imports from it as a module."""
+    if a is b:
+        return True
+    try:
+        return a.__qualname__ == b.__qualname__ and inspect.getfile(a) == inspect.getfile(b)
+    except (TypeError, OSError):
+        return False
+
+
 def adopt_model(model: torch.nn.Module, built: torch.nn.Module) -> None:
     """Give the loop's own ``model`` the initial state ``built`` (the task's, from the run seed), in
     place, so that the loop's references to its tensors (an optimizer built on them) stay valid."""
-    if type(model) is not type(built):
+    if not same_class(type(model), type(built)):
         raise ValueError(f"the loop's model is a {type(model).__qualname__}; the task's plugin builds a "
                          f"{type(built).__qualname__}: a verifier would replay another model")
     mine, theirs = model.state_dict(), built.state_dict()
@@ -331,7 +344,9 @@ def start_run(task: str, settings: dict, out: str, *, model: torch.nn.Module,
     """Witness a loop in one line: the task ``task`` (an installed plugin's) with the recipe its
     ``recipe_from`` reads off the loop's ``settings`` and ``model``, the loop's own model and
     optimizer adopted, a key at ``key`` (created there if missing), a fresh random ``r``, and online
-    challenges from the beacon at ``beacon`` if one is named. ``kwargs`` go to ``Recorder.create``."""
+    challenges from the beacon at ``beacon`` if one is named (by default the ``WITNESS_BEACON``
+    environment variable's URL, so that any witnessed script goes online without a change).
+    ``kwargs`` go to ``Recorder.create``."""
     import os
     from pathlib import Path
 
@@ -341,6 +356,7 @@ def start_run(task: str, settings: dict, out: str, *, model: torch.nn.Module,
 
     built = build_task(task, task_class(task).recipe_from(settings, model))
     link = None
+    beacon = os.environ.get(BEACON_ENV) if beacon is None else beacon
     if beacon:
         from ..beacon.client import BeaconClient
 
