@@ -9,7 +9,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: setup demo leaderboard-demo leaderboard-demo-scale services test lint bench clean
+.PHONY: setup demo leaderboard-demo leaderboard-demo-scale services test docs-check lint bench clean
 
 # The example task plugins are installed too: the tests train and verify them (a task plugin is an
 # installed package, never code inside a bundle).
@@ -46,6 +46,10 @@ services:
 test: setup
 	$(VENV)/bin/ruff check witness tests bench examples
 	url="$$(scripts/services.sh)" && WITNESS_TEST_PG_URL="$$url" $(PY) -m pytest
+
+# every code block of the docs marked `python run`, run as written (the test suite runs them too)
+docs-check: setup
+	$(PY) -m pytest tests/test_docs_snippets.py
 
 bench: setup
 	$(PY) bench/run_all.py

@@ -1,14 +1,15 @@
 """A GPT training loop in nanoGPT's style, witnessed. The lines marked ``# witness`` are all that
-witnessing adds or changes; the loop is otherwise as it would be without it: its own model, its
-own schedule with warm-up, gradient accumulation, clipping and dropout.
+witnessing adds; the loop is otherwise as it would be without it: its own model and optimizer, its
+own get_batch, its own schedule with warm-up, gradient accumulation, clipping and dropout.
 
     python prepare.py                       # data/train.bin, data/val.bin
     python train.py --out_dir=run           # settings as --name=value, as nanoGPT's configurator
     witness verify run --mode offline       # replays steps bit for bit (finds the data by its root)
 
-The plain loop draws its batches with ``get_batch``; the witnessed one takes the committed batch of
-each step from the recorder, split into the same micro-batches, with each micro-batch's dropout
-drawn from its committed seed.
+The recorder adopts the loop's model (giving it the initial state the run seed fixes, which a
+verifier rebuilds) and optimizer; ``rec.batches(get_batch)`` hands the loop the committed batch of
+each step, split into the same micro-batches, with each micro-batch's dropout drawn from its
+committed seed; each ``optimizer.step()`` is recorded as it returns.
 """
 
 import os
@@ -18,8 +19,7 @@ from ast import literal_eval
 
 import numpy as np
 import torch
-from witness.record import Recorder, load_or_create_key  # witness
-from witness.task import StepOutput, build_task  # witness
+from witness.record import start_run  # witness
 
 from witness_example_nanogpt.model import GPT, GPTConfig, get_lr
 
@@ -59,8 +59,8 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 recipe = dict(steps=max_iters, batch_size=batch_size * gradient_accumulation_steps, grad_accum=gradient_accumulation_steps,  # witness
               lr=learning_rate, min_lr=min_lr, warmup=warmup_iters, weight_decay=weight_decay, grad_clip=grad_clip,  # witness
               optimizer_args={"betas": [beta1, beta2]}, data=os.path.join(data_dir, "train.bin"), **model_args)  # witness
-rec = Recorder.create(build_task("nanogpt-style", recipe), out_dir, load_or_create_key(key_file), r=os.urandom(32), checkpoint_every=10)  # witness
-model, optimizer = rec.model, rec.optimizer  # witness: the recorder's (its weights come from the run seed)
+rec = start_run("nanogpt-style", recipe, out_dir, model=model, optimizer=optimizer, key=key_file, checkpoint_every=10)  # witness
+get_batch = rec.batches(get_batch)  # witness: the committed batches, in order
 
 t0 = time.time()
 for it in range(max_iters):
@@ -69,15 +69,15 @@ for it in range(max_iters):
         group["lr"] = lr
     losses = []
     model.train()
-    for X, Y in rec.micro_batches(it):  # witness (was: for micro_step in range(gradient_accumulation_steps): X, Y = get_batch())
+    for _ in range(gradient_accumulation_steps):
+        X, Y = get_batch()
         logits, loss = model(X, Y)
         losses.append(loss.item())
         (loss / gradient_accumulation_steps).backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     train_loss = sum(losses) / len(losses)
-    rec.log_step(it, StepOutput(train_loss, lr, float(grad_norm)))  # witness
     if it % log_interval == 0 or it == max_iters - 1:
         print(f"iter {it}: loss {train_loss:.4f}, lr {lr:.2e}, {1000 * (time.time() - t0) / (it + 1):.0f} ms/iter")
 rec.finish()  # witness

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.dataset import Dataset
+from ..data.tokens import TokenCorpus
 from .base import Task, seed_int
-from .samples import SampleList, TensorSamples, TokenWindows
+from .samples import CorpusWindows, SampleList, TensorSamples, TokenWindows
 
 # optimizer hyperparameters a recipe may set: plain JSON values only (never code)
 JSON_SCALARS = (bool, int, float, str)
@@ -237,7 +238,11 @@ class GenericTask(Task):
                 made = self._dataset
             except OSError:
                 return self.samples
-        return made if isinstance(made, TokenWindows) else self.samples
+        if isinstance(made, TokenWindows):
+            return made
+        if isinstance(made, TokenCorpus) and isinstance(self.samples, TensorSamples):  # left at the default
+            return CorpusWindows(made.dtype)
+        return self.samples
 
     def build_model(self, seed: bytes) -> nn.Module:
         """``make_model()`` with the global RNG seeded from the run seed (restored afterwards)."""

@@ -114,6 +114,24 @@ class TokenWindows(Dataset):
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
+class CorpusWindows:
+    """The codec of a ``TokenCorpus``'s packed windows (``witness.data.tokens``): each sample's 40
+    bytes of document key (32) and stream offset (8) are stripped, and the batch is, as for
+    ``TokenWindows``, ``(inputs, next-token targets)``, ``[B, block]`` each as int64. A generic task
+    whose dataset is a ``TokenCorpus`` collates with it (no plugin strips the prefix itself)."""
+
+    PREFIX = 40
+
+    def __init__(self, dtype: str | np.dtype = "<u2"):
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+
+    def collate(self, samples: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of the windows' tokens."""
+        arr = np.stack([np.frombuffer(s[self.PREFIX:], dtype=self.dtype) for s in samples]).astype(np.int64)
+        t = torch.from_numpy(arr)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
 class SampleList(Dataset):
     """A dataset given as its canonical samples, in order."""
 
