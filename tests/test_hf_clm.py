@@ -108,3 +108,31 @@ def test_online_mode_is_one_environment_variable(work, tmp_path, capsys):
     key = with_beacon(tmp_path, train)
     assert main(["verify", "--allow-weak", str(work / "online" / "witness"), "--mode", "online", "--beacon-key", key]) == 0
     assert "ACCEPTED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(optim="adafactor"), "the Trainer's optim is 'adafactor'"),
+    (dict(adam_beta2=0.95), "adam_beta1/adam_beta2/adam_epsilon"),
+])
+def test_trainer_settings_the_recipe_does_not_have_are_refused(work, tmp_path, monkeypatch, setting, message):
+    import run_clm
+    from transformers import Trainer, TrainingArguments
+
+    from witness.integrations.hf import attach, trainer_recipe
+    from witness.record import start_run
+
+    monkeypatch.chdir(work)
+    base = dict(output_dir=str(tmp_path / "t"), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
+                warmup_steps=1, report_to=[], use_cpu=True)
+    data = run_clm.load_blocks("data/clm/train.txt", "data/clm/vocab.json", block=32)
+    model = run_clm.build_model(len(run_clm.load_vocab("data/clm/vocab.json")), block=32)
+    rec = start_run("clm", vars(TrainingArguments(**base)), str(tmp_path / "run"), model=model,
+                    key=str(tmp_path / "k.pem"))
+    assert trainer_recipe(TrainingArguments(**base))["optimizer_args"] == {"betas": [0.9, 0.999], "eps": 1e-8}
+    # the recipe is built before the script changes its arguments: the Trainer would step another optimizer
+    with pytest.raises(ValueError, match=message):
+        attach(Trainer(model=model, args=TrainingArguments(**base, **setting), train_dataset=data), rec)
+    # a second run in the same process (its task built from the cache) still pins its data files
+    rec2 = start_run("clm", vars(TrainingArguments(**base)), str(tmp_path / "run2"), model=model,
+                     key=str(tmp_path / "k.pem"))
+    assert set(rec2.manifest["data_files"]) == {"data/clm/train.txt", "data/clm/vocab.json"}

@@ -132,6 +132,9 @@ class _LinearSchedule:
         return self.c.lr * self.lam(step, num_warmup_steps=self.c.warmup, num_training_steps=self.c.steps)
 
 
+TRAINER_ADAMW = ("adamw_torch", "adamw_torch_fused")  # the Trainer's own AdamW, under its two names
+
+
 def trainer_recipe(args: Any) -> dict:  # noqa: ANN401 - TrainingArguments, or vars() of them
     """The part of a recipe that a ``Trainer``'s ``TrainingArguments`` set (what ``attach`` checks):
     steps, the batch a step and its accumulation, the rate, warm-up, weight decay and clipping."""
@@ -139,7 +142,8 @@ def trainer_recipe(args: Any) -> dict:  # noqa: ANN401 - TrainingArguments, or v
     accum = a["gradient_accumulation_steps"]
     return dict(steps=a["max_steps"], batch_size=a["per_device_train_batch_size"] * accum, grad_accum=accum,
                 lr=a["learning_rate"], warmup=a["warmup_steps"], weight_decay=a["weight_decay"],
-                grad_clip=a["max_grad_norm"])
+                grad_clip=a["max_grad_norm"],
+                optimizer_args={"betas": [a["adam_beta1"], a["adam_beta2"]], "eps": a["adam_epsilon"]})
 
 
 def trainer_lr(config: Any, step: int) -> float:  # noqa: ANN401 - a recipe
@@ -171,6 +175,16 @@ def attach(trainer: Any, rec: Any) -> None:
         raise ValueError(f"set max_steps={c.steps}, warmup_steps={c.warmup} and the linear schedule, as the task")
     if args.max_grad_norm != c.grad_clip or args.learning_rate != c.lr:
         raise ValueError(f"set max_grad_norm={c.grad_clip} and learning_rate={c.lr}, as the task")
+    optim = getattr(args.optim, "value", args.optim)
+    if trainer.optimizer is None and optim not in TRAINER_ADAMW:
+        raise ValueError(f"the Trainer's optim is {optim!r}; a witnessed Trainer steps the recipe's AdamW (optim "
+                         "'adamw_torch' or its default 'adamw_torch_fused', run as the single-tensor kernel replay runs)")
+    want = getattr(rec.task.config, "optimizer_args", {})
+    if trainer.optimizer is None and (list(want.get("betas", [0.9, 0.999])) != [args.adam_beta1, args.adam_beta2]
+                                      or want.get("eps", 1e-8) != args.adam_epsilon):
+        raise ValueError(f"the Trainer's adam_beta1/adam_beta2/adam_epsilon ({args.adam_beta1}, {args.adam_beta2}, "
+                         f"{args.adam_epsilon}) are not the recipe's optimizer_args {want}: build the recipe with "
+                         "trainer_recipe(args)")
     if trainer.optimizer is None and trainer.model is rec.model:
         trainer.optimizer = rec.optimizer  # the recipe's AdamW (the Trainer's own), built on the script's model
     if trainer.model is not rec.model or trainer.optimizer is not rec.optimizer:

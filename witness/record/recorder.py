@@ -70,7 +70,7 @@ from ..task.base import (
     step_randomness,
     to_device,
 )
-from ..task.registry import build_task, check_task_source, task_class, task_source
+from ..task.registry import build_task, check_task_source, data_names, task_class, task_source
 from .background import DEFAULT_SHARE
 from .loop import Batches, Hooked, adopt, off_by_one_hint
 from .online import BeaconLink, OnlineChallenges, OnlineSpec
@@ -193,6 +193,8 @@ class Recorder:
         with asked() as read:  # the data files the task reads: the small ones are pinned by content
             dataset = task.dataset()
             task.probe_bytes()
+        if not read:  # a task built before in this process read its files then: ask a fresh one which
+            read = data_names(task)
         if dataset.DOCUMENT_RULE != task.document_rule:
             raise ValueError(f"the task {task.name!r} decides document rule {task.document_rule!r}, but its "
                              f"dataset gives documents under {dataset.DOCUMENT_RULE!r}: a verifier would reject "
@@ -202,8 +204,11 @@ class Recorder:
         version = DATA_COMMITMENT
         data_root = dataset.commitment_root(version)
         run_seed = derive_run_seed(data_root, r)
-        if model is not None and (session is not None or parallelism != "none"):
-            raise ValueError("the loop's own model is adopted in a single-process run (pass session= otherwise)")
+        multi = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
+        if model is not None and (session is not None or parallelism != "none" or multi):
+            raise ValueError("the loop's own model is adopted in a single-process run; a torchrun run is recorded "
+                             "with witness.distributed (docs/distributed.md)")
         if optimizer is not None and model is None:
             raise ValueError("the loop's own optimizer comes with the model it steps (model=...)")
         if model is not None and str(device) == "cpu":
