@@ -153,3 +153,56 @@ def submit(client, trainer: Trainer, bundle: Path, cert: Path) -> dict:
     """Upload; returns the server's answer (raises ``LeaderboardError`` on a refusal)."""
     return C.submit(Authed(client, trainer.token), bundle, cert)
 
+
+
+ONLINE_ALL = "all=tiny:steps=20,online=1.0@accuracy+"  # p = 1: every step is selected (deterministic tests)
+
+
+def online_recorder(client, trainer: Trainer, track: str, out: Path, link=C.LeaderboardBeacon, p: float = 1.0):
+    """A recorder on a ticket of ``track`` that takes online challenges from the leaderboard (``link``
+    may be a subclass of the leaderboard's beacon link that misbehaves)."""
+    from witness.record import Recorder
+    from witness.record.online import OnlineSpec
+    from witness.task import build_task
+
+    a = Authed(client, trainer.token)
+    tk = C.ticket(a, track)
+    task = build_task(tk["task"], tk["config"])
+    return Recorder.create(task, out, trainer.key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=5,
+                           beacon=link(a, tk["run_id"]), online=OnlineSpec.for_steps(task.config.steps, p=p),
+                           self_check=False)  # some of these trainers cheat
+
+
+def train_steps(rec, steps, factor=lambda t: 1.0) -> None:  # noqa: ANN001 - a Recorder
+    """Train ``steps`` with the recorder, the learning rate scaled in secret by ``factor(t)`` (the
+    schedule's rate is logged)."""
+    for t in steps:
+        out = rec.task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t) * factor(t), rec.step_seed(t))
+        rec.log_step(t, dataclasses.replace(out, lr=rec.lr(t)))
+
+
+class WithholdingBeacon(C.LeaderboardBeacon):
+    """Uploads no samples for the selected steps from ``WITHHOLD_FROM`` on: those stay selected,
+    awaiting their state, whatever happens to the run."""
+
+    WITHHOLD_FROM = 8
+
+    def publish(self, kind: str, step: int, path: Path) -> None:
+        """Upload, except the samples of the withheld steps."""
+        if kind == "samples" and step >= self.WITHHOLD_FROM:
+            return
+        super().publish(kind, step, path)
+
+
+def rejected_online_run(client, trainer: Trainer, lb, out: Path, track: str = "all") -> int:  # noqa: ANN001 - a Leaderboard
+    """A run rejected while it trained (steps 6.. trained with a secretly larger learning rate), whose
+    selected steps 8 and 9 never got their samples: returns its id."""
+    from witness.leaderboard.worker import work
+
+    rec = online_recorder(client, trainer, track, out, link=WithholdingBeacon)
+    train_steps(rec, range(12), lambda t: 3.0 if t >= 6 else 1.0)
+    rec.online.wait()  # heads to step 10's checkpoint answered: states of 0..9 up, samples of 0..7
+    work(lb, once=True)  # the server's worker replays what is ready, and step 6 fails
+    run_id = rec.online.link.run_id
+    rec.online.close()
+    return run_id

@@ -229,7 +229,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         out = run_json(r, s.get(Account, r.account_id), s.get(Track, r.track))
         out["verdict"] = json.loads(r.verdict_json) if r.verdict_json else None
         out["heads"] = [head_json(h) for h in lb.heads(s, run_id)]
-        out["online"] = online_progress(s, r.id) | {"p": r.online_p} if r.online_p is not None else None
+        out["online"] = online_progress(s, r) | {"p": r.online_p} if r.online_p is not None else None
         return out
 
     @app.patch("/api/runs/{run_id}", tags=["runs"])

@@ -120,27 +120,42 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         # only the steps replayed are decided: a ready step past the live log's last head (the
         # final window) waits for the certification
         results = {r.step: r for r in (verdict.results if verdict is not None else [])}
-        passed = not failures
-        replayed = [row for row in ready if row.step in results]
-        if passed and not replayed:
-            return _close(s, job, worker)
-        rnd = Round(run_id=run.id, job_id=job.id, kind="online", requested_by=None, nonce="",
-                    count=verdict.verified if verdict is not None else 0, passed=passed, bound=verdict.detection_probability if verdict else 0.0,
-                    detail="; ".join(failures) if failures else
-                    f"steps {', '.join(str(r.step) for r in replayed)} replayed as their states arrived: all matched",
-                    worker=worker, finished_ms=now_ms())
+        evidence = {e.step: e for e in (verdict.ledger if verdict is not None else [])}
+        rnd = Round(run_id=run.id, job_id=job.id, kind="online", requested_by=None, nonce="", count=0, passed=False,
+                    bound=verdict.detection_probability if verdict else 0.0, detail="", worker=worker,
+                    finished_ms=now_ms())
         s.add(rnd)
         s.flush()
-        evidence = {e.step: e for e in (verdict.ledger if verdict is not None else [])}
-        for row in replayed:
-            r = results[row.step]
-            row.status, row.round_id, row.failure = ("passed" if r.passed else "failed"), rnd.id, r.failure
-            if r.passed and row.step in evidence:  # what the certification counts without replaying it
-                row.ledger_json = json.dumps(evidence[row.step].to_json())
-            s.add(ChallengeRow(round_id=rnd.id, step=row.step, length=1, passed=r.passed,
-                               distances_json=json.dumps(r.distances), failure=r.failure))
+        # Two online jobs of one run (one queued while another runs, on two workers) read the same
+        # ready rows and both replay them. Each step is decided once, by the round whose conditional
+        # update takes it from "ready": the other round leaves it out, so no step is listed (or
+        # counted) twice in the run's challenge history.
+        replayed = []
+        for row in ready:
+            r = results.get(row.step)
+            if r is None:
+                continue
+            taken = s.execute(update(OnlineStep).where(OnlineStep.id == row.id, OnlineStep.status == "ready").values(
+                status="passed" if r.passed else "failed", round_id=rnd.id, failure=r.failure,
+                # what the certification counts without replaying it
+                ledger_json=json.dumps(evidence[row.step].to_json()) if r.passed and row.step in evidence else None,
+            ).execution_options(synchronize_session=False)).rowcount
+            if taken:
+                replayed.append((row, r))
+                s.add(ChallengeRow(round_id=rnd.id, step=row.step, length=1, passed=r.passed,
+                                   distances_json=json.dumps(r.distances), failure=r.failure))
+        failed = {t for t, r in results.items() if not r.passed}
+        if failures and failed and not failed & {row.step for row, _ in replayed}:
+            failures = []  # the steps that failed were another round's to decide: it rejects the run on them
+        passed = not failures
+        if passed and not replayed:  # nothing new: another round decided these steps (or none was replayed)
+            s.rollback()
+            return _close(s, job, worker)
+        rnd.count, rnd.passed = sum(1 for _, r in replayed if r.passed), passed
+        rnd.detail = "; ".join(failures) if failures else \
+            f"steps {', '.join(str(row.step) for row, _ in replayed)} replayed as their states arrived: all matched"
         if failures:
-            bad = next((row for row in replayed if row.status == "failed"), None)
+            bad = next((row for row, r in replayed if not r.passed), None)
             where = f"step {bad.step}" if bad is not None else "its streamed log"
             reason = f"online challenge failed while the run trained ({where}): " + "; ".join(failures)
             t = now_ms()
@@ -178,11 +193,21 @@ def last_root(s, run_id: int) -> str:  # noqa: ANN001 - a Session
     return s.scalar(select(Head.root).where(Head.run_id == run_id).order_by(Head.size.desc()).limit(1))
 
 
-def online_progress(s, run_id: int) -> dict:  # noqa: ANN001 - a Session
-    """How far the online audit of a run has come: steps selected, uploaded, replayed and failed."""
+OPEN = ("ticketed", "pending", "verifying")  # a run whose online audit may still go on
+
+
+def online_progress(s, run: Run) -> dict:  # noqa: ANN001 - a Session
+    """How far the online audit of a run has come: steps selected, uploaded, replayed and failed.
+
+    Only a run still open (training, or submitted and not yet decided) has work pending: a decided
+    run's selected steps that were never replayed are ``not_replayed``, never "being replayed" or
+    "awaiting their state" (a rejected run's uploads are closed, and no worker takes them up)."""
     rows = s.execute(select(OnlineStep.status, Round.kind).outerjoin(Round, OnlineStep.round_id == Round.id)
-                     .where(OnlineStep.run_id == run_id)).all()
+                     .where(OnlineStep.run_id == run.id)).all()
     count = {k: sum(1 for st, _ in rows if st == k) for k in ("selected", "ready", "passed", "failed")}
     live = sum(1 for st, kind in rows if st == "passed" and kind == "online")
-    return {"selected": len(rows), "waiting": count["selected"], "ready": count["ready"], "verified": count["passed"],
-            "failed": count["failed"], "while_training": live}
+    open_ = run.status in OPEN
+    return {"selected": len(rows), "waiting": count["selected"] if open_ else 0,
+            "ready": count["ready"] if open_ else 0, "verified": count["passed"], "failed": count["failed"],
+            "while_training": live, "at_submission": count["passed"] - live,
+            "not_replayed": 0 if open_ else count["selected"] + count["ready"]}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -189,3 +191,110 @@ def committed_files(lb: Leaderboard, r: Run) -> dict[str, str]:
         for name in ("loss", "optimizer", "fingerprints"):
             out[f"{name}.svg"] = plot_key(r.id, name)
     return {k: key for k, key in out.items() if lb.store.exists(key)}
+
+
+# --- figures, rounded for reading ------------------------------------------------------------
+# A page must never claim more than was checked: a bound (a probability of detection) is rounded
+# down, the bad fraction it holds against rounded up (a bound that holds against >= 5 % of bad steps
+# holds against >= 6 %, not against >= 4 %), and a selection probability rounded down.
+
+
+def _decimal(x: float) -> Decimal:
+    """The shortest decimal that reads back as ``x`` (so 0.99 is 0.99, not 0.98999…)."""
+    return Decimal(repr(float(x)))
+
+
+def _plain(d: Decimal) -> str:
+    """A decimal without trailing zeros or exponent."""
+    text = f"{d:f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def percent_down(x: float, places: int = 1) -> str:
+    """A probability as a percentage rounded down to ``places`` decimals ("99.0"; "100" only for 1)."""
+    if x >= 1:
+        return "100"
+    return f"{(_decimal(x) * 100).quantize(Decimal(1).scaleb(-places), rounding=ROUND_FLOOR):f}"
+
+
+def percent_up(x: float, places: int = 2) -> str:
+    """A fraction as a percentage rounded up to at most ``places`` decimals, no trailing zeros ("5")."""
+    return _plain((_decimal(x) * 100).quantize(Decimal(1).scaleb(-places), rounding=ROUND_CEILING))
+
+
+def fraction_down(x: float, places: int = 4) -> str:
+    """A probability such as p rounded down to at most ``places`` decimals ("0.7845")."""
+    return _plain(_decimal(x).quantize(Decimal(1).scaleb(-places), rounding=ROUND_FLOOR))
+
+
+def bound_text(bound: float, bad_fraction: float, bad: str = "bad steps") -> str:
+    """What a detection bound says: "≥ 99.0 % against ≥ 5 % bad steps" (both rounded the safe way)."""
+    shown = "100 %" if bound >= 1 else f"≥ {percent_down(bound)} %"  # a bound of 1: no bad run escapes
+    return f"{shown} against ≥ {percent_up(bad_fraction)} % {bad}"
+
+
+def number(x: object) -> str:
+    """A figure for reading: integers whole, other numbers to 4 significant digits."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.4g}"
+
+
+def step_ranges(steps: list[int]) -> str:
+    """Steps as ranges: "0–4, 7, 9–12"."""
+    runs: list[list[int]] = []
+    for t in sorted(set(steps)):
+        if runs and t == runs[-1][1] + 1:
+            runs[-1][1] = t
+        else:
+            runs.append([t, t])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs) or "none"
+
+
+# VerificationError's form "step N: replay: …": a replay reached step N and it did not match
+_REPLAY_FAILED = re.compile(r"^step (\d+): replay: ")
+
+
+def audit_replayed(verdict: dict) -> dict:
+    """The distinct steps one audit replayed itself, each counted once: those its ledger holds
+    (replayed from a checked committed state onto a compared one; not those an earlier audit
+    replayed) and those where its replay failed. A verifier that replays a failed segment again for
+    each later challenge in it runs those steps again, and its ``replayed_steps`` counts every
+    pass; the share of the training is taken over distinct steps, so it never passes 100 %."""
+    ledger = verdict.get("ledger") or []
+    earlier = {e["step"] for e in ledger if e.get("earlier")}
+    steps = {e["step"] for e in ledger if not e.get("earlier")}
+    for r in verdict.get("results") or []:
+        m = _REPLAY_FAILED.match(r.get("failure") or "")
+        if m:
+            steps.add(int(m.group(1)))
+    total = verdict.get("steps") or 0
+    steps = {t for t in steps if 0 <= t < total}
+    return {"steps": sorted(steps), "count": len(steps), "total": total, "earlier": len(earlier - steps),
+            "share": percent_down(len(steps) / total, 2) if total else "0"}
+
+
+def challenge_counts(rounds: list[dict]) -> list[dict]:
+    """The run's challenges split by when they were drawn and who asked: at submission (the
+    server), while it trained (the server's beacon; its rounds together, each step once), and each
+    later round (by its asker)."""
+    out: list[dict] = []
+    live = [r for r in rounds if r["kind"] == "online"]
+    if live:
+        steps = {c["step"]: c["passed"] for r in live for c in r["challenges"]}
+        out.append({"when": "while it trained", "who": "this server's beacon (selected), its workers (replayed)",
+                    "rounds": len(live), "challenges": len(steps), "matched": sum(steps.values()),
+                    "failed": len(steps) - sum(steps.values()), "passed": all(r["passed"] for r in live),
+                    "finished_ms": max(r["finished_ms"] for r in live), "kind": "online"})
+    for r in rounds:
+        if r["kind"] == "online":
+            continue
+        matched = sum(1 for c in r["challenges"] if c["passed"])
+        out.append({"when": "at submission" if r["kind"] == "certify" else f"later (round {r['round']})",
+                    "who": "this server" if r["requested_by"] == "server" else r["requested_by"],
+                    "rounds": 1, "challenges": len(r["challenges"]), "matched": matched,
+                    "failed": len(r["challenges"]) - matched, "passed": r["passed"], "finished_ms": r["finished_ms"],
+                    "kind": r["kind"]})
+    return out
