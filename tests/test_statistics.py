@@ -91,3 +91,31 @@ def test_challenges_needed():
     # challenges are distinct steps: covering every step leaves no bad step unseen
     assert detection_probability(0.05, 40, steps=40) == 1.0
     assert detection_probability(0.05, 39, steps=40) == pytest.approx(1 - 0.95**39)
+
+
+def test_a_failed_segment_replayed_again_counts_its_steps_once_and_its_bound_rounds_down(tmp_path):
+    """Each later challenge in a failed segment replays it again: compute, not more evidence. The
+    verdict counts the steps replayed once each, says how many replays that took, and shows no bound
+    rounded up."""
+    import pytest
+    import torch
+    from helpers import train_tiny
+
+    from witness.errors import RunRejected
+    from witness.verify import verify_bundle
+    from witness.verify.verdict import percent_down
+
+    def cheat(rec, t, batch):
+        out = rec.task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t))
+        if t == 3:
+            with torch.no_grad():
+                next(rec.model.parameters()).view(-1)[0] += 0.5
+        return out
+
+    bundle = train_tiny(tmp_path / "b", config={"steps": 8}, checkpoint_every=8, state_every=8, cheat=cheat)
+    with pytest.raises(RunRejected) as caught:
+        verify_bundle(bundle, mode="offline", challenges=8)
+    v = caught.value.verdict
+    assert v.distinct_steps <= 8 < v.replayed_steps  # the segment of steps 0..7 was replayed more than once
+    assert f"{v.distinct_steps} distinct step(s) replayed ({v.replayed_steps} replays of them)" in v.summary()
+    assert percent_down(0.99996) == "99.99" and percent_down(0.99) == "99.00" and percent_down(1.0) == "100.00"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RunRejected, VerificationError
+from ..verify.verdict import percent_down
 from .args import (
     challenge_args,
     challenges_q,
@@ -96,7 +97,7 @@ def report_verdict(args: argparse.Namespace, audit, weak_fails: bool = False) ->
         return e.exit_code
     _print_verdict(verdict, args)
     if weak_fails and getattr(verdict, "outcome", "accepted") == "weak":
-        print(f"WEAK: accepted, but the bound {100 * verdict.detection_probability:.2f}% is below the "
+        print(f"WEAK: accepted, but the bound {percent_down(verdict.detection_probability)}% is below the "
               f"{100 * verdict.floor:g}% this audit must reach (exit {EXIT_WEAK}; --allow-weak accepts it)",
               file=sys.stderr)
         return EXIT_WEAK

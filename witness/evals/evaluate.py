@@ -19,6 +19,7 @@ from ..verify.audit import task_of
 from ..verify.challenges import sample_indices, weak_bound_warning
 from ..verify.data_queries import run_commitments
 from ..verify.usage import check_data_usage, check_document_rule, committed_leaves
+from ..verify.verdict import percent_down
 from .certificate import build_body, check_certificate, sign_certificate, spot_probability
 from .contamination import contaminated, near_duplicates
 from .release import final_model_tensors
@@ -87,7 +88,7 @@ class EvalVerdict:
                  f"  aggregates (recomputed exactly): {canonical_json(self.aggregates).decode()}",
                  f"  contamination: all {self.eval_documents} evaluation documents proven absent from the training data",
                  f"  spot checks: {self.challenges} example(s) re-run; had >= {100 * self.bad_fraction:g}% of the "
-                 f"results been forged, this catches it with probability >= {100 * self.detection_probability:.2f}%",
+                 f"results been forged, this catches it with probability >= {percent_down(self.detection_probability)}%",
                  f"  near-duplicates (information only): {self.near_duplicates.get('shared_fraction', 0):.4f} of "
                  "long evaluation n-grams also occur in used training documents"]
         warning = weak_bound_warning(self.detection_probability, self.bad_fraction, flag="--spot", bad="forged results")

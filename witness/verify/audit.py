@@ -298,6 +298,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         verdict.results.append(result)
 
     verdict.replayed_steps = replayer.steps_run
+    verdict.distinct_steps = len(replayer.distinct)
     verdict.replay_flops = replayer.steps_run * task.flops_per_step()
     verdict.training_flops = n * task.flops_per_step()
     verdict.ledger = list(replayer.ledger)

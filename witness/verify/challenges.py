@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..commit.hashing import canonical_json, tagged_hash
 from ..commit.signing import SignedTreeHead
+from .verdict import percent_down
 
 
 @dataclass(frozen=True, order=True)
@@ -73,7 +74,7 @@ def weak_bound_warning(probability: float, bad_fraction: float, wanted: float | 
     if probability >= floor:
         return None
     need = challenges_needed(floor, bad_fraction)
-    return (f"WARNING: weak audit: the bound {100 * probability:.2f}% is below the {100 * floor:g}% "
+    return (f"WARNING: weak audit: the bound {percent_down(probability)}% is below the {100 * floor:g}% "
             f"{'asked for' if wanted is not None else 'that a meaningful audit needs'}, so a run with "
             f"{100 * bad_fraction:g}% {bad} could well pass it; ask for {flag} {need} or more")
 

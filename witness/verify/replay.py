@@ -200,6 +200,7 @@ class Replayer:
         self.position: int | None = None
         self._replayed_from: int | None = None  # every step from here to `position` was replayed and checked
         self.steps_run = 0
+        self.distinct: set[int] = set()  # the steps replayed, each once however often it was replayed
         # the evidence: a step enters the ledger only once replay reached a committed state after it
         # and compared it, starting from a committed state whose hash was checked (``_origin``)
         self.ledger: list[LedgerEntry] = []
@@ -282,6 +283,7 @@ class Replayer:
         out = self.session.step(t, samples)
         self.position = t + 1
         self.steps_run += 1
+        self.distinct.add(t)
         self._pending.append(t)
         fp, sk = self.session.fingerprint(), self.session.sketch()
         if self.exact:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from .ledger import LedgerEntry
+
+
+def percent_down(p: float, digits: int = 2) -> str:
+    """A probability as a percentage rounded down (a bound shown rounded up would claim more than
+    was checked: 0.99996 is "99.99", never "100.00")."""
+    scale = 10 ** digits
+    return f"{math.floor(100 * p * scale * (1 + 1e-12)) / scale:.{digits}f}"
 
 
 @dataclass
@@ -41,7 +49,8 @@ class Verdict:
     checks: list[str] = field(default_factory=list)
     thresholds: dict[str, float] = field(default_factory=dict)
     results: list[ChallengeResult] = field(default_factory=list)
-    replayed_steps: int = 0
+    replayed_steps: int = 0  # step replays run (a step replayed again, after a failed segment, counts again)
+    distinct_steps: int | None = None  # the steps replayed, each once
     verify_seconds: float = 0.0
     replay_flops: float = 0.0
     training_flops: float = 0.0
@@ -85,7 +94,7 @@ class Verdict:
                     f"{'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
                     "no final beacon statement counts the run's other attempts (or add an after-the-fact audit)")
         need = p_needed(floor, self.bad_fraction, self.steps - self.online["unaudited"])
-        return (f"WARNING: weak audit: the online bound {100 * self.detection_probability:.2f}% is below the "
+        return (f"WARNING: weak audit: the online bound {percent_down(self.detection_probability)}% is below the "
                 f"{100 * floor:g}% {'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
                 f"the run's beacon selected steps with p = {self.online['p']:g}, and {100 * floor:g}% needs "
                 f"p >= {need:.3g} with every step under a statement and no other attempt "
@@ -116,19 +125,26 @@ class Verdict:
         out["bound"] = self.detection_probability
         return out
 
+    def _replayed(self) -> str:
+        distinct = self.replayed_steps if self.distinct_steps is None else self.distinct_steps
+        if distinct == self.replayed_steps:
+            return f"{distinct} step(s) replayed"
+        # a failed segment is replayed again by each later challenge in it: compute, not more evidence
+        return f"{distinct} distinct step(s) replayed ({self.replayed_steps} replays of them)"
+
     def summary(self) -> str:
         """A few readable lines."""
         head = {"accepted": "ACCEPTED", "weak": "ACCEPTED (WEAK)", "rejected": "REJECTED"}[self.outcome]
         lines = [
             f"{head}: {self.task} run of {self.steps} steps ({'complete' if self.complete else 'incomplete'}), signed by {self.signer}",
             f"  mode {self.mode}, {'exact' if self.exact else 'tolerance'} comparison, {self.challenges} challenge(s), "
-            f"{self.replayed_steps} step(s) replayed = {100 * self.cost_fraction:.2f}% of the training compute"
+            f"{self._replayed()} = {100 * self.cost_fraction:.2f}% of the training compute"
             f" ({self.threads} thread(s))",
             "  each challenge replays from the committed training state before its step to the one after it "
             + ("(the whole state is committed at every step)" if self.state_every == 1 else
                f"(the whole state is committed every {self.state_every} steps)"),
             f"  bound: had >= {100 * self.bad_fraction:g}% of the steps been bad, this audit would have caught it "
-            f"with probability >= {100 * self.detection_probability:.2f}% "
+            f"with probability >= {percent_down(self.detection_probability)}% "
             f"({self._formula()})",
         ]
         earlier = sum(1 for e in self.ledger if e.earlier)
