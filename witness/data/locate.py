@@ -11,6 +11,7 @@ path that could be it (``candidates``) until one has the committed root.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,11 @@ _dirs: ContextVar[tuple[Path, ...]] = ContextVar("witness_data_dirs", default=()
 _pinned: ContextVar[dict[str, Path] | None] = ContextVar("witness_data_pinned", default=None)
 # names asked for since ``asked()`` began (what the offline audit must find)
 _asked: ContextVar[list[str] | None] = ContextVar("witness_data_asked", default=None)
+# within ``no_data()``: every name is missing, whatever lies on this disk
+_no_data: ContextVar[bool] = ContextVar("witness_no_data", default=False)
+# name -> (sha256, size): the file a name stands for is the one with that content (a run's data_files)
+_by_content: ContextVar[dict[str, tuple[str, int]] | None] = ContextVar("witness_by_content", default=None)
+_found: ContextVar[dict[str, Path] | None] = ContextVar("witness_found", default=None)
 
 
 @contextmanager
@@ -76,9 +82,14 @@ def data_file(name: str) -> Path:
     asked = _asked.get()
     if asked is not None and name not in asked:
         asked.append(name)
+    if _no_data.get():
+        raise FileNotFoundError(f"the data {name!r} is not read here (a decision that must not depend on the disk)")
     pinned = (_pinned.get() or {}).get(name)
     if pinned is not None:
         return pinned
+    want = (_by_content.get() or {}).get(name)
+    if want is not None:
+        return _content(name, *want)
     for d in search_path():
         p = d / name
         if p.exists():
@@ -86,6 +97,47 @@ def data_file(name: str) -> Path:
     where = ", ".join(str(d) for d in search_path())
     raise FileNotFoundError(f"the data {name!r} is in none of the data folders ({where}): pass the folder it lies "
                             f"in with --data DIR (or set {SEARCH_ENV})")
+
+
+@contextmanager
+def no_data() -> Iterator[None]:
+    """Within the block, every data name is missing: for what must follow from a recipe alone (how a
+    task's samples are decoded), never from which files a machine happens to hold."""
+    token = _no_data.set(True)
+    try:
+        yield
+    finally:
+        _no_data.reset(token)
+
+
+@contextmanager
+def by_content(files: dict[str, dict]) -> Iterator[dict[str, Path]]:
+    """Within the block, a name of ``files`` (a manifest's ``data_files``: name -> sha256, size) stands
+    for the file of the search path with that content, found when the task first asks for it (never
+    for a name it does not read); the dict yielded fills with what was found where."""
+    found: dict[str, Path] = {}
+    t1 = _by_content.set({**(_by_content.get() or {}), **{k: (v["sha256"], v["size"]) for k, v in files.items()}})
+    t2 = _found.set(found)
+    try:
+        yield found
+    finally:
+        _found.reset(t2)
+        _by_content.reset(t1)
+
+
+def _content(name: str, sha256: str, size: int) -> Path:
+    found = _found.get()
+    if found is not None and name in found:
+        return found[name]
+    path = find_by_content(name, sha256, size)
+    if path is None:
+        where = ", ".join(str(d) for d in search_path())
+        raise FileNotFoundError(f"the run's data file {name!r} (sha256 {sha256[:16]}…, {size} bytes) is in none of "
+                                f"the data folders ({where}): pass the folder it lies in with --data DIR (or set "
+                                f"{SEARCH_ENV})")
+    if found is not None:
+        found[name] = path
+    return path
 
 
 @contextmanager
@@ -117,10 +169,10 @@ def candidates(name: str) -> Iterator[Path]:
     seen: set[Path] = set()
     looked = 0
     for d in search_path():
-        first = d / name
-        if first.exists() and first.resolve() not in seen:
-            seen.add(first.resolve())
-            yield first
+        first = _resolved(d / name)
+        if first is not None and first not in seen:
+            seen.add(first)
+            yield d / name
         if not d.is_dir():
             continue
         for dirpath, dirnames, filenames in os.walk(d):
@@ -131,9 +183,18 @@ def candidates(name: str) -> Iterator[Path]:
                 if looked > MAX_CANDIDATES:
                     return
                 p = Path(dirpath) / e
-                if p.suffix == suffix and p.resolve() not in seen:
-                    seen.add(p.resolve())
+                real = _resolved(p) if p.suffix == suffix else None
+                if real is not None and real not in seen:
+                    seen.add(real)
                     yield p
+
+
+def _resolved(p: Path) -> Path | None:
+    """Where an existing entry really is (None for one that is missing, unreadable or a link loop)."""
+    try:
+        return p.resolve() if p.exists() else None
+    except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
+        return None
 
 
 SIDE_FILE_MAX = 64 << 20  # a file a task reads up to this size is pinned by its hash in the manifest
@@ -171,8 +232,15 @@ def find_by_content(name: str, sha256: str, size: int) -> Path | None:
     candidate for the name (another file name, another folder) of that size and hash."""
     for p in candidates(name):
         try:
-            if p.is_file() and p.stat().st_size == size and file_sha256(p) == sha256:
+            st = p.stat()
+            if p.is_file() and st.st_size == size and _cached_sha256(str(p.resolve()), st.st_size, st.st_mtime_ns) == sha256:
                 return p
         except OSError:
             continue
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_sha256(path: str, size: int, mtime_ns: int) -> str:
+    # one hash a file, however many names a run pins at that size (a file that changes is hashed again)
+    return file_sha256(Path(path))

@@ -60,8 +60,10 @@ def check_same_dataset(rec: Any, dataset: Any) -> None:  # noqa: ANN401 - the fr
     try:
         mine = task._as_dataset(dataset, "train")
         root = mine.commitment_root(rec.manifest.get("data_commitment", 1))
-    except (TypeError, ValueError, KeyError) as e:
-        raise ValueError(f"the loop's dataset cannot be coded as the task {task.name!r} codes its samples: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"the loop's dataset cannot be coded as the task {task.name!r} codes its samples ({e}): "
+                         "its samples must be what the plugin's make_dataset gives (tensors: a datasets.Dataset "
+                         "gives lists unless .with_format('torch'))") from None
     if len(mine) != rec.manifest["dataset_size"] or root.hex() != rec.manifest["data_root"]:
         raise ValueError(f"the loop's dataset ({len(mine)} samples, root {root.hex()[:16]}…) is not the task's "
                          f"({rec.manifest['dataset_size']} samples, root {rec.manifest['data_root'][:16]}…): the "

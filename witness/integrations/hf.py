@@ -191,6 +191,13 @@ def attach(trainer: Any, rec: Any) -> None:
         raise ValueError("give the Trainer the model the recorder adopted (start_run(..., model=model)), and no "
                          "optimizer of its own: the recorder's is the recipe's, built on that model")
     if not isinstance(trainer.train_dataset, CommittedDataset):
+        if trainer.data_collator is not t.default_data_collator and not isinstance(
+                trainer.data_collator, t.DataCollatorWithPadding):
+            # replay collates the committed samples with the task's codec: a collator of the script's own
+            # (masking, padding to a multiple, ...) would be silently dropped, and the run not what it wrote
+            raise ValueError(f"the Trainer's data_collator is the script's own ({type(trainer.data_collator).__name__}): "
+                             "a witnessed Trainer collates the committed samples as the task does; give the plugin "
+                             "samples that collate to what the collator gave, and leave data_collator unset")
         check_same_dataset(rec, trainer.train_dataset)
         trainer.train_dataset = committed_dataset(rec)  # the same samples, by index, as the task's bytes
     seen: dict[str, Any] = {}

@@ -192,6 +192,10 @@ def committed_loader(rec: Any, loader: torch.utils.data.DataLoader | None = None
         if loader.batch_size != task.config.batch_size // task.grad_accum:
             raise ValueError(f"the loader's batch_size is {loader.batch_size}; the recipe's micro-batch is "
                              f"{task.config.batch_size // task.grad_accum}")
+        if loader.collate_fn is not torch.utils.data.default_collate:
+            raise ValueError("the loader's collate_fn is the script's own: a witnessed run collates the committed "
+                             "samples as the task does (replay can do no other); leave collate_fn unset and give "
+                             "the plugin samples that collate to what it gave")
         check_same_dataset(rec, loader.dataset)
     return torch.utils.data.DataLoader(CommittedDataset(rec), batch_size=task.config.batch_size // task.grad_accum,
                                        sampler=CommittedOrder(rec), collate_fn=task.collate)

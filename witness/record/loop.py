@@ -28,6 +28,7 @@ A forward or a batch asked for without gradients (an evaluation, ``@torch.no_gra
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,9 @@ if TYPE_CHECKING:
 # the optimizer settings a loop's own optimizer may leave at torch's default where the recipe's sets
 # them: ``None`` is "torch chooses", which on the CPU is the single-tensor kernel the recipe names
 KERNEL_FLAGS = ("foreach", "fused")
-BEACON_ENV = "WITNESS_BEACON"  # start_run's beacon where the script names none
+BEACON_ENV = "WITNESS_BEACON"
+# the hooks on a model or optimizer (by the object): at most one recorder's at a time
+HOOKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # start_run's beacon where the script names none
 
 
 def off_by_one_hint(steps: int) -> str:
@@ -87,6 +90,10 @@ def adopt(session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     the session built, and the optimizer (the recipe's, built on the loop's model, where the loop
     has none) must step as the recipe's does."""
     task = session.task
+    for obj in (model, optimizer):
+        old = HOOKED.get(obj) if obj is not None else None
+        if old is not None:
+            old.close()  # a run that failed before (a notebook's second start): its hooks and generators go
     adopt_model(model, session.model)
     if optimizer is None:
         optimizer = task.build_optimizer(model)
@@ -154,6 +161,10 @@ class Hooked:
         self.saved: tuple | None = None  # the generators' own states while a step owns them
         self.step = rec.start_step  # the step the optimizer takes next
         self.ready = -1  # the last step whose committed batch the recorder was told of
+        for old in (HOOKED.get(model), HOOKED.get(optimizer)):
+            if old is not None:
+                old.close()  # a run that failed before (a notebook's second start): its hooks go first
+        HOOKED[model] = HOOKED[optimizer] = self
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, with_kwargs=True),
@@ -165,6 +176,9 @@ class Hooked:
         for h in self.handles:
             h.remove()
         self.handles = []
+        for obj in (self.model, self.optimizer):
+            if HOOKED.get(obj) is self:
+                del HOOKED[obj]
         self._give_back()
 
     # --- batches --------------------------------------------------------------------------
@@ -181,7 +195,7 @@ class Hooked:
             del self.parts[step]
         self.handed += 1
         for t in _tensors(part):
-            self.live[id(t)] = (t, step, k, part)
+            self.live[id(t)] = (t, step, k, part, t._version)
         return part
 
     # --- the model's hooks ------------------------------------------------------------------
@@ -189,8 +203,15 @@ class Hooked:
         for t in _tensors((args, kwargs)):
             hit = self.live.get(id(t))
             if hit is not None and hit[0] is t:
-                return hit[1:]
+                if any(x._version != v for x, v in self._versions(hit[3])):
+                    raise ValueError(f"step {hit[1]}'s committed micro-batch {hit[2]} was changed in place before the "
+                                     "forward (e.g. targets masked): a verifier replays the committed batch as it "
+                                     "was handed out; change it in the model's forward or the task's loss instead")
+                return hit[1:4]
         return None
+
+    def _versions(self, part: Any) -> list[tuple[torch.Tensor, int]]:  # noqa: ANN401 - a micro-batch
+        return [(v[0], v[4]) for v in self.live.values() if v[3] is part]
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
@@ -202,9 +223,11 @@ class Hooked:
         if step != self.step:
             raise ValueError(f"a forward on step {step}'s batch while step {self.step} is being trained: take the "
                              "batches in order, one step's micro-batches before the next step's")
+        if self.ready != step:  # once a step, before its first forward: the state it starts from
+            self.rec.ready_for(step)
+            self.ready = step
         if self.saved is None:
             self.saved = _generators()
-        self.rec.ready_for(step)
         seed = self.rec.step_seed(step)
         _seed_generators(seed if self.accum == 1 else micro_seed(seed, k), self.device)
 
@@ -240,7 +263,8 @@ class Hooked:
         if len(self.losses) != self.accum or self.norm is None:
             raise ValueError(f"step {step} ran a forward and backward on {len(self.losses)} of its {self.accum} "
                              "committed micro-batch(es): the loop must train each step on the batches "
-                             "rec.batches hands it, in order")
+                             "rec.batches hands it, in order (a batch asked for under torch.no_grad(), or for "
+                             "another split than 'train', is the loop's own, for evaluation)")
         rates = {g["lr"] for g in optimizer.param_groups}
         if len(rates) != 1:
             raise ValueError(f"step {step} ran with {len(rates)} learning rates in its parameter groups; the recipe "

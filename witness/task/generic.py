@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.dataset import Dataset
-from ..data.tokens import TokenCorpus
+from ..data.locate import no_data
+from ..errors import VerificationError
 from .base import Task, seed_int
-from .samples import CorpusWindows, SampleList, TensorSamples, TokenWindows
+from .samples import SampleList, TensorSamples, TokenWindows
 
 # optimizer hyperparameters a recipe may set: plain JSON values only (never code)
 JSON_SCALARS = (bool, int, float, str)
@@ -225,24 +226,31 @@ class GenericTask(Task):
         return self._eval
 
     def collate(self, samples: list[bytes]) -> Any:
-        """Canonical bytes -> a batch, by the codec (a ``TokenWindows`` dataset is its own)."""
-        return self._codec().collate(samples)
+        """Canonical bytes -> a batch, by the codec (a ``TokenWindows`` dataset is its own). Samples
+        that do not decode (a bundle's, which may lie) are a ``VerificationError`` naming why."""
+        try:
+            return self._codec().collate(samples)
+        except Exception as e:  # noqa: BLE001 - whatever the codec raised on bytes it did not expect
+            raise VerificationError(f"the samples do not decode as the task {self.name!r} decodes them "
+                                    f"({type(e).__name__}: {e})", check="samples") from None
 
     def _codec(self) -> Any:  # noqa: ANN401 - TokenWindows or the task's ``samples``
-        # Collating needs no data: a TokenWindows dataset (its own codec) opens its file only when a
-        # sample is read, and a dataset that must read its data to be built (a list from a file) is
-        # coded by ``samples``; so where that data is not here (the cheap audit), ``samples`` codes.
-        made = self.__dict__.get("_datasets", {}).get("train")
-        if made is None:
+        # How samples decode follows from the recipe alone, never from which files this machine holds
+        # (else a verifier with no data, or other data at the recipe's name, would decode a bundle's
+        # samples otherwise than the trainer did): the dataset is built with every data name missing,
+        # and only a TokenWindows (which opens its file when a sample is read) is its own codec. A
+        # dataset that must read its data to be built (a list from a file, a TokenCorpus) is coded by
+        # ``samples`` (a TokenCorpus plugin sets ``samples = CorpusWindows(dtype)``).
+        chosen = self.__dict__.get("_codec_choice")
+        if chosen is None:
             try:
-                made = self._dataset
-            except OSError:
-                return self.samples
-        if isinstance(made, TokenWindows):
-            return made
-        if isinstance(made, TokenCorpus) and isinstance(self.samples, TensorSamples):  # left at the default
-            return CorpusWindows(made.dtype)
-        return self.samples
+                with no_data():
+                    made = self.make_dataset()
+            except Exception:  # noqa: BLE001 - it needs its data (or fails without it): the declared codec
+                made = None
+            chosen = made if isinstance(made, TokenWindows) else self.samples
+            self.__dict__["_codec_choice"] = chosen
+        return chosen
 
     def build_model(self, seed: bytes) -> nn.Module:
         """``make_model()`` with the global RNG seeded from the run seed (restored afterwards)."""

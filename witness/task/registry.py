@@ -15,7 +15,7 @@ import importlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib.metadata import Distribution, EntryPoint, entry_points
+from importlib.metadata import Distribution, EntryPoint, entry_points, packages_distributions
 from pathlib import Path
 
 from ..commit.hashing import canonical_json
@@ -94,9 +94,26 @@ def package_files_sha256(module: str, also: tuple[str, ...] = ()) -> str:
 
 
 def top_level_names(dist: Distribution) -> tuple[str, ...]:
-    """The top-level modules and packages a distribution installs (its ``top_level.txt``)."""
-    text = dist.read_text("top_level.txt") or ""
-    return tuple(sorted({line.strip() for line in text.splitlines() if line.strip().isidentifier()}))
+    """The top-level modules and packages a distribution installs: its ``top_level.txt`` (setuptools),
+    else the top-level modules its ``RECORD`` lists (hatchling, flit, poetry and pdm write no
+    ``top_level.txt``); a name another installed distribution also claims (a ``top_level.txt`` that
+    names ``torch``) is left out, so that the pin is this distribution's code only."""
+    text = dist.read_text("top_level.txt")
+    if text is not None:
+        names = {line.strip() for line in text.splitlines()}
+    else:
+        names = set()
+        for f in dist.files or []:
+            first = f.parts[0] if f.parts else ""
+            if first.endswith((".dist-info", ".egg-info", ".data")) or first.startswith("__editable__"):
+                continue
+            if len(f.parts) > 1 and first != "__pycache__":
+                names.add(first)
+            elif f.suffix in (".py", ".so", ".pyd"):
+                names.add(first.split(".")[0])
+    names = {n for n in names if n.isidentifier()}
+    owners = packages_distributions()
+    return tuple(sorted(n for n in names if not set(owners.get(n, [])) - {dist.metadata["Name"]}))
 
 
 def task_source(name: str) -> TaskSource | None:

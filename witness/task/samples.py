@@ -65,7 +65,8 @@ class TokenWindows(Dataset):
 
     ``source`` is a recipe's data name (a ``str``, found in the data folders by
     ``witness.data.locate.data_file`` when the tokens are first read, so a verifier that needs no
-    data, or finds it elsewhere by its root, never opens it) or a ``Path`` (opened at once)."""
+    data, or finds it elsewhere by its root, never opens it) or a ``Path`` (also opened when first
+    read)."""
 
     name = "token-windows"
 
@@ -78,8 +79,8 @@ class TokenWindows(Dataset):
         self.unit = self.dtype.itemsize
         if block < 1 or self.stride < 1:
             raise ValueError("a window needs a block and a stride of at least one token")
-        if isinstance(source, Path):
-            self.tokens  # noqa: B018 - a path is opened (and its size checked) at once
+        # the file is opened when a sample or the length is first asked for, never here: building one
+        # reads no disk, so how its samples decode never depends on which files a machine holds
 
     @cached_property
     def path(self) -> Path:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from ..bundle.reader import Bundle, as_bundle
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
+from ..data.locate import by_content
 from ..data.order import derive_run_seed
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..session import (
@@ -154,7 +155,9 @@ def verify_bundle(
         raise VerificationError(f"the run trained on the data whose root is {m.data_root.hex()}, not on the data "
                                 f"root {data_root.hex()} the verifier named", check="data root")
 
-    with use_threads(m.threads, threads, notes) as used_threads:
+    # the small files the task read (data_files) stand for the files with their content, for every
+    # build of the task's parts in this audit (its model too), found when it first asks for one
+    with use_threads(m.threads, threads, notes) as used_threads, by_content(m.raw.get("data_files") or {}):
         return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
                       checks, used_threads, started, progress, confidence, device, leaves, beacon_key, set(skip),
                       list(earlier), data_root is not None)

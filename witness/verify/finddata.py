@@ -7,7 +7,7 @@ from pathlib import Path
 from ..bundle.schema import Manifest
 from ..commit.hashing import same
 from ..data.dataset import Dataset
-from ..data.locate import asked, candidates, data_file, find_by_content, pinned, search_path
+from ..data.locate import asked, by_content, candidates, pinned, search_path
 from ..errors import MalformedInput
 from ..task.base import Task
 
@@ -20,45 +20,36 @@ def committed_dataset(task: Task, m: Manifest) -> tuple[Dataset, str | None]:
     """The dataset whose root the manifest commits, and a note where it was not where the recipe's
     names point: the task's own first, then every file of the data search path that could be it
     (a sample count unlike the committed one is passed over before anything is hashed). The small
-    files the run's task read (``data_files``: a list of texts, a tokenizer) are found first, each
-    by its content, and the task reads those."""
-    found, notes, lost = {}, [], []
-    for name, pin in (m.raw.get("data_files") or {}).items():
-        path = find_by_content(name, pin["sha256"], pin["size"])
-        if path is None:
-            lost.append(f"{name!r} (sha256 {pin['sha256'][:16]}…, {pin['size']} bytes)")
-            continue
-        found[name] = path
-        if path.resolve() != _named(name):
-            notes.append(f"the data file {name!r} is {path} (found by its content)")
-    try:
-        with pinned(found):
-            dataset, note = _committed_dataset(task, m, found)
-    except MalformedInput as e:
-        if lost:
-            raise MalformedInput(f"{e}; the run's data file(s) {', '.join(lost)} are in none of the data folders") from None
-        raise
+    files the run's task read (``data_files``: a list of texts, a tokenizer) are each found by their
+    content when the task asks for them (``by_content``)."""
+    pins = m.raw.get("data_files") or {}
+    with by_content(pins) as found:
+        dataset, note = _committed_dataset(task, m, pins)
+    notes = [f"the data file {name!r} is {path} (found by its content)" for name, path in found.items()
+             if path.resolve() != _named(name)]
     return dataset, "; ".join([*notes, *([note] if note else [])]) or None
 
 
 def _named(name: str) -> Path | None:
-    try:
-        return data_file(name).resolve()
-    except FileNotFoundError:
-        return None
+    """Where the name itself points on the search path (None if nowhere)."""
+    for d in search_path():
+        p = d / name
+        if p.exists():
+            return p.resolve()
+    return None
 
 
-def _committed_dataset(task: Task, m: Manifest, found: dict) -> tuple[Dataset, str | None]:
+def _committed_dataset(task: Task, m: Manifest, pins: dict) -> tuple[Dataset, str | None]:
     problem = None
     with asked() as names:
         try:
             # the task as built may have read its files by name already: read them where they were found
-            dataset = (type(task).from_config(m.task_config) if found else task).dataset()
+            dataset = (type(task).from_config(m.task_config) if pins else task).dataset()
             if _matches(dataset, m):
                 return dataset, None
             problem = f"the one here holds {len(dataset)} samples with another root"
-        except FileNotFoundError:
-            problem = "missing"
+        except FileNotFoundError as e:
+            problem = str(e) if e.args and any(n in str(e) for n in pins) else "missing"
         except (OSError, ValueError) as e:
             problem = str(e)
     if not names:  # built already (a cached task): ask a fresh one which names it reads
@@ -67,7 +58,7 @@ def _committed_dataset(task: Task, m: Manifest, found: dict) -> tuple[Dataset, s
                 type(task).from_config(m.task_config).dataset()
             except (OSError, ValueError):
                 pass
-    for name in [n for n in names if n not in found]:
+    for name in [n for n in names if n not in pins]:  # a pinned one was looked for by its content
         for path in candidates(name):
             with pinned({name: path}):
                 try:
