@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -14,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..commit.hashing import load_json
+from ..commit.hashing import file_sha256, load_json
 from ..errors import MalformedInput
 from .layout import MAX_CHECKPOINT_BYTES, MAX_SAFETENSORS_HEADER
 from .state import state_hash
@@ -76,15 +75,6 @@ def write_state(path: Path, tensors: dict[str, torch.Tensor], step: int, sync: b
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def file_sha256(path: Path) -> bytes:
-    """SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.digest()
 
 
 def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:

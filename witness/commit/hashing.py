@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import json
 import math
+import os
 from typing import Any
 
 from ..errors import MalformedInput
@@ -175,3 +176,12 @@ def text_problem(value: Any) -> str | None:  # noqa: ANN401 - any JSON value
         if problem:
             return problem
     return None
+
+
+def file_sha256(path: str | os.PathLike) -> bytes:
+    """SHA-256 of a file's bytes, read in blocks (memory stays small whatever its size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.digest()

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from ..commit.hashing import file_sha256
+
 SEARCH_ENV = "WITNESS_DATA"
 MAX_CANDIDATES = 10_000  # files looked at per name: a search path is folders of data, not a disk
 
@@ -201,17 +203,6 @@ SIDE_FILE_MAX = 64 << 20  # a file a task reads up to this size is pinned by its
 SIDE_FILES_MAX = 64  # names a manifest pins so
 
 
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file, hex."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def side_files(names: list[str]) -> dict[str, dict]:
     """What a run's manifest pins of the data files its task read (``asked``): each file up to
     ``SIDE_FILE_MAX`` by its SHA-256 and size, so a verifier finds it by content wherever it lies
@@ -223,7 +214,7 @@ def side_files(names: list[str]) -> dict[str, dict]:
         except FileNotFoundError:
             continue
         if p.is_file() and p.stat().st_size <= SIDE_FILE_MAX:
-            out[name] = {"sha256": file_sha256(p), "size": p.stat().st_size}
+            out[name] = {"sha256": file_sha256(p).hex(), "size": p.stat().st_size}
     return out
 
 
@@ -243,4 +234,4 @@ def find_by_content(name: str, sha256: str, size: int) -> Path | None:
 @functools.lru_cache(maxsize=4096)
 def _cached_sha256(path: str, size: int, mtime_ns: int) -> str:
     # one hash a file, however many names a run pins at that size (a file that changes is hashed again)
-    return file_sha256(Path(path))
+    return file_sha256(path).hex()
