@@ -154,13 +154,15 @@ class Hooked:
         self.device = model_device(model)
         self.handed = rec.start_step * self.accum  # micro-batches handed out so far, counting from step 0
         self.parts: dict[int, list[Any]] = {}  # step -> its micro-batches, while they are handed out
-        # a handed-out tensor, by id, -> (it, step, micro-batch, the micro-batch): kept until its step is recorded
-        self.live: dict[int, tuple[torch.Tensor, int, int, Any]] = {}
+        # a handed-out tensor, by id, -> (it, step, micro-batch index, the micro-batch, its version when handed
+        # out): kept until its step is recorded
+        self.live: dict[int, tuple[torch.Tensor, int, int, Any, int]] = {}
         self.losses: dict[int, float] = {}  # this step's micro-batch -> its loss
         self.norm: float | None = None
         self.saved: tuple | None = None  # the generators' own states while a step owns them
         self.step = rec.start_step  # the step the optimizer takes next
         self.ready = -1  # the last step whose committed batch the recorder was told of
+        self.queued = False  # the gradient norm's callback, queued by the step's last backward
         for old in (HOOKED.get(model), HOOKED.get(optimizer)):
             if old is not None:
                 old.close()  # a run that failed before (a notebook's second start): its hooks go first
@@ -241,15 +243,17 @@ class Hooked:
         with torch.no_grad():
             self.losses[k] = float(self.rec.task.loss_from(outputs, batch).detach())
         if k == self.accum - 1:  # the last micro-batch: its backward leaves the step's gradients
+            self.queued = False
             for t in _tensors(outputs):
-                if t.requires_grad:
+                if t.requires_grad:  # whichever output the loop's loss is made from
                     t.register_hook(self._backward_started)
-                    break
 
     def _backward_started(self, grad: torch.Tensor) -> None:
-        # runs as the last micro-batch's backward reaches the output; the engine calls the callback when
+        # runs as the last micro-batch's backward reaches an output; the engine calls the callback when
         # that whole backward is done, with every gradient in place and before the loop clips them
-        torch.autograd.Variable._execution_engine.queue_callback(self._take_norm)
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._take_norm)
 
     def _take_norm(self) -> None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -260,7 +264,10 @@ class Hooked:
         step = self.step
         if step >= self.steps:
             raise ValueError(f"the loop took step {step}: {off_by_one_hint(self.steps)}")
-        if len(self.losses) != self.accum or self.norm is None:
+        if len(self.losses) == self.accum and self.norm is None:
+            raise ValueError(f"step {step}: the backward of its last micro-batch did not reach the model's output "
+                             "(no gradient norm was taken before the optimizer stepped)")
+        if len(self.losses) != self.accum:
             raise ValueError(f"step {step} ran a forward and backward on {len(self.losses)} of its {self.accum} "
                              "committed micro-batch(es): the loop must train each step on the batches "
                              "rec.batches hands it, in order (a batch asked for under torch.no_grad(), or for "
