@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,20 @@ import pytest
 from helpers import train_tiny
 
 from witness.commit.signing import generate_key
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Every test leaves the process's environment as it found it: a library that sets a variable
+    (transformers' TrainingArguments(torch_compile=True) sets ACCELERATE_DYNAMO_BACKEND) would
+    otherwise change every later test and every process they start."""
+    before = dict(os.environ)
+    yield
+    for k in set(os.environ) - set(before):
+        del os.environ[k]
+    for k, v in before.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -136,3 +136,21 @@ def test_trainer_settings_the_recipe_does_not_have_are_refused(work, tmp_path, m
     rec2 = start_run("clm", vars(TrainingArguments(**base)), str(tmp_path / "run2"), model=model,
                      key=str(tmp_path / "k.pem"))
     assert set(rec2.manifest["data_files"]) == {"data/clm/train.txt", "data/clm/vocab.json"}
+
+
+def test_an_environment_that_makes_accelerate_compile_is_refused_before_a_step(work, tmp_path, monkeypatch):
+    import run_clm
+    from transformers import Trainer, TrainingArguments
+
+    from witness.integrations.hf import attach
+    from witness.record import start_run
+
+    monkeypatch.chdir(work)
+    args = TrainingArguments(output_dir=str(tmp_path / "t"), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True)
+    data = run_clm.load_blocks("data/clm/train.txt", "data/clm/vocab.json", block=32)
+    model = run_clm.build_model(len(run_clm.load_vocab("data/clm/vocab.json")), block=32)
+    rec = start_run("clm", vars(args), str(tmp_path / "run"), model=model, key=str(tmp_path / "k.pem"))
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")  # as TrainingArguments(torch_compile=True) leaves it
+    with pytest.raises(ValueError, match="ACCELERATE_DYNAMO_BACKEND=inductor in the environment"):
+        attach(Trainer(model=model, args=args, train_dataset=data), rec)

@@ -19,6 +19,7 @@ committed schedule and writes the record after every optimizer step.
 
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,12 @@ def attach(trainer: Any, rec: Any) -> None:
         raise ValueError("the Trainer's torch_compile=True runs the step compiled, and replay runs the hf-gpt2 step "
                          "eagerly (compiled kernels round differently: the verifier would reject the run): leave "
                          "torch_compile out of TrainingArguments (False, its default)")
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+    if backend.lower() not in ("no", ""):
+        # accelerate compiles the model when this is set (TrainingArguments(torch_compile=True) sets it, for
+        # the process and every process it starts): the Trainer's step would not be the one replay runs
+        raise ValueError(f"ACCELERATE_DYNAMO_BACKEND={backend} in the environment makes accelerate compile the model, "
+                         "and replay runs the step eagerly: unset it (or set it to 'no') before training")
     if rec.task.compiles:
         raise ValueError("a recipe with compile=True is for witness's own step and your own loop (rec.step_model); "
                          "under the Trainer, leave compile out of the recipe and torch_compile out of TrainingArguments")
