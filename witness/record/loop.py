@@ -376,7 +376,7 @@ def start_run(task: str, settings: dict, out: str, *, model: torch.nn.Module,
     ``recipe_from`` reads off the loop's ``settings`` and ``model``, the loop's own model and
     optimizer adopted, a key at ``key`` (created there if missing), a fresh random ``r``, and online
     challenges from the beacon at ``beacon`` if one is named (by default the ``WITNESS_BEACON``
-    environment variable's URL, so that any witnessed script goes online without a change).
+    environment variable's URL where it is None or empty, so that any witnessed script goes online without a change).
     ``kwargs`` go to ``Recorder.create``."""
     import os
     from pathlib import Path
@@ -387,7 +387,7 @@ def start_run(task: str, settings: dict, out: str, *, model: torch.nn.Module,
 
     built = build_task(task, task_class(task).recipe_from(settings, model))
     link = None
-    beacon = os.environ.get(BEACON_ENV) if beacon is None else beacon
+    beacon = beacon or os.environ.get(BEACON_ENV)  # an empty setting (nanoGPT's default) is none given
     if beacon:
         from ..beacon.client import BeaconClient
 
