@@ -27,7 +27,8 @@ _dirs: ContextVar[tuple[Path, ...]] = ContextVar("witness_data_dirs", default=()
 # name -> the file to use for it while an audit tries a candidate
 _pinned: ContextVar[dict[str, Path] | None] = ContextVar("witness_data_pinned", default=None)
 # names asked for since ``asked()`` began (what the offline audit must find)
-_asked: ContextVar[list[str] | None] = ContextVar("witness_data_asked", default=None)
+# (every ``asked()`` block open, innermost last: a name counts for each)
+_asked: ContextVar[tuple[list[str], ...]] = ContextVar("witness_data_asked", default=())
 # within ``no_data()``: every name is missing, whatever lies on this disk
 _no_data: ContextVar[bool] = ContextVar("witness_no_data", default=False)
 # name -> (sha256, size): the file a name stands for is the one with that content (a run's data_files)
@@ -81,9 +82,9 @@ def check_name(name: str) -> None:
 def data_file(name: str) -> Path:
     """The file (or folder) a recipe's data name stands for here."""
     check_name(name)
-    asked = _asked.get()
-    if asked is not None and name not in asked:
-        asked.append(name)
+    for names in _asked.get():
+        if name not in names:
+            names.append(name)
     if _no_data.get():
         raise FileNotFoundError(f"the data {name!r} is not read here (a decision that must not depend on the disk)")
     pinned = (_pinned.get() or {}).get(name)
@@ -156,7 +157,7 @@ def pinned(files: dict[str, Path]) -> Iterator[None]:
 def asked() -> Iterator[list[str]]:
     """Collect the data names the block asks for."""
     names: list[str] = []
-    token = _asked.set(names)
+    token = _asked.set((*_asked.get(), names))
     try:
         yield names
     finally:

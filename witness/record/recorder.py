@@ -70,7 +70,7 @@ from ..task.base import (
     step_randomness,
     to_device,
 )
-from ..task.registry import build_task, check_task_source, data_names, task_class, task_source
+from ..task.registry import build_task, check_task_source, task_class, task_source
 from .background import DEFAULT_SHARE
 from .loop import Batches, Hooked, adopt, off_by_one_hint
 from .online import BeaconLink, OnlineChallenges, OnlineSpec
@@ -193,8 +193,8 @@ class Recorder:
         with asked() as read:  # the data files the task reads: the small ones are pinned by content
             dataset = task.dataset()
             task.probe_bytes()
-        if not read:  # a task built before in this process read its files then: ask a fresh one which
-            read = data_names(task)
+        # a task built before in this process (build_task's cache) read its files then: it noted them
+        read += [n for n in getattr(task, "data_names", list)() if n not in read]
         if dataset.DOCUMENT_RULE != task.document_rule:
             raise ValueError(f"the task {task.name!r} decides document rule {task.document_rule!r}, but its "
                              f"dataset gives documents under {dataset.DOCUMENT_RULE!r}: a verifier would reject "

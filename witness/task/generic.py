@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.dataset import Dataset
-from ..data.locate import no_data
+from ..data.locate import asked, no_data
 from ..errors import VerificationError
 from .base import Task, seed_int
 from .samples import SampleList, TensorSamples, TokenWindows
@@ -207,8 +207,19 @@ class GenericTask(Task):
         # dict): a verifier that audits many runs of one recipe hashes its dataset once
         made = self.__dict__.setdefault("_datasets", {})  # (a plugin's __init__ may not call ours)
         if split not in made:
-            made[split] = self._as_dataset(make(), split)
+            with asked() as names:  # what it read: a recorder pins the small files by content
+                made[split] = self._as_dataset(make(), split)
+            self.__dict__.setdefault("_data_names", []).extend(n for n in names if n not in self.data_names())
         return made[split]
+
+    def data_names(self) -> list[str]:
+        """The data names this task's datasets read when they were built (and a ``TokenWindows``'s own,
+        which it reads when first asked for a sample)."""
+        names = list(self.__dict__.get("_data_names", []))
+        for d in self.__dict__.get("_datasets", {}).values():
+            if isinstance(d, TokenWindows) and isinstance(d.source, str) and d.source not in names:
+                names.append(d.source)
+        return names
 
     def _as_dataset(self, data: Sequence[Any] | Dataset, split: str) -> Dataset:
         if isinstance(data, Dataset):

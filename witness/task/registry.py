@@ -193,17 +193,3 @@ def _built(name: str, config: bytes) -> Task:
     # every time.
     return task_class(name).from_config(json.loads(config))
 
-
-def data_names(task: Task) -> list[str]:
-    """The data names a task's dataset and probes read, asked of a fresh copy of it (a task built
-    before in this process, from the cache, has read its files already and asks for none)."""
-    from ..data.locate import asked
-
-    with asked() as names:
-        try:
-            fresh = type(task).from_config(task.config_json())
-            fresh.dataset()
-            fresh.probe_bytes()
-        except (OSError, ValueError):
-            pass
-    return list(names)
