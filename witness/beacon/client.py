@@ -23,38 +23,26 @@ class BeaconError(Exception):
     """The beacon refused a head or could not be reached."""
 
 
-class BeaconClient:
-    """A beacon at ``url`` (or behind an ``httpx.Client`` a test or a leaderboard session made).
+class BoundedClient:
+    """A service at ``url`` (or behind an ``httpx.Client`` a test or a leaderboard session made),
+    asked within bounds: every attempt has a total deadline and every answer a size bound, and a
+    request is tried again on a transport error (and, ``patient``, on a 5xx or a 429)."""
 
-    ``expected_key`` pins the beacon's public key (hex); otherwise the client takes the key the
-    beacon serves. Every statement is checked against that key and the head it answers.
-    """
+    error: type[Exception] = BeaconError  # what a refused answer raises
 
-    def __init__(self, url_or_client: str | httpx.Client, expected_key: str | None = None, *, prefix: str = "/api/beacon",
-                 retries: int = 5, timeout: float = 60.0, patience: float = 600.0, deadline: float = 120.0):
+    def __init__(self, url_or_client: str | httpx.Client, *, what: str, empty_url: str, retries: int = 5,
+                 timeout: float = 60.0, patience: float = 600.0, deadline: float = 120.0):
         self._owned = isinstance(url_or_client, str)
         if self._owned and not url_or_client.strip():
-            raise BeaconError("the beacon's URL is empty (--beacon URL)")
+            raise self.error(empty_url)
         self.http = httpx.Client(base_url=url_or_client.rstrip("/"), timeout=timeout) \
             if self._owned else url_or_client
-        self.where = f"the beacon at {self.http.base_url}".rstrip("/") if self._owned else "the beacon"
+        self.where = f"{what} at {self.http.base_url}".rstrip("/") if self._owned else what
         self.timeout, self.deadline = timeout, deadline
         # ``retries`` bounds a request made before training (a wrong address fails fast);
         # ``patience`` is how long a head or an upload made while training is tried again when the
-        # beacon cannot be reached or is overloaded: training goes on meanwhile, until the ring is full.
-        self.prefix, self.retries, self.patience = prefix, retries, patience
-        self.heads_path = f"{prefix}/heads"  # where heads go (the leaderboard takes them per run)
-        served = self._get("/key").get("public_key")
-        try:
-            self._public = public_key_from_hex(served)
-        except (VerificationError, ValueError, TypeError):
-            raise BeaconError(f"{self.where} serves no Ed25519 public key (its /key answer has "
-                              f"{str(served)[:40]!r})") from None
-        if expected_key is not None and served != expected_key:
-            raise BeaconError(f"{self.where} serves key {served[:16]}…, not the pinned {expected_key[:16]}…")
-        self.public_key = served
-        self.last_size = 0  # the size of the last head the beacon stamped for this client's run
-        self.sent_size = 0  # the size of the last head a request was made for
+        # service cannot be reached or is overloaded: training goes on meanwhile, until the ring is full.
+        self.retries, self.patience = retries, patience
 
     def _request(self, method: str, path: str, *, patient: bool = False, deadline: float | None = None,
                  limit: int = MAX_ANSWER, **kw) -> Answer:  # noqa: ANN003
@@ -97,14 +85,14 @@ class BeaconClient:
                 with http.stream(method, path, headers=headers, **args) as resp:
                     encoding = resp.headers.get("content-encoding", "identity").strip().lower()
                     if encoding not in ("", "identity"):  # decoded, a few bytes may inflate to gigabytes
-                        out["error"] = BeaconError(f"{self.where} answered in {encoding[:40]!r}, not the identity "
-                                                   "encoding asked for; refused")
+                        out["error"] = self.error(f"{self.where} answered in {encoding[:40]!r}, not the identity "
+                                                  "encoding asked for; refused")
                         return
                     body = bytearray()
                     for chunk in resp.iter_raw():
                         body += chunk
                         if len(body) > limit:
-                            out["error"] = BeaconError(f"{self.where} answered with over {limit} bytes; refused")
+                            out["error"] = self.error(f"{self.where} answered with over {limit} bytes; refused")
                             return
                         if time.monotonic() > ends:
                             return
@@ -125,6 +113,32 @@ class BeaconClient:
             self.http = httpx.Client(base_url=str(http.base_url), timeout=self.timeout)
             threading.Thread(target=http.close, daemon=True).start()
         raise httpx.ReadTimeout(f"{self.where} sent no whole answer in {allowed:.0f} s")
+
+
+class BeaconClient(BoundedClient):
+    """A beacon at ``url`` (or behind an ``httpx.Client`` a test or a leaderboard session made).
+
+    ``expected_key`` pins the beacon's public key (hex); otherwise the client takes the key the
+    beacon serves. Every statement is checked against that key and the head it answers.
+    """
+
+    def __init__(self, url_or_client: str | httpx.Client, expected_key: str | None = None, *, prefix: str = "/api/beacon",
+                 retries: int = 5, timeout: float = 60.0, patience: float = 600.0, deadline: float = 120.0):
+        super().__init__(url_or_client, what="the beacon", empty_url="the beacon's URL is empty (--beacon URL)",
+                         retries=retries, timeout=timeout, patience=patience, deadline=deadline)
+        self.prefix = prefix
+        self.heads_path = f"{prefix}/heads"  # where heads go (the leaderboard takes them per run)
+        served = self._get("/key").get("public_key")
+        try:
+            self._public = public_key_from_hex(served)
+        except (VerificationError, ValueError, TypeError):
+            raise BeaconError(f"{self.where} serves no Ed25519 public key (its /key answer has "
+                              f"{str(served)[:40]!r})") from None
+        if expected_key is not None and served != expected_key:
+            raise BeaconError(f"{self.where} serves key {served[:16]}…, not the pinned {expected_key[:16]}…")
+        self.public_key = served
+        self.last_size = 0  # the size of the last head the beacon stamped for this client's run
+        self.sent_size = 0  # the size of the last head a request was made for
 
     def _get(self, path: str) -> dict:
         resp = self._request("GET", self.prefix + path)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -119,37 +119,22 @@ class Beacon:
 
     def _new_run(self, s: Session, head: SignedTreeHead, proof: list[bytes], manifest: str,
                  account: str | None, attempts: int) -> BeaconStatement:
-        line = manifest.encode()
+        m = read_manifest(manifest)
         try:
-            m = parse_canonical_json(line)
-        except ValueError as e:
-            raise BeaconRefused(400, f"manifest: {e}") from None
-        if not isinstance(m, dict) or m.get("type") != "manifest":
-            raise BeaconRefused(400, "the log's first record is not a manifest")
-        try:
-            public = public_key_from_hex(m.get("public_key"))
-            head.verify(public)
-            verify_consistency(1, head.size, run_id(line), head.root, proof)
+            head.verify(m.public)
+            verify_consistency(1, head.size, bytes.fromhex(m.run), head.root, proof)
         except VerificationError as e:
             raise BeaconRefused(400, f"tree head refused: {e}") from None
-        try:
-            recipe = recipe_id(m).hex()
-        except (ValueError, UnicodeError) as e:
-            raise BeaconRefused(400, f"manifest: {e}") from None
-        try:  # in its one spelling: a run a verifier accepts has one (a manifest without is no attempt at it)
-            seed = from_hex(m.get("run_seed"), "run_seed", 32).hex()
-        except (ValueError, TypeError):
-            seed = None
         t = now_ms()
-        row = BeaconRun(run=run_id(line).hex(), public_key=m["public_key"], manifest=manifest, first_ms=t, last_ms=t,
-                        last_size=0, last_root="", final=False, equivocated=False, recipe=recipe, seed=seed,
+        row = BeaconRun(run=m.run, public_key=m.public_key, manifest=manifest, first_ms=t, last_ms=t,
+                        last_size=0, last_root="", final=False, equivocated=False, recipe=m.recipe, seed=m.seed,
                         account=account)
         s.add(row)
         try:
             s.flush()
         except IntegrityError:  # the same first head raced in twice: answer as for a known run
             s.rollback()
-            known = s.scalar(select(BeaconRun).where(BeaconRun.run == run_id(line).hex()))
+            known = s.scalar(select(BeaconRun).where(BeaconRun.run == m.run))
             assert known is not None
             if known.account != account:
                 raise BeaconRefused(409, f"run {known.run[:16]}… was first streamed to this beacon by another "
@@ -279,6 +264,45 @@ class Beacon:
             "evidence": [{"size": e.size, "stamped": json.loads(e.stamped_json), "other": json.loads(e.other_json)}
                          for e in evidence],
         }
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """What a beacon or a witness takes from a run's manifest: its name, key and what links attempts."""
+
+    run: str  # the manifest's leaf hash (hex)
+    public_key: str  # the run's key (hex), which signs its every head
+    public: Ed25519PublicKey
+    recipe: str
+    seed: str | None  # the run seed in its one spelling, if the manifest has one
+
+
+def read_manifest(manifest: object) -> RunManifest:
+    """Check a run's manifest, given as its log line (text, at most 1 MiB, canonical JSON, a key that
+    is no weak one); else ``BeaconRefused`` (400, saying what is wrong)."""
+    if not isinstance(manifest, str) or len(manifest) > MAX_MANIFEST_BYTES:
+        raise BeaconRefused(400, "manifest: the manifest must be its log line, at most 1 MiB")
+    check_text(manifest, "manifest")
+    line = manifest.encode()
+    try:
+        m = parse_canonical_json(line)
+    except ValueError as e:
+        raise BeaconRefused(400, f"manifest: {e}") from None
+    if not isinstance(m, dict) or m.get("type") != "manifest":
+        raise BeaconRefused(400, "the log's first record is not a manifest")
+    try:
+        public = public_key_from_hex(m.get("public_key"))
+    except VerificationError as e:
+        raise BeaconRefused(400, f"manifest: public_key: {e}") from None
+    try:
+        recipe = recipe_id(m).hex()
+    except (ValueError, UnicodeError) as e:
+        raise BeaconRefused(400, f"manifest: {e}") from None
+    try:  # in its one spelling: a run a verifier accepts has one (a manifest without is no attempt at it)
+        seed = from_hex(m.get("run_seed"), "run_seed", 32).hex()
+    except (ValueError, TypeError):
+        seed = None
+    return RunManifest(run_id(line).hex(), m["public_key"], public, recipe, seed)
 
 
 def is_run_name(run: object) -> bool:
