@@ -72,7 +72,10 @@ class DrandClient:
 
     def info(self) -> ChainInfo:
         """The chain info the endpoint serves for the pinned chain hash; ``DrandError`` unless it is the pinned chain."""
-        status, body = self._get(f"/{self.chain.hash.hex()}/info")
+        try:
+            status, body = self._get(f"/{self.chain.hash.hex()}/info")
+        except httpx.TransportError as e:
+            raise DrandError(f"cannot reach {self.where}: {type(e).__name__}: {str(e)[:200]}") from None
         if status != 200:
             raise DrandError(f"{self.where} answered its chain info with HTTP {status}: {_shown(body)}")
         try:
