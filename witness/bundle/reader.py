@@ -378,11 +378,11 @@ def _check_statement_lines(path: Path) -> None:
     """Every whole line of the beacon's statements is a statement (every mode reads the bundle so:
     a garbage file is refused by offline verification too, not only by the online audit). A last
     line torn by a crash is left to the online audit, which refuses it; offline needs none."""
-    from ..commit.beacon import BeaconStatement
+    from ..commit.window import parse_statement
 
     lines, _ = _lines(_read_bounded(path, MAX_STATEMENTS_BYTES, STATEMENTS), STATEMENTS)
     for i, line in enumerate(lines):
         try:
-            BeaconStatement.from_json(parse_canonical_json(line))
+            parse_statement(parse_canonical_json(line))
         except (ValueError, VerificationError) as e:
             raise MalformedInput(f"{STATEMENTS}: line {i + 1} is not a beacon statement: {e}") from None

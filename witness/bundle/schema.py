@@ -201,7 +201,9 @@ def parse_data_files(obj: Any, where: str) -> dict:
 def parse_online(obj: Any, where: str) -> dict:
     """The online-challenge settings: selection probability p in (0, 1], a head every ``every``
     steps, and a ring of ``ring`` > ``every`` host states."""
-    _keys(obj, {"p", "every", "ring"}, set(), where)
+    # drand: the chain hash of the drand chain a witnessed run's rounds come from (informative: the
+    # verifier pins its own chain)
+    _keys(obj, {"p", "every", "ring"}, {"drand"}, where)
     p = obj["p"]
     if type(p) is not float or not 0.0 < p <= 1.0:
         raise _fail(where, "p must be a number in (0, 1]")
@@ -209,7 +211,10 @@ def parse_online(obj: Any, where: str) -> dict:
     ring = _int(obj["ring"], f"{where}.ring", 2, MAX_ONLINE_RING)
     if ring <= every:
         raise _fail(where, "the ring must hold more states than a head covers steps (ring > every)")
-    return {"p": p, "every": every, "ring": ring}
+    out = {"p": p, "every": every, "ring": ring}
+    if "drand" in obj:
+        out["drand"] = parse_hex(obj["drand"], f"{where}.drand").hex()
+    return out
 
 
 @dataclass(frozen=True)
@@ -229,6 +234,7 @@ class StepRecord:
     sketch: tuple[float, ...]
     state_hash: bytes | None
     checkpoint_sha256: bytes | None
+    round: int | None = None  # the drand round of the witnessed window this record closes
 
     @property
     def fingerprint_vector(self) -> list[float]:
@@ -239,7 +245,8 @@ class StepRecord:
     def parse(cls, obj: Any, where: str) -> StepRecord:
         """Strictly parse a step record."""
         req = {"type", "step", "batch", "batch_root", "loss", "lr", "grad_norm", "fingerprint", "sketch"}
-        _keys(obj, req, {"state_hash", "checkpoint_sha256"}, where)
+        # round: the drand round a witnessed window's closing record names (online challenges with witnesses)
+        _keys(obj, req, {"state_hash", "checkpoint_sha256", "round"}, where)
         if obj["type"] != "step":
             raise _fail(where, f"expected a step record, found {obj['type']!r}")
         if "checkpoint_sha256" in obj and "state_hash" not in obj:
@@ -264,6 +271,7 @@ class StepRecord:
             checkpoint_sha256=parse_hex(obj["checkpoint_sha256"], f"{where}.checkpoint_sha256")
             if "checkpoint_sha256" in obj
             else None,
+            round=_int(obj["round"], f"{where}.round", 1) if "round" in obj else None,
         )
 
 
@@ -296,11 +304,13 @@ class EndRecord:
     used_documents: TreeCommitment
     used_samples: TreeCommitment
     task: str | None = None
+    round: int | None = None  # the drand round of the final witnessed window
 
     @classmethod
     def parse(cls, obj: Any, where: str) -> EndRecord:
         """Strictly parse the end record."""
-        _keys(obj, {"type", "steps", *HEAD_EXTENSION_FIELDS} - set(LATER_END_FIELDS), set(LATER_END_FIELDS), where)
+        _keys(obj, {"type", "steps", *HEAD_EXTENSION_FIELDS} - set(LATER_END_FIELDS), {*LATER_END_FIELDS, "round"},
+              where)
         if obj["type"] != "end":
             raise _fail(where, "expected the end record")
         if obj["document_rule"] not in ("self", "prefix32"):
@@ -314,4 +324,5 @@ class EndRecord:
                    parse_hex(obj["final_state_hash"], f"{where}.final_state_hash"),
                    parse_hex(obj["final_model_hash"], f"{where}.final_model_hash"),
                    obj["document_rule"], tree("used_documents"), tree("used_samples"),
-                   _str(obj["task"], f"{where}.task", 64) if "task" in obj else None)
+                   _str(obj["task"], f"{where}.task", 64) if "task" in obj else None,
+                   _int(obj["round"], f"{where}.round", 1) if "round" in obj else None)

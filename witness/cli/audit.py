@@ -48,23 +48,70 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.rtol is not None:
         thresholds["fingerprint"] = args.rtol
     check_thresholds(thresholds)  # before any work: a bad threshold is unusable input (exit 2)
-    beacon_key = None
+    beacon_key = witnesses = None
     if args.mode == "online":
-        if not args.beacon_key:
-            print("witness verify --mode online needs --beacon-key: the key of the beacon you trust (a beacon the "
-                  "bundle names, or the trainer runs, proves nothing)", file=sys.stderr)
+        if args.witness or args.drand:
+            witnesses = _witness_trust(args)
+            if args.beacon_key:
+                print("witness verify: trust one beacon (--beacon-key) or witnesses and drand (--witness, --drand), "
+                      "not both", file=sys.stderr)
+                return 2
+        elif not args.beacon_key:
+            print("witness verify --mode online needs whom you trust: --witness NAME=KEY (repeatable) with --drand "
+                  "quicknet, or --beacon-key for one beacon (a beacon the bundle names, or the trainer runs, proves "
+                  "nothing)", file=sys.stderr)
             return 2
-        beacon_key = read_public_key(args.beacon_key)
-    elif args.beacon_key:
-        print("--beacon-key is for --mode online", file=sys.stderr)
+        else:
+            beacon_key = read_public_key(args.beacon_key)
+    elif args.beacon_key or args.witness or args.drand or args.witnesses_required:
+        print("--beacon-key, --witness, --witnesses-required and --drand are for --mode online", file=sys.stderr)
         return 2
     return report_verdict(args, lambda: verify_bundle(
         args.bundle, challenges=challenges_q(args), confidence=args.confidence, bad_fraction=args.bad_fraction, nonce=args.nonce, mode=args.mode,
         response=response, exact=not args.tolerance, thresholds=thresholds, length=args.length,
         threads=args.threads, device=args.device, public_key=read_public_key(args.signer) if args.signer else None, ticket=args.ticket,
         published_heads=[read_head(p) for p in args.published_head or []], leaves=args.leaves,
-        beacon_key=beacon_key, progress=not args.json, data_root=args.data_root,
+        beacon_key=beacon_key, witnesses=witnesses, progress=not args.json, data_root=args.data_root,
     ), weak_fails=not args.allow_weak)
+
+
+def witness_key(value: str):  # noqa: ANN201 - a NoteKey
+    """``NAME=KEY`` (KEY: 64 hex digits, or base64 of 0x04 and the key) or a whole vkey ``NAME+ID+BASE64``."""
+    from ..commit.note import COSIGNATURE_V1, NoteKey, b64decode
+    from ..errors import MalformedInput
+
+    try:
+        if "=" in value.split("+", 1)[0] or ("=" in value and "+" not in value):
+            name, key = value.split("=", 1)
+            if len(key) == 64 and all(c in "0123456789abcdefABCDEF" for c in key):
+                raw = bytes.fromhex(key)
+            else:
+                raw = b64decode(key, "witness key")
+                if len(raw) == 33 and raw[0] == COSIGNATURE_V1:
+                    raw = raw[1:]
+            from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+            return NoteKey.of(name, Ed25519PublicKey.from_public_bytes(raw), COSIGNATURE_V1)
+        k = NoteKey.parse(value)
+    except (MalformedInput, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{value[:80]!r} is not NAME=KEY (KEY: 64 hex digits) or a witness vkey: "
+                                         f"{e}") from None
+    if k.alg != COSIGNATURE_V1:
+        raise argparse.ArgumentTypeError(f"{k.name}'s vkey is of signature type {k.alg:#04x}, not a cosignature/v1 "
+                                         "key (0x04)")
+    return k
+
+
+def _witness_trust(args: argparse.Namespace):  # noqa: ANN202 - a WitnessTrust
+    """The witnesses and drand chain ``--witness``, ``--witnesses-required`` and ``--drand`` name."""
+    from ..commit.drand import chain_info
+    from ..errors import MalformedInput
+    from ..verify.online import WitnessTrust
+
+    if not args.witness or not args.drand:
+        raise MalformedInput("witnessed online mode needs both --witness NAME=KEY (repeatable) and --drand "
+                             "quicknet|CHAIN-INFO.json")
+    return WitnessTrust(tuple(args.witness), args.witnesses_required or len(args.witness), chain_info(args.drand))
 
 
 def read_head(path: str):
@@ -137,6 +184,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "the steps a beacon selected while the run trained (needs --beacon-key)")
     v.add_argument("--beacon-key", help="online mode: the public key of the beacon you trust (raw hex or PEM, or a "
                                         "file holding either; the leaderboard's server key for its beacon)")
+    v.add_argument("--witness", action="append", metavar="NAME=KEY", type=witness_key,
+                   help="online mode: a transparency-log witness you trust to cosign each window: its name and "
+                        "Ed25519 key (hex, or its vkey NAME+ID+BASE64); repeatable")
+    v.add_argument("--witnesses-required", type=positive, metavar="K",
+                   help="how many of the --witness keys must cosign each window (default: all of them)")
+    v.add_argument("--drand", metavar="quicknet|CHAIN-INFO.json",
+                   help="online mode with --witness: the drand chain whose rounds give the randomness (quicknet, "
+                        "pinned here, or a chain-info file)")
     v.add_argument("--response", help="the trainer's response folder (interactive mode)")
     v.add_argument("--tolerance", action="store_true",
                    help="replay on other hardware: compare within reported thresholds, and the whole state at "

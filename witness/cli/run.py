@@ -90,7 +90,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         task = build_task(args.task, config)
         rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed), checkpoint_every=args.checkpoint_every,
                               state_every=args.state_every, threads=args.threads, device=args.device, beacon=beacon,
-                              online=_online_spec(args, task.config.steps) if beacon else None,
+                              online=_online_spec(args, task.config.steps, beacon) if beacon else None,
                               self_check=not args.no_self_check, self_check_share=args.self_check_share)
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
@@ -104,9 +104,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _beacon(args: argparse.Namespace):
     """The beacon client ``--beacon`` names (its key pinned with ``--beacon-key``), or None."""
+    if args.witness or args.drand:
+        if args.beacon is not None or args.beacon_key:
+            raise ValueError("online challenges come from one beacon (--beacon URL) or from witnesses and drand "
+                             "(--witness URL --drand URL), not both")
+        return _witnessed(args)
     if args.beacon is None:
         if args.beacon_key or args.online_p or args.online_every:
-            raise ValueError("--beacon-key, --online-p and --online-every go with --beacon URL")
+            raise ValueError("--beacon-key, --online-p and --online-every go with --beacon URL (or --witness URL)")
         return None
     if not args.beacon.strip():
         raise ValueError("--beacon names no beacon (an empty URL): give its URL, or leave --beacon out")
@@ -117,10 +122,26 @@ def _beacon(args: argparse.Namespace):
                         patience=args.beacon_patience)
 
 
-def _online_spec(args: argparse.Namespace, steps: int):
+def _witnessed(args: argparse.Namespace):  # noqa: ANN202 - a WitnessedLink
+    """The witnesses ``--witness`` names and the drand endpoint ``--drand`` names, its chain pinned."""
+    if not args.witness or not args.drand:
+        raise ValueError("witnessed online challenges need both --witness URL (repeatable) and --drand URL")
+    from ..beacon.drand import DrandClient
+    from ..beacon.windows import WitnessedLink
+    from ..beacon.witness_client import WitnessClient
+    from ..commit.drand import chain_info
+
+    drand = DrandClient(args.drand, chain_info(args.drand_chain))
+    drand.info()  # the endpoint serves the pinned chain, or training does not start
+    return WitnessedLink([WitnessClient(u, patience=args.beacon_patience) for u in args.witness], drand)
+
+
+def _online_spec(args: argparse.Namespace, steps: int, beacon=None):  # noqa: ANN001 - a BeaconLink
     from ..record.online import OnlineSpec
 
-    return OnlineSpec.for_steps(steps, **({"every": args.online_every} if args.online_every else {}), p=args.online_p)
+    chain = getattr(beacon, "chain", None)
+    return OnlineSpec.for_steps(steps, **({"every": args.online_every} if args.online_every else {}), p=args.online_p,
+                                drand=chain.hash.hex() if chain is not None else None)
 
 
 def online_summary(online) -> str:
@@ -385,6 +406,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="how long a request to the beacon is tried again before training stops (default 600; "
                         "training goes on meanwhile until its ring of kept states is full)")
     t.add_argument("--beacon-key", help="pin the beacon's public key (raw hex or PEM, or a file holding either)")
+    t.add_argument("--witness", action="append", metavar="URL",
+                   help="take online challenges from witnesses and drand instead of one beacon: each head goes, as "
+                        "a C2SP checkpoint, to this transparency-log witness (repeatable; with --drand)")
+    t.add_argument("--drand", metavar="URL", help="with --witness: the drand HTTP endpoint each window's round comes "
+                                                  "from (https://api.drand.sh for the League of Entropy's)")
+    t.add_argument("--drand-chain", default="quicknet", metavar="quicknet|CHAIN-INFO.json",
+                   help="the drand chain the endpoint must serve (default quicknet, pinned here)")
     t.add_argument("--online-p", type=probability,
                    help="the probability a beacon selects each step (default: enough for 99%% against 5%% bad steps)")
     t.add_argument("--online-every", type=positive, help="steps between heads streamed to the beacon (default 10)")

@@ -31,6 +31,7 @@ from ..data.dataset import Dataset
 
 DEFAULT_EVERY = 10
 DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION = 0.99, 0.05
+DRAND_RING = 256  # states a witnessed run holds while its rounds come (see OnlineSpec.for_steps)
 
 
 class BeaconLink(Protocol):
@@ -61,19 +62,24 @@ class OnlineSpec:
     p: float
     every: int = DEFAULT_EVERY
     ring: int = 2 * DEFAULT_EVERY + 1
+    drand: str | None = None  # the drand chain's hash (hex) of a run whose windows witnesses cosign
 
     @classmethod
     def for_steps(cls, steps: int, every: int = DEFAULT_EVERY, p: float | None = None,
-                  ring: int | None = None) -> OnlineSpec:
+                  ring: int | None = None, drand: str | None = None) -> OnlineSpec:
         """Settings whose bound reaches 99 % against 5 % bad steps over ``steps`` steps (unless p is given)."""
         every = max(1, min(every, steps))
         if p is None:
             p = min(1.0, p_needed(DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION, steps) * (1 + 1e-9))
-        return cls(float(p), every, ring or 2 * every + 1)
+        if ring is None:
+            # a drand round comes 4 to 8 s after its window closed: the ring holds the states trained
+            # meanwhile (DRAND_RING of them unless told; a slower step needs fewer)
+            ring = max(2 * every + 1, DRAND_RING) if drand else 2 * every + 1
+        return cls(float(p), every, ring, drand)
 
     def to_json(self) -> dict:
         """The manifest's ``online`` field."""
-        return {"p": self.p, "every": self.every, "ring": self.ring}
+        return {"p": self.p, "every": self.every, "ring": self.ring} | ({"drand": self.drand} if self.drand else {})
 
 
 class StatePool:
@@ -137,6 +143,7 @@ class OnlineChallenges:
         self.selected: set[int] = set()  # every step a statement selected
         self.covered = 0  # steps 0 .. covered - 1 are in a statement's window
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="witness-beacon")  # one: heads go out in order
+        self._settler: ThreadPoolExecutor | None = None  # witnessed windows: waits for drand rounds
         self._pending: deque[Future] = deque()
         self._lock = threading.Lock()
         self._buffers = StatePool()
@@ -248,8 +255,19 @@ class OnlineChallenges:
         """Stream a signed head to the beacon in the background (its request is built here, in order)."""
         if head.size <= max(self.statements, default=0):
             return  # stamped already (a resumed run passing its old heads again)
+        settle = getattr(self.link, "settle", None)
+        if settle is not None and head.size < 2:
+            return  # the manifest's head closes no window (it covers no step)
         body = self.link.body(head, self.log)
-        self._pending.append(self._worker.submit(self._stamp, body, head))
+        if settle is None:
+            self._pending.append(self._worker.submit(self._stamp, body, head))
+            return
+        # witnessed windows: the checkpoint goes to the witnesses at once, in order, and a second
+        # thread waits for the window's drand round (a wait must never hold up the next checkpoint)
+        posted = self._worker.submit(self.link.post, body, head, self.log)
+        if self._settler is None:
+            self._settler = ThreadPoolExecutor(1, thread_name_prefix="witness-drand")
+        self._pending.append(self._settler.submit(lambda: self._stamped(settle(posted.result(), self.log))))
 
     def drain(self) -> None:
         """Forget the requests that are answered (raises what the beacon or a write raised)."""
@@ -258,7 +276,10 @@ class OnlineChallenges:
 
     # --- the background thread ----------------------------------------------------------------
     def _stamp(self, body: dict, head: SignedTreeHead) -> None:
-        st = self.link.post(body, head, self.log)
+        self._stamped(self.link.post(body, head, self.log))
+
+    def _stamped(self, st: BeaconStatement) -> None:
+        """A statement (or a settled window) received: keep it, write what it selects, free the rest."""
         with self._lock:
             if st.size in self.statements:
                 return
@@ -326,6 +347,8 @@ class OnlineChallenges:
         """Wait for every statement; every selected state must then be written."""
         self.wait()
         self._worker.shutdown()
+        if self._settler is not None:
+            self._settler.shutdown()
         if self.wanted:
             raise RuntimeError(f"selected steps {sorted(self.wanted)[:10]} have no kept state: they were lost and "
                                "not passed again")
@@ -333,6 +356,8 @@ class OnlineChallenges:
     def close(self) -> None:
         """Stop the background thread (after a failure)."""
         self._worker.shutdown(wait=False, cancel_futures=True)
+        if self._settler is not None:
+            self._settler.shutdown(wait=False, cancel_futures=True)
 
     def report(self) -> dict:
         """What answering cost the trainer."""

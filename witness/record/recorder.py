@@ -15,6 +15,7 @@ Usage, in the trainer's loop::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -175,7 +176,10 @@ class Recorder:
         if online is not None and beacon is None:
             raise ValueError("online challenges need a beacon")
         if beacon is not None:
-            online = online or OnlineSpec.for_steps(task.config.steps)
+            chain = getattr(getattr(beacon, "chain", None), "hash", None)  # a witnessed link's drand chain
+            online = online or OnlineSpec.for_steps(task.config.steps, drand=chain.hex() if chain else None)
+            if chain and online.drand is None:
+                online = dataclasses.replace(online, drand=chain.hex())
             if state_every != 1 or shards != 1:
                 raise ValueError("online challenges need the whole state committed at every step (state_every 1, "
                                  "one state digest shard)")
@@ -340,6 +344,8 @@ class Recorder:
         if started.online is not None:
             if beacon is None:
                 raise ValueError("the run takes online challenges: resume it with its beacon")
+            if hasattr(beacon, "use_key"):
+                beacon.use_key(key)
             online = OnlineChallenges(out, OnlineSpec(**started.online), beacon, RunLog(lines[:signed]),
                                       started.steps_planned, task.dataset(), started.checkpoint_every)
             online.load()
@@ -369,7 +375,14 @@ class Recorder:
             rec.self_check.prepare(resume_at)
         return rec
 
+    @property
+    def _rounds(self) -> bool:
+        """Whether the records closing a window name its drand round (witnessed windows)."""
+        return self.online is not None and hasattr(self.online.link, "next_round")
+
     def _online(self, spec: OnlineSpec, beacon: BeaconLink) -> OnlineChallenges:
+        if hasattr(beacon, "use_key"):
+            beacon.use_key(self.key)  # type: ignore[attr-defined] - checkpoints are notes the run's key signs
         return OnlineChallenges(self.out, spec, beacon, self.log, self.task.config.steps, self.task.dataset(),
                                 self.checkpoint_every)
 
@@ -560,6 +573,15 @@ class Recorder:
         """Append a step record (or, resuming, check it against the one signed before), then stream
         the head that its cadence or its checkpoint asks for."""
         step = record["step"]
+        closes = "checkpoint_sha256" in record or (self.online is not None and (step + 1) % self.online.spec.every == 0)
+        if closes and self._rounds:
+            # the drand round of the window this record closes: bound by the root, so one per window
+            if step < self._signed:  # as the record signed before the crash named it
+                named = parse_canonical_json(self.log.lines[step + 1]).get("round")
+                if named is not None:
+                    record["round"] = named
+            else:
+                record["round"] = self.online.link.next_round()  # type: ignore[union-attr]
         if step < self._signed:
             if canonical_json(record) != self.log.lines[step + 1]:
                 raise ValueError(f"resuming: step {step} does not come out as its signed record did (another "
@@ -569,7 +591,7 @@ class Recorder:
                 self.online.send(old)  # a head the beacon may not have stamped before the crash
             return
         self.writer.append_record(self.log.append(record))
-        if "checkpoint_sha256" in record or (self.online is not None and (step + 1) % self.online.spec.every == 0):
+        if closes:
             self._publish_head()
 
     def _hash_later(self, record: dict, state: dict, into: dict | None = None) -> None:
@@ -607,7 +629,10 @@ class Recorder:
         final = {"final_state_hash": records[-1]["state_hash"],
                  "final_model_hash": model_hash(final_state, self.digest).hex()}
         ext = usage | final | {"task": self.task.name}  # the head names its task: whose rule decides documents
-        self.writer.append_record(self.log.append({"type": "end", "steps": self.next_step} | ext))
+        end = {"type": "end", "steps": self.next_step} | ext
+        if self._rounds:
+            end["round"] = self.online.link.next_round()  # type: ignore[union-attr]
+        self.writer.append_record(self.log.append(end))
         head = self._publish_head(extensions=ext)
         if self.online is not None:
             self.online.finish()  # every statement received, every selected state written

@@ -28,7 +28,7 @@ from .challenges import ReplayChallenge, challenges_needed, draw_challenges
 from .cheap import check_checkpoints, check_records, probes_from_bundle, task_of, use_threads
 from .finddata import committed_dataset
 from .ledger import LedgerEntry, drawn_bound, online_bound_from, replayed, verified_challenges
-from .online import OnlinePlan, OnlineSamples, OnlineStates, check_statements
+from .online import OnlinePlan, OnlineSamples, OnlineStates, WitnessTrust, check_online
 from .replay import (
     DEFAULT_THRESHOLDS,
     CheckpointStates,
@@ -66,6 +66,7 @@ def verify_bundle(
     ticket: bytes | None = None,
     leaves: str | os.PathLike | None = None,
     beacon_key: str | None = None,
+    witnesses: WitnessTrust | None = None,
     progress: bool = False,
     skip: Collection[int] = (),
     earlier: Sequence[LedgerEntry] = (),
@@ -84,7 +85,8 @@ def verify_bundle(
     published once): every batch root and the used-data trees are checked against it in full.
 
     ``mode="online"`` replays the steps that the statements of the beacon whose key is
-    ``beacon_key`` (hex; the verifier's choice, never the bundle's) selected while the run trained,
+    ``beacon_key`` (hex; the verifier's choice, never the bundle's) selected while the run trained
+    (or, with ``witnesses``, the windows K of the named witnesses cosigned before their drand rounds),
     from the states the trainer kept for them; ``challenges`` and ``nonce`` play no part. ``skip``
     names selected steps not to replay now (their states have not arrived): the bound counts them as
     steps the audit could not see. ``earlier`` is the ledger of an earlier audit of the same
@@ -98,9 +100,14 @@ def verify_bundle(
     started = time.perf_counter()
     if mode not in ("offline", "interactive", "online"):
         raise MalformedInput(f"unknown mode {mode!r}")
-    if (mode == "online") != (beacon_key is not None):
-        raise MalformedInput("online mode needs the key of the beacon the verifier trusts (--beacon-key), and "
-                             "only online mode takes one")
+    if beacon_key is not None and witnesses is not None:
+        raise MalformedInput("online mode trusts one beacon (--beacon-key) or witnesses and drand (--witness, "
+                             "--drand), not both")
+    trust = beacon_key if beacon_key is not None else witnesses
+    if (mode == "online") != (trust is not None):
+        raise MalformedInput("online mode needs the key of the beacon the verifier trusts (--beacon-key) or the "
+                             "witnesses it trusts and a drand chain (--witness NAME=KEY --drand quicknet), and only "
+                             "online mode takes them")
     f = DEFAULT_BAD_FRACTION if bad_fraction is None else bad_fraction
     check_thresholds(thresholds or {})
     if challenges is None:
@@ -159,7 +166,7 @@ def verify_bundle(
     # build of the task's parts in this audit (its model too), found when it first asks for one
     with use_threads(m.threads, threads, notes) as used_threads, by_content(m.raw.get("data_files") or {}):
         return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
-                      checks, used_threads, started, progress, confidence, device, leaves, beacon_key, set(skip),
+                      checks, used_threads, started, progress, confidence, device, leaves, trust, set(skip),
                       list(earlier), data_root is not None)
 
 
@@ -184,10 +191,10 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
            thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
            notes: list[str], checks: list[str], threads: int, started: float, progress: bool,
            confidence: float | None, device: str, leaves_path: str | os.PathLike | None,
-           beacon_key: str | None, skip: set[int], earlier: list[LedgerEntry], named_root: bool) -> Verdict:
+           trust: str | WitnessTrust | None, skip: set[int], earlier: list[LedgerEntry], named_root: bool) -> Verdict:
     m = bundle.manifest
     local: LocalSamples | None = None
-    online = check_statements(bundle, beacon_key) if mode == "online" else None
+    online = check_online(bundle, trust) if mode == "online" and trust is not None else None
     found = None
     if mode == "offline":
         dataset, found = committed_dataset(task, m)
@@ -224,8 +231,13 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
             notes.append(f"{len(skip & set(online.selected) - before)} selected step(s) not replayed now (their "
                          "states have not arrived): the bound counts them as bad steps the audit cannot see")
         if online.unaudited:
-            notes.append(f"steps {online.unaudited.start}..{online.unaudited.stop - 1} have no beacon statement: not "
-                         "audited online (the bound counts them as bad steps the audit cannot see)")
+            notes.append(f"steps {online.unaudited.start}..{online.unaudited.stop - 1} have no "
+                         f"{'witnessed window' if online.witnessed else 'beacon statement'}: not audited online (the "
+                         "bound counts them as bad steps the audit cannot see)")
+        for r in online.late:
+            notes.append(f"steps {r.start}..{r.stop - 1}: their window was cosigned within a drand period of its "
+                         "round, so its draw might have been known: not audited online (the bound counts them as bad "
+                         "steps the audit cannot see)")
     verdict = Verdict(
         accepted=False, mode=mode, exact=exact, task=m.task, steps=n, complete=bundle.complete,
         signer=key_fingerprint(m.public_key), challenges=len(drawn) if online is None else len(online.selected),
@@ -238,7 +250,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     if online is not None:
         verdict.online = {"beacon": online.beacon, "p": online.p, "every": online.every, "windows": online.windows,
                           "selected": online.selected, "covered": online.covered,
-                          "unaudited": len(online.unaudited), "final": online.final, "others": online.others,
+                          "unaudited": online.unseen, "final": online.final, "witnessed": online.witnessed, "others": online.others,
                           "attempts": online.attempts, "linking": online.linking()}
     if local is None and bundle.complete and mode != "offline":
         verdict.checks.append("every replayed sample is the committed dataset's, with its documents")
@@ -322,7 +334,7 @@ def _bound(verdict: Verdict, drawn: list[ReplayChallenge], online: OnlinePlan | 
         done = replayed(verdict.ledger)
         verdict.verified = sum(1 for t in online.selected if t in done)
         verdict.detection_probability = online_bound_from(verdict.ledger, online.selected, online.p, f, n,
-                                                          len(online.unaudited), online.attempts)
+                                                          online.unseen, online.attempts)
 
 
 def default_response_dir(bundle_dir: str | os.PathLike) -> Path:

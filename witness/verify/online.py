@@ -9,16 +9,28 @@ audit could not see.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle
 from ..commit.beacon import BeaconStatement, run_id, selected_steps
+from ..commit.drand import ChainInfo, round_time, verify_round
 from ..commit.hashing import parse_canonical_json, same
+from ..commit.note import (
+    ED25519,
+    Checkpoint,
+    NoteKey,
+    parse_note,
+    run_origin,
+    verify_cosignature,
+    verify_note_signature,
+)
 from ..commit.signing import key_fingerprint, public_hex, public_key_from_hex
+from ..commit.window import WitnessedWindow, head_sizes, parse_statement
 from ..data.leaves import DatasetLeaves
 from ..errors import MalformedInput, VerificationError
 from .response import MAX_SAMPLE_BYTES, ResponseSamples, ResponseStep
@@ -42,23 +54,44 @@ class OnlinePlan:
     # or account), and of the attempts among them it prices in; None where no final statement counts
     others: int | None = None
     attempts: int | None = None
+    # witnessed windows: the windows whose cosignatures came too late for their round (their steps are
+    # not audited online), and who was trusted for what
+    late: list[range] = field(default_factory=list)
+    witnessed: str | None = None  # "K of [names], drand chain X"; None: one beacon drew the randomness
+
+    @property
+    def unseen(self) -> int:
+        """Steps no draw could select: after the last window, and in windows cosigned too late."""
+        return len(self.unaudited) + sum(len(r) for r in self.late)
 
     def describe(self) -> str:
         """One line for the verdict."""
         gap = f"; steps {self.unaudited.start}..{self.unaudited.stop - 1} not audited online" if self.unaudited else ""
+        if self.late:
+            gap += (f"; {len(self.late)} window(s) ({sum(len(r) for r in self.late)} step(s)) cosigned too close to "
+                    "their drand round to count: not audited online")
+        if self.witnessed is not None:
+            if not self.windows:
+                return f"no witnessed window: no step audited online{gap}"
+            return (f"{self.windows} witnessed window(s) chain over steps 0..{self.covered - 1}, each cosigned by "
+                    f"{self.witnessed} before its round; the randomness is drand's, so no single server drew it; "
+                    f"selecting {len(self.selected)} step(s) at p = {self.p:g}{gap}")
         if not self.windows:
             return f"no beacon statement by {self.beacon}: no step audited online{gap}"
         return (f"{self.windows} beacon statement(s) by {self.beacon} chain over steps 0..{self.covered - 1}, "
-                f"selecting {len(self.selected)} step(s) at p = {self.p:g}{gap}")
+                f"selecting {len(self.selected)} step(s) at p = {self.p:g}; the randomness is that beacon's own (the "
+                f"verifier trusts it not to bias or leak it){gap}")
 
     def linking(self) -> str:
         """What the beacon saw of other attempts, and what that leaves unseen, for the verdict."""
         if self.attempts is None:
             why = "the bundle holds no final statement" if not self.final else \
+                "no named witness signed a count of them" if self.witnessed is not None else \
                 "its final statement is of version 1, which counts none"
             return (f"other attempts unknown: {why}, so the beacon's count of the trainer's other attempts (restarts "
                     "until a draw misses) is missing and the online bound is 0")
-        return (f"the beacon linked {self.others} other run(s) to this one (its key, recipe, run seed or account) and "
+        who = "the witnesses linked" if self.witnessed is not None else "the beacon linked"
+        return (f"{who} {self.others} other run(s) to this one (its key, recipe, run seed or account) and "
                 f"prices {self.attempts} of them in as attempts at it: the bound is taken over {self.attempts + 1} "
                 "attempt(s); an attempt under a fresh key with another run seed is not seen (it costs its trainer "
                 "its own training up to its bad steps)")
@@ -72,7 +105,7 @@ def parse_statements(bundle: Bundle) -> list[BeaconStatement]:
             obj = parse_canonical_json(line)
         except ValueError as e:
             raise MalformedInput(f"online statement {i}: {e}") from None
-        out.append(BeaconStatement.from_json(obj))
+        out.append(parse_statement(obj))
     return out
 
 
@@ -95,6 +128,9 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     statements: dict[int, BeaconStatement] = {}
     windows: dict[int, int] = {}  # prev_size -> size: the window each statement opens
     for i, st in enumerate(parse_statements(bundle)):
+        if not isinstance(st, BeaconStatement):
+            raise VerificationError(f"online statement {i} is a witnessed window, not a beacon's statement: verify it "
+                                    "with --witness NAME=KEY and --drand", check="beacon")
         st.verify(public)
         if not same(st.run, run):
             raise VerificationError(f"beacon statement {i} answers another run's head (a statement replayed from "
@@ -131,6 +167,152 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     return OnlinePlan(key_fingerprint(public_hex(public)), p, m.online["every"], len(chain), selected,
                       covered, range(covered, n), final, last.others if last else None,
                       last.attempts if last else None)
+
+
+@dataclass(frozen=True)
+class WitnessTrust:
+    """Whom the verifier trusts for witnessed windows: these witnesses' keys, how many of them must
+    cosign each window, and the drand chain (pinned: its key, period and genesis)."""
+
+    witnesses: tuple[NoteKey, ...]
+    required: int
+    chain: ChainInfo
+
+    def __post_init__(self) -> None:
+        if not self.witnesses:
+            raise MalformedInput("witnessed online mode needs at least one --witness NAME=KEY")
+        if len({k.public for k in self.witnesses}) != len(self.witnesses) \
+                or len({k.name for k in self.witnesses}) != len(self.witnesses):
+            raise MalformedInput("--witness: each witness is named once, with a key of its own (one key counted "
+                                 "twice would pass for two witnesses)")
+        if not 1 <= self.required <= len(self.witnesses):
+            raise MalformedInput(f"--witnesses-required must be between 1 and the {len(self.witnesses)} witness(es) "
+                                 "named")
+
+    def describe(self) -> str:
+        """Who cosigns, for the verdict."""
+        names = ", ".join(k.name for k in self.witnesses)
+        return f"{self.required} of the witness(es) {names} (drand chain {self.chain.beacon_id or self.chain.hash.hex()[:16]})"
+
+
+def check_online(bundle: Bundle, trust: str | WitnessTrust) -> OnlinePlan:
+    """The online plan under the verifier's trust: one beacon's key (hex), or witnesses and drand."""
+    return check_windows(bundle, trust) if isinstance(trust, WitnessTrust) else check_statements(bundle, trust)
+
+
+ATTEMPTS_HEADER = "witness attempts/v1"
+_COUNT = r"(?:0|[1-9][0-9]{0,17})"  # ASCII digits, no sign or leading zero (int() takes "+1", " 1", "1_0")
+_ATTEMPTS = re.compile(re.escape(ATTEMPTS_HEADER) + r"\n(?P<origin>[^\n]+)\n(?P<size>" + _COUNT + r")\nothers (?P<others>"
+                       + _COUNT + r")\nattempts (?P<attempts>" + _COUNT + r")\n")
+
+
+def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
+    """Every witnessed window: at a boundary the manifest sets, in an unbroken chain, its checkpoint
+    this log's, cosigned by K of the named witnesses more than a drand period before the round its
+    closing record names, and that round signed by the pinned drand chain."""
+    m = bundle.manifest
+    if m.online is None:
+        raise MalformedInput("the run takes no online challenges (its manifest has no online settings)")
+    run = run_id(bundle.log.lines[0])
+    origin = run_origin(run)
+    n, signed = len(bundle.steps), bundle.final_head.size
+    boundaries = [s for s in head_sizes(m.online["every"], m.checkpoint_every, m.steps_planned, n, bundle.complete)
+                  if s <= signed]
+    windows: list[WitnessedWindow] = []
+    for i, st in enumerate(parse_statements(bundle)):
+        if not isinstance(st, WitnessedWindow):
+            raise VerificationError(f"online statement {i} is a beacon's statement, not a witnessed window: the "
+                                    "verifier named witnesses and drand (verify a beacon's with --beacon-key)",
+                                    check="witness")
+        windows.append(st)
+    windows.sort(key=lambda w: w.size)
+    for a, b in zip(windows, windows[1:], strict=False):
+        if a.size == b.size:
+            raise VerificationError(f"two witnessed windows close at the head of size {a.size}", check="witness")
+    selected: list[int] = []
+    late: list[range] = []
+    for i, w in enumerate(windows):
+        if i >= len(boundaries) or w.size != boundaries[i]:
+            where = "is not a boundary the manifest sets" if w.size not in boundaries else \
+                f"follows the boundary at size {boundaries[i]}, which has no window: a window was withheld"
+            raise VerificationError(f"the witnessed window closing at the head of size {w.size} {where}",
+                                    check="witness")
+        prev = boundaries[i - 1] if i else 0
+        if w.prev_size != prev:
+            raise VerificationError(f"the witnessed window closing at size {w.size} says it starts after size "
+                                    f"{w.prev_size}, not after the boundary before it ({prev})", check="witness")
+        on_time = _check_window(bundle, w, trust, origin, run, n)
+        if on_time:
+            selected += selected_steps(w, m.online["p"], n)
+        else:
+            late.append(w.window(n))
+    covered = windows[-1].window(n).stop if windows else 0
+    final = bool(windows) and windows[-1].size == signed and bundle.complete and windows[-1].final
+    if windows and windows[-1].final and not final:
+        raise VerificationError(f"the witnessed window closing at size {windows[-1].size} calls itself the run's final "
+                                f"one, but the log is signed to size {signed}", check="witness")
+    others = attempts = None
+    if final:
+        others, attempts = _attempts(windows[-1], trust, origin)
+    return OnlinePlan(trust.describe(), m.online["p"], m.online["every"], len(windows), sorted(selected), covered,
+                      range(covered, n), final, others, attempts, late, trust.describe())
+
+
+def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes, n: int) -> bool:
+    """One window's checkpoint, round and cosignatures; whether K cosignatures came in time to count."""
+    where = f"the witnessed window closing at size {w.size}"
+    if not same(w.run, run):
+        raise VerificationError(f"{where} names another run (a window replayed from another run)", check="witness")
+    try:
+        note = parse_note(w.checkpoint)
+        cp = Checkpoint.parse(note.text)
+    except (MalformedInput, ValueError) as e:
+        raise MalformedInput(f"{where}: its checkpoint note: {e}") from None
+    if cp.origin != origin or cp.size != w.size or cp.extensions:
+        raise VerificationError(f"{where}: its checkpoint is not this run's head of that size (origin {cp.origin[:80]!r}, "
+                                f"size {cp.size}{', with extension lines' if cp.extensions else ''})", check="witness")
+    if not bundle.log.extends(cp.size, cp.root):
+        raise VerificationError(f"{where}: its checkpoint's root is not this log's at size {cp.size}", check="witness")
+    closing = bundle.steps[w.size - 2].round if w.size - 2 < n else bundle.end.round if bundle.end else None
+    if closing != w.round:
+        raise VerificationError(f"{where}: the log's record that closes it names drand round {closing}, the window "
+                                f"round {w.round}", check="witness")
+    verify_round(trust.chain, w.round, w.drand_signature)  # raises, naming the round and the chain
+    due = round_time(trust.chain, w.round)
+    cosigned = in_time = 0
+    for key in trust.witnesses:
+        times = [verify_cosignature(note.text, sig, key) for sig in note.signatures
+                 if sig.name == key.name and sig.key_id == key.id]  # a named witness's bad line: raises
+        if times:
+            cosigned += 1
+            # the earliest: the witness held this checkpoint then, whatever it signed again later
+            in_time += min(times) + trust.chain.period < due
+    if cosigned < trust.required:
+        raise VerificationError(f"{where} is cosigned by {cosigned} of the {trust.required} named witness(es) the "
+                                "verifier requires", check="witness")
+    return in_time >= trust.required
+
+
+def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str) -> tuple[int | None, int | None]:
+    """The largest count of the run's other attempts a named witness signed for its final checkpoint."""
+    counts = []
+    for raw in w.attempts:
+        try:
+            note = parse_note(raw)
+        except (MalformedInput, ValueError):
+            raise MalformedInput("the final witnessed window holds an attempts note that does not parse") from None
+        for key in trust.witnesses:
+            signer = NoteKey(key.name, ED25519, key.public)
+            if not verify_note_signature(note, signer):
+                continue
+            found = _ATTEMPTS.fullmatch(note.text)
+            if found is None or found["origin"] != origin or found["size"] != str(w.size):
+                raise VerificationError(f"witness {key.name}'s attempts note is not a count for this run's final "
+                                        "checkpoint", check="witness")
+            counts.append((int(found["others"]), int(found["attempts"])))
+    if not counts:
+        return None, None
+    return max(c[0] for c in counts), max(c[1] for c in counts)  # a witness that saw more is believed
 
 
 class OnlineStates:

@@ -92,7 +92,9 @@ class Verdict:
         if self.online.get("attempts") is None:
             return (f"WARNING: weak audit: the online bound is 0, below the {100 * floor:g}% "
                     f"{'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
-                    "no final beacon statement counts the run's other attempts (or add an after-the-fact audit)")
+                    + ("no named witness signed a count of the run's other attempts" if self.online.get("witnessed")
+                       else "no final beacon statement counts the run's other attempts")
+                    + " (or add an after-the-fact audit)")
         need = p_needed(floor, self.bad_fraction, self.steps - self.online["unaudited"])
         return (f"WARNING: weak audit: the online bound {percent_down(self.detection_probability)}% is below the "
                 f"{100 * floor:g}% {'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
@@ -153,10 +155,15 @@ class Verdict:
                                                                          else ""))
         if self.online is not None:
             o = self.online
-            lines.insert(2, f"  online: beacon {o['beacon']}, {o['windows']} statement(s), p = {o['p']:g}, selected "
-                            f"steps {_steps(o['selected'])}"
-                            + (f"; {o['unaudited']} step(s) after the last statement not audited online"
-                               if o["unaudited"] else ""))
+            if o.get("witnessed"):  # drand's randomness, each window cosigned by K named witnesses
+                who = (f"witnessed windows, cosigned by {o['witnessed']} before their rounds (randomness: drand), "
+                       f"{o['windows']} window(s)")
+            else:
+                who = (f"beacon {o['beacon']} (its own randomness, trusted not to bias or leak it), {o['windows']} "
+                       "statement(s)")
+            lines.insert(2, f"  online: {who}, p = {o['p']:g}, selected steps {_steps(o['selected'])}"
+                            + (f"; {o['unaudited']} step(s) not audited online (after the last window, or in windows "
+                               "cosigned too late)" if o["unaudited"] else ""))
             lines.insert(3, f"  attempts: {o['linking']}")
         if self.data_root:
             lines.append(f"  data root {self.data_root[:16]}…: " + (f"checked against {self.data_checked}"
