@@ -22,6 +22,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from ..commit.beacon import recipe_id
+from .witness_db import WitnessBase
 
 
 class BeaconBase(DeclarativeBase):
@@ -82,6 +83,7 @@ def create_tables(engine: Engine) -> None:
     """Create the beacon's tables where they are missing (a standalone beacon's database), and bring
     those of an earlier release up to date."""
     BeaconBase.metadata.create_all(engine)
+    WitnessBase.metadata.create_all(engine)
     with engine.begin() as conn:
         add_linking(conn)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from sqlalchemy import func, select
 
 from ..beacon.db import BeaconBase
+from ..beacon.witness_db import WitnessBase
 from ..commit.signing import generate_key, public_hex, save_key
 from ..database import shown_url
 from . import client as C
@@ -115,7 +116,8 @@ def _scaled(folder: Path, tracks: tuple, db: str, store: str, reset: bool) -> Le
             print(f"--reset: emptying the database {shown_url(db)} ({used} account(s) and their runs) and "
                   f"{store} ({len(keys)} object(s))", file=sys.stderr)
         with lb.Session() as s:
-            for table in [*reversed(Base.metadata.sorted_tables), *reversed(BeaconBase.metadata.sorted_tables)]:
+            for table in [*reversed(Base.metadata.sorted_tables), *reversed(WitnessBase.metadata.sorted_tables),
+                          *reversed(BeaconBase.metadata.sorted_tables)]:
                 s.execute(table.delete())
             s.commit()
         for key, _ in keys:
