@@ -24,10 +24,12 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
 
     key = load_or_create_key(Path(args.key))
     db = database_url(args.db or DEFAULT_DB)
-    app = create_app(check_db_url(db), key, per_minute=args.per_minute)  # its tables made once, here
+    app = create_app(check_db_url(db), key, per_minute=args.per_minute, name=args.name)  # its tables made once, here
     pub = public_hex(key.public_key())
     print(f"beacon public key {pub} (fingerprint {key_fingerprint(pub)}); verifiers pass it as --beacon-key",
           flush=True)
+    witness = app.state.witness
+    print(f"witness {witness.name} cosigns checkpoints as {witness.vkey}", flush=True)
     print(f"serving on http://{args.host}:{args.port}/api/beacon (database {shown_url(db)}"
           + (f", {args.workers} worker processes" if args.workers > 1 else "") + ")", file=sys.stderr, flush=True)
     # headers in within a time limit (a client that trickles them holds a connection no longer), and
@@ -40,7 +42,7 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
     # several processes share the database (one draw per window is its conditional update, not a lock
     # in a process); each builds the app from what this one checked
     os.environ.update(WITNESS_BEACON_DB=db, WITNESS_BEACON_KEY=str(Path(args.key).resolve()),
-                      WITNESS_BEACON_PER_MINUTE=str(args.per_minute))
+                      WITNESS_BEACON_PER_MINUTE=str(args.per_minute), WITNESS_BEACON_NAME=args.name or "")
     # (uvicorn hands its workers a pickled config: the header timer, a class made at run time, stays
     # with the single process)
     served.pop("http")
@@ -66,6 +68,16 @@ def port(value: str) -> int:
     return n
 
 
+def witness_name(value: str) -> str:
+    """A witness's name: a note key name (no spaces, no plus signs, at most 255 bytes)."""
+    from ..commit.note import name_problem
+
+    problem = name_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add this group's subcommands."""
     b = sub.add_parser("beacon", help="the online-challenge beacon")
@@ -82,4 +94,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="server processes (default 1; on PostgreSQL, one per core scales it out)")
     s.add_argument("--key", default=DEFAULT_BEACON_KEY,
                    help=f"the beacon's signing key (created if missing; default {DEFAULT_BEACON_KEY})")
+    s.add_argument("--name", type=witness_name,
+                   help="the name it cosigns checkpoints under, as a tlog-witness (default: "
+                        "witness.beacon/ and the first 16 hex digits of its public key)")
     s.set_defaults(func=cmd_beacon_serve)
