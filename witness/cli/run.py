@@ -147,7 +147,8 @@ def _online_spec(args: argparse.Namespace, steps: int, beacon=None):  # noqa: AN
 def online_summary(online) -> str:
     """What answering the beacon cost the trainer, in a line."""
     r = online.report()
-    return (f"online challenges: {r['statements']} beacon statement(s) selected {r['selected']} step(s); kept "
+    what = "witnessed window(s)" if hasattr(online.link, "settle") else "beacon statement(s)"
+    return (f"online challenges: {r['statements']} {what} selected {r['selected']} step(s); kept "
             f"{r['written']} state(s) ({r['bytes_written'] / 1e6:.1f} MB), at most {r['peak_ring']} in the ring; "
             f"training waited for the beacon {r['waits']} time(s) ({r['wait_seconds']:.2f} s)"
             + (f"; {r['rebuilt']} lost state(s) rebuilt from a checkpoint" if r["rebuilt"] else ""))
@@ -270,35 +271,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
         shutil.rmtree(bundle_dir)
     key = load_or_create_key(out / "demo_key.pem")
     task = build_task("tinygpt", {"steps": args.steps})
-    # A beacon of the demo's own on loopback (a real one is the leaderboard's, or a reviewer's): it
-    # stamps a head every 10 steps with fresh randomness that selects the steps to replay.
+    # Online challenges that trust no single server: two witnesses of the demo's own on loopback cosign
+    # each head's checkpoint, and a local drand-compatible endpoint gives each window's randomness
+    # (a real run names public witnesses and the League of Entropy's quicknet).
     from ..beacon.app import create_app
-    from ..beacon.client import BeaconClient
+    from ..beacon.drand import DrandClient, LocalDrand
+    from ..beacon.drand import create_app as drand_app
+    from ..beacon.windows import WitnessedLink
+    from ..beacon.witness_client import WitnessClient
+    from ..verify.online import WitnessTrust
     from ..web import start_uvicorn, stop_uvicorn
 
-    (out / "beacon.db").unlink(missing_ok=True)
-    beacon_key = load_or_create_key(out / "beacon_key.pem")
-    server, thread, url = start_uvicorn(create_app(f"sqlite:///{(out / 'beacon.db').resolve()}", beacon_key))
+    local = LocalDrand(period=1)
+    servers = [start_uvicorn(drand_app(local))]
+    for i in (1, 2):
+        (out / f"witness{i}.db").unlink(missing_ok=True)
+        wkey = load_or_create_key(out / f"witness{i}_key.pem")
+        servers.append(start_uvicorn(create_app(f"sqlite:///{(out / f'witness{i}.db').resolve()}", wkey,
+                                                name=f"witness{i}.demo.local")))
     try:
+        witnesses = [WitnessClient(url) for _, _, url in servers[1:]]
         t0 = time.perf_counter()
         rec = Recorder.create(task, bundle_dir, key, r=trainer_r(None), checkpoint_every=50,
-                              beacon=BeaconClient(url))
+                              beacon=WitnessedLink(witnesses, DrandClient(servers[0][2], local.chain)))
         rec.train()
         train_s = time.perf_counter() - t0
     finally:
-        stop_uvicorn(server, thread)
+        for server, thread, _ in servers:
+            stop_uvicorn(server, thread)
+    url = ", ".join(u for _, _, u in servers[1:])
+    print(f"randomness: a local drand-compatible endpoint at {servers[0][2]} (its own BLS key, a round a second; "
+          "not the League of Entropy's quicknet, which a real run names with --drand)", file=sys.stderr)
     q = args.challenges
-    print(f"\ntrained {args.steps} steps in {train_s:.1f} s, streaming a head every {rec.online.spec.every} steps to "
-          f"the beacon at {url}\n{online_summary(rec.online)}\n", file=sys.stderr)
+    print(f"\ntrained {args.steps} steps in {train_s:.1f} s, sending a checkpoint every {rec.online.spec.every} steps "
+          f"to the witnesses at {url}\n{online_summary(rec.online)}\n", file=sys.stderr)
 
-    print("1. The online audit. While the run trained, the beacon answered each head with signed fresh randomness "
-          f"that selected each step with p = {rec.online.spec.p:.3g}; the trainer still held those states and wrote "
-          "them out. The verifier checks the beacon's statements under the beacon's key and replays each selected "
-          "step, bit for bit.", file=sys.stderr)
-    from ..commit.signing import public_hex
-
+    print("1. The online audit. While the run trained, two witnesses cosigned each head's checkpoint, and the drand "
+          f"round its log named, drawn after that, selected each step with p = {rec.online.spec.p:.3g}; the trainer "
+          "still held those states and wrote them out. The verifier checks both witnesses' cosignatures and the "
+          "round's BLS signature under the chain it pins, and replays each selected step, bit for bit.",
+          file=sys.stderr)
+    trust = WitnessTrust(tuple(w.key for w in witnesses), 2, local.chain)
     online_text, online_code, online_results = _demo_audit(lambda: verify_bundle(
-        bundle_dir, mode="online", beacon_key=public_hex(beacon_key.public_key()), progress=True))
+        bundle_dir, mode="online", witnesses=trust, progress=True))
     print(online_text)
     r = rec.online.report()
     answer_s = r["copy_seconds"] + r["write_seconds"] + r["wait_seconds"]
