@@ -222,7 +222,8 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
             raise MalformedInput("an earlier audit's evidence counts only in the online audit it was part of")
         drawn = draw_challenges(bundle.final_head, nonce, n, challenges, length)
     else:
-        drawn = [ReplayChallenge(t, 1) for t in online.selected if t not in skip and t not in before]
+        drawn = [ReplayChallenge(t, 1) for t in sorted({*online.selected, *online.late_selected})
+                 if t not in skip and t not in before]
         checks.append(online.describe())
         if before & set(online.selected):
             checks.append(f"{len(before & set(online.selected))} selected step(s) replayed by an earlier audit of the "
@@ -237,7 +238,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         for r in online.late:
             notes.append(f"steps {r.start}..{r.stop - 1}: their window was cosigned within a drand period of its "
                          "round, so its draw might have been known: not audited online (the bound counts them as bad "
-                         "steps the audit cannot see)")
+                         "steps the audit cannot see; the steps its draw selects are replayed all the same)")
     verdict = Verdict(
         accepted=False, mode=mode, exact=exact, task=m.task, steps=n, complete=bundle.complete,
         signer=key_fingerprint(m.public_key), challenges=len(drawn) if online is None else len(online.selected),

@@ -58,6 +58,9 @@ class OnlinePlan:
     # not audited online), and who was trusted for what
     late: list[range] = field(default_factory=list)
     witnessed: str | None = None  # "K of [names], drand chain X"; None: one beacon drew the randomness
+    # the steps late windows' draws select: replayed too, though the bound does not count them (which
+    # cosignatures a bundle shows is the trainer's choice: hiding an on-time one must not hide a draw)
+    late_selected: list[int] = field(default_factory=list)
 
     @property
     def unseen(self) -> int:
@@ -231,6 +234,7 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
             raise VerificationError(f"two witnessed windows close at the head of size {a.size}", check="witness")
     selected: list[int] = []
     late: list[range] = []
+    late_selected: list[int] = []
     for i, w in enumerate(windows):
         if i >= len(boundaries) or w.size != boundaries[i]:
             where = "is not a boundary the manifest sets" if w.size not in boundaries else \
@@ -245,7 +249,10 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
         if on_time:
             selected += selected_steps(w, m.online["p"], n)
         else:
+            # with more witnesses named than required, a trainer that had one cosign late can show that
+            # cosignature instead of an on-time one once it knows beta: the window's draw still stands
             late.append(w.window(n))
+            late_selected += selected_steps(w, m.online["p"], n)
     covered = windows[-1].window(n).stop if windows else 0
     final = bool(windows) and windows[-1].size == signed and bundle.complete and windows[-1].final
     if windows and windows[-1].final and not final:
@@ -255,7 +262,7 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
     if final:
         others, attempts = _attempts(windows[-1], trust, origin)
     return OnlinePlan(trust.describe(), m.online["p"], m.online["every"], len(windows), sorted(selected), covered,
-                      range(covered, n), final, others, attempts, late, trust.describe())
+                      range(covered, n), final, others, attempts, late, trust.describe(), sorted(late_selected))
 
 
 def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes, n: int) -> bool:
