@@ -350,3 +350,44 @@ def _train(out: Path, link, key=None, *, bad: set[int] = frozenset(), like: Path
 def _train_fork(out: Path, link, key, honest: Path) -> Path:
     """The honest run again (its manifest, so its origin) with step 6 trained on a nudged state."""
     return _train(out, link, key, bad={6}, like=honest)
+
+
+@pytest.mark.parametrize("kill_at", ["training", "end"])
+def test_a_witnessed_run_killed_and_resumed_verifies(loop, tmp_path, capsys, kill_at):
+    """kill -9 while windows wait for their rounds (cosigned, not yet settled), mid-run or once the
+    end record is written, then --resume: the cosigned checkpoints are not lost, the witnesses
+    (which keep only the latest) are not asked for what they no longer hold, the lost selected
+    states are rebuilt, and the run verifies with both witnesses."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    key = tmp_path / "key.pem"
+    save_key(generate_key(), key)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "witness.cli", "train", "--task", "tiny", "--steps", "60", "--checkpoint-every", "20",
+           "--seed", "witnessed", "--key", str(key), "--out", str(out), "--quiet", "--no-self-check", "--online-p",
+           "0.2", "--online-every", "4", "--drand", loop.drand_url, "--drand-chain", str(loop.info)]
+    for u in loop.urls:
+        cmd += ["--witness", u]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    lines_wanted = 2 if kill_at == "training" else 60 + 2  # two windows kept, or the end record written
+    while time.time() < deadline:
+        st, log = out / STATEMENTS, out / "log.jsonl"
+        if kill_at == "training" and st.exists() and st.read_bytes().count(b"\n") >= lines_wanted:
+            break
+        if kill_at == "end" and log.exists() and log.read_bytes().count(b"\n") >= lines_wanted:
+            break
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert kill_at == "training" or (out / "online" / "cosigned.jsonl").exists()  # windows not all settled
+    res = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert not (out / "online" / "cosigned.jsonl").exists()
+    code, v = verify(out, loop, capsys=capsys)
+    assert code == 0 and v["accepted"] and v["complete"] and v["online"]["final"], v

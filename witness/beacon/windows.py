@@ -26,6 +26,7 @@ from ..commit.note import (
     Checkpoint,
     Note,
     NoteKey,
+    cosignature_timestamp,
     parse_note,
     run_origin,
     sign_note,
@@ -53,6 +54,22 @@ class PendingWindow:
     final: bool
     late: list[str]  # witnesses whose cosignature came within a period of the round (it will not count)
 
+    def to_json(self) -> dict:
+        """A line of the run's journal of cosigned checkpoints (``online/cosigned.jsonl``)."""
+        return {"size": self.size, "prev_size": self.prev_size, "round": self.round, "note": self.note.decode(),
+                "final": self.final, "late": self.late}
+
+    @classmethod
+    def from_json(cls, obj: object) -> PendingWindow:
+        """A journal line (the trainer's own file, parsed strictly all the same)."""
+        if not isinstance(obj, dict) or set(obj) != {"size", "prev_size", "round", "note", "final", "late"} \
+                or not all(type(obj[k]) is int for k in ("size", "prev_size", "round")) \
+                or not isinstance(obj["note"], str) or type(obj["final"]) is not bool \
+                or not isinstance(obj["late"], list):
+            raise ValueError("not a cosigned checkpoint of the journal")
+        return cls(obj["size"], obj["prev_size"], obj["round"], obj["note"].encode(), obj["final"],
+                   [str(x) for x in obj["late"]])
+
 
 class WitnessedLink:
     """Checkpoints to ``witnesses``, randomness from ``drand`` (what ``witness train --witness URL …
@@ -72,6 +89,21 @@ class WitnessedLink:
         self.latency = LATENCY_START
         self._lock = threading.Lock()
         self.late_windows = 0
+        self._origin: tuple[bytes, str] | None = None  # (manifest line, its origin): hashed once a run
+
+    @property
+    def request_cpu_seconds(self) -> float:
+        """The CPU time of the witnesses' request threads so far (what sending costs the trainer, besides
+        the sending thread's own)."""
+        return sum(w.request_cpu_seconds for w in self.witnesses)
+
+    def resume_at(self, size: int) -> None:
+        """A resumed run: the witnesses cosigned up to the head of ``size`` (the last window it kept), so
+        the next checkpoint is proved from there (a witness that is one further says so, and is asked
+        again for what it holds)."""
+        self.sent_size = size
+        self._old = [size] * len(self.witnesses)
+        self._registered = size > 0
 
     def use_key(self, key: Ed25519PrivateKey) -> None:
         """The run's signing key (checkpoints are notes it signs)."""
@@ -90,7 +122,7 @@ class WitnessedLink:
         (built here, while the log is not being appended to)."""
         if self._key is None:
             raise RuntimeError("the witnessed link has no run key (Recorder hands it one)")
-        origin = run_origin(run_id(log.lines[0]))
+        origin = self.origin(log)
         text = Checkpoint(origin, head.size, head.root).text()
         closing = parse_canonical_json(log.lines[head.size - 1])
         if "round" not in closing:
@@ -101,7 +133,14 @@ class WitnessedLink:
         note = Note(text, (sign_note(text, origin, self._key),)).encode()
         final = head.extensions is not None and "final_state_hash" in head.extensions
         return {"manifest": log.lines[0], "origin": origin, "text": text, "note": note, "prev": prev, "proof": proof,
-                "round": closing["round"], "final": final, "made": time.time(), "lines": log.lines[:head.size]}
+                "round": closing["round"], "final": final, "made": time.time(), "log": log, "size": head.size}
+
+    def origin(self, log: RunLog) -> str:
+        """The run's log origin (from its manifest line, hashed once)."""
+        manifest = log.lines[0]
+        if self._origin is None or self._origin[0] is not manifest:
+            self._origin = (manifest, run_origin(run_id(manifest)))
+        return self._origin[1]
 
     # --- the sending thread -----------------------------------------------------------------
     def post(self, body: dict, head: SignedTreeHead, log: RunLog) -> PendingWindow:
@@ -114,7 +153,7 @@ class WitnessedLink:
         due = round_time(self.chain, body["round"])
         for i, w in enumerate(self.witnesses):
             sig = self._cosign(i, w, body)
-            ts = verify_cosignature(body["text"], sig, self.keys[i])
+            ts = cosignature_timestamp(sig)  # the client checked the cosignature, and its timestamp's range
             if not ts + self.chain.period < due:
                 late.append(self.keys[i].name)
             sigs.append(sig)
@@ -132,17 +171,17 @@ class WitnessedLink:
 
     def _cosign(self, i: int, w: WitnessClient, body: dict):  # noqa: ANN202 - a NoteSignature
         """One witness's cosignature: from the size it cosigned last (it says which when another)."""
-        old, proof = body["prev"], body["proof"]
+        old, proof, size = body["prev"], body["proof"], body["size"]
         if self._old[i] != old:  # this witness is behind or ahead of the others (a resumed run)
-            old, proof = self._old[i], _proof(body["lines"], self._old[i])
+            old, proof = self._old[i], _proof(body["log"], size, self._old[i])
         try:
             sig = w.add_checkpoint(old, proof, body["note"])
         except WitnessError as e:
             latest = getattr(e, "latest", None)
-            if latest is None or latest == old or latest > len(body["lines"]):
+            if latest is None or latest == old or latest > size:
                 raise BeaconError(str(e)) from None
-            sig = w.add_checkpoint(latest, _proof(body["lines"], latest), body["note"])  # what it holds
-        self._old[i] = len(body["lines"])
+            sig = w.add_checkpoint(latest, _proof(body["log"], size, latest), body["note"])  # what it holds
+        self._old[i] = size
         return sig
 
     # --- the settling thread ----------------------------------------------------------------
@@ -179,7 +218,10 @@ class WitnessedLink:
         return w
 
 
-def _proof(lines: list[bytes], old: int) -> list[bytes]:
-    """A consistency proof from ``old`` to the log of ``lines`` (rebuilt: the sending thread never
-    reads the log the training thread appends to)."""
-    return RunLog(lines).tree.consistency_proof(old, len(lines)) if 0 < old < len(lines) else []
+def _proof(log: RunLog, size: int, old: int) -> list[bytes]:
+    """A consistency proof from ``old`` to the first ``size`` lines of ``log``, rarely needed (a witness
+    behind or ahead of the others): built from a copy of those lines, never from the tree the
+    training thread appends to (its first ``size`` lines do not change; the list is only appended to)."""
+    if not 0 < old < size:
+        return []
+    return RunLog(log.lines[:size]).tree.consistency_proof(old, size)

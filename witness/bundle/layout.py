@@ -74,6 +74,10 @@ def due(step: int, every: int, steps: int) -> bool:
 # committed state before it and its batch's samples (what the verifier replays it from).
 ONLINE = "online"
 STATEMENTS = f"{ONLINE}/statements.jsonl"
+# a witnessed run's journal of checkpoints the witnesses cosigned whose rounds had not come yet (what a
+# resume settles: a witness keeps only the latest checkpoint, so a lost cosignature cannot be asked
+# for again); removed when the run finishes, never read by a verifier
+COSIGNED = f"{ONLINE}/cosigned.jsonl"
 ONLINE_STATES = f"{ONLINE}/states"
 ONLINE_SAMPLES = f"{ONLINE}/samples"
 MAX_STATEMENTS_BYTES = 64 * 1024 * 1024

@@ -14,6 +14,7 @@ from ..commit.signing import SignedTreeHead, public_key_from_hex
 from ..errors import MalformedInput, VerificationError
 from .layout import (
     CHECKPOINTS,
+    COSIGNED,
     HEADS,
     LEAVES,
     LOG,
@@ -167,7 +168,7 @@ def _scan(root: Path) -> tuple[set[str], list[str]]:
             if partial_write(rel):
                 temps.append(rel)
                 continue
-            if rel not in (MARKER, LOG, HEADS, LEAVES, PROBES, STATEMENTS) and checkpoint_step(rel) is None \
+            if rel not in (MARKER, LOG, HEADS, LEAVES, PROBES, STATEMENTS, COSIGNED) and checkpoint_step(rel) is None \
                     and online_file(rel) is None:
                 raise MalformedInput(f"unexpected file {rel} in the bundle")
             files.add(rel)

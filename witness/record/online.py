@@ -10,6 +10,7 @@ waits are counted.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from typing import Protocol
 import torch
 
 from ..bundle.checkpoint import write_state
-from ..bundle.layout import STATEMENTS, online_samples_name, online_state_name
+from ..bundle.layout import COSIGNED, STATEMENTS, online_samples_name, online_state_name
 from ..bundle.writer import read_lines
 from ..commit.beacon import BeaconStatement, p_needed, selected_steps
 from ..commit.hashing import canonical_json, parse_canonical_json
@@ -31,6 +32,7 @@ from ..data.dataset import Dataset
 
 DEFAULT_EVERY = 10
 DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION = 0.99, 0.05
+DRAND_EVERY = 100  # a witnessed run's default head cadence (see OnlineSpec.for_steps)
 DRAND_RING = 256  # states a witnessed run holds while its rounds come (see OnlineSpec.for_steps)
 
 
@@ -65,9 +67,16 @@ class OnlineSpec:
     drand: str | None = None  # the drand chain's hash (hex) of a run whose windows witnesses cosign
 
     @classmethod
-    def for_steps(cls, steps: int, every: int = DEFAULT_EVERY, p: float | None = None,
+    def for_steps(cls, steps: int, every: int | None = None, p: float | None = None,
                   ring: int | None = None, drand: str | None = None) -> OnlineSpec:
-        """Settings whose bound reaches 99 % against 5 % bad steps over ``steps`` steps (unless p is given)."""
+        """Settings whose bound reaches 99 % against 5 % bad steps over ``steps`` steps (unless p is given).
+
+        A head every ``DEFAULT_EVERY`` steps by default; a witnessed run's (``drand``) every
+        ``DRAND_EVERY``: each head costs two witnesses' requests and checks, and a window's round
+        comes seconds after it closes however short it is, so short windows buy nothing there
+        (bench/online_cost.py: at 10 steps a window, the heads cost the trainer more than the ring)."""
+        if every is None:
+            every = DRAND_EVERY if drand else DEFAULT_EVERY
         every = max(1, min(every, steps))
         if p is None:
             p = min(1.0, p_needed(DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION, steps) * (1 + 1e-9))
@@ -152,6 +161,10 @@ class OnlineChallenges:
         self.copies = self.shared = 0  # states copied into the ring, and states the overlapped hash copied there
         # copies on the training thread; writes and uploads (to a leaderboard) in the background
         self.copy_seconds = self.write_seconds = self.write_cpu_seconds = self.publish_seconds = 0.0
+        # the link's own cost: building each head's request (training thread), sending it (the sending
+        # thread's CPU) and, witnessed, fetching and checking the window's round (the settling thread's CPU)
+        self.heads, self.body_seconds, self.post_cpu_seconds, self.settle_cpu_seconds = 0, 0.0, 0.0, 0.0
+        self.settle_latency = 0.0  # seconds from each head's send to its settled window, summed (witnessed)
 
     # --- statements -----------------------------------------------------------------------
     def load(self) -> None:
@@ -172,12 +185,31 @@ class OnlineChallenges:
         for st in self.link.statements(self.log):
             if st.size not in self.statements:
                 self._save(st)
+        self._settle_journal()
         for st in sorted(self.statements.values(), key=lambda s: s.size):
             self.covered = max(self.covered, st.window(self.steps).stop)
             self.wanted |= {n for n in self._needed(st) if not (self.out / online_state_name(n)).exists()}
         for t in sorted(self.selected):
             if not (self.out / online_samples_name(t)).exists():
                 self._write_samples(t)
+
+    def _settle_journal(self) -> None:
+        """A resumed witnessed run: settle the checkpoints the witnesses cosigned before the crash whose
+        windows were not kept yet (their rounds have come, or are waited for), then go on from the last."""
+        settle = getattr(self.link, "settle", None)
+        if settle is None:
+            return
+        from ..beacon.windows import PendingWindow
+
+        path = self.out / COSIGNED
+        for line in read_lines(path) if path.exists() else []:
+            try:
+                pending = PendingWindow.from_json(parse_canonical_json(line))
+            except ValueError:
+                break  # a line the crash tore
+            if pending.size not in self.statements:
+                self._save(settle(pending, self.log))
+        self.link.resume_at(max(self.statements, default=0))  # type: ignore[attr-defined]
 
     def _needed(self, st: BeaconStatement) -> set[int]:
         """The states a statement asks for: before each selected step, and after it (what a verifier in
@@ -258,16 +290,19 @@ class OnlineChallenges:
         settle = getattr(self.link, "settle", None)
         if settle is not None and head.size < 2:
             return  # the manifest's head closes no window (it covers no step)
+        started = time.perf_counter()
         body = self.link.body(head, self.log)
+        self.body_seconds += time.perf_counter() - started
+        self.heads += 1
         if settle is None:
             self._pending.append(self._worker.submit(self._stamp, body, head))
             return
         # witnessed windows: the checkpoint goes to the witnesses at once, in order, and a second
         # thread waits for the window's drand round (a wait must never hold up the next checkpoint)
-        posted = self._worker.submit(self.link.post, body, head, self.log)
+        posted = self._worker.submit(self._post, body, head)
         if self._settler is None:
             self._settler = ThreadPoolExecutor(1, thread_name_prefix="witness-drand")
-        self._pending.append(self._settler.submit(lambda: self._stamped(settle(posted.result(), self.log))))
+        self._pending.append(self._settler.submit(self._settle, settle, posted, started))
 
     def drain(self) -> None:
         """Forget the requests that are answered (raises what the beacon or a write raised)."""
@@ -276,7 +311,37 @@ class OnlineChallenges:
 
     # --- the background thread ----------------------------------------------------------------
     def _stamp(self, body: dict, head: SignedTreeHead) -> None:
-        self._stamped(self.link.post(body, head, self.log))
+        self._stamped(self._post(body, head))
+
+    def _post(self, body: dict, head: SignedTreeHead) -> object:
+        cpu = time.thread_time()
+        try:
+            posted = self.link.post(body, head, self.log)
+            if getattr(self.link, "settle", None) is not None:
+                self._journal(posted)
+            return posted
+        finally:
+            self.post_cpu_seconds += time.thread_time() - cpu
+
+    def _journal(self, pending) -> None:  # noqa: ANN001 - the link's pending window
+        """Keep a cosigned checkpoint until its window settles: the witnesses keep only their latest
+        checkpoint, so one lost with the process could not be asked for again."""
+        path = self.out / COSIGNED
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(canonical_json(pending.to_json()) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _settle(self, settle, posted: Future, sent: float) -> None:  # noqa: ANN001 - the link's settle
+        pending = posted.result()
+        cpu = time.thread_time()
+        try:
+            window = settle(pending, self.log)
+        finally:
+            self.settle_cpu_seconds += time.thread_time() - cpu
+        self.settle_latency += time.perf_counter() - sent
+        self._stamped(window)
 
     def _stamped(self, st: BeaconStatement) -> None:
         """A statement (or a settled window) received: keep it, write what it selects, free the rest."""
@@ -349,6 +414,7 @@ class OnlineChallenges:
         self._worker.shutdown()
         if self._settler is not None:
             self._settler.shutdown()
+            (self.out / COSIGNED).unlink(missing_ok=True)  # every cosigned checkpoint settled into a window
         if self.wanted:
             raise RuntimeError(f"selected steps {sorted(self.wanted)[:10]} have no kept state: they were lost and "
                                "not passed again")
@@ -366,4 +432,8 @@ class OnlineChallenges:
                 "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring, "copy_seconds": self.copy_seconds,
                 "write_seconds": self.write_seconds, "write_cpu_seconds": self.write_cpu_seconds,
                 "publish_seconds": self.publish_seconds,
-                "copies": self.copies, "shared_copies": self.shared}
+                "copies": self.copies, "shared_copies": self.shared,
+                "heads": self.heads, "body_seconds": self.body_seconds, "post_cpu_seconds": self.post_cpu_seconds,
+                "settle_cpu_seconds": self.settle_cpu_seconds,
+                "request_cpu_seconds": float(getattr(self.link, "request_cpu_seconds", 0.0)),
+                "settle_latency_mean": self.settle_latency / self.heads if self.settle_latency else 0.0}

@@ -32,6 +32,7 @@ from .. import __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
 from ..bundle.layout import (
     CHECKPOINTS,
+    COSIGNED,
     HEADS,
     LEAVES,
     LOG,
@@ -322,7 +323,10 @@ class Recorder:
         # the run's own thread count: a thread-dependent kernel would otherwise change its bits
         torch.set_num_threads(bounded_threads(threads or manifest["threads"]))
         records = [parse_canonical_json(line) for line in lines[1:]]
-        if records and records[-1]["type"] == "end":
+        ended = bool(records) and records[-1]["type"] == "end"
+        # a witnessed run killed while its last windows waited for their rounds is finished by a resume:
+        # its journal of cosigned checkpoints stays until every window is kept
+        if ended and not (started.online is not None and (out / COSIGNED).exists()):
             raise ValueError(f"the run in {out} is already complete")
         intact = [0]
         steps = 0
@@ -336,7 +340,7 @@ class Recorder:
                     intact.append(i + 1)
         heads = [SignedTreeHead.from_json(parse_canonical_json(line)) for line in read_lines(out / HEADS)]
         signed = max((h.size for h in heads), default=1)  # records a head signed stay, whatever happens
-        if signed > steps + 1:
+        if signed > steps + 1 + ended:
             raise ValueError("a signed head covers records that are not in the log; cannot resume")
         online = None
         if started.online is None and beacon is not None:
@@ -623,17 +627,32 @@ class Recorder:
             self._snapshots.close()
         if self.next_step != self.task.config.steps:
             raise ValueError(f"the recipe has {self.task.config.steps} steps; {self.next_step} were logged")
-        records = [parse_canonical_json(line) for line in self.log.lines[1:]]
+        # a resumed online run whose end record was signed before the crash (its last windows were
+        # still waiting for their rounds): the end record must come out as signed, and its head goes again
+        ended = len(self.log) == self.next_step + 2
+        records = [parse_canonical_json(line) for line in self.log.lines[1:self.next_step + 1]]
         usage = used_roots(self.task.dataset().leaves, (r["batch"] for r in records))
         final_state = read_checkpoint(self.out / checkpoint_name(self.next_step))
         final = {"final_state_hash": records[-1]["state_hash"],
                  "final_model_hash": model_hash(final_state, self.digest).hex()}
         ext = usage | final | {"task": self.task.name}  # the head names its task: whose rule decides documents
         end = {"type": "end", "steps": self.next_step} | ext
-        if self._rounds:
-            end["round"] = self.online.link.next_round()  # type: ignore[union-attr]
-        self.writer.append_record(self.log.append(end))
-        head = self._publish_head(extensions=ext)
+        if ended:
+            named = parse_canonical_json(self.log.lines[-1]).get("round")
+            if named is not None:
+                end["round"] = named
+            old = self._old_heads.get(len(self.log))
+            if canonical_json(end) != self.log.lines[-1] or old is None:
+                raise ValueError("resuming: the end record does not come out as its signed one did: the run cannot "
+                                 "be finished here")
+            head = old
+            if self.online is not None:
+                self.online.send(head)  # its window, if the crash lost it
+        else:
+            if self._rounds:
+                end["round"] = self.online.link.next_round()  # type: ignore[union-attr]
+            self.writer.append_record(self.log.append(end))
+            head = self._publish_head(extensions=ext)
         if self.online is not None:
             self.online.finish()  # every statement received, every selected state written
         self.writer.close()
