@@ -391,3 +391,12 @@ def test_a_witnessed_run_killed_and_resumed_verifies(loop, tmp_path, capsys, kil
     assert not (out / "online" / "cosigned.jsonl").exists()
     code, v = verify(out, loop, capsys=capsys)
     assert code == 0 and v["accepted"] and v["complete"] and v["online"]["final"], v
+
+
+def test_inspect_shows_a_witnessed_runs_windows(honest, capsys):
+    assert main(["inspect", str(honest)]) == 0
+    out = capsys.readouterr().out
+    assert "witnessed window(s)" in out and "--witness NAME=KEY" in out
+    assert main(["inspect", str(honest), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["online"]["witnessed"] and info["online"]["statements"] == len(windows(honest))

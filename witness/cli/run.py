@@ -209,12 +209,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  recipe        {json.dumps(m.task_config, sort_keys=True)}")
     if info["online"] is not None:
         o = info["online"]
-        chain = (f"{o['statements']} beacon statement(s) over steps 0..{o['covered'] - 1}" if o["statements"]
+        what = "witnessed window(s)" if o["witnessed"] else "beacon statement(s)"
+        chain = (f"{o['statements']} {what} over steps 0..{o['covered'] - 1}" if o["statements"]
                  else "no beacon statement")
         print(f"  online        p = {o['p']:g}, a head every {o['every']} steps, a ring of {o['ring']} states; {chain}, "
               f"{len(o['selected'])} step(s) selected, {o['states_kept']} state(s) kept"
               + (f"; missing {o['missing']}" if o["missing"] else "")
-              + " (signatures unchecked: witness verify --mode online --beacon-key KEY checks them)")
+              + (" (signatures unchecked: witness verify --mode online --witness NAME=KEY … --drand quicknet checks "
+                 "them)" if o["witnessed"] else
+                 " (signatures unchecked: witness verify --mode online --beacon-key KEY checks them)"))
     for n in b.notes:
         print(f"  note          {n}")
     print(f"  checked       {INSPECT_CHECKED}")
@@ -226,6 +229,7 @@ def _online_info(b) -> dict | None:  # noqa: ANN001 - a Bundle
     m = b.manifest
     if m.online is None:
         return None
+    from ..commit.window import WitnessedWindow
     from ..verify.online import parse_statements, selected_by
 
     sts = sorted(parse_statements(b), key=lambda s: s.size)
@@ -234,7 +238,8 @@ def _online_info(b) -> dict | None:  # noqa: ANN001 - a Bundle
     missing = [t for t in selected if t not in b.online_states or t not in b.online_samples]
     return dict(m.online, statements=len(sts), covered=sts[-1].window(n).stop if sts else 0, selected=selected,
                 states_kept=len(b.online_states), missing=missing,
-                beacons=sorted({st.beacon for st in sts}), final=bool(sts) and sts[-1].final)
+                beacons=sorted({getattr(st, "beacon", "witnesses") for st in sts}), final=bool(sts) and sts[-1].final,
+                witnessed=any(isinstance(st, WitnessedWindow) for st in sts))
 
 
 def _demo_audit(audit) -> tuple[str, int, list]:
