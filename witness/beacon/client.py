@@ -43,6 +43,7 @@ class BoundedClient:
         # ``patience`` is how long a head or an upload made while training is tried again when the
         # service cannot be reached or is overloaded: training goes on meanwhile, until the ring is full.
         self.retries, self.patience = retries, patience
+        self.request_cpu_seconds = 0.0  # CPU time of the threads that made the requests (what it costs the caller)
 
     def _request(self, method: str, path: str, *, patient: bool = False, deadline: float | None = None,
                  limit: int = MAX_ANSWER, **kw) -> Answer:  # noqa: ANN003
@@ -80,6 +81,7 @@ class BoundedClient:
         ends = time.monotonic() + allowed
 
         def attempt() -> None:
+            cpu = time.thread_time()
             try:
                 headers = {**(args.pop("headers", None) or {}), "Accept-Encoding": "identity"}
                 with http.stream(method, path, headers=headers, **args) as resp:
@@ -99,6 +101,8 @@ class BoundedClient:
                     out["answer"] = Answer(resp.status_code, bytes(body), self.where)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 out["error"] = e
+            finally:
+                self.request_cpu_seconds += time.thread_time() - cpu
 
         worker = threading.Thread(target=attempt, name="witness-beacon-request", daemon=True)
         worker.start()
