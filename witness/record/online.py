@@ -414,7 +414,8 @@ class OnlineChallenges:
         self._worker.shutdown()
         if self._settler is not None:
             self._settler.shutdown()
-            (self.out / COSIGNED).unlink(missing_ok=True)  # every cosigned checkpoint settled into a window
+        # every cosigned checkpoint settled into a window (a resume may have settled the last ones itself)
+        (self.out / COSIGNED).unlink(missing_ok=True)
         if self.wanted:
             raise RuntimeError(f"selected steps {sorted(self.wanted)[:10]} have no kept state: they were lost and "
                                "not passed again")
