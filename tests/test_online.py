@@ -4,6 +4,7 @@ run (or beacon exchange) whose only flaw is the dishonesty."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -173,15 +174,29 @@ def test_the_selection_is_a_fair_coin_of_p_per_step():
 
 @pytest.mark.parametrize("drawn", ["selected", "missed"])
 def test_a_bad_step_is_caught_exactly_when_the_beacon_selects_it(tmp_path, beacon, drawn):
+    # replay alone (a run that commits no parameter chunks): the draw decides
     bad = {9}
     beacon.steer(hit=bad) if drawn == "selected" else beacon.steer(avoid=bad)
-    train(tmp_path / "b", beacon.link(), bad=bad)
+    train(tmp_path / "b", beacon.link(), bad=bad, spec=dataclasses.replace(SPEC, chunks=0))
     if drawn == "selected":
         with pytest.raises(RunRejected, match="step 9"):
             online(tmp_path / "b", beacon.public_key)
     else:  # the draw missed it: accepted, within the stated bound (1 - p of the time for one bad step)
         v = online(tmp_path / "b", beacon.public_key)
-        assert v.accepted and 9 not in v.online["selected"]
+        assert v.accepted and 9 not in v.online["selected"] and v.moves is None
+        assert "bounded move not checked" in " ".join(v.notes)
+
+
+def test_a_step_that_moves_a_weight_too_far_is_caught_where_no_draw_selects_it(tmp_path, beacon):
+    # the same bad step (every weight nudged by 0.01 before step 9 trains) in a run that commits its
+    # chunks: every step's opened coordinates are held to AdamW's bound, so the draw need not select it
+    beacon.steer(avoid={8, 9})
+    train(tmp_path / "b", beacon.link(), bad={9})
+    with pytest.raises(RunRejected, match=r"step 9: moves: model\.\S+\[\d+(, \d+)*\] moved from .* in one step where "
+                                          r"it may move") as info:
+        online(tmp_path / "b", beacon.public_key)
+    v = info.value.verdict
+    assert 8 not in v.online["selected"] and 9 not in v.online["selected"] and len(v.failures) == 1
 
 
 def test_a_kept_state_from_another_step_or_another_run_is_rejected(tmp_path, beacon):

@@ -77,12 +77,13 @@ def write_state(path: Path, tensors: dict[str, torch.Tensor], step: int, sync: b
     os.replace(tmp, path)
 
 
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """Strictly load a safetensors checkpoint: bounded size and header, never a pickle."""
+def safetensors_header(path: Path, limit: int = MAX_CHECKPOINT_BYTES) -> dict:
+    """A safetensors file's JSON header, read strictly (the file at most ``limit`` bytes, the header
+    bounded), before any tensor is loaded."""
     path = Path(path)
     size = path.stat().st_size
-    if size > MAX_CHECKPOINT_BYTES:
-        raise MalformedInput(f"{path.name} is {size} bytes, over the {MAX_CHECKPOINT_BYTES}-byte limit")
+    if size > limit:
+        raise MalformedInput(f"{path.name} is {size} bytes, over the {limit}-byte limit")
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -94,7 +95,16 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
             header = load_json(f.read(n))
         except ValueError:
             raise MalformedInput(f"{path.name} is not a safetensors file (bad header)") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(header, dict):
+        raise MalformedInput(f"{path.name} is not a safetensors file (bad header)")
+    return header
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Strictly load a safetensors checkpoint: bounded size and header, never a pickle."""
+    path = Path(path)
+    header = safetensors_header(path)
+    meta = header.get("__metadata__")
     if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
         raise MalformedInput(f"{path.name} is not a witness state file")
     try:

@@ -52,10 +52,10 @@ def checkpoint_step(rel: str) -> int | None:
 
 def partial_write(rel: str) -> bool:
     """Whether ``rel`` is what a write cut short by a crash leaves in ``checkpoints/`` or
-    ``online/states|samples/``: our ``NAME.tmp``, or the ``.tmpXXXXXX`` file safetensors writes a
-    file through (it renames it into place only when the file is whole)."""
+    ``online/states|samples|chunks/``: our ``NAME.tmp``, or the ``.tmpXXXXXX`` file safetensors writes
+    a file through (it renames it into place only when the file is whole)."""
     folder, _, name = rel.rpartition("/")
-    if folder not in (CHECKPOINTS, ONLINE_STATES, ONLINE_SAMPLES):
+    if folder not in (CHECKPOINTS, ONLINE_STATES, ONLINE_SAMPLES, ONLINE_CHUNKS):
         return False
     if name.startswith(".tmp") and len(name) <= 16 and name[4:].isalnum():
         return True
@@ -80,8 +80,11 @@ STATEMENTS = f"{ONLINE}/statements.jsonl"
 COSIGNED = f"{ONLINE}/cosigned.jsonl"
 ONLINE_STATES = f"{ONLINE}/states"
 ONLINE_SAMPLES = f"{ONLINE}/samples"
+# a run that commits its parameters' chunks: for every window, the chunks its beta opens of every
+# state its steps go from and to, with their Merkle paths (named by the head size the window closes at)
+ONLINE_CHUNKS = f"{ONLINE}/chunks"
 MAX_STATEMENTS_BYTES = 64 * 1024 * 1024
-ONLINE_RE = re.compile(r"^online/(states|samples)/([0-9]{8,12})\.(safetensors|json)$")
+ONLINE_RE = re.compile(r"^online/(states|samples|chunks)/([0-9]{8,12})\.(safetensors|json)$")
 
 
 def online_state_name(step: int) -> str:
@@ -94,11 +97,17 @@ def online_samples_name(step: int) -> str:
     return f"{ONLINE_SAMPLES}/{step:08d}.json"
 
 
+def online_chunks_name(size: int) -> str:
+    """Relative path of the chunk openings of the window that closes at the head of ``size`` records."""
+    return f"{ONLINE_CHUNKS}/{size:08d}.safetensors"
+
+
 def online_file(rel: str) -> tuple[str, int] | None:
-    """("states" or "samples", step) for a name ``online_state_name`` or ``online_samples_name`` writes."""
+    """("states", "samples" or "chunks", step or size) for a name ``online_state_name``,
+    ``online_samples_name`` or ``online_chunks_name`` writes (that one spelling only)."""
     m = ONLINE_RE.match(rel)
     if m is None:
         return None
-    kind, step = m.group(1), int(m.group(2))
-    want = online_state_name(step) if kind == "states" else online_samples_name(step)
-    return (kind, step) if rel == want else None
+    kind, n = m.group(1), int(m.group(2))
+    name = {"states": online_state_name, "samples": online_samples_name, "chunks": online_chunks_name}[kind]
+    return (kind, n) if rel == name(n) else None

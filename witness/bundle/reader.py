@@ -27,6 +27,7 @@ from .layout import (
     MAX_SAFETENSORS_HEADER,
     MAX_STATEMENTS_BYTES,
     ONLINE,
+    ONLINE_CHUNKS,
     ONLINE_SAMPLES,
     ONLINE_STATES,
     PROBES,
@@ -60,6 +61,8 @@ class Bundle:
     statements: Path | None = None
     online_states: dict[int, Path] = field(default_factory=dict)
     online_samples: dict[int, Path] = field(default_factory=dict)
+    # a chunked run's chunk openings, by the head size of the window they open (read when checked)
+    online_chunks: dict[int, Path] = field(default_factory=dict)
     # committed checkpoints an online run left out (it is audited from its selected states)
     missing_checkpoints: list[int] = field(default_factory=list)
     probes: Path | None = None  # the probe inputs (read when checked)
@@ -158,7 +161,7 @@ def _scan(root: Path) -> tuple[set[str], list[str]]:
             if stat.S_ISLNK(st.st_mode):
                 raise MalformedInput(f"{rel} is a link; a bundle may not point outside itself")
             if stat.S_ISDIR(st.st_mode):
-                if rel not in (CHECKPOINTS, ONLINE, ONLINE_STATES, ONLINE_SAMPLES):
+                if rel not in (CHECKPOINTS, ONLINE, ONLINE_STATES, ONLINE_SAMPLES, ONLINE_CHUNKS):
                     raise MalformedInput(f"unexpected folder {rel} in the bundle")
                 continue
             if not stat.S_ISREG(st.st_mode):
@@ -323,6 +326,10 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
                 raise VerificationError(
                     f"the record {'lacks' if wanted else 'adds'} a {what}: the manifest commits one "
                     f"every {every} steps and after the last", step=rec.step, check="record")
+        if (rec.param_root is not None) != manifest.chunked:
+            raise VerificationError(f"the record {'lacks' if manifest.chunked else 'adds'} a param_root: the "
+                                    "manifest commits one at every step of a run whose online windows open its "
+                                    "parameters' chunks, and none otherwise", step=rec.step, check="record")
         if rec.checkpoint_sha256 is not None:
             committed.add(rec.step + 1)
     checkpoints: dict[int, Path] = {}
@@ -361,18 +368,21 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     leaves = root / LEAVES if LEAVES in files else None
     if leaves is not None and manifest.data_commitment < 2:
         raise MalformedInput(f"{LEAVES} belongs to a run that commits its dataset's leaves (data_commitment 2)")
-    online: dict[str, dict[int, Path]] = {"states": {}, "samples": {}}
+    online: dict[str, dict[int, Path]] = {"states": {}, "samples": {}, "chunks": {}}
     for rel in files:
         found = online_file(rel)
         if found is not None:
             online[found[0]][found[1]] = root / rel
-    if manifest.online is None and (STATEMENTS in files or online["states"] or online["samples"]):
+    if manifest.online is None and (STATEMENTS in files or any(online.values())):
         raise MalformedInput(f"the bundle holds {ONLINE}/ files, but its manifest takes no online challenges")
+    if online["chunks"] and not manifest.chunked:
+        raise MalformedInput(f"the bundle holds {ONLINE_CHUNKS}/ files, but its manifest commits no parameter chunks")
     if STATEMENTS in files:
         _check_statement_lines(root / STATEMENTS)
     return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes, leaves,
                   root / STATEMENTS if STATEMENTS in files else None, online["states"], online["samples"],
-                  missing if manifest.online is not None else [], root / PROBES if PROBES in files else None)
+                  online["chunks"], missing if manifest.online is not None else [],
+                  root / PROBES if PROBES in files else None)
 
 
 def _check_statement_lines(path: Path) -> None:

@@ -7,9 +7,15 @@ from typing import Any
 
 from ..commit.hashing import parse_hex
 from ..errors import MalformedInput
+from ..fingerprint.chunks import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from .state import parse_digest
 
 MANIFEST_VERSION = 2
+# version 3: an online run that commits its parameters' chunks (online.chunks, online.chunk_bytes) and
+# a param_root in every step record; a run without them is written as version 2, which every
+# verifier since witness 0.2 reads
+CHUNKED_MANIFEST_VERSION = 3
+MANIFEST_VERSIONS = (MANIFEST_VERSION, CHUNKED_MANIFEST_VERSION)
 NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -91,8 +97,14 @@ class Manifest:
     # which dataset commitment data_root is: 2 binds each sample's documents into its leaf; 1 (runs
     # recorded before witness 0.5, which do not name it) the sample alone
     data_commitment: int = 1
-    # online challenges (a beacon's statements select steps while the run trains): p, every, ring
+    # online challenges (a beacon's statements select steps while the run trains): p, every, ring, and
+    # (version 3) the chunks each window opens of every state, and their size
     online: dict | None = None
+
+    @property
+    def chunked(self) -> bool:
+        """Whether every step record commits its parameters' chunks (a ``param_root``)."""
+        return self.online is not None and "chunks" in self.online
 
     FIELDS = {
         "type", "format_version", "task", "task_config", "code_version", "r", "r_source", "run_seed",
@@ -119,8 +131,12 @@ class Manifest:
             parse_hex(source["files_sha256"], f"{w}.task_source.files_sha256")
         if obj["type"] != "manifest":
             raise _fail(w, "the log's first record must be the manifest")
-        if type(obj["format_version"]) is not int or obj["format_version"] != MANIFEST_VERSION:
+        if type(obj["format_version"]) is not int or obj["format_version"] not in MANIFEST_VERSIONS:
             raise _fail(w, f"unsupported manifest version {obj['format_version']!r}")
+        chunked = online is not None and "chunks" in online
+        if chunked != (obj["format_version"] == CHUNKED_MANIFEST_VERSION):
+            raise _fail(w, f"a manifest of version {CHUNKED_MANIFEST_VERSION} is an online run's that commits its "
+                           "parameters' chunks (online.chunks), and only such a run's")
         _dict(obj["fingerprint_spec"], f"{w}.fingerprint_spec")
         versions = _keys(obj["versions"], {"torch"}, {"device"}, f"{w}.versions")
         device = versions.get("device", {"kind": "cpu"})  # recorded before devices were: the CPU
@@ -176,6 +192,7 @@ class Manifest:
 
 
 MAX_ONLINE_RING = 1 << 16
+MAX_OPENED_CHUNKS = 256  # chunks a window opens of each state
 
 
 def parse_data_files(obj: Any, where: str) -> dict:
@@ -202,8 +219,9 @@ def parse_online(obj: Any, where: str) -> dict:
     """The online-challenge settings: selection probability p in (0, 1], a head every ``every``
     steps, and a ring of ``ring`` > ``every`` host states."""
     # drand: the chain hash of the drand chain a witnessed run's rounds come from (informative: the
-    # verifier pins its own chain)
-    _keys(obj, {"p", "every", "ring"}, {"drand"}, where)
+    # verifier pins its own chain); chunks and chunk_bytes: the parameter chunks each window opens of
+    # every state (both or neither)
+    _keys(obj, {"p", "every", "ring"}, {"drand", "chunks", "chunk_bytes"}, where)
     p = obj["p"]
     if type(p) is not float or not 0.0 < p <= 1.0:
         raise _fail(where, "p must be a number in (0, 1]")
@@ -214,6 +232,14 @@ def parse_online(obj: Any, where: str) -> dict:
     out = {"p": p, "every": every, "ring": ring}
     if "drand" in obj:
         out["drand"] = parse_hex(obj["drand"], f"{where}.drand").hex()
+    if ("chunks" in obj) != ("chunk_bytes" in obj):
+        raise _fail(where, "chunks and chunk_bytes come together")
+    if "chunks" in obj:
+        out["chunks"] = _int(obj["chunks"], f"{where}.chunks", 1, MAX_OPENED_CHUNKS)
+        size = _int(obj["chunk_bytes"], f"{where}.chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        if size & (size - 1):
+            raise _fail(where, "chunk_bytes must be a power of two")
+        out["chunk_bytes"] = size
     return out
 
 
@@ -235,6 +261,7 @@ class StepRecord:
     state_hash: bytes | None
     checkpoint_sha256: bytes | None
     round: int | None = None  # the drand round of the witnessed window this record closes
+    param_root: bytes | None = None  # the chunk tree root of the parameters after the step (version 3)
 
     @property
     def fingerprint_vector(self) -> list[float]:
@@ -246,7 +273,8 @@ class StepRecord:
         """Strictly parse a step record."""
         req = {"type", "step", "batch", "batch_root", "loss", "lr", "grad_norm", "fingerprint", "sketch"}
         # round: the drand round a witnessed window's closing record names (online challenges with witnesses)
-        _keys(obj, req, {"state_hash", "checkpoint_sha256", "round"}, where)
+        # param_root: the root of the parameters' chunk tree after the step (an online run's, version 3)
+        _keys(obj, req, {"state_hash", "checkpoint_sha256", "round", "param_root"}, where)
         if obj["type"] != "step":
             raise _fail(where, f"expected a step record, found {obj['type']!r}")
         if "checkpoint_sha256" in obj and "state_hash" not in obj:
@@ -272,6 +300,7 @@ class StepRecord:
             if "checkpoint_sha256" in obj
             else None,
             round=_int(obj["round"], f"{where}.round", 1) if "round" in obj else None,
+            param_root=parse_hex(obj["param_root"], f"{where}.param_root") if "param_root" in obj else None,
         )
 
 

@@ -1,5 +1,5 @@
-/* Batched SHA-256 for the data commitments: many small messages hashed in one call, on several
- * threads, with the GIL released.
+/* Batched SHA-256 for the data commitments and the parameter chunks of online runs: many small
+ * messages hashed in one call, on several threads, with the GIL released.
  *
  * Committing a dataset hashes every sample, then builds an RFC 6962 tree over them. In Python each
  * of those hashes costs a call; here a call hashes a whole chunk of samples. The SHA-256 itself is
@@ -230,15 +230,13 @@ done:
     return result;
 }
 
-/* leaves(data, width, threads) -> bytes: the RFC 6962 leaf hash SHA-256(0x00 || record) of every
- * `width`-byte record of data. */
-static PyObject *py_leaves(PyObject *self, PyObject *args) {
+/* SHA-256(prefix || record) of every `width`-byte record of `data` (parsed from "y*ni"). */
+static PyObject *prefixed(PyObject *args, const unsigned char *prefix) {
     Py_buffer data;
     Py_ssize_t width;
     int threads;
     if (!PyArg_ParseTuple(args, "y*ni", &data, &width, &threads)) return NULL;
     PyObject *result = NULL;
-    static const unsigned char zero = 0;
     if (width <= 0 || data.len % width) {
         PyErr_SetString(PyExc_ValueError, "data is not a whole number of records of that width");
         goto done;
@@ -246,7 +244,7 @@ static PyObject *py_leaves(PyObject *self, PyObject *args) {
     Py_ssize_t n = data.len / width;
     result = PyBytes_FromStringAndSize(NULL, n * 32);
     if (!result) goto done;
-    Job job = {.data = data.buf, .width = width, .prefix = &zero, .prefix_len = 1,
+    Job job = {.data = data.buf, .width = width, .prefix = prefix, .prefix_len = 1,
                .out = (unsigned char *)PyBytes_AS_STRING(result)};
     Py_BEGIN_ALLOW_THREADS
     run_jobs(&job, n, threads);
@@ -254,6 +252,20 @@ static PyObject *py_leaves(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&data);
     return result;
+}
+
+/* leaves(data, width, threads) -> bytes: the RFC 6962 leaf hash SHA-256(0x00 || record) of every
+ * `width`-byte record of data. */
+static PyObject *py_leaves(PyObject *self, PyObject *args) {
+    static const unsigned char zero = 0;
+    return prefixed(args, &zero);
+}
+
+/* nodes(pairs, 64, threads) -> bytes: the RFC 6962 node hash SHA-256(0x01 || left || right) of every
+ * 64-byte pair of child hashes (many Merkle paths checked level by level in one call). */
+static PyObject *py_nodes(PyObject *self, PyObject *args) {
+    static const unsigned char one = 1;
+    return prefixed(args, &one);
 }
 
 /* One level of an RFC 6962 tree: the node hash SHA-256(0x01 || left || right) of each pair, the
@@ -314,11 +326,45 @@ static PyObject *py_root(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* levels(leaf_hashes, threads) -> bytes: every level of the RFC 6962 tree over the leaf hashes,
+ * concatenated from the leaves themselves (level 0) up to the root (the last 32 bytes), each level
+ * built as root() builds it (the odd node promoted). What a Merkle path is read from. */
+static PyObject *py_levels(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*i", &data, &threads)) return NULL;
+    if (data.len % 32 || data.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "leaf hashes must be a non-empty whole number of 32-byte hashes");
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    Py_ssize_t n = data.len / 32, total = n;
+    for (Py_ssize_t m = n; m > 1; m = (m + 1) / 2) total += (m + 1) / 2;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, total * 32);
+    if (result) {
+        unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
+        memcpy(out, data.buf, (size_t)n * 32);
+        Py_BEGIN_ALLOW_THREADS
+        /* each level is written past the one it is built from: no thread overwrites what another reads */
+        unsigned char *cur = out, *next = out + (size_t)n * 32;
+        for (Py_ssize_t m = n; m > 1; m = (m + 1) / 2) {
+            level_up(cur, m, next, threads);
+            cur = next;
+            next += (size_t)((m + 1) / 2) * 32;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"tagged", py_tagged, METH_VARARGS, "Tagged SHA-256 of many messages."},
     {"windows", py_windows, METH_VARARGS, "Tagged SHA-256 of packed token windows."},
     {"leaves", py_leaves, METH_VARARGS, "RFC 6962 leaf hashes of many fixed-width records."},
     {"root", py_root, METH_VARARGS, "RFC 6962 root of a list of leaf hashes."},
+    {"nodes", py_nodes, METH_VARARGS, "RFC 6962 node hashes of many pairs of child hashes."},
+    {"levels", py_levels, METH_VARARGS, "Every level of an RFC 6962 tree, leaves to root."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -121,6 +121,37 @@ def tree_root(leaves: Buffer, threads: int | None = None) -> bytes:
     return level[0]
 
 
+def node_hashes(pairs: Buffer, threads: int | None = None) -> bytes:
+    """The RFC 6962 node hash ``SHA-256(0x01 || left || right)`` of every 64-byte pair of child hashes."""
+    native = getattr(_native, "nodes", None)  # (a module built before it had nodes: Python's twin)
+    if native is not None:
+        return native(pairs, 64, _threads(threads))
+    view = memoryview(pairs).cast("B")
+    if len(view) % 64:
+        raise ValueError("data is not a whole number of records of that width")
+    return b"".join(hashlib.sha256(NODE_PREFIX + view[i:i + 64]).digest() for i in range(0, len(view), 64))
+
+
+def tree_levels(leaves: Buffer, threads: int | None = None) -> bytes:
+    """Every level of the RFC 6962 tree over concatenated 32-byte leaf hashes (at least one),
+    concatenated from the leaves (level 0) to the root (the last 32 bytes), the odd node of a level
+    promoted as ``tree_root`` does: what Merkle paths are read from."""
+    view = memoryview(leaves).cast("B")
+    if len(view) % 32 or not len(view):
+        raise ValueError("leaf hashes must be a non-empty whole number of 32-byte hashes")
+    native = getattr(_native, "levels", None)
+    if native is not None:
+        return native(view, _threads(threads))
+    out = bytearray(view)
+    level = bytes(view)
+    while len(level) > 32:
+        n = len(level) // 32
+        up = node_hashes(level[:64 * (n // 2)]) + (level[-32:] if n % 2 else b"")
+        out += up
+        level = up
+    return bytes(out)
+
+
 class StreamingRoot:
     """The RFC 6962 root of a sequence of leaf hashes that arrives in chunks, in O(log n) memory.
 

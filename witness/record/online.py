@@ -6,10 +6,16 @@ beacon, whose statement selects some steps of the window the head covers. For ea
 the state before it and its batch's samples are written into the bundle (``online/``); the rest of
 the window's states are freed. Training waits on the beacon only when the ring is full, and those
 waits are counted.
+
+A chunked run (``OnlineSpec.chunks``, on by default where the optimizer bounds a step's move) keeps
+each state's parameters chunk-aligned in the ring's buffer and hashes them there into the chunk tree
+whose root the step's record commits; each statement's beta then opens ``chunks`` chunks of every
+state the window's steps go from and to, written with their paths (``online/chunks/``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -19,18 +25,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..bundle.checkpoint import write_state
-from ..bundle.layout import COSIGNED, STATEMENTS, online_samples_name, online_state_name
+from ..bundle.layout import (
+    COSIGNED,
+    STATEMENTS,
+    online_chunks_name,
+    online_samples_name,
+    online_state_name,
+)
+from ..bundle.openings import WindowOpenings, write_openings
 from ..bundle.writer import read_lines
 from ..commit.beacon import BeaconStatement, p_needed, selected_steps
+from ..commit.chunks import ChunkTree, chunk_indices
 from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
 from ..data.dataset import Dataset
+from ..fingerprint.chunks import DEFAULT_CHUNK_BYTES, ChunkLayout
 
 DEFAULT_EVERY = 10
+DEFAULT_CHUNKS = 4  # chunks each window opens of every state (0: the run commits no chunks)
 DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION = 0.99, 0.05
 DRAND_EVERY = 100  # a witnessed run's default head cadence (see OnlineSpec.for_steps)
 DRAND_RING = 256  # states a witnessed run holds while its rounds come (see OnlineSpec.for_steps)
@@ -65,10 +82,13 @@ class OnlineSpec:
     every: int = DEFAULT_EVERY
     ring: int = 2 * DEFAULT_EVERY + 1
     drand: str | None = None  # the drand chain's hash (hex) of a run whose windows witnesses cosign
+    # the parameter chunks each window opens of every state, and their size (chunks 0: none committed)
+    chunks: int = DEFAULT_CHUNKS
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     @classmethod
     def for_steps(cls, steps: int, every: int | None = None, p: float | None = None,
-                  ring: int | None = None, drand: str | None = None) -> OnlineSpec:
+                  ring: int | None = None, drand: str | None = None, chunks: int | None = None) -> OnlineSpec:
         """Settings whose bound reaches 99 % against 5 % bad steps over ``steps`` steps (unless p is given).
 
         A head every ``DEFAULT_EVERY`` steps by default; a witnessed run's (``drand``) every
@@ -84,11 +104,12 @@ class OnlineSpec:
             # a drand round comes 4 to 8 s after its window closed: the ring holds the states trained
             # meanwhile (DRAND_RING of them unless told; a slower step needs fewer)
             ring = max(2 * every + 1, DRAND_RING) if drand else 2 * every + 1
-        return cls(float(p), every, ring, drand)
+        return cls(float(p), every, ring, drand, DEFAULT_CHUNKS if chunks is None else chunks)
 
     def to_json(self) -> dict:
         """The manifest's ``online`` field."""
-        return {"p": self.p, "every": self.every, "ring": self.ring} | ({"drand": self.drand} if self.drand else {})
+        return {"p": self.p, "every": self.every, "ring": self.ring} | ({"drand": self.drand} if self.drand else {}) \
+            | ({"chunks": self.chunks, "chunk_bytes": self.chunk_bytes} if self.chunks else {})
 
 
 class StatePool:
@@ -98,9 +119,12 @@ class StatePool:
     state has no moments yet), so a buffer is reused for any state with its names; what costs is
     the per-tensor work, so nothing else is done per tensor on a copy."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: ChunkLayout | None = None) -> None:
         self.free: list[dict[str, torch.Tensor]] = []
         self._targets: dict[int, list[torch.Tensor]] = {}  # id(slot) -> its tensors, in its order
+        # a chunked run's slots hold their parameters in one chunk-aligned buffer (hashed in place)
+        self.layout = layout
+        self._flat: dict[int, torch.Tensor] = {}  # id(slot) -> that buffer
 
     def take(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A free buffer shaped like ``state`` (pinned host memory for a GPU state), not filled."""
@@ -108,10 +132,23 @@ class StatePool:
         if slot is None or slot.keys() != state.keys():
             if slot is not None:
                 self._targets.pop(id(slot), None)
-            slot = {k: torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=v.is_cuda)
+                self._flat.pop(id(slot), None)
+            pinned = any(v.is_cuda for v in state.values())
+            views: dict[str, torch.Tensor] = {}
+            flat = None
+            if self.layout is not None and all(n in state for n in self.layout.names):
+                flat = self.layout.empty(pinned)
+                views = self.layout.views(flat)
+            slot = {k: views[k] if k in views else torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pinned)
                     for k, v in state.items()}
             self._targets[id(slot)] = list(slot.values())
+            if flat is not None:
+                self._flat[id(slot)] = flat
         return slot
+
+    def flat(self, slot: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The chunk-aligned buffer that holds a slot's parameters (None: not one of this pool's)."""
+        return self._flat.get(id(slot))
 
     def copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A host copy of ``state`` that training cannot change."""
@@ -143,10 +180,19 @@ class OnlineChallenges:
     """
 
     def __init__(self, out: Path, spec: OnlineSpec, link: BeaconLink, log: RunLog, steps: int, dataset: Dataset,
-                 checkpoint_every: int):
+                 checkpoint_every: int, layout: ChunkLayout | None = None):
         self.out, self.spec, self.link, self.log, self.steps, self.dataset = out, spec, link, log, steps, dataset
         self.checkpoint_every = checkpoint_every
+        if (layout is not None) != bool(spec.chunks) or layout is not None and layout.chunk_bytes != spec.chunk_bytes:
+            raise ValueError("a chunked run's ring needs the layout of its parameters' chunks, and only such a run's")
+        self.layout = layout
         self.ring: dict[int, dict[str, torch.Tensor]] = {}  # state after n updates, for steps not yet covered
+        self.trees: dict[int, ChunkTree] = {}  # the chunk tree of each state in the ring (a chunked run)
+        # windows stamped before a crash whose openings were lost: head size -> (first state, chunks, pieces
+        # of the states passed again so far)
+        self.reopen: dict[int, tuple[int, list[int], dict[int, tuple[np.ndarray, np.ndarray]]]] = {}
+        self._scratch: torch.Tensor | None = None  # a flat buffer for a state the ring does not keep
+        self._scratch_lock = threading.Lock()
         self.statements: dict[int, BeaconStatement] = {}  # by head size
         self.wanted: set[int] = set()  # states of selected steps still to come (after a resume)
         self.selected: set[int] = set()  # every step a statement selected
@@ -155,8 +201,11 @@ class OnlineChallenges:
         self._settler: ThreadPoolExecutor | None = None  # witnessed windows: waits for drand rounds
         self._pending: deque[Future] = deque()
         self._lock = threading.Lock()
-        self._buffers = StatePool()
+        self._buffers = StatePool(layout)
         self.waits, self.wait_seconds, self.written, self.bytes_written, self.rebuilt = 0, 0.0, 0, 0, 0
+        # a chunked run: chunk trees hashed (and their time, wherever the hash ran), windows opened and
+        # their files' bytes (also in bytes_written)
+        self.trees_built, self.tree_seconds, self.tree_cpu_seconds, self.opened, self.opened_bytes = 0, 0.0, 0.0, 0, 0
         self.peak_ring = 0
         self.copies = self.shared = 0  # states copied into the ring, and states the overlapped hash copied there
         # copies on the training thread; writes and uploads (to a leaderboard) in the background
@@ -189,6 +238,9 @@ class OnlineChallenges:
         for st in sorted(self.statements.values(), key=lambda s: s.size):
             self.covered = max(self.covered, st.window(self.steps).stop)
             self.wanted |= {n for n in self._needed(st) if not (self.out / online_state_name(n)).exists()}
+            win = st.window(self.steps)
+            if self.layout is not None and len(win) and not (self.out / online_chunks_name(st.size)).exists():
+                self.reopen[st.size] = (win.start, self._chunks_of(st), {})  # its states are passed again
         for t in sorted(self.selected):
             if not (self.out / online_samples_name(t)).exists():
                 self._write_samples(t)
@@ -230,12 +282,20 @@ class OnlineChallenges:
             f.write(canonical_json(st.to_json()) + b"\n")
 
     def first_needed(self) -> int:
-        """The earliest state a resumed run must pass again: a selected one it lost, or the first uncovered."""
-        return min([self.covered, *self.wanted])
+        """The earliest state a resumed run must pass again: a selected one it lost, the first of a window
+        whose openings it lost, or the first uncovered."""
+        return min([self.covered, *self.wanted, *(first for first, _, _ in self.reopen.values())])
+
+    def _chunks_of(self, st: BeaconStatement) -> list[int]:
+        """The chunks a statement's beta opens."""
+        assert self.layout is not None
+        return chunk_indices(st.beta, self.spec.chunks, self.layout.size)
 
     # --- the ring (training thread) ---------------------------------------------------------
-    def keep(self, n: int, state: dict[str, torch.Tensor]) -> None:
-        """The committed state after ``n`` updates (the state before step ``n``): copied into the ring."""
+    def keep(self, n: int, state: dict[str, torch.Tensor]) -> ChunkTree | None:
+        """The committed state after ``n`` updates (the state before step ``n``): copied into the ring;
+        in a chunked run, its chunk tree (whose root the record commits)."""
+        slot = None
         if self._admit(n, state):
             started = time.perf_counter()
             with self._lock:
@@ -243,6 +303,65 @@ class OnlineChallenges:
                 self._hold(n, slot)
             self.copy_seconds += time.perf_counter() - started
             self.copies += 1
+        return self.tree(n, slot if slot is not None else state)
+
+    def tree(self, n: int, tensors: dict[str, torch.Tensor]) -> ChunkTree | None:
+        """The chunk tree of the state after ``n`` updates (None: the run commits no chunks), hashed in
+        its ring buffer where the ring holds it (any thread: the overlapped hash calls it with the copy)."""
+        if self.layout is None:
+            return None
+        started, cpu = time.perf_counter(), time.thread_time()
+        flat = self._buffers.flat(tensors)
+        with contextlib.nullcontext() if flat is not None else self._scratch_lock:
+            if flat is None:  # a state the ring does not keep: laid out in the scratch buffer
+                if self._scratch is None:
+                    self._scratch = self.layout.empty()
+                flat = self.layout.flatten(tensors, self._scratch)
+            tree = self.layout.tree(flat)
+            if self.reopen:
+                self._collect(n, flat, tree)
+        with self._lock:
+            if self.ring.get(n) is tensors:
+                self.trees[n] = tree
+        self.trees_built += 1
+        self.tree_seconds += time.perf_counter() - started
+        self.tree_cpu_seconds += time.thread_time() - cpu
+        return tree
+
+    def _collect(self, n: int, flat: torch.Tensor, tree: ChunkTree) -> None:
+        """A resumed run passing state ``n`` again: its pieces of the windows whose openings were lost,
+        and each such window's file once all its states are here."""
+        for size, (first, chunks, pieces) in list(self.reopen.items()):
+            last = first + len(self._window_at(size))
+            if first <= n <= last and n not in pieces:
+                pieces[n] = self._pieces(flat, tree, chunks)
+                if len(pieces) == last - first + 1:
+                    del self.reopen[size]
+                    self._write_openings(size, first, chunks, [pieces[m] for m in range(first, last + 1)])
+
+    def _window_at(self, size: int) -> range:
+        return self.statements[size].window(self.steps)
+
+    def _pieces(self, flat: torch.Tensor, tree: ChunkTree, chunks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One state's opened chunks ([k, chunk bytes], a copy) and their paths ([nodes, 32])."""
+        assert self.layout is not None
+        raw = flat.numpy().reshape(self.layout.size, self.layout.chunk_bytes)
+        return raw[chunks].copy(), tree.paths(chunks)
+
+    def _write_openings(self, size: int, first: int, chunks: list[int],
+                        pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write a window's openings (and pass the file to the link, as the kept states are)."""
+        started, cpu = time.perf_counter(), time.thread_time()
+        path = self.out / online_chunks_name(size)
+        opened = WindowOpenings(size, first, tuple(chunks), np.stack([c for c, _ in pieces]),
+                                np.stack([p for _, p in pieces]))
+        written = write_openings(path, opened)
+        self.opened += 1
+        self.opened_bytes += written
+        self.bytes_written += written
+        self.write_seconds += time.perf_counter() - started
+        self.write_cpu_seconds += time.thread_time() - cpu
+        self._publish("chunks", size, path)
 
     def reserve(self, n: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """A ring buffer for the state after ``n`` updates that the caller fills (the overlapped state
@@ -261,8 +380,10 @@ class OnlineChallenges:
         self.drain()
         with self._lock:
             rebuild = n in self.wanted
-            if not rebuild and (n < self.covered or n >= self.steps):
-                return False  # covered by a statement (and not selected), or after the last step
+            # covered by a statement (and not selected), or the final state, which no step starts from (but
+            # a chunked run's last window opens its chunks)
+            if not rebuild and (n < self.covered or n > self.steps or n == self.steps and self.layout is None):
+                return False
         if rebuild:  # selected before a crash lost it: rebuilt from the checkpoint before it
             self._write(n, state)
             with self._lock:
@@ -344,28 +465,46 @@ class OnlineChallenges:
         self._stamped(window)
 
     def _stamped(self, st: BeaconStatement) -> None:
-        """A statement (or a settled window) received: keep it, write what it selects, free the rest."""
+        """A statement (or a settled window) received: keep it, write what it selects (and, chunked, the
+        chunks it opens of every state of its window), free the rest."""
+        win = st.window(self.steps)
         with self._lock:
             if st.size in self.statements:
                 return
             self._save(st)
-            write = []
             before = set(self.selected)
             needed = self._needed(st)
             fresh = sorted(self.selected - before)
+            covered = max(self.covered, win.stop)
+            # the window's states, read outside the lock: training never writes into a held buffer, and
+            # the state the window ends on stays in the ring (the next window's steps go from it)
+            opening = None
+            if self.layout is not None and len(win):
+                states = range(win.start, win.stop + 1)
+                if all(n in self.ring and n in self.trees for n in states):
+                    opening = [(self._buffers.flat(self.ring[n]), self.trees[n]) for n in states]
+                else:  # a resumed run whose ring lost some: they are passed again (first_needed)
+                    self.reopen[st.size] = (win.start, self._chunks_of(st), {})
+            write, free = [], []
             for n in sorted(needed):
                 if n in self.ring:
-                    write.append((n, self.ring.pop(n)))
+                    write.append((n, self.ring[n]))
                 elif not (self.out / online_state_name(n)).exists():
                     self.wanted.add(n)
-            self.covered = max(self.covered, st.window(self.steps).stop)
-            for n in [n for n in self.ring if n < self.covered]:
-                self._buffers.release(self.ring.pop(n))
+            self.covered = covered
+            for n in [n for n in self.ring if n < covered]:
+                free.append(self.ring.pop(n))
+                self.trees.pop(n, None)
+        if opening is not None:
+            chunks = self._chunks_of(st)
+            self._write_openings(st.size, win.start, chunks, [self._pieces(flat, tree, chunks)  # type: ignore[arg-type]
+                                                              for flat, tree in opening])
         for t in fresh:  # the samples need no state: written outside the lock, like the states
             self._write_samples(t)
         for n, slot in write:
             self._write(n, slot)
-            with self._lock:
+        with self._lock:
+            for slot in free:
                 self._buffers.release(slot)
 
     def _write_samples(self, t: int) -> None:
@@ -419,6 +558,9 @@ class OnlineChallenges:
         if self.wanted:
             raise RuntimeError(f"selected steps {sorted(self.wanted)[:10]} have no kept state: they were lost and "
                                "not passed again")
+        if self.reopen:
+            raise RuntimeError(f"the windows closing at sizes {sorted(self.reopen)[:10]} have no chunk openings: their "
+                               "states were lost and not passed again")
 
     def close(self) -> None:
         """Stop the background thread (after a failure)."""
@@ -436,5 +578,7 @@ class OnlineChallenges:
                 "copies": self.copies, "shared_copies": self.shared,
                 "heads": self.heads, "body_seconds": self.body_seconds, "post_cpu_seconds": self.post_cpu_seconds,
                 "settle_cpu_seconds": self.settle_cpu_seconds,
+                "trees": self.trees_built, "tree_seconds": self.tree_seconds, "tree_cpu_seconds": self.tree_cpu_seconds,
+                "opened": self.opened, "opened_bytes": self.opened_bytes,
                 "request_cpu_seconds": float(getattr(self.link, "request_cpu_seconds", 0.0)),
                 "settle_latency_mean": self.settle_latency / self.heads if self.settle_latency else 0.0}

@@ -43,7 +43,7 @@ from ..bundle.layout import (
     due,
     partial_write,
 )
-from ..bundle.schema import MANIFEST_VERSION, Manifest
+from ..bundle.schema import CHUNKED_MANIFEST_VERSION, MANIFEST_VERSION, Manifest
 from ..bundle.state import default_digest, load_state, model_hash, state_hash, state_tensors
 from ..bundle.writer import BundleWriter, head_sizes, read_lines, truncate_lines
 from ..commit.hashing import canonical_json, parse_canonical_json
@@ -53,6 +53,8 @@ from ..data.dataset import DATA_COMMITMENT
 from ..data.locate import asked, is_absolute, side_files
 from ..data.order import derive_run_seed
 from ..data.usage import used_roots
+from ..fingerprint.chunks import ChunkLayout
+from ..fingerprint.moves import move_rules
 from ..session import (
     TrainingSession,
     bounded_threads,
@@ -226,6 +228,11 @@ class Recorder:
             raise ValueError("the session was built from another run seed")
         if model is not None:
             adopt(session, model, optimizer)
+        if online is not None and online.chunks:
+            rules = move_rules(getattr(session, "module", session.model), session.optimizer)
+            if isinstance(rules, str):  # no bound to check a step's move against: the chunks would prove nothing
+                print(f"witness: the bounded-move check is off for this run: {rules}", file=sys.stderr)
+                online = dataclasses.replace(online, chunks=0)
         writer = BundleWriter(Path(out), create=True)
         if leaves and version >= 2:  # the per-sample commitments, which the cheap audit checks every step against
             dataset.leaves.write(Path(out) / LEAVES, data_root)
@@ -238,7 +245,7 @@ class Recorder:
         init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), init_state, 0, digest)
         manifest = {
             "type": "manifest",
-            "format_version": MANIFEST_VERSION,
+            "format_version": CHUNKED_MANIFEST_VERSION if online is not None and online.chunks else MANIFEST_VERSION,
             "task": task.name,
             "task_config": task.config_json(),
             "code_version": __version__,
@@ -342,6 +349,7 @@ class Recorder:
         signed = max((h.size for h in heads), default=1)  # records a head signed stay, whatever happens
         if signed > steps + 1 + ended:
             raise ValueError("a signed head covers records that are not in the log; cannot resume")
+        session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"], device=kind)
         online = None
         if started.online is None and beacon is not None:
             raise ValueError("the run was started without online challenges; it cannot take them from the middle")
@@ -350,8 +358,10 @@ class Recorder:
                 raise ValueError("the run takes online challenges: resume it with its beacon")
             if hasattr(beacon, "use_key"):
                 beacon.use_key(key)
-            online = OnlineChallenges(out, OnlineSpec(**started.online), beacon, RunLog(lines[:signed]),
-                                      started.steps_planned, task.dataset(), started.checkpoint_every)
+            spec = OnlineSpec(**{"chunks": 0} | started.online)  # (a run without chunks names none)
+            layout = ChunkLayout.of_model(session.model, spec.chunk_bytes) if spec.chunks else None
+            online = OnlineChallenges(out, spec, beacon, RunLog(lines[:signed]), started.steps_planned,
+                                      task.dataset(), started.checkpoint_every, layout)
             online.load()
         last = max(signed - 1, intact[-1])  # steps kept in the log
         limit = min(last, online.first_needed()) if online is not None else last
@@ -365,7 +375,6 @@ class Recorder:
         for f in (out / ONLINE).glob("*/*"):  # a selected state or samples file the crash cut short
             if partial_write(f.relative_to(out).as_posix()):
                 f.unlink()
-        session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"], device=kind)
         load_state(session.model, session.optimizer, read_checkpoint(out / checkpoint_name(resume_at)))
         log = RunLog(lines[:keep])
         rec = cls(task, out, key, session, BundleWriter(out, create=False), log, manifest, resume_at, on_head, online)
@@ -387,8 +396,11 @@ class Recorder:
     def _online(self, spec: OnlineSpec, beacon: BeaconLink) -> OnlineChallenges:
         if hasattr(beacon, "use_key"):
             beacon.use_key(self.key)  # type: ignore[attr-defined] - checkpoints are notes the run's key signs
+        # named as in the state: a distributed session's unwrapped module, not its DDP wrapper
+        module = getattr(self.session, "module", self.model)
+        layout = ChunkLayout.of_model(module, spec.chunk_bytes) if spec.chunks else None
         return OnlineChallenges(self.out, spec, beacon, self.log, self.task.config.steps, self.task.dataset(),
-                                self.checkpoint_every)
+                                self.checkpoint_every, layout)
 
     # --- what the trainer's loop calls --------------------------------------------------
     @property
@@ -559,10 +571,13 @@ class Recorder:
                 state, live = state_tensors(self.model, self.optimizer), True
             later = live and self.overlap and not checkpoint and step >= self._signed
             if self.online is not None and not later:
-                self.online.keep(done, state)  # a host copy, before training changes it
+                tree = self.online.keep(done, state)  # a host copy, before training changes it
+                if tree is not None:  # the parameters' chunks, which the window's beta will open
+                    record["param_root"] = tree.root.hex()
             if later:
                 # the overlapped hash copies the state anyway: into the ring's buffer, when it keeps it
-                self._hash_later(record, state, self.online.reserve(done, state) if self.online is not None else None)
+                self._hash_later(record, state, self.online.reserve(done, state) if self.online is not None else None,
+                                 done)
                 self.next_step = done
                 return
             if checkpoint:
@@ -598,9 +613,10 @@ class Recorder:
         if closes:
             self._publish_head()
 
-    def _hash_later(self, record: dict, state: dict, into: dict | None = None) -> None:
+    def _hash_later(self, record: dict, state: dict, into: dict | None = None, n: int | None = None) -> None:
         """Hash ``state`` in the background; ``record`` is written with its hash by the next ``flush``.
-        ``into``: host buffers to copy it into (the online ring's) instead of the snapshots' own."""
+        ``into``: host buffers to copy it into (the online ring's) instead of the snapshots' own; a
+        chunked online run's chunk tree of the state after ``n`` updates is hashed from the same copy."""
         from .overlap import StateSnapshots
 
         if self._snapshots is None:
@@ -608,14 +624,24 @@ class Recorder:
             # named as in the state: a distributed session's unwrapped module, not its DDP wrapper
             module = getattr(self.session, "module", self.model)
             self._early = frozenset(f"model.{n}" for n, _ in module.named_buffers())
-        self._deferred = (record, self._snapshots.submit(state, early=self._early, into=into))
+        reduce = None
+        online = self.online
+        if online is not None and online.layout is not None and n is not None:
+            def reduce(copies: dict) -> tuple[bytes, bytes]:
+                tree = online.tree(n, into if into is not None else copies)
+                return state_hash(copies, self.digest), tree.root  # type: ignore[union-attr]
+        self._deferred = (record, self._snapshots.submit(state, early=self._early, into=into, reduce=reduce))
 
     def flush(self) -> None:
         """Write the record still waiting for its state hash, if there is one (waits for the hash)."""
         if self._deferred is not None:
             record, pending = self._deferred
             self._deferred = None
-            record["state_hash"] = pending.result().hex()
+            done = pending.result()
+            if isinstance(done, tuple):  # the state hash and the parameters' chunk root
+                record["state_hash"], record["param_root"] = done[0].hex(), done[1].hex()
+            else:
+                record["state_hash"] = done.hex()
             self._append_step(record)
 
     def finish(self) -> SignedTreeHead:

@@ -10,6 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..bundle.reader import Bundle, as_bundle
+from ..bundle.state import state_tensors
 from ..commit.hashing import same
 from ..commit.signing import SignedTreeHead, key_fingerprint, public_key_from_hex
 from ..data.locate import by_content
@@ -24,6 +25,7 @@ from ..session import (
     torch_version,
 )
 from ..task.base import Task
+from .bounded import check_moves
 from .challenges import ReplayChallenge, challenges_needed, draw_challenges
 from .cheap import check_checkpoints, check_records, probes_from_bundle, task_of, use_threads
 from .finddata import committed_dataset
@@ -204,6 +206,16 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     data_checked = _data_checked(task, bundle, named_root, found, local is not None)
     session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
     checks += check_records(bundle, task, session)
+    moves, move_failure = None, None
+    if online is not None and m.chunked:
+        # before any checkpoint is loaded: the session holds the state the seed gives
+        init = {k: v.clone() for k, v in state_tensors(session.model, session.optimizer).items()}
+        try:  # cheap, and before replay; a move out of bounds rejects the run with the rest of its verdict
+            moves = check_moves(bundle, online, session.model, session.optimizer, init, pending_allowed=bool(skip))
+        except MalformedInput:
+            raise
+        except VerificationError as e:
+            move_failure = str(e)
     leaves = committed_leaves(bundle, task, local.dataset if local else None, leaves_path)
     checks += check_data_usage(bundle, task, leaves, local.dataset if local else None)
     if probes_from_bundle(task, bundle):
@@ -248,6 +260,14 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         state_every=m.state_every, threads=threads, confidence=confidence,
         data_root=m.data_root.hex(), data_checked=data_checked,
     )
+    if move_failure is not None:
+        verdict.failures.append(move_failure)
+    if moves is not None:
+        verdict.moves = moves.to_json() | {"summary": moves.describe()}
+        verdict.checks.append(moves.describe())
+    elif online is not None and m.online is not None:
+        verdict.notes.append("every step: bounded move not checked (the run commits no parameter chunks)"
+                             if move_failure is None else "every step: the bounded-move check failed (below)")
     if online is not None:
         verdict.online = {"beacon": online.beacon, "p": online.p, "every": online.every, "windows": online.windows,
                           "selected": online.selected, "covered": online.covered,

@@ -17,6 +17,7 @@ from ..commit.hashing import same
 from ..data.dataset import Dataset, sample_hash
 from ..data.leaves import DatasetLeaves
 from ..errors import MalformedInput, VerificationError
+from ..fingerprint.chunks import ChunkLayout
 from ..session import TrainingSession, bounded_threads, cpu_cores
 from ..task.base import Task
 from ..task.registry import build_task, check_task_source
@@ -161,6 +162,11 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         if step > 0:
             load_state(session.model, session.optimizer, tensors)
             check_state(bundle, session, step, exact, thresholds)
+            root = bundle.steps[step - 1].param_root
+            if root is not None and not same(ChunkLayout.of_model(session.model, m.online["chunk_bytes"]).root(tensors),  # type: ignore[index]
+                                             root):
+                raise VerificationError(f"{path.name}: its record's param_root is not the chunk root of its parameters",
+                                        step=step, check="checkpoint")
         if bundle.end is not None and step == len(bundle.steps) and not same(model_hash(tensors, m.state_digest),
                                                                              bundle.end.final_model_hash):
             raise VerificationError("the final model hash is not that of the final checkpoint's model", check="end")

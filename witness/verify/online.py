@@ -38,6 +38,16 @@ from .response import MAX_SAMPLE_BYTES, ResponseSamples, ResponseStep
 MAX_SAMPLES_JSON = 64 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One window's draw: the head size it closes at, the steps it covers, its beta, and whether it counts."""
+
+    size: int
+    steps: range
+    beta: bytes
+    counts: bool = True
+
+
 @dataclass
 class OnlinePlan:
     """What the statements decided: the windows, p, the selected steps and what no statement covers."""
@@ -61,6 +71,9 @@ class OnlinePlan:
     # the steps late windows' draws select: replayed too, though the bound does not count them (which
     # cosignatures a bundle shows is the trainer's choice: hiding an on-time one must not hide a draw)
     late_selected: list[int] = field(default_factory=list)
+    # every window's draw, in order: the head size it closes at, its steps, its beta, and whether it
+    # counts (a late window's draw is checked all the same, but claims nothing)
+    draws: list[Draw] = field(default_factory=list)
 
     @property
     def unseen(self) -> int:
@@ -169,7 +182,7 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     last = chain[-1] if final else None
     return OnlinePlan(key_fingerprint(public_hex(public)), p, m.online["every"], len(chain), selected,
                       covered, range(covered, n), final, last.others if last else None,
-                      last.attempts if last else None)
+                      last.attempts if last else None, draws=[Draw(st.size, st.window(n), st.beta) for st in chain])
 
 
 @dataclass(frozen=True)
@@ -235,6 +248,7 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
     selected: list[int] = []
     late: list[range] = []
     late_selected: list[int] = []
+    draws: list[Draw] = []
     for i, w in enumerate(windows):
         if i >= len(boundaries) or w.size != boundaries[i]:
             where = "is not a boundary the manifest sets" if w.size not in boundaries else \
@@ -246,6 +260,7 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
             raise VerificationError(f"the witnessed window closing at size {w.size} says it starts after size "
                                     f"{w.prev_size}, not after the boundary before it ({prev})", check="witness")
         on_time = _check_window(bundle, w, trust, origin, run, n)
+        draws.append(Draw(w.size, w.window(n), w.beta, on_time))
         if on_time:
             selected += selected_steps(w, m.online["p"], n)
         else:
@@ -262,7 +277,7 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
     if final:
         others, attempts = _attempts(windows[-1], trust, origin)
     return OnlinePlan(trust.describe(), m.online["p"], m.online["every"], len(windows), sorted(selected), covered,
-                      range(covered, n), final, others, attempts, late, trust.describe(), sorted(late_selected))
+                      range(covered, n), final, others, attempts, late, trust.describe(), sorted(late_selected), draws)
 
 
 def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes, n: int) -> bool:

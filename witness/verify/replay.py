@@ -24,6 +24,7 @@ from ..bundle.state import load_state, state_distances, state_hash, state_tensor
 from ..commit.hashing import same
 from ..data.dataset import Dataset
 from ..errors import MalformedInput, VerificationError
+from ..fingerprint.chunks import ChunkLayout
 from ..fingerprint.probes import relative_distance
 from ..session import TrainingSession, warn_mkl
 from ..task.base import Task
@@ -197,6 +198,10 @@ class Replayer:
         warn_mkl()
         self.session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
         self.parameters = {f"model.{n}" for n, _ in self.session.model.named_parameters()}
+        # a chunked run's records commit their parameters' chunk root too: every state loaded or reached
+        # must have it (a root a window's openings were checked against that is not its state's own
+        # would let the openings show a trajectory the run did not take)
+        self.layout = ChunkLayout.of_model(self.session.model, m.online["chunk_bytes"]) if m.chunked else None
         self.position: int | None = None
         self._replayed_from: int | None = None  # every step from here to `position` was replayed and checked
         self.steps_run = 0
@@ -215,7 +220,17 @@ class Replayer:
         if want is None or not same(state_hash(tensors, self.bundle.manifest.state_digest), want):
             raise VerificationError(f"the state after {step} update(s) does not hash to the committed state",
                                     step=step, check="state")
+        if step > 0:
+            self.check_param_root(step - 1, tensors)
         return tensors
+
+    def check_param_root(self, t: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The state after step ``t`` against the chunk root its record commits (a chunked run)."""
+        root = self.bundle.steps[t].param_root
+        if self.layout is not None and root is not None and not same(self.layout.root(tensors), root):
+            raise VerificationError("the record's param_root is not the chunk root of its committed state's "
+                                    "parameters (the chunks its windows opened are not this state's)", step=t,
+                                    check="moves")
 
     def load(self, step: int) -> None:
         """Start from the committed state after ``step`` updates, and check it against its record."""
@@ -294,6 +309,7 @@ class Replayer:
                 if not same(got, rec.state_hash):
                     raise VerificationError("the replayed training state does not hash to the committed one "
                                             "(parameters, buffers or optimizer state differ)", step=t, check="replay")
+                self.check_param_root(t, state_tensors(self.session.model, self.session.optimizer))
                 self._reached(t + 1, "hash")
         else:
             self._compare_tolerant(rec, out.loss, fp.vector(), sk, before, result)

@@ -56,6 +56,8 @@ class Verdict:
     training_flops: float = 0.0
     confidence: float | None = None  # the bound the user asked for, if any
     online: dict | None = None  # the online audit: beacon, p, windows, selected steps, what no statement covers
+    # the bounded-move audit of a chunked online run: chunks opened per step, steps checked, the worst move
+    moves: dict | None = None
     # the evidence the bound is computed from: every step replayed, from and to which committed states
     ledger: list[LedgerEntry] = field(default_factory=list)
     verified: int = 0  # challenges (or, online, selected steps) the ledger holds every step of
@@ -165,6 +167,8 @@ class Verdict:
                             + (f"; {o['unaudited']} step(s) not audited online (after the last window, or in windows "
                                "cosigned too late)" if o["unaudited"] else ""))
             lines.insert(3, f"  attempts: {o['linking']}")
+            if self.moves is not None:
+                lines.insert(4, f"  {self.moves['summary']}")
         if self.data_root:
             lines.append(f"  data root {self.data_root[:16]}…: " + (f"checked against {self.data_checked}"
                          if self.data_checked else "taken on the trainer's word (not compared with any data this "

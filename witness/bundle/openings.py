@@ -1,0 +1,73 @@
+"""A window's chunk openings: for every state its steps go from and to, the parameter chunks its
+beta opens and their Merkle paths, as one safetensors file (``online/chunks/<head size>.safetensors``).
+
+The file holds two uint8 tensors, ``chunks`` [states, k, chunk bytes] and ``paths`` [states, nodes,
+32] (each state's paths one after the other, in the order of the chunks), and metadata naming the
+window (the head size it closes at), its first state and its chunks. The reader takes nothing on the
+file's word: it is told the shape the window must have and refuses any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.numpy import load_file
+
+from ..errors import MalformedInput
+from .checkpoint import safetensors_header, save_safetensors
+
+OPENINGS_FORMAT = "witness-chunk-openings/v1"
+MAX_OPENINGS_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class WindowOpenings:
+    """The openings of one window: ``chunks`` [states, k, chunk bytes] and ``paths`` [states, nodes, 32]
+    for the states ``first`` .. ``first + states - 1`` at the chunk indices ``indices``."""
+
+    size: int
+    first: int
+    indices: tuple[int, ...]
+    chunks: np.ndarray
+    paths: np.ndarray
+
+    def metadata(self) -> dict[str, str]:
+        """The file's metadata (strings, as safetensors keeps them)."""
+        return {"format": OPENINGS_FORMAT, "size": str(self.size), "first": str(self.first),
+                "chunks": ",".join(map(str, self.indices))}
+
+
+def write_openings(path: Path, openings: WindowOpenings) -> int:
+    """Write the file atomically (a temp file renamed into place); its size in bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_safetensors({"chunks": torch.from_numpy(np.ascontiguousarray(openings.chunks)),
+                      "paths": torch.from_numpy(np.ascontiguousarray(openings.paths))}, tmp, openings.metadata())
+    tmp.replace(path)
+    return path.stat().st_size
+
+
+def read_openings(path: Path, size: int, first: int, states: int, indices: tuple[int, ...], chunk_bytes: int,
+                  nodes: int) -> WindowOpenings:
+    """The openings of the window closing at ``size``, which must be exactly of this shape: ``states``
+    states from ``first``, the chunks ``indices`` of ``chunk_bytes`` each, ``nodes`` path nodes a state."""
+    want = {"chunks": [states, len(indices), chunk_bytes], "paths": [states, nodes, 32]}
+    expected = WindowOpenings(size, first, indices, np.empty(0), np.empty(0)).metadata()
+    data_bytes = states * (len(indices) * chunk_bytes + nodes * 32)
+    header = safetensors_header(path, min(MAX_OPENINGS_BYTES, data_bytes + (1 << 16)))
+    if set(header) != {"__metadata__", *want} or header["__metadata__"] != expected:
+        raise MalformedInput(f"{path.name} is not the chunk openings of the window closing at size {size} (its "
+                             f"states from {first}, chunks {','.join(map(str, indices))})")
+    for name, shape in want.items():
+        t = header[name]
+        if not isinstance(t, dict) or t.get("dtype") != "U8" or t.get("shape") != shape:
+            raise MalformedInput(f"{path.name}: {name} must be uint8 of shape {shape}")
+    try:
+        arrays = load_file(str(path))
+    except (SafetensorError, ValueError, OSError) as e:
+        raise MalformedInput(f"{path.name} is not a valid safetensors file: {e}") from None
+    return WindowOpenings(size, first, indices, arrays["chunks"], arrays["paths"])

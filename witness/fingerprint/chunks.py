@@ -1,0 +1,115 @@
+"""The parameters of a training state as fixed-size chunks: their layout, a flat buffer that holds
+them chunk-aligned, and the chunk tree whose root an online run's records commit at every step.
+
+The layout is every parameter of the model (its state name ``model.<name>``, dtype and shape),
+sorted by name, each starting on a chunk boundary and zero-padded to a whole number of chunks. The
+trainer's ring keeps a state's parameters in such a buffer, so the chunks are hashed where they were
+copied; a verifier lays out the tensors it loads the same way. The layout's id (a hash of the chunk
+size and every tensor's name, dtype and shape) is bound into the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from ..commit.chunks import ChunkTree, chunk_leaves
+from ..commit.hashing import canonical_json, tagged_hash
+
+DEFAULT_CHUNK_BYTES = 1024
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64, 1 << 20
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where each parameter lies among the chunks: ``tensors`` (name, dtype, shape), sorted by name,
+    and ``starts``, the first chunk of each."""
+
+    chunk_bytes: int
+    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+    starts: tuple[int, ...]
+    size: int  # chunks in all
+
+    @classmethod
+    def of(cls, params: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkLayout:
+        """The layout of named parameters (``model.<name>``), sorted by name."""
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes & (chunk_bytes - 1):
+            raise ValueError(f"a chunk is a power of two from {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES} bytes")
+        tensors, starts, at = [], [], 0
+        for name in sorted(params):
+            t = params[name]
+            tensors.append((name, t.dtype, tuple(t.shape)))
+            starts.append(at)
+            at += -(-t.numel() * t.element_size() // chunk_bytes)
+        if at == 0:
+            raise ValueError("the model has no parameters to lay out in chunks")
+        return cls(chunk_bytes, tuple(tensors), tuple(starts), at)
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkLayout:
+        """The layout of a model's parameters (tied ones once, under the name ``named_parameters`` gives)."""
+        return cls.of({f"model.{n}": p for n, p in model.named_parameters()}, chunk_bytes)
+
+    @cached_property
+    def id(self) -> bytes:
+        """The layout's hash: the chunk size and every tensor's name, dtype and shape, in order."""
+        return tagged_hash("witness/chunk-layout/v1", canonical_json(
+            {"chunk_bytes": self.chunk_bytes,
+             "tensors": [[n, _dtype_name(d), list(s)] for n, d, s in self.tensors]}))
+
+    @property
+    def names(self) -> list[str]:
+        """The parameters' state names, in layout order."""
+        return [n for n, _, _ in self.tensors]
+
+    def nbytes(self, i: int) -> int:
+        """The bytes of tensor ``i`` (without its padding)."""
+        _, dtype, shape = self.tensors[i]
+        return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+
+    def empty(self, pinned: bool = False) -> torch.Tensor:
+        """A zeroed flat buffer for one state's parameters (its padding stays zero)."""
+        return torch.zeros(self.size * self.chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter as a tensor viewing its place in ``flat``."""
+        out = {}
+        for i, (name, dtype, shape) in enumerate(self.tensors):
+            lo = self.starts[i] * self.chunk_bytes
+            out[name] = flat[lo:lo + self.nbytes(i)].view(dtype).view(shape)
+        return out
+
+    def flatten(self, state: dict[str, torch.Tensor], flat: torch.Tensor | None = None) -> torch.Tensor:
+        """The state's parameters in a flat buffer (``flat``, zero-padded, or a new one); a state
+        without one of them, or with another dtype or shape, is refused."""
+        flat = self.empty() if flat is None else flat
+        for (name, dtype, shape), view in zip(self.tensors, self.views(flat).values(), strict=True):
+            t = state.get(name)
+            if t is None or t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"the state's {name} is not the layout's ({_dtype_name(dtype)}, {list(shape)})")
+            view.copy_(t.detach())
+        return flat
+
+    def tree(self, flat: torch.Tensor) -> ChunkTree:
+        """The chunk tree of a flat buffer this layout filled."""
+        raw = flat.numpy() if flat.device.type == "cpu" else flat.cpu().numpy()
+        return ChunkTree(chunk_leaves(raw, self.chunk_bytes), self.id)
+
+    def root(self, state: dict[str, torch.Tensor]) -> bytes:
+        """The ``param_root`` of a state's parameters."""
+        return self.tree(self.flatten(state)).root
+
+    def locate(self, chunk: int) -> tuple[int, int, int]:
+        """(tensor index, its first element in the chunk, how many of its elements the chunk holds)."""
+        i = int(np.searchsorted(self.starts, chunk, side="right")) - 1
+        _, dtype, _ = self.tensors[i]
+        size = torch.empty((), dtype=dtype).element_size()
+        first = (chunk - self.starts[i]) * self.chunk_bytes // size
+        return i, first, min(self.chunk_bytes // size, self.nbytes(i) // size - first)

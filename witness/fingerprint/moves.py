@@ -1,0 +1,147 @@
+"""How far one optimizer step can move a parameter, whatever the gradient.
+
+Adam and AdamW divide the bias-corrected first moment by the root of the bias-corrected second,
+so a step moves every coordinate by at most ``lr_t * B_t`` (after AdamW's decoupled decay),
+coordinate by coordinate and for any gradients, where for the optimizer's t-th update
+
+    B_t = (1 - b1) / (1 - b1^t) * sqrt((1 - b2^t) / (1 - b2)) * sqrt(sum_{k<t} (b1^2 / b2)^k)
+
+(Cauchy-Schwarz on the moments' sums; ``docs/threat-model.md`` derives it, and it is reached by
+gradients that grow as (b2 / b1)^t). B_1 = 1; for betas (0.9, 0.95) B_t tends to about 1.165, for
+(0.9, 0.999) to 7.27. The usual ``lr * (1 - b1) / sqrt(1 - b2)`` is an approximation and is exceeded.
+
+A parameter no optimizer group holds must not move at all. Other optimizers have no bound that
+holds for any gradient (SGD's momentum sums the gradients, which nothing bounds): the check is
+refused for them, with the reason, rather than claimed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Rounding: torch's AdamW computes in the parameter's dtype, so a step's move may exceed the exact
+# bound by a few roundings of the update (each 2^-24 of it in float32) and of the new value (an ulp
+# of it). The check allows the move lr * B * (1 + REL_SLACK) + ULP_SLACK ulps of the larger of the two
+# values: 2^-16 is over a hundred times the update's roundings, and far below anything a swap moves.
+REL_SLACK = 2.0 ** -16
+ULP_SLACK = 4
+# Below this eps a second moment that underflows (a subnormal float32) could let the update pass the
+# bound; at 1e-16 and above eps dominates such a moment a thousandfold (the bound then holds with room).
+MIN_EPS = 1e-16
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
+
+
+def adam_bound(beta1: float, beta2: float, t: int) -> float:
+    """B_t: the most one Adam update (its t-th, t >= 1) moves a coordinate, in units of lr."""
+    return float(adam_bounds(beta1, beta2, t)[-1])
+
+
+def adam_bounds(beta1: float, beta2: float, steps: int) -> np.ndarray:
+    """B_1 .. B_steps (float64; inf where the bound overflows, as it may when b1^2 > b2)."""
+    if not (0.0 <= beta1 < 1.0 and 0.0 < beta2 < 1.0):
+        raise ValueError(f"betas ({beta1}, {beta2}) have no bound: each must lie in [0, 1), and b2 > 0")
+    t = np.arange(1, steps + 1, dtype=np.float64)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        # 1 - b^t and (1 - r^t) / (1 - r) through expm1, exact where b or r is close to 1
+        c1 = -np.expm1(t * math.log(beta1)) if beta1 > 0 else np.ones_like(t)
+        c2 = -np.expm1(t * math.log(beta2))
+        r = beta1 * beta1 / beta2
+        if r == 0:
+            s = np.ones_like(t)
+        elif r == 1:
+            s = t
+        else:
+            s = np.expm1(t * math.log(r)) / math.expm1(math.log(r))
+        out = (1 - beta1) / c1 * np.sqrt(c2 / (1 - beta2)) * np.sqrt(s)
+    return np.where(np.isfinite(out), out, np.inf)
+
+
+@dataclass(frozen=True)
+class MoveRule:
+    """How one parameter may move in a step of learning rate lr: ``|new - old * (1 - lr * decay)| <=
+    lr * B``, B from ``betas`` (None: no optimizer group holds it, so it may not move at all)."""
+
+    betas: tuple[float, float] | None
+    decay: float = 0.0  # AdamW's decoupled weight decay (Adam's L2 goes into the gradient: 0 here)
+
+    def to_json(self) -> dict:
+        """For the verdict."""
+        return {"betas": list(self.betas) if self.betas else None, "decay": self.decay}
+
+
+@dataclass(frozen=True)
+class MoveRules:
+    """Every parameter's rule (by its state name, ``model.<name>``), and the optimizer they come from."""
+
+    optimizer: str
+    rules: dict[str, MoveRule]
+
+    def bounds(self, betas: tuple[float, float], steps: int, offset: int = 0) -> np.ndarray:
+        """For run steps 0 .. steps - 1, the largest B the step may use: the optimizer's update count
+        after run step t is at most offset + t + 1 (fewer where an fp16 step was skipped or a parameter
+        had no gradient), so the bound is the largest B_s over s <= offset + t + 1."""
+        table = np.maximum.accumulate(adam_bounds(*betas, steps + offset))
+        return table[offset:offset + steps]
+
+    def describe(self) -> str:
+        """One line: the optimizer and the largest bound its steps reach."""
+        betas = sorted({r.betas for r in self.rules.values() if r.betas is not None})
+        limits = ", ".join(f"B <= {adam_bounds(*b, 1 << 16).max():.4g} for betas {b}" for b in betas)
+        return f"{self.optimizer} ({limits})" if limits else self.optimizer
+
+
+def move_rules(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> MoveRules | str:
+    """The rule of every parameter of ``model`` under ``optimizer``, or why no bound holds."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.AdamW, torch.optim.Adam):
+        why = ("its momentum sums the gradients, so a step is bounded only given a bound on the gradient"
+               if isinstance(optimizer, torch.optim.SGD) else "no bound that holds for any gradient is derived for it")
+        return f"{kind.__name__}: {why} (the bounded-move check needs torch's Adam or AdamW)"
+    names = {id(p): n for n, p in model.named_parameters()}
+    rules: dict[str, MoveRule] = {}
+    for group in optimizer.param_groups:
+        b1, b2 = (float(b) for b in group["betas"])
+        if not (0.0 <= b1 < 1.0 and 0.0 < b2 < 1.0):
+            return f"{kind.__name__} with betas ({b1}, {b2}): no bound holds (b1 in [0, 1), b2 in (0, 1) needed)"
+        if float(group["eps"]) < MIN_EPS:
+            return (f"{kind.__name__} with eps {group['eps']}: below {MIN_EPS:g} an underflowing second moment "
+                    "could pass the bound")
+        decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
+        for p in group["params"]:
+            if id(p) not in names:
+                return f"{kind.__name__} steps a tensor that is not one of the model's parameters"
+            if p.dtype not in SUPPORTED_DTYPES:
+                return (f"parameter {names[id(p)]} is {str(p.dtype).removeprefix('torch.')}: the bound's rounding is "
+                        "checked for float32 and float64 parameters only")
+            rules[f"model.{names[id(p)]}"] = MoveRule((b1, b2), float(group["weight_decay"]) if decoupled else 0.0)
+    for n, p in model.named_parameters():
+        if f"model.{n}" not in rules:
+            if p.dtype not in SUPPORTED_DTYPES:
+                return f"parameter {n} is {str(p.dtype).removeprefix('torch.')}: float32 or float64 parameters only"
+            rules[f"model.{n}"] = MoveRule(None)
+    return MoveRules(kind.__name__, rules)
+
+
+def step_offset(init_state: dict[str, torch.Tensor]) -> int:
+    """The largest optimizer step counter in a run's initial state (0 for a fresh optimizer)."""
+    counts = [int(v.max()) for k, v in init_state.items() if k.startswith("optim.") and k.endswith(".step")
+              and v.numel()]
+    return max(counts, default=0)
+
+
+def move_limits(before: np.ndarray, after: np.ndarray, lr: np.ndarray, bound: np.ndarray, decay: float,
+                dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(how far each coordinate moved beyond its decayed value, how far it may), elementwise, in float64.
+
+    ``before`` and ``after`` are the values in the parameter's ``dtype``; ``lr`` and ``bound`` broadcast
+    against them (one per step). A parameter that may not move (``bound`` 0, no decay) may not move by a
+    single bit."""
+    a, b = before.astype(np.float64), after.astype(np.float64)
+    moved = np.abs(b - a * (1.0 - lr * decay))
+    ulp = np.spacing(np.maximum(np.abs(before), np.abs(after)).astype(dtype)).astype(np.float64)
+    allowed = np.where(bound > 0, lr * bound * (1.0 + REL_SLACK) + ULP_SLACK * ulp, 0.0)
+    return moved, allowed

@@ -1,0 +1,232 @@
+"""Every step checked: the parameter chunks each window's beta opened, their paths to the records'
+roots, and how far every opened coordinate moved in every step of the window.
+
+A chunked online run commits, in each step's record, the root of its parameters' chunk tree; each
+window's beta (drawn after the window's records were signed) opens ``k`` chunks of every state the
+window's steps go from and to. Here the openings of all windows are read, their paths checked level
+by level against the records' roots (the initial state's root is computed from the state the seed
+gives), and each opened coordinate's move is held to the optimizer's bound, ``lr_t * B_t`` after the
+decoupled weight decay (``witness.fingerprint.moves``). The bound, the layout and the rules come from
+the task's own model and optimizer, never from the bundle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..bundle.openings import read_openings
+from ..bundle.reader import Bundle
+from ..bundle.state import state_hash
+from ..commit.chunks import chunk_indices, chunk_leaves, path_nodes, verify_paths, wrap_root
+from ..commit.hashing import same
+from ..errors import MalformedInput, VerificationError
+from ..fingerprint.chunks import ChunkLayout
+from ..fingerprint.moves import MoveRules, move_limits, move_rules, step_offset
+from .online import OnlinePlan
+
+_NUMPY = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+
+
+@dataclass
+class MoveCheck:
+    """What the bounded-move audit checked, for the verdict."""
+
+    chunks: int  # opened of every state, per window
+    of: int  # chunks in the layout
+    chunk_bytes: int
+    optimizer: str  # and its bounds, or why no bound holds (refused)
+    refused: bool = False
+    checked: int = 0  # steps whose move was checked in a window that counts
+    late: int = 0  # steps checked in windows that count for nothing (their draw may have been known)
+    pending: int = 0  # steps of windows whose openings have not arrived (a leaderboard's live audit)
+    worst: float = 0.0  # the largest move seen, as a fraction of what its step allowed
+    windows: int = 0
+    missing: list[int] = field(default_factory=list)  # head sizes of the pending windows
+    ignored: list[int] = field(default_factory=list)  # head sizes of openings no statement in the bundle opens
+
+    def to_json(self) -> dict:
+        """The verdict's ``moves`` field."""
+        return dict(self.__dict__)
+
+    def describe(self) -> str:
+        """One line for the verdict."""
+        if self.refused:
+            return f"every step: bounded move not checked ({self.optimizer})"
+        out = (f"every step: bounded move checked at {self.chunks} chunk(s) of {self.of} ({self.chunk_bytes} bytes "
+               f"each) per step, {self.checked} step(s) in {self.windows} window(s); {self.optimizer}; the largest "
+               f"move was {100 * self.worst:.4g}% of its bound")
+        if self.late:
+            out += f"; {self.late} more step(s) checked in windows that count for nothing (cosigned too late)"
+        if self.pending:
+            out += f"; {self.pending} step(s) wait for their window's openings"
+        if self.ignored:
+            out += f"; openings of {len(self.ignored)} window(s) no statement here opens were passed over"
+        return out
+
+
+def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                init: dict[str, torch.Tensor], pending_allowed: bool = False) -> MoveCheck:
+    """Check every window's openings and every opened coordinate's move; raise at the first that fails.
+
+    ``model`` and ``optimizer`` are the task's, built here; ``init`` the initial state the seed gives
+    (used only if it hashes to the manifest's). ``pending_allowed``: a window without openings is
+    pending (a live audit), not a failure."""
+    m = bundle.manifest
+    assert m.online is not None and m.chunked
+    k, cb = m.online["chunks"], m.online["chunk_bytes"]
+    layout = ChunkLayout.of_model(model, cb)
+    rules = move_rules(model, optimizer)
+    if isinstance(rules, str):
+        return MoveCheck(k, layout.size, cb, rules, refused=True)
+    out = MoveCheck(k, layout.size, cb, rules.describe())
+    roots = _roots(bundle, layout, init)
+    n = len(bundle.steps)
+    reads = []
+    for d in plan.draws:
+        if not len(d.steps):
+            continue
+        path = bundle.online_chunks.get(d.size)
+        if path is None:
+            if pending_allowed:
+                out.pending += len(d.steps)
+                out.missing.append(d.size)
+                continue
+            raise VerificationError(f"the trainer kept no chunk openings for the window closing at size {d.size} "
+                                    f"(steps {d.steps.start}..{d.steps.stop - 1}): a chunked run opens chunks of every "
+                                    "state of every window", step=d.steps.start, check="moves")
+        chunks = chunk_indices(d.beta, k, layout.size)
+        nodes = sum(len(path_nodes(c, layout.size)) for c in chunks)
+        reads.append((d, chunks, read_openings(path, d.size, d.steps.start, len(d.steps) + 1, tuple(chunks), cb, nodes)))
+    # openings of a window whose statement the bundle does not hold prove nothing, and are passed over
+    # (as the states kept for its steps are): those steps are not audited online, which the bound counts
+    out.ignored = sorted(set(bundle.online_chunks) - {d.size for d in plan.draws if len(d.steps)})
+    if reads:
+        _check_paths(reads, layout, roots)
+        out.worst = _check_steps(reads, layout, rules, bundle, step_offset(init), n)
+    for d, _, _ in reads:
+        out.windows += 1
+        if d.counts:
+            out.checked += len(d.steps)
+        else:
+            out.late += len(d.steps)
+    return out
+
+
+def _roots(bundle: Bundle, layout: ChunkLayout, init: dict[str, torch.Tensor]) -> list[bytes | None]:
+    """The param root of every state: the initial one computed here from a state that hashes to the
+    manifest's initial state, the others the records'."""
+    m = bundle.manifest
+    if not same(state_hash(init, m.state_digest), m.init_state_hash):
+        if 0 not in bundle.checkpoints:
+            raise MalformedInput("no initial state here hashes to the committed one (the seed's state differs on this "
+                                 "machine, and the bundle has no initial checkpoint) to open its chunks against")
+        from ..bundle.checkpoint import read_checkpoint
+
+        init = read_checkpoint(bundle.checkpoints[0])
+        if not same(state_hash(init, m.state_digest), m.init_state_hash):
+            raise VerificationError("the initial checkpoint does not hash to the committed state", step=0,
+                                    check="checkpoint")
+    return [layout.root(init)] + [r.param_root for r in bundle.steps]
+
+
+def _check_paths(reads: list, layout: ChunkLayout, roots: list[bytes | None]) -> None:
+    """Every opened chunk's path leads to its state's committed root (all windows at once)."""
+    size, cb = layout.size, layout.chunk_bytes
+    data, states, indices, nodes, starts = [], [], [], [], []
+    base = 0
+    for d, chunks, op in reads:
+        s, k = op.chunks.shape[:2]
+        lengths = [len(path_nodes(c, size)) for c in chunks]
+        per_state = sum(lengths)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        data.append(op.chunks.reshape(-1, cb))
+        states.append(np.repeat(np.arange(d.steps.start, d.steps.start + s), k))
+        indices.append(np.tile(np.asarray(chunks, dtype=np.int64), s))
+        starts.append(base + (np.arange(s, dtype=np.int64)[:, None] * per_state + offsets[None, :]).reshape(-1))
+        nodes.append(op.paths.reshape(-1, 32))
+        base += s * per_state
+    flat = np.ascontiguousarray(np.concatenate(data))
+    leaves = np.frombuffer(chunk_leaves(flat, cb), dtype=np.uint8).reshape(-1, 32)
+    tops = verify_paths(leaves, np.concatenate(indices), size, np.concatenate(nodes), np.concatenate(starts))
+    state_of = np.concatenate(states)
+    chunk_of = np.concatenate(indices)
+    # every row of a state must reach the same tree root, and that root (bound to the layout) the record's
+    row = 0
+    for d, chunks, op in reads:
+        s, k = op.chunks.shape[:2]
+        block = tops[row:row + s * k].reshape(s, k, 32)
+        for i in range(s):
+            state = d.steps.start + i
+            want = roots[state]
+            bad = np.nonzero((block[i] != block[i, 0]).any(axis=1))[0]
+            if want is None or bad.size or not same(wrap_root(layout.id, size, block[i, 0].tobytes()), want):
+                j = int(bad[0]) if bad.size else 0
+                raise VerificationError(f"chunk {chunks[j]} of the state after {state} update(s), opened for the window "
+                                        f"closing at size {d.size}, does not lead to the param_root its record "
+                                        "commits (a chunk or a path was changed, or the root commits other "
+                                        "parameters)", step=max(state - 1, 0), check="moves")
+        row += s * k
+    assert row == len(state_of) == len(chunk_of)
+
+
+def _check_steps(reads: list, layout: ChunkLayout, rules: MoveRules, bundle: Bundle, offset: int, n: int) -> float:
+    """Every opened coordinate's move in every step of every window, against its bound; the largest
+    move as a fraction of what it was allowed."""
+    cb = layout.chunk_bytes
+    lrs = np.array([r.lr for r in bundle.steps], dtype=np.float64)
+    tables: dict[tuple[float, float], np.ndarray] = {}
+    befores, afters, steps, chunk_ids = [], [], [], []
+    for d, chunks, op in reads:
+        s, k = op.chunks.shape[:2]
+        befores.append(op.chunks[:-1].reshape(-1, cb))
+        afters.append(op.chunks[1:].reshape(-1, cb))
+        steps.append(np.repeat(np.arange(d.steps.start, d.steps.start + s - 1), k))
+        chunk_ids.append(np.tile(np.asarray(chunks, dtype=np.int64), s - 1))
+    before, after = np.concatenate(befores), np.concatenate(afters)
+    step, chunk = np.concatenate(steps), np.concatenate(chunk_ids)
+    tensor = np.searchsorted(np.asarray(layout.starts), chunk, side="right") - 1
+    worst = 0.0
+    for i in np.unique(tensor):
+        name, dtype, shape = layout.tensors[i]
+        rows = np.nonzero(tensor == i)[0]
+        esize = _NUMPY[dtype].itemsize
+        first = (chunk[rows] - layout.starts[i]) * (cb // esize)
+        count = np.minimum(cb // esize, layout.nbytes(i) // esize - first)
+        a = before[rows].view(_NUMPY[dtype])
+        b = after[rows].view(_NUMPY[dtype])
+        col = np.arange(cb // esize)[None, :]
+        valid = col < count[:, None]
+        for x, which in ((a, "before"), (b, "after")):
+            pad = ~valid & (x.view(np.uint8).reshape(len(rows), -1, esize) != 0).any(axis=2)
+            if pad.any():
+                r = int(np.nonzero(pad.any(axis=1))[0][0])
+                raise VerificationError(f"an opened chunk of {name} ({which} step {int(step[rows[r]])}) holds bytes past "
+                                        "the tensor's end, where the layout pads with zeros", step=int(step[rows[r]]),
+                                        check="moves")
+        rule = rules.rules[name]
+        t = step[rows]
+        lr = lrs[t][:, None]
+        if rule.betas is None:
+            bound = np.zeros((len(rows), 1))
+        else:
+            if rule.betas not in tables:
+                tables[rule.betas] = rules.bounds(rule.betas, n, offset)
+            bound = tables[rule.betas][t][:, None]
+        moved, allowed = move_limits(a, b, lr, bound, rule.decay, _NUMPY[dtype])
+        bad = valid & ~(moved <= allowed) & np.isfinite(b)  # a coordinate that became inf or nan goes nowhere
+        if bad.any():
+            r, c = (int(x) for x in np.argwhere(bad)[0])
+            coord = tuple(int(x) for x in np.unravel_index(int(first[r]) + c, shape)) if shape else ()
+            limit = "may not move at all (no optimizer group holds it)" if rule.betas is None else \
+                f"may move {allowed[r, c]:.3g} (lr {lrs[t[r]]:.3g} x B {float(bound[r, 0]):.4g}" + \
+                (f", after the decay by lr x {rule.decay:g}" if rule.decay else "") + ")"
+            raise VerificationError(f"{name}{list(coord)} moved from {float(a[r, c])!r} to {float(b[r, c])!r}, "
+                                    f"{moved[r, c]:.3g} in one step where it {limit}: no step of {rules.optimizer} moves "
+                                    "a coordinate that far, whatever its gradient", step=int(t[r]), check="moves")
+        ok = valid & (allowed > 0) & np.isfinite(moved)
+        if ok.any():
+            worst = max(worst, float((moved[ok] / allowed[ok]).max()))
+    return worst
