@@ -199,6 +199,153 @@ def test_a_step_that_moves_a_weight_too_far_is_caught_where_no_draw_selects_it(t
     assert 8 not in v.online["selected"] and 9 not in v.online["selected"] and len(v.failures) == 1
 
 
+def _chunked(out: Path) -> list[Path]:
+    return sorted((out / "online" / "chunks").glob("*.safetensors"))
+
+
+def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon):
+    """A window's openings: every step of every window must have them, each is its window's own, and
+    every byte is bound by the records' roots (a chunk, a path node, the zero padding)."""
+    train(tmp_path / "b", beacon.link())
+    v = online(tmp_path / "b", beacon.public_key)
+    assert v.moves["checked"] == STEPS and v.moves["windows"] == len(_chunked(tmp_path / "b")) == STEPS // EVERY
+    assert 0 < v.moves["worst"] <= 1 and "every step: bounded move checked at 4 chunk(s) of 4" in v.summary()
+
+    def tampered(name: str, change) -> Path:  # noqa: ANN001 - what the trainer does to its copy
+        out = tmp_path / name
+        shutil.copytree(tmp_path / "b", out)
+        change(out)
+        return out
+
+    files = _chunked(tmp_path / "b")
+    gone = tampered("gone", lambda o: (o / "online" / "chunks" / files[2].name).unlink())
+    with pytest.raises(RunRejected, match=r"step 8: moves: the trainer kept no chunk openings for the window "
+                                          r"closing at size 13"):
+        online(gone, beacon.public_key)
+    moved = tampered("moved", lambda o: shutil.copy(o / "online" / "chunks" / files[1].name,
+                                                    o / "online" / "chunks" / files[2].name))
+    with pytest.raises(RunRejected, match="not the chunk openings of the window closing at size 13"):
+        online(moved, beacon.public_key)
+
+    def flip(o: Path, name: str, at: int) -> None:
+        from safetensors.numpy import load_file
+
+        from witness.bundle.checkpoint import save_safetensors
+        from witness.bundle.checkpoint import safetensors_header as header
+
+        path = o / "online" / "chunks" / files[1].name
+        arrays = {k: torch.from_numpy(v.copy()) for k, v in load_file(str(path)).items()}
+        arrays[name].view(-1)[at] ^= 1
+        save_safetensors(arrays, path, header(path)["__metadata__"])
+
+    for name, at in (("chunks", 5), ("paths", 40), ("chunks", 1024 * 3 + 200)):  # the last in fc2.bias's padding
+        bad = tampered(f"{name}{at}", lambda o, n=name, a=at: flip(o, n, a))
+        with pytest.raises(RunRejected, match="does not lead to the param_root its record commits"):
+            online(bad, beacon.public_key)
+
+
+def test_a_param_root_that_is_not_its_states_is_caught_where_that_state_is_loaded(tmp_path, beacon, monkeypatch):
+    """A trainer commits, for the state after 9 updates, the chunk root of other parameters (one
+    coordinate an ulp away) and opens chunks of those: every opened move is within the bound. The
+    state it keeps is the real one, whose hash the record commits: a verifier that loads it (the draw
+    selects step 9) finds its chunk root is not the record's. Where no draw loads it, the divergence
+    is one step the audit did not see, as a bad step is: the verdict claims nothing more."""
+    from witness.record.online import OnlineChallenges, StatePool
+
+    fakes: dict[int, torch.Tensor] = {}
+    real_tree, real_flat = OnlineChallenges.tree, StatePool.flat
+
+    def tree(self, n, tensors):  # noqa: ANN001
+        if n != 9:
+            fakes.pop(id(tensors), None)  # the ring reuses its buffers: this one holds another state now
+            return real_tree(self, n, tensors)
+        flat = self.layout.flatten(tensors).clone()
+        x = flat[:4].view(torch.float32)
+        x[0] = torch.nextafter(x[0], torch.tensor(1.0))
+        fakes[id(tensors)] = flat
+        t = self.layout.tree(flat)
+        with self._lock:
+            self.trees[n] = t
+        return t
+
+    monkeypatch.setattr(OnlineChallenges, "tree", tree)
+    monkeypatch.setattr(StatePool, "flat", lambda self, slot: fakes.get(id(slot), real_flat(self, slot)))
+    for drawn in ("selected", "missed"):
+        fakes.clear()  # (a buffer of the run before may have the id of one of this run's)
+        beacon.steer(hit={9}) if drawn == "selected" else beacon.steer(avoid={8, 9})
+        train(tmp_path / drawn, beacon.link(), r=os.urandom(32))
+        if drawn == "selected":
+            with pytest.raises(RunRejected, match="step 8: moves: the record's param_root is not the chunk root of its "
+                                                  "committed state's parameters"):
+                online(tmp_path / drawn, beacon.public_key)
+        else:
+            v = online(tmp_path / drawn, beacon.public_key)
+            assert v.accepted and v.moves["checked"] == STEPS
+
+
+def test_every_mode_holds_each_state_it_loads_or_reaches_to_its_records_param_root(tmp_path, beacon):
+    """Re-signed logs (the trainer holds its key): a param_root that is not its state's is found by
+    offline replay where it reaches that state, and at a checkpoint by the cheap checks; a record
+    without one, or a run that names none, is refused as it is read."""
+    from helpers import log_lines, resign
+
+    key = generate_key()
+    train(tmp_path / "b", beacon.link(), key=key)
+    lines = log_lines(tmp_path / "b")
+
+    def forged(name: str, record: int, change) -> Path:  # noqa: ANN001
+        out = tmp_path / name
+        shutil.copytree(tmp_path / "b", out)
+        edited = list(lines)
+        obj = parse_canonical_json(edited[record])
+        change(obj)
+        edited[record] = canonical_json(obj)
+        resign(out, key, edited)
+        return out
+
+    other = parse_canonical_json(lines[5])["param_root"]
+    swapped = forged("swapped", 6, lambda o: o.update(param_root=other))  # step 5 names step 4's root
+    with pytest.raises(RunRejected, match="step 5: moves: the record's param_root is not the chunk root"):
+        verify_bundle(swapped, challenges=10_000, nonce=b"all")
+    at_checkpoint = forged("checkpoint", 8, lambda o: o.update(param_root=other))  # step 7: a checkpoint
+    with pytest.raises(VerificationError, match="its record's param_root is not the chunk root of its parameters"):
+        verify_bundle(at_checkpoint, challenges=1)
+    none = forged("none", 3, lambda o: o.pop("param_root"))
+    with pytest.raises(VerificationError, match="step 2: record: the record lacks a param_root"):
+        verify_bundle(none, challenges=1)
+    from witness.bundle.schema import Manifest
+
+    m = parse_canonical_json(lines[0])
+    for change, why in (({"format_version": 2}, "version 3 is an online run's that commits"),
+                        ({"online": {k: v for k, v in m["online"].items() if k != "chunks"}}, "come together"),
+                        ({"online": m["online"] | {"chunk_bytes": 1000}}, "power of two"),
+                        ({"online": m["online"] | {"chunks": 0}}, "online.chunks")):
+        with pytest.raises(MalformedInput, match=why):
+            Manifest.parse(m | change)
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_a_plugin_run_commits_its_chunks_where_its_optimizer_bounds_a_move(tmp_path, beacon, capsys, optimizer):
+    # the example plugin (a BatchNorm CNN): with AdamW every step's move is checked; with SGD, whose
+    # momentum sums gradients that nothing bounds, the recorder says the check is off and commits no
+    # chunks (a manifest of version 2), and the verdict says the check was not made
+    task = build_task("example-cnn", {"steps": 8, "optimizer": optimizer} |
+                      ({"optimizer_args": {"momentum": 0.9}} if optimizer == "SGD" else {}))
+    rec = Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32, checkpoint_every=4,
+                          beacon=beacon.link(), online=SPEC)
+    rec.train(progress=False)
+    manifest = json.loads((tmp_path / "b" / "log.jsonl").read_text().splitlines()[0])
+    v = online(tmp_path / "b", beacon.public_key)
+    if optimizer == "AdamW":
+        assert manifest["format_version"] == 3 and manifest["online"]["chunks"] == SPEC.chunks
+        assert v.accepted and v.moves["checked"] == 8
+    else:
+        assert "the bounded-move check is off for this run: SGD: its momentum sums the gradients" in \
+            capsys.readouterr().err
+        assert manifest["format_version"] == 2 and "chunks" not in manifest["online"]
+        assert v.accepted and v.moves is None and "bounded move not checked" in " ".join(v.notes)
+
+
 def test_a_kept_state_from_another_step_or_another_run_is_rejected(tmp_path, beacon):
     beacon.steer(hit={5, 13}, avoid={4, 12})  # replay starts at 5 (a replay passing through it checks it itself)
     train(tmp_path / "b", beacon.link())
@@ -386,15 +533,17 @@ def test_an_honest_run_killed_and_resumed_verifies_online(tmp_path, threads, los
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         kept = sorted((out / "online" / "states").glob("*.safetensors"))
-        if lose:  # a selected state the crash lost: rebuilt from the checkpoint before it
-            kept[0].unlink()
+        if lose:  # a selected state the crash lost: rebuilt from the checkpoint before it; and every
+            kept[0].unlink()  # window's chunk openings, opened again as the resumed run passes their states
+            for f in (out / "online" / "chunks").glob("*"):
+                f.unlink()
         res = subprocess.run([*cmd, "--resume"], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
         # (a statement the beacon signed as the process died, fetched again, can ask for ring states too)
         assert not lose or "lost state(s) rebuilt from a checkpoint" in res.stderr
         v = online(out, public_hex(bkey.public_key()))
         assert v.accepted and v.complete and v.online["final"] and v.online["unaudited"] == 0
-        assert v.threads == threads
+        assert v.threads == threads and v.moves["checked"] == 100
     finally:
         stop_uvicorn(server, thread)
 

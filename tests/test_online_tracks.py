@@ -10,13 +10,14 @@ import json
 import tarfile
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from lbhelpers import Authed, make_settings, register
 from sqlalchemy import select
 
 from witness.leaderboard import client as C
 from witness.leaderboard.app import create_app
-from witness.leaderboard.db import OnlineStep, Run
+from witness.leaderboard.db import OnlineStep, OnlineWindow, Run
 from witness.leaderboard.service import Leaderboard
 from witness.leaderboard.tracks import parse_track
 from witness.leaderboard.worker import work
@@ -61,6 +62,20 @@ def test_selected_steps_are_replayed_before_submission_and_not_again(server, tmp
     assert work(lb, once=True) >= 1
     r = tc.get(f"/api/runs/{run_id}").json()
     assert r["status"] == "ticketed" and r["online"]["verified"] == len(steps) and r["online"]["failed"] == 0
+    # every window's chunk openings came too, and the live round checked every step of every window (the
+    # last window that holds steps closes at the last checkpoint's head, short of the final one)
+    with lb.Session() as s:
+        windows = {w.size: w.status for w in s.scalars(select(OnlineWindow).where(OnlineWindow.run_id == run_id))}
+    assert len(windows) == len(list((bundle / "online" / "chunks").iterdir())) == 50
+    assert set(windows.values()) == {"checked"} and r["online"]["moves_checked"] == 100 and r["online"]["chunks"] == 4
+    assert "every step: bounded move checked at 4 chunk(s) per step</strong> while it trains" in \
+        tc.get(f"/runs/{run_id}").text
+    # each window's openings are taken once, and only for a window the server's beacon opened
+    path = bundle / "online" / "chunks" / f"{max(windows):08d}.safetensors"
+    for size, code in ((max(windows), 409), (2, 404), (1, 409)):  # (the manifest's head opens no step)
+        resp = tc.put(f"/api/runs/{run_id}/online/chunks/{size}", content=path.read_bytes(),
+                      headers={"Authorization": f"Bearer {alice.token}", "Content-Type": "application/octet-stream"})
+        assert resp.status_code == code, resp.text
     page = tc.get("/tracks/live").text
     assert f"{len(steps)} of {len(steps)} selected step(s) verified" in page and "required, with p ≥ 0.5" in page
     hist = tc.get(f"/api/runs/{run_id}/challenges").json()
@@ -82,6 +97,8 @@ def test_selected_steps_are_replayed_before_submission_and_not_again(server, tmp
     # counted from their evidence: every selected step is in the ledger, from the live rounds
     assert sorted(e["step"] for e in v["ledger"]) == sorted(steps) and all(e["earlier"] for e in v["ledger"])
     assert r["bound"] == v["detection_probability"] >= 0.99
+    assert v["moves"]["checked"] == 100 and "every step: bounded move checked at 4 chunk(s)" in \
+        tc.get(f"/runs/{run_id}").text
     tar = tarfile.open(fileobj=io.BytesIO(tc.get(f"/runs/{out['run_id']}/download/submission.tar").content))
     names = set(tar.getnames())
     assert not {f"bundle/{n}" for n in leave_out} & names and "bundle/checkpoints/00000100.safetensors" in names
@@ -144,6 +161,51 @@ def test_a_bad_step_rejects_the_run_while_it_trains(server, tmp_path):
 
     cert = check_certification(env, lb.public_key)
     assert cert.decision == "rejected" and cert.subjects[0]["name"].endswith("state-00000006.safetensors")
+
+
+def test_a_weight_moved_too_far_rejects_the_run_while_it_trains_where_no_draw_selects_its_step(server, tmp_path):
+    """The draws miss step 9 (a steered beacon); the trainer nudges every weight before training it.
+    Replay never sees it; the window's chunk openings show a coordinate moving past AdamW's bound."""
+    import os
+
+    from witness.commit.beacon import selected
+
+    lb, tc = server
+
+    def draw(prev_size: int, size: int) -> bytes:
+        while True:
+            beta = os.urandom(32)
+            if not any(selected(beta, t, 0.5) for t in (8, 9)):
+                return beta
+
+    lb.beacon.draw = draw
+    mallory = register(tc, "mallory")
+    rec = _online_recorder(tc, mallory, "live", tmp_path / "run", p=0.5)
+
+    def nudge(t: int) -> float:
+        if t == 9:
+            with torch.no_grad():
+                for p in rec.model.parameters():
+                    p.add_(0.01)
+        return 1.0
+
+    _steps_of(rec, range(12), nudge)
+    rec.online.wait()
+    assert work(lb, once=True) == 1
+    with lb.Session() as s:
+        run = s.scalars(select(Run)).one()
+        windows = {w.size: w.status for w in s.scalars(select(OnlineWindow).where(OnlineWindow.run_id == run.id))}
+    assert run.status == "rejected" and "the chunk openings of a window" in run.reason, run.reason
+    assert "step 9: moves: model." in run.reason and "failed" in windows.values()
+    assert 9 not in _steps(lb, run.id)
+    from witness.leaderboard.certification import check_certification
+
+    cert = check_certification(tc.get(f"/api/runs/{run.id}/certification").json(), lb.public_key)
+    assert cert.decision == "rejected" and "-chunks-" in cert.subjects[0]["name"]
+    with pytest.raises(C.BeaconError, match="rejected"):  # the trainer hears it at its next upload or head
+        with rec.stopped_on_failure():
+            _steps_of(rec, range(12, 100))
+            rec.finish()
 
 
 def test_a_track_requires_online_challenges_with_its_least_p(server, tmp_path):

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from ..errors import MalformedInput
+from ..errors import MalformedInput, VerificationError
 from .checkpoint import safetensors_header, save_safetensors
 
 OPENINGS_FORMAT = "witness-chunk-openings/v1"
@@ -59,13 +59,16 @@ def read_openings(path: Path, size: int, first: int, states: int, indices: tuple
     expected = WindowOpenings(size, first, indices, np.empty(0), np.empty(0)).metadata()
     data_bytes = states * (len(indices) * chunk_bytes + nodes * 32)
     header = safetensors_header(path, min(MAX_OPENINGS_BYTES, data_bytes + (1 << 16)))
+    # a readable file of another window (or another shape) is the trainer's answer, and the wrong one:
+    # a rejection, as missing openings are; only a file that is not safetensors is unusable input
     if set(header) != {"__metadata__", *want} or header["__metadata__"] != expected:
-        raise MalformedInput(f"{path.name} is not the chunk openings of the window closing at size {size} (its "
-                             f"states from {first}, chunks {','.join(map(str, indices))})")
+        raise VerificationError(f"{path.name} is not the chunk openings of the window closing at size {size} (its "
+                                f"states from {first}, chunks {','.join(map(str, indices))})", step=first,
+                                check="moves")
     for name, shape in want.items():
         t = header[name]
         if not isinstance(t, dict) or t.get("dtype") != "U8" or t.get("shape") != shape:
-            raise MalformedInput(f"{path.name}: {name} must be uint8 of shape {shape}")
+            raise VerificationError(f"{path.name}: {name} must be uint8 of shape {shape}", step=first, check="moves")
     try:
         arrays = load_file(str(path))
     except (SafetensorError, ValueError, OSError) as e:

@@ -160,18 +160,21 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.put("/api/runs/{run_id}/online/{kind}/{step}", status_code=201, tags=["runs"],
              openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {
                  "schema": {"type": "string", "format": "binary"}}}}})
-    async def online_upload(run_id: RunId, kind: Annotated[str, Path_(pattern="^(states|samples)$")],
+    async def online_upload(run_id: RunId, kind: Annotated[str, Path_(pattern="^(states|samples|chunks)$")],
                             step: Annotated[int, Path_(ge=0, le=2**31 - 1)], request: Request, acct: Acct) -> dict:
         """Upload, while the run trains, the state before a step the beacon selected (``states``: a
         safetensors file) or its batch's samples (``samples``: JSON); once both are here the server's
-        workers replay the step. Each is taken once."""
-        def open_slot() -> None:  # who may upload what is decided before a byte of the body is stored
+        workers replay the step. A run that commits its parameters' chunks uploads each window's chunk
+        openings too (``chunks``, by the head size the window closes at: a safetensors file), which the
+        workers check for every step of the window. Each is taken once."""
+        def open_slot() -> int:  # who may upload what is decided before a byte of the body is stored
             with lb.Session() as s:
                 lb.online_slot(s, s.get(Account, acct.id), run_id, kind, step)
+                return lb.openings_limit(s, run_id) if kind == "chunks" else 0
 
         limit = await run_in_threadpool(_limit, acct, run_id, None) if kind == "states" else MAX_SAMPLES_JSON
         try:
-            await run_in_threadpool(open_slot)
+            limit = await run_in_threadpool(open_slot) or limit
         except ApiError:
             await drain(request, limit)  # nothing stored; the client reads its answer, not a reset
             raise
@@ -180,7 +183,10 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         def keep() -> dict:
             try:
                 with lb.Session() as s:
-                    row = lb.upload_online(s, s.get(Account, acct.id), run_id, kind, step, upload)
+                    if kind == "chunks":
+                        row = lb.upload_openings(s, s.get(Account, acct.id), run_id, step, upload)
+                    else:
+                        row = lb.upload_online(s, s.get(Account, acct.id), run_id, kind, step, upload)
                     return {"run_id": run_id, "step": step, "kind": kind, "sha256": upload.sha256, "status": row.status}
             finally:
                 lb.store.drop(upload)  # a kept upload has nothing left to drop
@@ -271,7 +277,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     app.include_router(beacon_router(lb.beacon, lb.Session))
     install_beacon_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_JSON_BODY,
-                       exempt=("/api/submissions", r"/api/runs/[0-9]+/online/(states|samples)/[0-9]+"))
+                       exempt=("/api/submissions", r"/api/runs/[0-9]+/online/(states|samples|chunks)/[0-9]+"))
     return app
 
 

@@ -148,6 +148,23 @@ class OnlineStep(Base):
     ledger_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
+class OnlineWindow(Base):
+    """The chunk openings a chunked online run uploaded for one window (by the head size it closes at),
+    and whether a live round checked every step of it."""
+
+    __tablename__ = "online_windows"
+    __table_args__ = (UniqueConstraint("run_id", "size"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    steps: Mapped[int] = mapped_column(Integer)  # the steps of the window
+    sha256: Mapped[str] = mapped_column(String(64))
+    received_ms: Mapped[int] = mapped_column(BigInteger)
+    # uploaded -> checked (every step's opened moves within the bound) | failed
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    round_id: Mapped[int | None] = mapped_column(ForeignKey("rounds.id"), nullable=True)
+
+
 class Job(Base):
     """A unit of verification work in the queue: certify a submission, or re-challenge a run."""
 

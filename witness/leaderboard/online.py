@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -22,8 +23,10 @@ from ..bundle.layout import (
     LEAVES,
     LOG,
     MARKER,
+    ONLINE_CHUNKS,
     STATEMENTS,
     marker_bytes,
+    online_chunks_name,
     online_samples_name,
     online_state_name,
 )
@@ -34,7 +37,19 @@ from ..task.registry import build_task
 from ..verify.audit import verify_bundle
 from . import queue
 from .certification import record_decision
-from .db import Account, ChallengeRow, Head, Job, LogLine, OnlineStep, Round, Run, Track, now_ms
+from .db import (
+    Account,
+    ChallengeRow,
+    Head,
+    Job,
+    LogLine,
+    OnlineStep,
+    OnlineWindow,
+    Round,
+    Run,
+    Track,
+    now_ms,
+)
 from .service import Leaderboard
 
 
@@ -50,9 +65,10 @@ def track_leaves(lb: Leaderboard, track: Track) -> Path:
     return path
 
 
-def live_bundle(lb: Leaderboard, s, run: Run, ready: list[OnlineStep], dest: Path) -> Path:  # noqa: ANN001 - a Session
+def live_bundle(lb: Leaderboard, s, run: Run, ready: list[OnlineStep], dest: Path,  # noqa: ANN001 - a Session
+                windows: list[OnlineWindow] = ()) -> Path:
     """The run's bundle as far as its streamed heads sign it, with the uploads of the ``ready``
-    steps, under ``dest``.
+    steps and the chunk openings of ``windows`` (those the signed log covers), under ``dest``.
 
     The final head is left out: a finished bundle must carry its final checkpoint, which only the
     submission brings (its last window is replayed by the certification)."""
@@ -69,6 +85,10 @@ def live_bundle(lb: Leaderboard, s, run: Run, ready: list[OnlineStep], dest: Pat
     for row in ready:
         lb.store.fetch(online_key(run.id, "states", row.step, row.state_sha256), dest / online_state_name(row.step))
         lb.store.fetch(_samples_of(lb, run.id, row.step), dest / online_samples_name(row.step))
+    for w in windows:
+        if w.size <= size:
+            (dest / ONLINE_CHUNKS).mkdir(parents=True, exist_ok=True)
+            lb.store.fetch(online_key(run.id, "chunks", w.size, w.sha256), dest / online_chunks_name(w.size))
     link_or_copy(track_leaves(lb, s.get(Track, run.track)), dest / LEAVES)
     return dest
 
@@ -96,7 +116,11 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         run = s.get(Run, job.run_id)
         ready = list(s.scalars(select(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.status == "ready")
                                .order_by(OnlineStep.step)))
-        if not ready or run.status != "ticketed":
+        # the windows whose chunk openings came and no round checked yet (each checked once, as it comes)
+        windows = list(s.scalars(select(OnlineWindow).where(OnlineWindow.run_id == run.id,
+                                                            OnlineWindow.status == "uploaded")
+                                 .order_by(OnlineWindow.size)))
+        if not (ready or windows) or run.status != "ticketed":
             # nothing new, or the run was submitted (its certification replays what is not yet passed)
             return _close(s, job, worker)
         if len(_live_heads(s, run)) < 2:  # nothing but the manifest is signed short of the final head
@@ -109,10 +133,11 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         verdict, failures = None, []
         with tempfile.TemporaryDirectory(dir=lb.store.root / "incoming", prefix="live-") as tmp:
             try:
-                bundle = live_bundle(lb, s, run, ready, Path(tmp) / "bundle")
+                bundle = live_bundle(lb, s, run, ready, Path(tmp) / "bundle", windows)
+                # windows whose openings are not here (checked by an earlier round, or still coming) wait
                 verdict = verify_bundle(bundle, mode="online", beacon_key=lb.public_key, public_key=acct.public_key,
                                         ticket=bytes.fromhex(run.r), bad_fraction=lb.settings.bad_fraction,
-                                        skip=others)
+                                        skip=others, pending_openings=True)
             except RunRejected as e:
                 verdict, failures = e.verdict, list(e.failures)
             except VerificationError as e:  # MalformedInput too: an upload the audit cannot read
@@ -145,18 +170,28 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
                 s.add(ChallengeRow(round_id=rnd.id, step=row.step, length=1, passed=r.passed,
                                    distances_json=json.dumps(r.distances), failure=r.failure))
         failed = {t for t, r in results.items() if not r.passed}
-        if failures and failed and not failed & {row.step for row, _ in replayed}:
+        moved = [f for f in failures if ": moves: " in f or f.startswith("moves: ")]  # a coordinate out of bounds
+        if failures and failed and not failed & {row.step for row, _ in replayed} and not moved:
             failures = []  # the steps that failed were another round's to decide: it rejects the run on them
         passed = not failures
-        if passed and not replayed:  # nothing new: another round decided these steps (or none was replayed)
+        # the windows whose every step's opened moves this round checked (each taken once, from "uploaded")
+        sizes = set(verdict.moves["sizes"]) if passed and verdict is not None and verdict.moves else set()
+        checked = [w for w in windows if w.size in sizes and s.execute(
+            update(OnlineWindow).where(OnlineWindow.id == w.id, OnlineWindow.status == "uploaded")
+            .values(status="checked", round_id=rnd.id).execution_options(synchronize_session=False)).rowcount]
+        if passed and not replayed and not checked:  # nothing new: another round decided these (or nothing was here)
             s.rollback()
             return _close(s, job, worker)
         rnd.count, rnd.passed = sum(1 for _, r in replayed if r.passed), passed
-        rnd.detail = "; ".join(failures) if failures else \
-            f"steps {', '.join(str(row.step) for row, _ in replayed)} replayed as their states arrived: all matched"
+        rnd.detail = "; ".join(failures) if failures else "; ".join(
+            ([f"steps {', '.join(str(row.step) for row, _ in replayed)} replayed as their states arrived: all matched"]
+             if replayed else []) +
+            ([f"every step of {len(checked)} window(s) ({sum(w.steps for w in checked)} step(s)): the opened chunks "
+              "moved within the optimizer's bound"] if checked else []))
         if failures:
             bad = next((row for row, r in replayed if not r.passed), None)
-            where = f"step {bad.step}" if bad is not None else "its streamed log"
+            where = f"step {bad.step}" if bad is not None else \
+                "the chunk openings of a window" if moved else "its streamed log"
             reason = f"online challenge failed while the run trained ({where}): " + "; ".join(failures)
             t = now_ms()
             # only a run still training is decided here: a submitted one is decided by its certification
@@ -165,9 +200,15 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
                                 .execution_options(synchronize_session=False)).rowcount
             if decided:
                 s.refresh(run)
+                window = _window_of(windows, moved[0], planned) if moved and bad is None else None
                 if bad is not None:  # the decision names the uploaded state the step failed from
                     subject = {"name": f"run-{run.id}-state-{bad.step:08d}.safetensors",
                                "digest": {"sha256": bad.state_sha256}}
+                elif window is not None:  # or the openings that showed a coordinate moving too far
+                    s.execute(update(OnlineWindow).where(OnlineWindow.id == window.id).values(status="failed",
+                                                                                             round_id=rnd.id))
+                    subject = {"name": f"run-{run.id}-chunks-{window.size:08d}.safetensors",
+                               "digest": {"sha256": window.sha256}}
                 else:  # or the streamed log's last head
                     subject = {"name": f"run-{run.id}-log-{heads_size(s, run.id)}", "digest": {"sha256": last_root(s, run.id)}}
                 record_decision(lb, s, run, rnd, verdict, None, subjects=[subject])
@@ -175,6 +216,19 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
             s.rollback()
             return
         s.commit()
+
+
+def _window_of(windows: list[OnlineWindow], failure: str, planned: int) -> OnlineWindow | None:
+    """The window whose openings a bounded-move failure ("step t: moves: …") was found in."""
+    found = re.match(r"step (\d+): moves: ", failure)
+    if found is None:
+        return None
+    t = int(found.group(1))
+    for w in windows:
+        stop = min(w.size - 1, planned)
+        if stop - w.steps <= t < stop or t == stop:  # (a path failure names the state the window ends on)
+            return w
+    return None
 
 
 def _close(s, job: Job, worker: str) -> None:  # noqa: ANN001 - a Session
@@ -207,7 +261,13 @@ def online_progress(s, run: Run) -> dict:  # noqa: ANN001 - a Session
     count = {k: sum(1 for st, _ in rows if st == k) for k in ("selected", "ready", "passed", "failed")}
     live = sum(1 for st, kind in rows if st == "passed" and kind == "online")
     open_ = run.status in OPEN
+    # a chunked run's windows: their openings uploaded, and the steps a live round checked every move of
+    windows = s.execute(select(OnlineWindow.status, OnlineWindow.steps).where(OnlineWindow.run_id == run.id)).all()
+    first = s.get(LogLine, (run.id, 0))
+    chunks = (json.loads(first.line).get("online") or {}).get("chunks", 0) if first is not None else 0
     return {"selected": len(rows), "waiting": count["selected"] if open_ else 0,
             "ready": count["ready"] if open_ else 0, "verified": count["passed"], "failed": count["failed"],
             "while_training": live, "at_submission": count["passed"] - live,
-            "not_replayed": 0 if open_ else count["selected"] + count["ready"]}
+            "not_replayed": 0 if open_ else count["selected"] + count["ready"],
+            "chunks": chunks, "windows": len(windows), "moves_checked": sum(n for st, n in windows if st == "checked"),
+            "moves_failed": sum(1 for st, _ in windows if st == "failed")}

@@ -24,7 +24,7 @@ from sqlalchemy import select
 
 from ..store import remove_path
 from . import queue
-from .db import Job, OnlineStep, Run
+from .db import Job, OnlineStep, OnlineWindow, Run
 from .service import Leaderboard
 
 log = logging.getLogger("witness.leaderboard")
@@ -81,9 +81,12 @@ def recover(lb: Leaderboard, orphan_after_s: float = ORPHAN_AFTER_S) -> Recovere
         submitted = set(s.scalars(select(Run.id).where(Run.bundle_sha256.is_not(None))))
         rows = s.execute(select(OnlineStep.run_id, OnlineStep.step, OnlineStep.state_sha256,
                                 OnlineStep.has_samples)).all()
-    # an online upload is named "<step>.<sha256>.<suffix>": a state is its row's, samples a row's that has them
+        windows = s.execute(select(OnlineWindow.run_id, OnlineWindow.size, OnlineWindow.sha256)).all()
+    # an online upload is named "<step>.<sha256>.<suffix>": a state is its row's, samples a row's that have
+    # them, a window's openings its row's
     kept = {(r, "states", f"{t:08d}.{sha}") for r, t, sha, _ in rows if sha} | \
-        {(r, "samples", f"{t:08d}") for r, t, _, has in rows if has}
+        {(r, "samples", f"{t:08d}") for r, t, _, has in rows if has} | \
+        {(r, "chunks", f"{size:08d}.{sha}") for r, size, sha in windows}
     store = lb.store
     done.uploads_removed = store.sweep_incoming(orphan_after_s)
     now = time.time()
@@ -107,7 +110,7 @@ def recover(lb: Leaderboard, orphan_after_s: float = ORPHAN_AFTER_S) -> Recovere
             done.run_folders_removed += 1
     for key, modified in list(store.keys("online/")):
         _, run_id, kind, name = (key.split("/") + ["", "", "", ""])[:4]
-        name = name.rsplit(".", 1)[0] if kind == "states" else name.split(".", 1)[0]
+        name = name.rsplit(".", 1)[0] if kind in ("states", "chunks") else name.split(".", 1)[0]
         if not (run_id.isdigit() and (int(run_id), kind, name) in kept) and now - modified >= orphan_after_s:
             store.delete(key)
             done.online_removed += 1

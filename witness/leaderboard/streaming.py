@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..beacon.service import FINAL_EXTENSION, BeaconRefused
@@ -32,6 +33,7 @@ from .db import (
     Job,
     LogLine,
     OnlineStep,
+    OnlineWindow,
     Run,
     now_ms,
 )
@@ -160,10 +162,9 @@ class StreamedRuns:
             return []
         return [canonical_json(st) for st in found["statements"] if up_to is None or st["size"] <= up_to]
 
-    def online_slot(self, s: Session, acct: Account, run_id: int, kind: str, step: int) -> OnlineStep:
-        """The selected step an online upload is for, if it may come now: the run is the account's,
-        takes online challenges and still trains, the beacon selected the step, and this upload has not
-        come (checked before a byte of the body is stored, and again, atomically, when it is kept)."""
+    def _uploading(self, s: Session, acct: Account, run_id: int) -> Run:
+        """The run an online upload is for, if it may take one now: the account's, taking online
+        challenges, still training."""
         run = self.run(s, run_id)
         if run.account_id != acct.id:
             raise ApiError(403, f"run {run_id} belongs to another account")
@@ -173,6 +174,16 @@ class StreamedRuns:
             raise ApiError(409, f"run {run_id} was rejected: {run.reason}")
         if run.status != "ticketed":
             raise ApiError(409, f"run {run_id} is {run.status}: its online uploads are closed")
+        return run
+
+    def online_slot(self, s: Session, acct: Account, run_id: int, kind: str, step: int) -> OnlineStep | range:
+        """The selected step an online upload is for, if it may come now: the run is the account's,
+        takes online challenges and still trains, the beacon selected the step, and this upload has not
+        come (checked before a byte of the body is stored, and again, atomically, when it is kept). For
+        a window's chunk openings (``chunks``, ``step`` the head size it closes at): the steps of the window."""
+        if kind == "chunks":
+            return self.openings_slot(s, acct, run_id, step)
+        run = self._uploading(s, acct, run_id)
 
         def find() -> OnlineStep | None:
             return s.scalar(select(OnlineStep).where(OnlineStep.run_id == run.id, OnlineStep.step == step)) \
@@ -187,6 +198,52 @@ class StreamedRuns:
             raise ApiError(404, f"the beacon selected no step {step} of run {run_id}")
         if row.state_sha256 if kind == "states" else row.has_samples:
             raise ApiError(409, f"the {'state' if kind == 'states' else 'samples'} of step {step} came already")
+        return row
+
+    def openings_slot(self, s: Session, acct: Account, run_id: int, size: int) -> range:
+        """The steps of the window whose chunk openings may come now: the run commits its parameters'
+        chunks, this server's beacon stamped the head of ``size`` records for it, opening steps, and
+        its openings have not come."""
+        run = self._uploading(s, acct, run_id)
+        manifest = json.loads(s.get(LogLine, (run.id, 0)).line)
+        if "chunks" not in (manifest.get("online") or {}):
+            raise ApiError(409, f"run {run_id} commits no parameter chunks: it has no openings to upload")
+        for line in self.statements(s, run):
+            st = BeaconStatement.from_json(parse_canonical_json(line))
+            if st.size == size:
+                steps = st.window(manifest["steps_planned"])
+                if not len(steps):
+                    raise ApiError(409, f"the head of size {size} opens no step of run {run_id}")
+                if s.scalar(select(OnlineWindow.id).where(OnlineWindow.run_id == run.id, OnlineWindow.size == size)):
+                    raise ApiError(409, f"the chunk openings of the window closing at size {size} came already")
+                return steps
+        raise ApiError(404, f"the beacon stamped no head of size {size} for run {run_id}")
+
+    def openings_limit(self, s: Session, run_id: int) -> int:
+        """The most bytes a window's openings can take: its states (fewer than the ring holds, and one),
+        each with its chunks and their paths (at most 41 nodes: a tree of 2^40 chunks), and a header."""
+        online = json.loads(s.get(LogLine, (run_id, 0)).line).get("online") or {}
+        chunks, size, ring = online.get("chunks", 0), online.get("chunk_bytes", 0), online.get("ring", 0)
+        return (ring + 1) * chunks * (size + 41 * 32) + (1 << 16)  # a window is shorter than the ring
+
+    def upload_openings(self, s: Session, acct: Account, run_id: int, size: int, upload: Upload) -> OnlineWindow:
+        """Keep a window's chunk openings, uploaded while the run trains, and queue a live round for
+        them. Taken once: the row is inserted before the object is kept, so of parallel uploads exactly
+        one is kept and the others get 409."""
+        steps = self.openings_slot(s, acct, run_id, size)
+        row = OnlineWindow(run_id=run_id, size=size, steps=len(steps), sha256=upload.sha256, received_ms=now_ms(),
+                           status="uploaded")
+        s.add(row)
+        try:
+            s.flush()
+        except IntegrityError:  # another upload of the same window won the race
+            s.rollback()
+            raise ApiError(409, f"the chunk openings of the window closing at size {size} came already") from None
+        self.store.keep(upload, online_key(run_id, "chunks", size, upload.sha256))
+        if s.scalar(select(Job.id).where(Job.run_id == run_id, Job.kind == "online", Job.status == "queued")
+                    .limit(1)) is None:
+            queue.enqueue(s, run_id, "online", 1)
+        s.commit()
         return row
 
     def upload_online(self, s: Session, acct: Account, run_id: int, kind: str, step: int, upload: Upload) -> OnlineStep:

@@ -28,11 +28,12 @@ def plot_key(run_id: int, name: str) -> str:
 
 
 def online_key(run_id: int, kind: str, step: int, sha256: str) -> str:
-    """An online upload: the state before a selected step ("states") or its samples ("samples"),
-    named by its SHA-256 too, so that an object is never replaced under the row that names it."""
-    if kind not in ("states", "samples") or len(sha256) != 64:
+    """An online upload: the state before a selected step ("states"), its samples ("samples"), or a
+    window's chunk openings ("chunks", by the head size the window closes at), named by its SHA-256
+    too, so that an object is never replaced under the row that names it."""
+    if kind not in ("states", "samples", "chunks") or len(sha256) != 64:
         raise ValueError(f"not an online upload: {kind} {sha256}")
-    return f"{online_prefix(run_id, kind)}{int(step):08d}.{sha256}.{'safetensors' if kind == 'states' else 'json'}"
+    return f"{online_prefix(run_id, kind)}{int(step):08d}.{sha256}.{'json' if kind == 'samples' else 'safetensors'}"
 
 
 def online_prefix(run_id: int, kind: str) -> str:

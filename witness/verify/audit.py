@@ -73,6 +73,7 @@ def verify_bundle(
     skip: Collection[int] = (),
     earlier: Sequence[LedgerEntry] = (),
     data_root: bytes | None = None,
+    pending_openings: bool = False,
 ) -> Verdict:
     """Audit a bundle. Returns an accepted verdict or raises a ``VerificationError``.
 
@@ -98,6 +99,11 @@ def verify_bundle(
     The bound comes from the verdict's ledger alone (``verify.ledger``): a step counts only once
     it was replayed from a checked committed state onto a compared one. ``data_root`` is the root
     the verifier expects the run to have trained on (``--data-root``): another one is a rejection.
+
+    A chunked online run opens its parameters' chunks for every step of every window: each opened
+    coordinate's move is checked against the optimizer's bound (``verify.bounded``). A window without
+    its openings is a rejection, unless ``pending_openings`` (a leaderboard's live audit, while the
+    openings still come): then its steps are reported as waiting, and claimed as nothing.
     """
     started = time.perf_counter()
     if mode not in ("offline", "interactive", "online"):
@@ -169,7 +175,7 @@ def verify_bundle(
     with use_threads(m.threads, threads, notes) as used_threads, by_content(m.raw.get("data_files") or {}):
         return _audit(bundle, task, mode, response, exact, thresholds, length, challenges, f, nonce, notes,
                       checks, used_threads, started, progress, confidence, device, leaves, trust, set(skip),
-                      list(earlier), data_root is not None)
+                      list(earlier), data_root is not None, pending_openings)
 
 
 def _data_checked(task: Task, bundle: Bundle, named: bool, found: str | None, offline: bool) -> str | None:
@@ -193,7 +199,8 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
            thresholds: dict[str, float] | None, length: int, challenges: int, f: float, nonce: bytes,
            notes: list[str], checks: list[str], threads: int, started: float, progress: bool,
            confidence: float | None, device: str, leaves_path: str | os.PathLike | None,
-           trust: str | WitnessTrust | None, skip: set[int], earlier: list[LedgerEntry], named_root: bool) -> Verdict:
+           trust: str | WitnessTrust | None, skip: set[int], earlier: list[LedgerEntry], named_root: bool,
+           pending_openings: bool) -> Verdict:
     m = bundle.manifest
     local: LocalSamples | None = None
     online = check_online(bundle, trust) if mode == "online" and trust is not None else None
@@ -211,7 +218,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         # before any checkpoint is loaded: the session holds the state the seed gives
         init = {k: v.clone() for k, v in state_tensors(session.model, session.optimizer).items()}
         try:  # cheap, and before replay; a move out of bounds rejects the run with the rest of its verdict
-            moves = check_moves(bundle, online, session.model, session.optimizer, init, pending_allowed=bool(skip))
+            moves = check_moves(bundle, online, session.model, session.optimizer, init, pending_openings)
         except MalformedInput:
             raise
         except VerificationError as e:

@@ -46,6 +46,7 @@ class MoveCheck:
     windows: int = 0
     missing: list[int] = field(default_factory=list)  # head sizes of the pending windows
     ignored: list[int] = field(default_factory=list)  # head sizes of openings no statement in the bundle opens
+    sizes: list[int] = field(default_factory=list)  # head sizes of the windows checked
 
     def to_json(self) -> dict:
         """The verdict's ``moves`` field."""
@@ -108,6 +109,7 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
         out.worst = _check_steps(reads, layout, rules, bundle, step_offset(init), n)
     for d, _, _ in reads:
         out.windows += 1
+        out.sizes.append(d.size)
         if d.counts:
             out.checked += len(d.steps)
         else:
