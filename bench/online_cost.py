@@ -6,7 +6,10 @@ step) in three modes, repeated and interleaved (plain, beacon, witnessed, plain,
 
 * **plain**: the recorder alone;
 * **beacon**: ``witness beacon serve`` (a process of its own) stamping a head every ``--every``
-  steps, each step selected with the p that reaches 99 % against 5 % bad steps;
+  steps, each step selected with the p that reaches 99 % against 5 % bad steps, every step's move
+  checked at 4 parameter chunks (each state's chunk tree hashed, each window's openings written);
+* **unchunked**: the same beacon run committing no chunks (``OnlineSpec.chunks = 0``): online
+  challenges as they were before every step was checked, to measure what the chunks add;
 * **witnessed**: two witnesses (``witness beacon serve`` processes, speaking tlog-witness
   add-checkpoint) cosigning each head as a C2SP checkpoint, each window's randomness a round of a
   local drand endpoint (``witness drand serve``, a third process) with a ``--period`` s period.
@@ -21,11 +24,17 @@ verifier's replay is ``verify --mode online`` of the first beacon run (and of th
 run, with its witnesses and chain pinned): the later runs of the same recipe are, rightly, counted
 by the servers as other attempts of it, which lowers their bound.
 
-    python bench/online_cost.py [--steps 10000] [--repeat 2] [--modes plain,beacon,witnessed] [--json out.json]
+The chunks' cost is reported as the trainer's extra compute (the chunk trees' CPU and the openings'
+writes, against the plain run's wall time), the bytes of the bundle against the unchunked one's, and
+the verifier's extra time (the openings' check and holding each loaded state to its root) against
+the plain run's training time.
+
+    python bench/online_cost.py [--steps 10000] [--repeat 2] [--modes plain,beacon,unchunked,witnessed] [--json out.json]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import resource
@@ -55,7 +64,7 @@ from witness.verify.challenges import challenges_needed
 from witness.verify.respond import respond
 
 CONFIG = {"n_layer": 1, "d_model": 64, "n_head": 4, "batch_size": 8, "block": 32, "probes": 2, "probe_len": 8}
-MODES = ("plain", "beacon", "witnessed")
+MODES = ("plain", "beacon", "unchunked", "witnessed")
 
 try:
     import psutil
@@ -134,6 +143,11 @@ def start_drand(folder: Path, period: int) -> tuple[subprocess.Popen, str, Path]
     return proc, m.group(1), info
 
 
+def _bytes(folder: Path) -> int:
+    """The bytes of every file a bundle holds."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
 def train(task, out: Path, checkpoint_every: int, beacon=None, spec=None, servers=()) -> dict:
     """One training run: its wall time, the trainer's and the servers' CPU over it, its recorder."""
     before = [process_cpu(p.pid) for p in servers]
@@ -178,7 +192,7 @@ def main() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         try:
-            if "beacon" in modes:
+            if "beacon" in modes or "unchunked" in modes:
                 bproc, burl, bkey = start_beacon(tmp, "beacon")
                 servers.append(bproc)
             if any(m.startswith("witnessed") for m in modes):
@@ -196,9 +210,9 @@ def main() -> dict:
                     out = tmp / f"{mode}-{r}"
                     if mode == "plain":
                         run = train(task, out, args.checkpoint_every, servers=servers)
-                    elif mode == "beacon":
-                        run = train(task, out, args.checkpoint_every, BeaconClient(burl, bkey), beacon_spec,
-                                    servers=servers)
+                    elif mode in ("beacon", "unchunked"):
+                        spec = beacon_spec if mode == "beacon" else dataclasses.replace(beacon_spec, chunks=0)
+                        run = train(task, out, args.checkpoint_every, BeaconClient(burl, bkey), spec, servers=servers)
                     else:
                         link = WitnessedLink([WitnessClient(w[1]) for w in wits], DrandClient(durl, chain))
                         run = train(task, out, args.checkpoint_every, link, specs[mode], servers=servers)
@@ -219,12 +233,19 @@ def main() -> dict:
             respond(runs["plain"][-1]["out"], tmp / "resp", nonce=b"bench", challenges=q)
             respond_s = time.perf_counter() - start
         verified = {}
-        if not args.skip_verify and "beacon" in modes:
+        for mode in ("beacon", "unchunked"):
+            if args.skip_verify or mode not in modes:
+                continue
             start = time.perf_counter()
-            v = verify_bundle(runs["beacon"][0]["out"], mode="online", beacon_key=bkey)
-            verified["beacon"] = {"verify_online_s": time.perf_counter() - start, "accepted": v.accepted,
-                                  "replayed_steps": v.replayed_steps, "compute_fraction": v.cost_fraction,
-                                  "detection_probability": v.detection_probability}
+            v = verify_bundle(runs[mode][0]["out"], mode="online", beacon_key=bkey)
+            verified[mode] = {"verify_online_s": time.perf_counter() - start, "accepted": v.accepted,
+                              "replayed_steps": v.replayed_steps, "compute_fraction": v.cost_fraction,
+                              "detection_probability": v.detection_probability}
+            if v.moves is not None:  # the chunks' share of the verifier's time
+                verified[mode] |= {"moves_check_s": v.moves["seconds"], "root_check_s": v.moves["root_check_seconds"],
+                                   "moves_checked_steps": v.moves["checked"], "moves_worst": v.moves["worst"],
+                                   "moves_slack_used": v.moves["slack_used"]}
+        sizes = {mode: statistics.median(_bytes(r["out"]) for r in rs) for mode, rs in runs.items()}
         if not args.skip_verify and "witnessed" in modes:
             from witness.verify.online import WitnessTrust
 
@@ -245,8 +266,10 @@ def main() -> dict:
         med = {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "trainer_cpu_s", "server_cpu_s")}
         m = {"walls_s": [round(r["wall_s"], 2) for r in rs], **med,
              "wall_ratio": med["wall_s"] / plain_wall, "trainer_cpu_ratio": med["trainer_cpu_s"] / plain_cpu}
+        m["bundle_bytes"] = sizes[mode]
         if mode != "plain":
-            spec = beacon_spec if mode == "beacon" else specs[mode]
+            spec = beacon_spec if mode == "beacon" else dataclasses.replace(beacon_spec, chunks=0) \
+                if mode == "unchunked" else specs[mode]
             reps = [r["rec"].online.report() for r in rs]
             m["spec"] = spec.to_json()
             last[mode] = reps[0]  # the run verified below (the first of its recipe
@@ -255,14 +278,30 @@ def main() -> dict:
                 m[k] = statistics.median(x[k] for x in reps)
             m["client_cpu_s"] = statistics.median(x["post_cpu_seconds"] + x["settle_cpu_seconds"]
                                                   + x["request_cpu_seconds"] for x in reps)
-            m["online_compute_s"] = m["copy_seconds"] + m["write_cpu_seconds"]  # copies + the writes' own CPU
+            # copies + the chunk trees' CPU + the writes' own CPU (the openings' among them)
+            m["online_compute_s"] = m["copy_seconds"] + m["tree_cpu_seconds"] + m["write_cpu_seconds"]
             m["online_compute_fraction"] = m["online_compute_s"] / plain_wall
+            m["chunk_tree_fraction"] = m["tree_cpu_seconds"] / plain_wall
             m["peak_ring_bytes"] = m["peak_ring"] * state_bytes
             if mode.startswith("witnessed"):
                 m["late_windows"] = statistics.median(r["rec"].online.link.late_windows for r in rs)
             if mode in verified:
                 m["verify"] = verified[mode]
         figures[mode] = m
+    if "beacon" in figures and "unchunked" in figures:  # what every step's check adds, in one run
+        b, u = figures["beacon"], figures["unchunked"]
+        figures["chunks"] = {
+            "extra_trainer_compute_pp": 100 * (b["online_compute_fraction"] - u["online_compute_fraction"]),
+            "chunk_tree_fraction": b["chunk_tree_fraction"], "trees": b["trees"],
+            "tree_ms_per_step": 1000 * b["tree_cpu_seconds"] / max(1, b["trees"]),
+            "openings_bytes": b["opened_bytes"], "openings_bytes_per_step": b["opened_bytes"] / args.steps,
+            "bundle_bytes_ratio": b["bundle_bytes"] / u["bundle_bytes"],
+            "wall_ratio_chunked_to_unchunked": b["wall_s"] / u["wall_s"]}
+        if "verify" in b:
+            extra = b["verify"]["moves_check_s"] + b["verify"]["root_check_s"]
+            figures["chunks"] |= {"verifier_extra_s": extra, "verifier_extra_fraction": extra / plain_wall,
+                                  "verify_moves_check_s": b["verify"]["moves_check_s"],
+                                  "verify_root_check_s": b["verify"]["root_check_s"]}
     if "beacon" in figures:  # the beacon run's figures at the top too, as this benchmark reported them before
         b, lb = figures["beacon"], last["beacon"]  # counts of the verified (first) run, medians of times
         figures.update({"p": b["spec"]["p"], "every": b["spec"]["every"], "ring": b["spec"]["ring"],

@@ -101,6 +101,25 @@ def staged_steps(rec: Recorder, target: dict[str, torch.Tensor], start: int, hor
     return None, shares
 
 
+def out_of_bound(rec: Recorder, target: dict[str, torch.Tensor], t: int, k: int = 4) -> dict:
+    """Of the run's parameter chunks, the share a swap to ``target`` at step ``t`` moves past the bound
+    somewhere, and the chance that k chunks drawn without replacement miss every one of them."""
+    from witness.fingerprint.chunks import ChunkLayout
+
+    layout = ChunkLayout.of_model(rec.model)
+    limits = allowed_moves(rec, t)
+    moved = {f"model.{n}": (target[n] - p.detach() * limits[n][0]).abs() > limits[n][1] / MARGIN
+             for n, p in rec.model.named_parameters()}
+    bad = 0
+    for c in range(layout.size):
+        i, first, count = layout.locate(c)
+        bad += bool(moved[layout.tensors[i][0]].reshape(-1)[first:first + count].any())
+    miss = math.comb(layout.size - bad, k) / math.comb(layout.size, k)
+    coords = torch.cat([m.reshape(-1) for m in moved.values()])
+    return {"chunks": layout.size, "out_of_bound": bad, "share": bad / layout.size,
+            "coordinates_out_of_bound": float(coords.float().mean()), "missed_by_k_chunks": miss}
+
+
 class Beacon:
     """A beacon on its own SQLite file, reached in-process."""
 
@@ -178,6 +197,7 @@ def main() -> None:
             probe.log_step(t, task.train_step(probe.model, probe.optimizer, probe.batch(t), probe.lr(t),
                                               probe.step_seed(t)))
         gap = torch.cat([(stolen[n] - p.detach()).abs().reshape(-1) for n, p in probe.model.named_parameters()])
+        out["chunks_out_of_bound"] = out_of_bound(probe, stolen, SWAP_AT)
         s_recipe, shares = staged_steps(probe, stolen, SWAP_AT, 20_000)
         peak = staged_steps(probe, stolen, task.config.warmup - 1, 20_000, hold=True)  # the peak rate, held
         out["distance"] = {"max": float(gap.max()), "median": float(gap.median()),

@@ -203,10 +203,10 @@ def _chunked(out: Path) -> list[Path]:
     return sorted((out / "online" / "chunks").glob("*.safetensors"))
 
 
-def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon):
+def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon, monkeypatch):
     """A window's openings: every step of every window must have them, each is its window's own, and
-    every byte is bound by the records' roots (a chunk, a path node, the zero padding)."""
-    train(tmp_path / "b", beacon.link())
+    every byte is bound by the records' roots (a chunk, a path node), the padding zeros too."""
+    train(tmp_path / "b", beacon.link(), spec=dataclasses.replace(SPEC, chunks=4))  # all four of tiny's chunks
     v = online(tmp_path / "b", beacon.public_key)
     assert v.moves["checked"] == STEPS and v.moves["windows"] == len(_chunked(tmp_path / "b")) == STEPS // EVERY
     assert 0 < v.moves["worst"] <= 1 and "every step: bounded move checked at 4 chunk(s) of 4" in v.summary()
@@ -230,18 +230,42 @@ def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon)
     def flip(o: Path, name: str, at: int) -> None:
         from safetensors.numpy import load_file
 
-        from witness.bundle.checkpoint import save_safetensors
         from witness.bundle.checkpoint import safetensors_header as header
+        from witness.bundle.checkpoint import save_safetensors
 
         path = o / "online" / "chunks" / files[1].name
         arrays = {k: torch.from_numpy(v.copy()) for k, v in load_file(str(path)).items()}
         arrays[name].view(-1)[at] ^= 1
         save_safetensors(arrays, path, header(path)["__metadata__"])
 
-    for name, at in (("chunks", 5), ("paths", 40), ("chunks", 1024 * 3 + 200)):  # the last in fc2.bias's padding
+    path = "does not lead to the param_root its record commits"
+    for name, at, why in (("chunks", 5, path), ("paths", 40, path),
+                          ("chunks", 1024 * 2 + 200, "fc2.bias.* holds bytes past the tensor's end")):  # its padding
         bad = tampered(f"{name}{at}", lambda o, n=name, a=at: flip(o, n, a))
-        with pytest.raises(RunRejected, match="does not lead to the param_root its record commits"):
+        with pytest.raises(RunRejected, match=why):
             online(bad, beacon.public_key)
+    # a trainer that commits padding of its own (for states 9..15, which no draw loads): every path
+    # holds, the zeros do not
+    from witness.record.online import OnlineChallenges
+
+    real_tree = OnlineChallenges.tree
+
+    def padded(self, n, tensors):  # noqa: ANN001
+        flat = self._buffers.flat(tensors)
+        if flat is not None:  # (the ring reuses its buffers: the others' padding is zeros again)
+            lay = self.layout
+            for i in range(len(lay.tensors)):
+                end = lay.starts[i + 1] if i + 1 < len(lay.tensors) else lay.size
+                flat[lay.starts[i] * lay.chunk_bytes + lay.nbytes(i):end * lay.chunk_bytes] = \
+                    0xAB if 9 <= n <= 15 else 0
+        return real_tree(self, n, tensors)
+
+    monkeypatch.setattr(OnlineChallenges, "tree", padded)
+    beacon.steer(avoid=set(range(8, 17)))
+    train(tmp_path / "padded", beacon.link(), spec=dataclasses.replace(SPEC, chunks=4), r=os.urandom(32))
+    monkeypatch.undo()
+    with pytest.raises(RunRejected, match="holds bytes past the tensor's end"):
+        online(tmp_path / "padded", beacon.public_key)
 
 
 def test_a_param_root_that_is_not_its_states_is_caught_where_that_state_is_loaded(tmp_path, beacon, monkeypatch):
@@ -596,11 +620,15 @@ def test_the_online_benchmark_runs_end_to_end(tmp_path):
     # its smoke test: a short run, every phase, the figures it reports
     bench = Path(__file__).parent.parent / "bench" / "online_cost.py"
     r = subprocess.run([sys.executable, str(bench), "--steps", "30", "--checkpoint-every", "10", "--every", "5",
-                        "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600)
+                        "--repeat", "1", "--json", str(tmp_path / "out.json")], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["steps"] == 30 and out["statements"] >= 7 and out["verify_online_replayed_steps"] == out["selected_steps"]
     assert out["respond_s"] > 0 and out["peak_ring_states"] <= out["ring"] and out["detection_probability"] >= 0.99
+    chunks = out["chunks"]  # what checking every step adds: trees hashed, openings written and checked
+    assert chunks["trees"] == 31 and chunks["openings_bytes"] > 0 and chunks["bundle_bytes_ratio"] > 1
+    assert out["beacon"]["verify"]["moves_checked_steps"] == 30 and chunks["verifier_extra_s"] > 0
 
 
 def test_a_beacon_that_is_not_the_pinned_one_stops_training_before_it_starts(tmp_path, capsys):

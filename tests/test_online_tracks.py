@@ -67,8 +67,8 @@ def test_selected_steps_are_replayed_before_submission_and_not_again(server, tmp
     with lb.Session() as s:
         windows = {w.size: w.status for w in s.scalars(select(OnlineWindow).where(OnlineWindow.run_id == run_id))}
     assert len(windows) == len(list((bundle / "online" / "chunks").iterdir())) == 50
-    assert set(windows.values()) == {"checked"} and r["online"]["moves_checked"] == 100 and r["online"]["chunks"] == 4
-    assert "every step: bounded move checked at 4 chunk(s) per step</strong> while it trains" in \
+    assert set(windows.values()) == {"checked"} and r["online"]["moves_checked"] == 100 and r["online"]["chunks"] == 2
+    assert "every step: bounded move checked at 2 chunk(s) per step</strong> while it trains" in \
         tc.get(f"/runs/{run_id}").text
     # each window's openings are taken once, and only for a window the server's beacon opened
     path = bundle / "online" / "chunks" / f"{max(windows):08d}.safetensors"
@@ -97,7 +97,7 @@ def test_selected_steps_are_replayed_before_submission_and_not_again(server, tmp
     # counted from their evidence: every selected step is in the ledger, from the live rounds
     assert sorted(e["step"] for e in v["ledger"]) == sorted(steps) and all(e["earlier"] for e in v["ledger"])
     assert r["bound"] == v["detection_probability"] >= 0.99
-    assert v["moves"]["checked"] == 100 and "every step: bounded move checked at 4 chunk(s)" in \
+    assert v["moves"]["checked"] == 100 and "every step: bounded move checked at 2 chunk(s)" in \
         tc.get(f"/runs/{run_id}").text
     tar = tarfile.open(fileobj=io.BytesIO(tc.get(f"/runs/{out['run_id']}/download/submission.tar").content))
     names = set(tar.getnames())

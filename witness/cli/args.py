@@ -76,6 +76,18 @@ def positive(value: str) -> int:
     return v
 
 
+def chunk_count(value: str) -> int:
+    from ..bundle.schema import MAX_OPENED_CHUNKS
+
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a whole number") from None
+    if not 0 <= v <= MAX_OPENED_CHUNKS:
+        raise argparse.ArgumentTypeError(f"must lie in 0 .. {MAX_OPENED_CHUNKS}")
+    return v
+
+
 def config_value(text: str):
     key, sep, raw = text.partition("=")
     if not sep:

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..errors import RunRejected, VerificationError
 from .args import (
     DEFAULT_KEY,
+    chunk_count,
     config_value,
     data_arg,
     positive,
@@ -110,8 +111,9 @@ def _beacon(args: argparse.Namespace):
                              "(--witness URL --drand URL), not both")
         return _witnessed(args)
     if args.beacon is None:
-        if args.beacon_key or args.online_p or args.online_every:
-            raise ValueError("--beacon-key, --online-p and --online-every go with --beacon URL (or --witness URL)")
+        if args.beacon_key or args.online_p or args.online_every or args.online_chunks is not None:
+            raise ValueError("--beacon-key, --online-p, --online-every and --online-chunks go with --beacon URL (or "
+                             "--witness URL)")
         return None
     if not args.beacon.strip():
         raise ValueError("--beacon names no beacon (an empty URL): give its URL, or leave --beacon out")
@@ -141,7 +143,7 @@ def _online_spec(args: argparse.Namespace, steps: int, beacon=None):  # noqa: AN
 
     chain = getattr(beacon, "chain", None)
     return OnlineSpec.for_steps(steps, **({"every": args.online_every} if args.online_every else {}), p=args.online_p,
-                                drand=chain.hash.hex() if chain is not None else None)
+                                drand=chain.hash.hex() if chain is not None else None, chunks=args.online_chunks)
 
 
 def online_summary(online) -> str:
@@ -151,6 +153,8 @@ def online_summary(online) -> str:
     return (f"online challenges: {r['statements']} {what} selected {r['selected']} step(s); kept "
             f"{r['written']} state(s) ({r['bytes_written'] / 1e6:.1f} MB), at most {r['peak_ring']} in the ring; "
             f"training waited for the beacon {r['waits']} time(s) ({r['wait_seconds']:.2f} s)"
+            + (f"; every step's chunks opened in {r['opened']} window(s) ({r['opened_bytes'] / 1e6:.1f} MB)"
+               if r["opened"] else "")
             + (f"; {r['rebuilt']} lost state(s) rebuilt from a checkpoint" if r["rebuilt"] else ""))
 
 
@@ -214,6 +218,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                  else "no beacon statement")
         print(f"  online        p = {o['p']:g}, a head every {o['every']} steps, a ring of {o['ring']} states; {chain}, "
               f"{len(o['selected'])} step(s) selected, {o['states_kept']} state(s) kept"
+              + (f"; every step's move: {o['chunks']} chunk(s) of {o['chunk_bytes']} bytes opened per state, "
+                 f"{o['chunks_kept']} window(s) opened" if "chunks" in o else "")
               + (f"; missing {o['missing']}" if o["missing"] else "")
               + (" (signatures unchecked: witness verify --mode online --witness NAME=KEY … --drand quicknet checks "
                  "them)" if o["witnessed"] else
@@ -237,7 +243,7 @@ def _online_info(b) -> dict | None:  # noqa: ANN001 - a Bundle
     selected = selected_by(sts, m.online["p"], n)
     missing = [t for t in selected if t not in b.online_states or t not in b.online_samples]
     return dict(m.online, statements=len(sts), covered=sts[-1].window(n).stop if sts else 0, selected=selected,
-                states_kept=len(b.online_states), missing=missing,
+                states_kept=len(b.online_states), missing=missing, chunks_kept=len(b.online_chunks),
                 beacons=sorted({getattr(st, "beacon", "witnesses") for st in sts}), final=bool(sts) and sts[-1].final,
                 witnessed=any(isinstance(st, WitnessedWindow) for st in sts))
 
@@ -436,6 +442,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--online-p", type=probability,
                    help="the probability a beacon selects each step (default: enough for 99%% against 5%% bad steps)")
     t.add_argument("--online-every", type=positive, help="steps between heads streamed to the beacon (default 10)")
+    t.add_argument("--online-chunks", type=chunk_count, metavar="K",
+                   help="parameter chunks each window opens of every state, for the bounded-move check of every step "
+                        "(default 4; 0 commits none)")
     t.add_argument("--leaderboard", metavar="URL", help="take the run ticket from this leaderboard and stream heads to it")
     t.add_argument("--track", help="the leaderboard track (its recipe replaces --task, --steps and --config)")
     t.add_argument("--token", help="leaderboard API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")

@@ -47,7 +47,12 @@ from ..data.dataset import Dataset
 from ..fingerprint.chunks import DEFAULT_CHUNK_BYTES, ChunkLayout
 
 DEFAULT_EVERY = 10
-DEFAULT_CHUNKS = 4  # chunks each window opens of every state (0: the run commits no chunks)
+# chunks each window opens of every state (0: the run commits no chunks). Two of 1 KiB: what k chunks
+# catch depends on the bytes opened (k x chunk), and each chunk also costs its path (32 bytes a level),
+# so two of 1 KiB open as much as four of 512 bytes in fewer bytes; a swap moves every chunk past the
+# bound (bench/swap_detection.py), so one would catch it; and the openings stay within a fifth of an
+# online bundle's bytes (docs/benchmarks.md)
+DEFAULT_CHUNKS = 2
 DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION = 0.99, 0.05
 DRAND_EVERY = 100  # a witnessed run's default head cadence (see OnlineSpec.for_steps)
 DRAND_RING = 256  # states a witnessed run holds while its rounds come (see OnlineSpec.for_steps)

@@ -218,7 +218,9 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         # before any checkpoint is loaded: the session holds the state the seed gives
         init = {k: v.clone() for k, v in state_tensors(session.model, session.optimizer).items()}
         try:  # cheap, and before replay; a move out of bounds rejects the run with the rest of its verdict
+            began = time.perf_counter()
             moves = check_moves(bundle, online, session.model, session.optimizer, init, pending_openings)
+            moves.seconds = time.perf_counter() - began
         except MalformedInput:
             raise
         except VerificationError as e:
@@ -340,6 +342,8 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         result.replayed_steps = replayer.steps_run - before
         verdict.results.append(result)
 
+    if verdict.moves is not None:  # what holding each loaded or reached state to its param_root cost
+        verdict.moves["root_check_seconds"] = replayer.root_seconds
     verdict.replayed_steps = replayer.steps_run
     verdict.distinct_steps = len(replayer.distinct)
     verdict.replay_flops = replayer.steps_run * task.flops_per_step()

@@ -43,10 +43,14 @@ class MoveCheck:
     late: int = 0  # steps checked in windows that count for nothing (their draw may have been known)
     pending: int = 0  # steps of windows whose openings have not arrived (a leaderboard's live audit)
     worst: float = 0.0  # the largest move seen, as a fraction of what its step allowed
+    # the largest share of the rounding slack (the move allowed past lr * B: 2^-16 of it and 4 ulps) any
+    # move used: how close an honest run's rounding comes to a false rejection (1 would be one)
+    slack_used: float = 0.0
     windows: int = 0
     missing: list[int] = field(default_factory=list)  # head sizes of the pending windows
     ignored: list[int] = field(default_factory=list)  # head sizes of openings no statement in the bundle opens
     sizes: list[int] = field(default_factory=list)  # head sizes of the windows checked
+    seconds: float = 0.0  # what the check took
 
     def to_json(self) -> dict:
         """The verdict's ``moves`` field."""
@@ -105,8 +109,9 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
     # (as the states kept for its steps are): those steps are not audited online, which the bound counts
     out.ignored = sorted(set(bundle.online_chunks) - {d.size for d in plan.draws if len(d.steps)})
     if reads:
+        _check_padding(reads, layout)
         _check_paths(reads, layout, roots)
-        out.worst = _check_steps(reads, layout, rules, bundle, step_offset(init), n)
+        out.worst, out.slack_used = _check_steps(reads, layout, rules, bundle, step_offset(init), n)
     for d, _, _ in reads:
         out.windows += 1
         out.sizes.append(d.size)
@@ -174,9 +179,28 @@ def _check_paths(reads: list, layout: ChunkLayout, roots: list[bytes | None]) ->
     assert row == len(state_of) == len(chunk_of)
 
 
-def _check_steps(reads: list, layout: ChunkLayout, rules: MoveRules, bundle: Bundle, offset: int, n: int) -> float:
+def _check_padding(reads: list, layout: ChunkLayout) -> None:
+    """Every opened chunk is zero past its tensor's end (the layout pads so): the bytes of a chunk are
+    then exactly its tensor's values, and a root committed over other padding is refused here."""
+    ends = np.array([layout.starts[i] * layout.chunk_bytes + layout.nbytes(i) for i in range(len(layout.tensors))])
+    starts = np.asarray(layout.starts)
+    for d, chunks, op in reads:
+        c = np.asarray(chunks, dtype=np.int64)
+        tensor = np.searchsorted(starts, c, side="right") - 1
+        used = np.clip(ends[tensor] - c * layout.chunk_bytes, 0, layout.chunk_bytes)  # the chunk's bytes of data
+        pad = (op.chunks != 0) & (np.arange(layout.chunk_bytes)[None, None, :] >= used[None, :, None])
+        if pad.any():
+            s, j, _ = (int(x) for x in np.argwhere(pad)[0])
+            raise VerificationError(f"chunk {chunks[j]} ({layout.tensors[tensor[j]][0]}) of the state after "
+                                    f"{d.steps.start + s} update(s), opened for the window closing at size {d.size}, "
+                                    "holds bytes past the tensor's end, where the layout pads with zeros",
+                                    step=d.steps.start + max(s - 1, 0), check="moves")
+
+
+def _check_steps(reads: list, layout: ChunkLayout, rules: MoveRules, bundle: Bundle, offset: int,
+                 n: int) -> tuple[float, float]:
     """Every opened coordinate's move in every step of every window, against its bound; the largest
-    move as a fraction of what it was allowed."""
+    move as a fraction of what it was allowed, and the largest share of the rounding slack a move used."""
     cb = layout.chunk_bytes
     lrs = np.array([r.lr for r in bundle.steps], dtype=np.float64)
     tables: dict[tuple[float, float], np.ndarray] = {}
@@ -190,7 +214,7 @@ def _check_steps(reads: list, layout: ChunkLayout, rules: MoveRules, bundle: Bun
     before, after = np.concatenate(befores), np.concatenate(afters)
     step, chunk = np.concatenate(steps), np.concatenate(chunk_ids)
     tensor = np.searchsorted(np.asarray(layout.starts), chunk, side="right") - 1
-    worst = 0.0
+    worst = slack = 0.0
     for i in np.unique(tensor):
         name, dtype, shape = layout.tensors[i]
         rows = np.nonzero(tensor == i)[0]
@@ -199,15 +223,7 @@ def _check_steps(reads: list, layout: ChunkLayout, rules: MoveRules, bundle: Bun
         count = np.minimum(cb // esize, layout.nbytes(i) // esize - first)
         a = before[rows].view(_NUMPY[dtype])
         b = after[rows].view(_NUMPY[dtype])
-        col = np.arange(cb // esize)[None, :]
-        valid = col < count[:, None]
-        for x, which in ((a, "before"), (b, "after")):
-            pad = ~valid & (x.view(np.uint8).reshape(len(rows), -1, esize) != 0).any(axis=2)
-            if pad.any():
-                r = int(np.nonzero(pad.any(axis=1))[0][0])
-                raise VerificationError(f"an opened chunk of {name} ({which} step {int(step[rows[r]])}) holds bytes past "
-                                        "the tensor's end, where the layout pads with zeros", step=int(step[rows[r]]),
-                                        check="moves")
+        valid = np.arange(cb // esize)[None, :] < count[:, None]
         rule = rules.rules[name]
         t = step[rows]
         lr = lrs[t][:, None]
@@ -231,4 +247,7 @@ def _check_steps(reads: list, layout: ChunkLayout, rules: MoveRules, bundle: Bun
         ok = valid & (allowed > 0) & np.isfinite(moved)
         if ok.any():
             worst = max(worst, float((moved[ok] / allowed[ok]).max()))
-    return worst
+            exact = np.broadcast_to(lr * bound, moved.shape)
+            room = allowed - exact
+            slack = max(slack, float(((moved - exact)[ok & (room > 0)] / room[ok & (room > 0)]).max(initial=0.0)))
+    return worst, slack

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -202,6 +203,7 @@ class Replayer:
         # must have it (a root a window's openings were checked against that is not its state's own
         # would let the openings show a trajectory the run did not take)
         self.layout = ChunkLayout.of_model(self.session.model, m.online["chunk_bytes"]) if m.chunked else None
+        self.root_seconds = 0.0
         self.position: int | None = None
         self._replayed_from: int | None = None  # every step from here to `position` was replayed and checked
         self.steps_run = 0
@@ -227,7 +229,12 @@ class Replayer:
     def check_param_root(self, t: int, tensors: dict[str, torch.Tensor]) -> None:
         """The state after step ``t`` against the chunk root its record commits (a chunked run)."""
         root = self.bundle.steps[t].param_root
-        if self.layout is not None and root is not None and not same(self.layout.root(tensors), root):
+        if self.layout is None or root is None:
+            return
+        started = time.perf_counter()
+        ok = same(self.layout.root(tensors), root)
+        self.root_seconds += time.perf_counter() - started
+        if not ok:
             raise VerificationError("the record's param_root is not the chunk root of its committed state's "
                                     "parameters (the chunks its windows opened are not this state's)", step=t,
                                     check="moves")
