@@ -411,7 +411,7 @@ def test_the_migrations_build_exactly_the_models_schema(server):
         table.to_metadata(models)
     with lb.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), models) == []
-        assert MigrationContext.configure(conn).get_current_revision() == "0007"
+        assert MigrationContext.configure(conn).get_current_revision() == "0008"
 
 
 def test_a_weakly_anchored_run_is_rejected(server, tmp_path):
