@@ -210,6 +210,13 @@ def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon,
     v = online(tmp_path / "b", beacon.public_key)
     assert v.moves["checked"] == STEPS and v.moves["windows"] == len(_chunked(tmp_path / "b")) == STEPS // EVERY
     assert 0 < v.moves["worst"] <= 1 and "every step: bounded move checked at 4 chunk(s) of 4" in v.summary()
+    from witness.verify import bounded
+
+    monkeypatch.setattr(bounded, "BATCH_BYTES", 1)  # a window a batch: the same check, the same figures
+    again = online(tmp_path / "b", beacon.public_key).moves
+    assert {k: again[k] for k in ("checked", "windows", "worst", "sizes")} == \
+        {k: v.moves[k] for k in ("checked", "windows", "worst", "sizes")}
+    monkeypatch.undo()
 
     def tampered(name: str, change) -> Path:  # noqa: ANN001 - what the trainer does to its copy
         out = tmp_path / name

@@ -28,6 +28,7 @@ from ..fingerprint.moves import MoveRules, move_limits, move_rules, step_offset
 from .online import OnlinePlan
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+BATCH_BYTES = 64 << 20  # openings checked together: a run's windows are read and checked this much at a time
 
 
 @dataclass
@@ -88,8 +89,24 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
         return MoveCheck(k, layout.size, cb, rules, refused=True)
     out = MoveCheck(k, layout.size, cb, rules.describe())
     roots = _roots(bundle, layout, init)
-    n = len(bundle.steps)
-    reads = []
+    n, offset = len(bundle.steps), step_offset(init)
+    reads: list = []
+    held = 0
+
+    def check(reads: list) -> None:
+        """One batch of windows: padding, paths, moves (the batch bounds the memory a long run takes)."""
+        _check_padding(reads, layout)
+        _check_paths(reads, layout, roots)
+        worst, slack = _check_steps(reads, layout, rules, bundle, offset, n)
+        out.worst, out.slack_used = max(out.worst, worst), max(out.slack_used, slack)
+        for d, _, _ in reads:
+            out.windows += 1
+            out.sizes.append(d.size)
+            if d.counts:
+                out.checked += len(d.steps)
+            else:
+                out.late += len(d.steps)
+
     for d in plan.draws:
         if not len(d.steps):
             continue
@@ -104,21 +121,17 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
                                     "state of every window", step=d.steps.start, check="moves")
         chunks = chunk_indices(d.beta, k, layout.size)
         nodes = sum(len(path_nodes(c, layout.size)) for c in chunks)
-        reads.append((d, chunks, read_openings(path, d.size, d.steps.start, len(d.steps) + 1, tuple(chunks), cb, nodes)))
+        opened = read_openings(path, d.size, d.steps.start, len(d.steps) + 1, tuple(chunks), cb, nodes)
+        reads.append((d, chunks, opened))
+        held += opened.chunks.nbytes + opened.paths.nbytes
+        if held >= BATCH_BYTES:
+            check(reads)
+            reads, held = [], 0
+    if reads:
+        check(reads)
     # openings of a window whose statement the bundle does not hold prove nothing, and are passed over
     # (as the states kept for its steps are): those steps are not audited online, which the bound counts
     out.ignored = sorted(set(bundle.online_chunks) - {d.size for d in plan.draws if len(d.steps)})
-    if reads:
-        _check_padding(reads, layout)
-        _check_paths(reads, layout, roots)
-        out.worst, out.slack_used = _check_steps(reads, layout, rules, bundle, step_offset(init), n)
-    for d, _, _ in reads:
-        out.windows += 1
-        out.sizes.append(d.size)
-        if d.counts:
-            out.checked += len(d.steps)
-        else:
-            out.late += len(d.steps)
     return out
 
 
