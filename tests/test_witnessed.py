@@ -127,6 +127,9 @@ def test_honest_run_is_accepted_with_both_witnesses(honest, loop, capsys):
     sts = [WitnessedWindow.from_json(o) for o in windows(honest)]
     assert online["selected"] == sorted(t for st in sts for t in selected_steps(st, P, STEPS))
     assert v["detection_probability"] > 0
+    # every step's move checked too, at the chunks drand's randomness opened
+    assert v["moves"]["checked"] == STEPS and v["moves"]["late"] == 0 \
+        and v["moves"]["windows"] == sum(1 for st in sts if len(st.window(STEPS)))  # (the final one opens no step)
 
 
 def test_each_window_names_its_round_in_the_log_and_was_cosigned_before_it(honest, loop):
@@ -181,6 +184,8 @@ def test_a_round_the_trainer_could_know_does_not_count(loop, tmp_path, capsys):
     code, v = verify(out, loop, capsys=capsys)
     assert v["accepted"] and v["online"]["selected"] == [] and v["online"]["unaudited"] == STEPS
     assert v["detection_probability"] == 0.0
+    # their chunks are opened and checked all the same, but no step counts as checked
+    assert v["moves"]["checked"] == 0 and v["moves"]["late"] == STEPS
     assert any("cosigned within a drand period of its round" in n for n in v["notes"])
 
 
