@@ -1,8 +1,9 @@
 """A property over bundle shapes: from an honest online run and an honest offline run, leave out or
-swap any subset of checkpoints, kept states, kept samples and statements (and duplicate or reorder
-statements). Every audit is then unusable, rejected, or accepted with the bound its own ledger
-gives, recomputed here from the ledger alone; no accepted audit counts a step without a replay
-from a committed state whose hash was checked onto a compared one."""
+swap any subset of checkpoints, kept states, kept samples, chunk openings and statements (and
+duplicate or reorder statements). Every audit is then unusable, rejected, or accepted with the bound
+its own ledger gives, recomputed here from the ledger alone; no accepted audit counts a step without
+a replay from a committed state whose hash was checked onto a compared one, nor claims a step's
+move checked but in a window whose openings it read, the honest run's own."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_evidence import Served, train
 
-from witness.bundle.layout import STATEMENTS
+from witness.bundle.layout import STATEMENTS, online_chunks_name
 from witness.bundle.reader import open_bundle
 from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.record.online import OnlineSpec
 from witness.verify import verify_bundle
+from witness.verify.online import parse_statements
 
 STEPS, F = 24, 0.05
 SPEC = OnlineSpec(p=0.5, every=4, ring=9)
@@ -50,7 +52,7 @@ def _files(bundle: Path, folder: str) -> list[str]:
 @st.composite
 def shapes(draw, bundle: Path):
     """What a trainer does to its bundle: files left out, files swapped, statements rewritten."""
-    groups = {g: _files(bundle, g) for g in ("checkpoints", "online/states", "online/samples")}
+    groups = {g: _files(bundle, g) for g in ("checkpoints", "online/states", "online/samples", "online/chunks")}
     drop, swaps = set(), []
     for names in groups.values():
         if names:
@@ -107,6 +109,13 @@ def _judge(honest: Path, path: Path, **kw) -> str:
     else:
         o = v.online
         assert set(o["selected"]) <= done  # nothing skipped in a standalone audit
+        if v.moves is not None:  # each window it counts was read, and was the honest run's own openings
+            windows = {st.size: len(st.window(n)) for st in parse_statements(committed)}
+            for size in v.moves["sizes"]:
+                name = online_chunks_name(size)
+                assert (path / name).read_bytes() == (honest / name).read_bytes()
+            assert v.moves["checked"] + v.moves["late"] == sum(windows[size] for size in v.moves["sizes"])
+            assert not v.moves["pending"] and v.moves["checked"] <= o["covered"]
         if o["attempts"] is None:
             want = 0.0
         else:
