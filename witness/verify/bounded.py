@@ -95,9 +95,10 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
 
     def check(reads: list) -> None:
         """One batch of windows: padding, paths, moves (the batch bounds the memory a long run takes)."""
-        _check_padding(reads, layout)
-        _check_paths(reads, layout, roots)
-        worst, slack = _check_steps(reads, layout, rules, bundle, offset, n)
+        batch = _Batch.of(reads, layout.size, cb)
+        _check_padding(batch, layout)
+        _check_paths(batch, layout, roots)
+        worst, slack = _check_steps(batch, layout, rules, bundle, offset, n)
         out.worst, out.slack_used = max(out.worst, worst), max(out.slack_used, slack)
         for d, _, _ in reads:
             out.windows += 1
@@ -152,82 +153,108 @@ def _roots(bundle: Bundle, layout: ChunkLayout, init: dict[str, torch.Tensor]) -
     return [layout.root(init)] + [r.param_root for r in bundle.steps]
 
 
-def _check_paths(reads: list, layout: ChunkLayout, roots: list[bytes | None]) -> None:
-    """Every opened chunk's path leads to its state's committed root (all windows at once)."""
-    size, cb = layout.size, layout.chunk_bytes
-    data, states, indices, nodes, starts = [], [], [], [], []
-    base = 0
-    for d, chunks, op in reads:
-        s, k = op.chunks.shape[:2]
-        lengths = [len(path_nodes(c, size)) for c in chunks]
-        per_state = sum(lengths)
-        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        data.append(op.chunks.reshape(-1, cb))
-        states.append(np.repeat(np.arange(d.steps.start, d.steps.start + s), k))
-        indices.append(np.tile(np.asarray(chunks, dtype=np.int64), s))
-        starts.append(base + (np.arange(s, dtype=np.int64)[:, None] * per_state + offsets[None, :]).reshape(-1))
-        nodes.append(op.paths.reshape(-1, 32))
-        base += s * per_state
-    flat = np.ascontiguousarray(np.concatenate(data))
-    leaves = np.frombuffer(chunk_leaves(flat, cb), dtype=np.uint8).reshape(-1, 32)
-    tops = verify_paths(leaves, np.concatenate(indices), size, np.concatenate(nodes), np.concatenate(starts))
-    state_of = np.concatenate(states)
-    chunk_of = np.concatenate(indices)
+@dataclass
+class _Batch:
+    """Some windows' openings as rows: one row a state's opened chunk, windows one after the other,
+    a window's rows state by state (``k`` chunks each, in the window's order)."""
+
+    reads: list
+    data: np.ndarray  # [rows, chunk bytes]
+    chunk: np.ndarray  # [rows] the chunk's index
+    state: np.ndarray  # [rows] the state (its update count)
+    nodes: np.ndarray  # [nodes, 32] every path's nodes
+    starts: np.ndarray  # [rows] where each row's path begins in nodes
+
+    @classmethod
+    def of(cls, reads: list, size: int, cb: int) -> _Batch:
+        """Lay the windows' openings out as rows."""
+        data, states, indices, nodes, starts = [], [], [], [], []
+        base = 0
+        for d, chunks, op in reads:
+            s, k = op.chunks.shape[:2]
+            lengths = [len(path_nodes(c, size)) for c in chunks]
+            offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            data.append(op.chunks.reshape(-1, cb))
+            states.append(np.repeat(np.arange(d.steps.start, d.steps.start + s), k))
+            indices.append(np.tile(np.asarray(chunks, dtype=np.int64), s))
+            starts.append(base + (np.arange(s, dtype=np.int64)[:, None] * sum(lengths) + offsets[None, :]).reshape(-1))
+            nodes.append(op.paths.reshape(-1, 32))
+            base += s * sum(lengths)
+        return cls(reads, np.ascontiguousarray(np.concatenate(data)), np.concatenate(indices), np.concatenate(states),
+                   np.concatenate(nodes), np.concatenate(starts))
+
+    def where(self, row: int) -> tuple:
+        """(the window's draw, its chunks, the row's chunk position) of a row."""
+        for d, chunks, op in self.reads:
+            n = op.chunks.shape[0] * op.chunks.shape[1]
+            if row < n:
+                return d, chunks, row % op.chunks.shape[1]
+            row -= n
+        raise IndexError(row)
+
+
+def _check_padding(batch: _Batch, layout: ChunkLayout) -> None:
+    """Every opened chunk is zero past its tensor's end (the layout pads so): the bytes of a chunk are
+    then exactly its tensor's values, and a root committed over other padding is refused here."""
+    ends = np.array([layout.starts[i] * layout.chunk_bytes + layout.nbytes(i) for i in range(len(layout.tensors))])
+    tensor = np.searchsorted(np.asarray(layout.starts), batch.chunk, side="right") - 1
+    used = np.clip(ends[tensor] - batch.chunk * layout.chunk_bytes, 0, layout.chunk_bytes)  # the chunk's data bytes
+    pad = ((batch.data != 0) & (np.arange(layout.chunk_bytes)[None, :] >= used[:, None])).any(axis=1)
+    if pad.any():
+        r = int(np.nonzero(pad)[0][0])
+        d, _, _ = batch.where(r)
+        state = int(batch.state[r])
+        raise VerificationError(f"chunk {int(batch.chunk[r])} ({layout.tensors[tensor[r]][0]}) of the state after "
+                                f"{state} update(s), opened for the window closing at size {d.size}, holds bytes past "
+                                "the tensor's end, where the layout pads with zeros", step=max(state - 1, 0),
+                                check="moves")
+
+
+def _check_paths(batch: _Batch, layout: ChunkLayout, roots: list[bytes | None]) -> None:
+    """Every opened chunk's path leads to its state's committed root (all the batch's rows at once)."""
+    size = layout.size
+    leaves = np.frombuffer(chunk_leaves(batch.data, layout.chunk_bytes), dtype=np.uint8).reshape(-1, 32)
+    tops = verify_paths(leaves, batch.chunk, size, batch.nodes, batch.starts)
     # every row of a state must reach the same tree root, and that root (bound to the layout) the record's
     row = 0
-    for d, chunks, op in reads:
+    for d, chunks, op in batch.reads:
         s, k = op.chunks.shape[:2]
         block = tops[row:row + s * k].reshape(s, k, 32)
+        split = (block != block[:, :1]).any(axis=2)
         for i in range(s):
             state = d.steps.start + i
             want = roots[state]
-            bad = np.nonzero((block[i] != block[i, 0]).any(axis=1))[0]
-            if want is None or bad.size or not same(wrap_root(layout.id, size, block[i, 0].tobytes()), want):
-                j = int(bad[0]) if bad.size else 0
+            if want is None or split[i].any() or not same(wrap_root(layout.id, size, block[i, 0].tobytes()), want):
+                j = int(np.nonzero(split[i])[0][0]) if split[i].any() else 0
                 raise VerificationError(f"chunk {chunks[j]} of the state after {state} update(s), opened for the window "
                                         f"closing at size {d.size}, does not lead to the param_root its record "
                                         "commits (a chunk or a path was changed, or the root commits other "
                                         "parameters)", step=max(state - 1, 0), check="moves")
         row += s * k
-    assert row == len(state_of) == len(chunk_of)
 
 
-def _check_padding(reads: list, layout: ChunkLayout) -> None:
-    """Every opened chunk is zero past its tensor's end (the layout pads so): the bytes of a chunk are
-    then exactly its tensor's values, and a root committed over other padding is refused here."""
-    ends = np.array([layout.starts[i] * layout.chunk_bytes + layout.nbytes(i) for i in range(len(layout.tensors))])
-    starts = np.asarray(layout.starts)
-    for d, chunks, op in reads:
-        c = np.asarray(chunks, dtype=np.int64)
-        tensor = np.searchsorted(starts, c, side="right") - 1
-        used = np.clip(ends[tensor] - c * layout.chunk_bytes, 0, layout.chunk_bytes)  # the chunk's bytes of data
-        pad = (op.chunks != 0) & (np.arange(layout.chunk_bytes)[None, None, :] >= used[None, :, None])
-        if pad.any():
-            s, j, _ = (int(x) for x in np.argwhere(pad)[0])
-            raise VerificationError(f"chunk {chunks[j]} ({layout.tensors[tensor[j]][0]}) of the state after "
-                                    f"{d.steps.start + s} update(s), opened for the window closing at size {d.size}, "
-                                    "holds bytes past the tensor's end, where the layout pads with zeros",
-                                    step=d.steps.start + max(s - 1, 0), check="moves")
-
-
-def _check_steps(reads: list, layout: ChunkLayout, rules: MoveRules, bundle: Bundle, offset: int,
+def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: Bundle, offset: int,
                  n: int) -> tuple[float, float]:
-    """Every opened coordinate's move in every step of every window, against its bound; the largest
-    move as a fraction of what it was allowed, and the largest share of the rounding slack a move used."""
+    """Every opened coordinate's move in every step of every window, against its bound (a failure
+    names the earliest step that moved too far); the largest move as a fraction of what it was
+    allowed, and the largest share of the rounding slack a move used."""
     cb = layout.chunk_bytes
     lrs = np.array([r.lr for r in bundle.steps], dtype=np.float64)
     tables: dict[tuple[float, float], np.ndarray] = {}
-    befores, afters, steps, chunk_ids = [], [], [], []
-    for d, chunks, op in reads:
+    # a step is a pair of rows: a state's chunk and the same chunk of the state after it (k rows on)
+    pairs, row = [], 0
+    for _, _, op in batch.reads:
         s, k = op.chunks.shape[:2]
-        befores.append(op.chunks[:-1].reshape(-1, cb))
-        afters.append(op.chunks[1:].reshape(-1, cb))
-        steps.append(np.repeat(np.arange(d.steps.start, d.steps.start + s - 1), k))
-        chunk_ids.append(np.tile(np.asarray(chunks, dtype=np.int64), s - 1))
-    before, after = np.concatenate(befores), np.concatenate(afters)
-    step, chunk = np.concatenate(steps), np.concatenate(chunk_ids)
+        pairs.append(row + np.arange((s - 1) * k))
+        row += s * k
+    first_rows = np.concatenate(pairs)
+    ks = np.concatenate([np.full((op.chunks.shape[0] - 1) * op.chunks.shape[1], op.chunks.shape[1])
+                         for _, _, op in batch.reads])
+    before, after = batch.data[first_rows], batch.data[first_rows + ks]
+    step, chunk = batch.state[first_rows], batch.chunk[first_rows]
     tensor = np.searchsorted(np.asarray(layout.starts), chunk, side="right") - 1
     worst = slack = 0.0
+    found: list[tuple[int, str]] = []  # (step, what moved too far), one per tensor
     for i in np.unique(tensor):
         name, dtype, shape = layout.tensors[i]
         rows = np.nonzero(tensor == i)[0]
@@ -249,18 +276,23 @@ def _check_steps(reads: list, layout: ChunkLayout, rules: MoveRules, bundle: Bun
         moved, allowed = move_limits(a, b, lr, bound, rule.decay, _NUMPY[dtype])
         bad = valid & ~(moved <= allowed) & np.isfinite(b)  # a coordinate that became inf or nan goes nowhere
         if bad.any():
-            r, c = (int(x) for x in np.argwhere(bad)[0])
+            hits = np.argwhere(bad)
+            r, c = (int(x) for x in hits[np.argmin(t[hits[:, 0]])])  # this tensor's earliest step
             coord = tuple(int(x) for x in np.unravel_index(int(first[r]) + c, shape)) if shape else ()
             limit = "may not move at all (no optimizer group holds it)" if rule.betas is None else \
                 f"may move {allowed[r, c]:.3g} (lr {lrs[t[r]]:.3g} x B {float(bound[r, 0]):.4g}" + \
                 (f", after the decay by lr x {rule.decay:g}" if rule.decay else "") + ")"
-            raise VerificationError(f"{name}{list(coord)} moved from {float(a[r, c])!r} to {float(b[r, c])!r}, "
-                                    f"{moved[r, c]:.3g} in one step where it {limit}: no step of {rules.optimizer} moves "
-                                    "a coordinate that far, whatever its gradient", step=int(t[r]), check="moves")
+            found.append((int(t[r]), f"{name}{list(coord)} moved from {float(a[r, c])!r} to {float(b[r, c])!r}, "
+                                     f"{moved[r, c]:.3g} in one step where it {limit}: no step of {rules.optimizer} "
+                                     "moves a coordinate that far, whatever its gradient"))
+            continue
         ok = valid & (allowed > 0) & np.isfinite(moved)
         if ok.any():
             worst = max(worst, float((moved[ok] / allowed[ok]).max()))
             exact = np.broadcast_to(lr * bound, moved.shape)
             room = allowed - exact
             slack = max(slack, float(((moved - exact)[ok & (room > 0)] / room[ok & (room > 0)]).max(initial=0.0)))
+    if found:
+        t, why = min(found)
+        raise VerificationError(why, step=t, check="moves")
     return worst, slack
