@@ -13,27 +13,13 @@ than steps.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
-from common import parser, report
+from common import median_seconds, parser, report
 
 from witness.commit import batch
 from witness.commit.chunks import ChunkTree, chunk_leaves, path_nodes
 
 LAYOUT = b"\x00" * 32
-
-
-def timed(fn, repeat: int) -> float:  # noqa: ANN001
-    """The median seconds of ``repeat`` calls (after one that warms the caches up)."""
-    fn()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -52,9 +38,9 @@ def main() -> None:
         row: dict = {"parameters": n, "chunks": chunks, "bytes": int(flat.nbytes)}
         for threads in sorted({1, cores}):
             leaves = chunk_leaves(flat, args.chunk_bytes, threads)
-            row[f"leaves_s_{threads}t"] = timed(lambda t=threads, f=flat: chunk_leaves(f, args.chunk_bytes, t),
-                                                args.repeat)
-            row[f"levels_s_{threads}t"] = timed(lambda lv=leaves: ChunkTree(lv, LAYOUT), args.repeat)
+            row[f"leaves_s_{threads}t"] = median_seconds(lambda t=threads, f=flat: chunk_leaves(f, args.chunk_bytes, t),
+                                                         args.repeat, warm=True)
+            row[f"levels_s_{threads}t"] = median_seconds(lambda lv=leaves: ChunkTree(lv, LAYOUT), args.repeat, warm=True)
             row[f"tree_s_{threads}t"] = row[f"leaves_s_{threads}t"] + row[f"levels_s_{threads}t"]
         row["gb_per_s_one_core"] = flat.nbytes / row["leaves_s_1t"] / 1e9
         depth = max(len(path_nodes(i, chunks)) for i in (0, chunks - 1))

@@ -17,6 +17,20 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
+def median_seconds(fn: Callable[[], object], repeat: int, warm: bool = False) -> float:
+    """The median wall time of ``repeat`` calls of ``fn`` (after one more that warms caches, if ``warm``)."""
+    import time
+
+    if warm:
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def report(figures: dict, path: str | None) -> dict:
     """Print the figures as JSON, and write them to ``path`` if given."""
     text = json.dumps(figures, indent=2)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 BENCHES = ["overhead.py", "state_hash.py", "verifier_cost.py", "attack_detection.py", "data_commit.py", "eval_cost.py",
-           "leaderboard.py", "upload_memory.py", "hf_overhead.py", "lightning_overhead.py"]
+           "leaderboard.py", "upload_memory.py", "hf_overhead.py", "lightning_overhead.py", "online_cost.py",
+           "chunk_tree.py", "swap_detection.py", "honest_online.py"]
 
 
 def main() -> int:

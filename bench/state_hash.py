@@ -19,7 +19,7 @@ import threading
 import time
 
 import torch
-from common import parser, report
+from common import median_seconds, parser, report
 
 from witness.bundle.state import shard_digests, shard_rows, state_hash, state_tensors
 from witness.session import TrainingSession
@@ -43,23 +43,14 @@ def _session(name: str, config: dict) -> tuple[TrainingSession, list[list[bytes]
     return session, batches
 
 
-def _median(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def measure(session: TrainingSession, batch: list[bytes], repeat: int) -> dict:
     """Step time and hash time (both digests) of one session."""
     state = state_tensors(session.model, session.optimizer)
     size = sum(t.numel() * t.element_size() for t in state.values())
     counter = iter(range(1, 10**9))
-    step = _median(lambda: session.step(next(counter), batch), max(3, repeat // 4))
-    blake = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "blake3"), repeat)
-    sha = _median(lambda: state_hash(state_tensors(session.model, session.optimizer), "sha256"), repeat)
+    step = median_seconds(lambda: session.step(next(counter), batch), max(3, repeat // 4))
+    blake = median_seconds(lambda: state_hash(state_tensors(session.model, session.optimizer), "blake3"), repeat)
+    sha = median_seconds(lambda: state_hash(state_tensors(session.model, session.optimizer), "sha256"), repeat)
     return {"state_bytes": size, "step_s": step, "blake3_s": blake, "sha256_s": sha,
             "blake3_fraction_of_step": blake / step, "sha256_fraction_of_step": sha / step,
             "blake3_GBps": size / blake / 1e9, "sha256_GBps": size / sha / 1e9,
@@ -71,8 +62,8 @@ def sharded(state: dict[str, torch.Tensor], ranks: int, repeat: int) -> dict:
     the whole tensors pays to split and hash them (the same bytes, ``ranks`` calls per tensor)."""
     digest = f"blake3/{ranks}"
     pieces = {n: t if t.dim() == 0 else t[slice(*shard_rows(t.shape[0], ranks)[0])] for n, t in state.items()}
-    rank = _median(lambda: shard_digests(pieces, digest), repeat)
-    whole = _median(lambda: state_hash(state, digest), repeat)
+    rank = median_seconds(lambda: shard_digests(pieces, digest), repeat)
+    whole = median_seconds(lambda: state_hash(state, digest), repeat)
     return {"one_rank_s": rank, "verifier_whole_state_s": whole}
 
 
