@@ -141,7 +141,10 @@ def test_rules_come_from_the_optimizer_and_others_are_refused():
     assert rules.rules["model.0.weight"] == MoveRule((0.9, 0.95), 0.1)
     assert rules.rules["model.0.bias"] == MoveRule((0.9, 0.95), 0.0)
     assert rules.rules["model.1.bias"] == MoveRule(None)  # no group holds it: it may not move
-    assert frozen is model[1].bias and "AdamW" in rules.describe()
+    assert frozen is model[1].bias and "AdamW (B <= 1" in rules.describe(100)
+    # b1^2 >= b2: the sum does not converge, the bound grows with the step count: refused, not checked
+    assert "grows without end" in move_rules(model, torch.optim.AdamW(model.parameters(), betas=(0.99, 0.2)))
+    assert "grows without end" in move_rules(model, torch.optim.AdamW(model.parameters(), betas=(0.95, 0.9)))
     adam = move_rules(model, torch.optim.Adam(model.parameters(), weight_decay=0.1))
     assert adam.rules["model.0.weight"].decay == 0.0  # L2 into the gradient: no decoupled decay
     sgd = move_rules(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))

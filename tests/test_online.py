@@ -203,6 +203,63 @@ def _chunked(out: Path) -> list[Path]:
     return sorted((out / "online" / "chunks").glob("*.safetensors"))
 
 
+def _own_loop(out: Path, link, change, task: str = "tiny", config: dict | None = None):  # noqa: ANN001
+    """An online run whose trainer calls ``change(rec, t)`` before training each step; every window
+    opens all of the (small) model's chunks, so an edit in one chunk is opened whatever the draw."""
+    task = build_task(task, {"steps": STEPS} | (config or {}))
+    rec = Recorder.create(task, out, generate_key(), r=os.urandom(32), checkpoint_every=8, beacon=link,
+                          online=dataclasses.replace(SPEC, chunks=8), self_check=False)
+    for t in range(STEPS):
+        batch = rec.batch(t)
+        change(rec, t)
+        rec.log_step(t, task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t)))
+    rec.finish()
+
+
+def test_a_coordinate_sent_to_infinity_is_out_of_bounds_but_an_honest_divergence_is_not(tmp_path, beacon):
+    """A trainer kills channels of the CNN plugin by setting their BatchNorm biases to -inf at a step no
+    draw selects (after the ReLU the model stays finite, and trains on): no step of AdamW takes a finite
+    value to an infinite one. A run whose steps diverge honestly (a rate so large its weights overflow,
+    then NaN gradients make every weight NaN) passes: NaN is an honest value where the loss is NaN."""
+    def kill(rec, t):  # noqa: ANN001
+        if t == 9:
+            with torch.no_grad():
+                rec.model[1].bias[:4] = float("-inf")
+
+    beacon.steer(avoid={8, 9})
+    _own_loop(tmp_path / "dead", beacon.link(), kill, "example-cnn")
+    with pytest.raises(RunRejected, match=r"step 9: moves: model\.1\.bias\[\d\] moved from \S+ to -inf"):
+        online(tmp_path / "dead", beacon.public_key)
+    _own_loop(tmp_path / "diverged", beacon.link(), lambda rec, t: None, config={"lr": 1e7})
+    lines = (tmp_path / "diverged" / "log.jsonl").read_text().splitlines()
+    assert '"loss":"nan"' in lines[-2]  # (it did diverge)
+    v = online(tmp_path / "diverged", beacon.public_key)
+    assert v.accepted and v.moves["checked"] == STEPS
+
+
+def test_a_kept_state_of_other_dtypes_is_rejected_not_a_crash(tmp_path, beacon, monkeypatch):
+    """The trainer commits (and keeps, for the selected step 10) a state whose fc1.bias is float64: its
+    hash is the committed one, its parameters do not fit the task's model."""
+    import witness.record.recorder as recorder
+    from witness.bundle.state import state_hash as real_hash
+    from witness.record.online import OnlineChallenges
+
+    def forged(state):  # noqa: ANN001
+        return {**state, "model.fc1.bias": state["model.fc1.bias"].to(torch.float64)}
+
+    at = {"step": None}
+    real_log, real_write = Recorder.log_step, OnlineChallenges._write
+    monkeypatch.setattr(recorder, "state_hash", lambda st, d: real_hash(forged(st) if at["step"] == 9 else st, d))
+    monkeypatch.setattr(Recorder, "log_step", lambda self, t, out, *a, **k: (at.update(step=t),
+                                                                            real_log(self, t, out, *a, **k))[1])
+    monkeypatch.setattr(OnlineChallenges, "_write", lambda self, n, st: real_write(self, n, forged(st) if n == 10 else st))
+    beacon.steer(hit={10}, avoid={9})
+    train(tmp_path / "b", beacon.link())
+    monkeypatch.undo()
+    with pytest.raises(RunRejected, match="step 9: state: the state after step 9 does not fit the task's model"):
+        online(tmp_path / "b", beacon.public_key)
+
+
 def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon, monkeypatch):
     """A window's openings: every step of every window must have them, each is its window's own, and
     every byte is bound by the records' roots (a chunk, a path node), the padding zeros too."""

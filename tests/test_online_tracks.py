@@ -72,6 +72,8 @@ def test_selected_steps_are_replayed_before_submission_and_not_again(server, tmp
         tc.get(f"/runs/{run_id}").text
     # each window's openings are taken once, and only for a window the server's beacon opened
     path = bundle / "online" / "chunks" / f"{max(windows):08d}.safetensors"
+    with lb.Session() as s:  # at most what a window's states, chunks and paths can take (not the manifest's ring)
+        assert lb.openings_limit(s, run_id, range(4, 6)) == 3 * 2 * (1024 + 41 * 32) + (1 << 16)
     for size, code in ((max(windows), 409), (2, 404), (1, 409)):  # (the manifest's head opens no step)
         resp = tc.put(f"/api/runs/{run_id}/online/chunks/{size}", content=path.read_bytes(),
                       headers={"Authorization": f"Bearer {alice.token}", "Content-Type": "application/octet-stream"})

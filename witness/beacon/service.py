@@ -252,6 +252,13 @@ class Beacon:
                          .offset(offset).limit(limit))
         return [run_json(r) for r in rows]
 
+    def statement_at(self, s: Session, run: str, size: int) -> dict | None:
+        """The statement this beacon signed for a run's head of ``size`` records, or None."""
+        row = s.scalar(select(BeaconRun).where(BeaconRun.run == run)) if is_run_name(run) else None
+        head = s.scalar(select(BeaconHead).where(BeaconHead.run_id == row.id, BeaconHead.size == size)) \
+            if row is not None else None
+        return json.loads(head.statement_json) if head is not None else None
+
     def run(self, s: Session, run: str) -> dict:
         """One run: its statements in order and any evidence of equivocation."""
         row = s.scalar(select(BeaconRun).where(BeaconRun.run == run)) if is_run_name(run) else None

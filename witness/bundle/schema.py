@@ -193,6 +193,7 @@ class Manifest:
 
 MAX_ONLINE_RING = 1 << 16
 MAX_OPENED_CHUNKS = 256  # chunks a window opens of each state
+MAX_WINDOW_OPENED = 256 << 20  # chunk bytes a window's openings may hold (every + 1 states)
 
 
 def parse_data_files(obj: Any, where: str) -> dict:
@@ -239,6 +240,9 @@ def parse_online(obj: Any, where: str) -> dict:
         size = _int(obj["chunk_bytes"], f"{where}.chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
         if size & (size - 1):
             raise _fail(where, "chunk_bytes must be a power of two")
+        if (every + 1) * out["chunks"] * size > MAX_WINDOW_OPENED:  # what a verifier holds of one window
+            raise _fail(where, f"a window's openings (every + 1 states of chunks x chunk_bytes) may hold at most "
+                               f"{MAX_WINDOW_OPENED >> 20} MiB")
         out["chunk_bytes"] = size
     return out
 

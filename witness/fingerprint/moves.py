@@ -87,10 +87,10 @@ class MoveRules:
         table = np.maximum.accumulate(adam_bounds(*betas, steps + offset))
         return table[offset:offset + steps]
 
-    def describe(self) -> str:
-        """One line: the optimizer and the largest bound its steps reach."""
+    def describe(self, steps: int, offset: int = 0) -> str:
+        """One line: the optimizer and the largest bound a run of ``steps`` steps reaches."""
         betas = sorted({r.betas for r in self.rules.values() if r.betas is not None})
-        limits = ", ".join(f"B <= {adam_bounds(*b, 1 << 16).max():.4g} for betas {b}" for b in betas)
+        limits = ", ".join(f"B <= {self.bounds(b, steps, offset).max():.4g} for betas {b}" for b in betas)
         return f"{self.optimizer} ({limits})" if limits else self.optimizer
 
 
@@ -107,6 +107,9 @@ def move_rules(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Move
         b1, b2 = (float(b) for b in group["betas"])
         if not (0.0 <= b1 < 1.0 and 0.0 < b2 < 1.0):
             return f"{kind.__name__} with betas ({b1}, {b2}): no bound holds (b1 in [0, 1), b2 in (0, 1) needed)"
+        if b1 * b1 >= b2:  # the sum of (b1^2 / b2)^k does not converge: B_t grows without end, as the steps may
+            return (f"{kind.__name__} with betas ({b1}, {b2}): b1^2 >= b2, so a step's bound grows without end with "
+                    "its count (the optimizer's own steps are as unbounded), and checking against it proves nothing")
         if float(group["eps"]) < MIN_EPS:
             return (f"{kind.__name__} with eps {group['eps']}: below {MIN_EPS:g} an underflowing second moment "
                     "could pass the bound")

@@ -169,12 +169,14 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         workers check for every step of the window. Each is taken once."""
         def open_slot() -> int:  # who may upload what is decided before a byte of the body is stored
             with lb.Session() as s:
-                lb.online_slot(s, s.get(Account, acct.id), run_id, kind, step)
-                return lb.openings_limit(s, run_id) if kind == "chunks" else 0
+                window = lb.online_slot(s, s.get(Account, acct.id), run_id, kind, step)
+                return lb.openings_limit(s, run_id, window) if kind == "chunks" else 0
 
-        limit = await run_in_threadpool(_limit, acct, run_id, None) if kind == "states" else MAX_SAMPLES_JSON
+        # a state and a window's openings within the track's upload limit (openings also within what their
+        # window's states, chunks and paths can take); samples within the samples' bound
+        limit = await run_in_threadpool(_limit, acct, run_id, None) if kind != "samples" else MAX_SAMPLES_JSON
         try:
-            limit = await run_in_threadpool(open_slot) or limit
+            limit = min(limit, await run_in_threadpool(open_slot) or limit)
         except ApiError:
             await drain(request, limit)  # nothing stored; the client reads its answer, not a reset
             raise

@@ -208,23 +208,24 @@ class StreamedRuns:
         manifest = json.loads(s.get(LogLine, (run.id, 0)).line)
         if "chunks" not in (manifest.get("online") or {}):
             raise ApiError(409, f"run {run_id} commits no parameter chunks: it has no openings to upload")
-        for line in self.statements(s, run):
-            st = BeaconStatement.from_json(parse_canonical_json(line))
-            if st.size == size:
-                steps = st.window(manifest["steps_planned"])
-                if not len(steps):
-                    raise ApiError(409, f"the head of size {size} opens no step of run {run_id}")
-                if s.scalar(select(OnlineWindow.id).where(OnlineWindow.run_id == run.id, OnlineWindow.size == size)):
-                    raise ApiError(409, f"the chunk openings of the window closing at size {size} came already")
-                return steps
-        raise ApiError(404, f"the beacon stamped no head of size {size} for run {run_id}")
+        first = s.scalar(select(Head.root).where(Head.run_id == run.id, Head.size == 1))
+        found = self.beacon.statement_at(s, first, size) if first is not None else None
+        if found is None:
+            raise ApiError(404, f"the beacon stamped no head of size {size} for run {run_id}")
+        steps = BeaconStatement.from_json(found).window(manifest["steps_planned"])
+        if not len(steps):
+            raise ApiError(409, f"the head of size {size} opens no step of run {run_id}")
+        if s.scalar(select(OnlineWindow.id).where(OnlineWindow.run_id == run.id, OnlineWindow.size == size)):
+            raise ApiError(409, f"the chunk openings of the window closing at size {size} came already")
+        return steps
 
-    def openings_limit(self, s: Session, run_id: int) -> int:
-        """The most bytes a window's openings can take: its states (fewer than the ring holds, and one),
-        each with its chunks and their paths (at most 41 nodes: a tree of 2^40 chunks), and a header."""
+    def openings_limit(self, s: Session, run_id: int, steps: range) -> int:
+        """The most bytes the openings of a window of ``steps`` can take: its states (one more than its
+        steps), each with its chunks and their paths (at most 41 nodes: a tree of 2^40 chunks), and a
+        header (the caller caps it at the track's upload limit too)."""
         online = json.loads(s.get(LogLine, (run_id, 0)).line).get("online") or {}
-        chunks, size, ring = online.get("chunks", 0), online.get("chunk_bytes", 0), online.get("ring", 0)
-        return (ring + 1) * chunks * (size + 41 * 32) + (1 << 16)  # a window is shorter than the ring
+        chunks, size = online.get("chunks", 0), online.get("chunk_bytes", 0)
+        return (len(steps) + 1) * chunks * (size + 41 * 32) + (1 << 16)
 
     def upload_openings(self, s: Session, acct: Account, run_id: int, size: int, upload: Upload) -> OnlineWindow:
         """Keep a window's chunk openings, uploaded while the run trains, and queue a live round for

@@ -62,8 +62,8 @@ class MoveCheck:
         if self.refused:
             return f"every step: bounded move not checked ({self.optimizer})"
         out = (f"every step: bounded move checked at {self.chunks} chunk(s) of {self.of} ({self.chunk_bytes} bytes "
-               f"each) per step, {self.checked} step(s) in {self.windows} window(s); {self.optimizer}; the largest "
-               f"move was {100 * self.worst:.4g}% of its bound")
+               f"each) per step, {self.checked} step(s) in {self.windows} window(s); {self.optimizer}; the parameters' "
+               "moves (buffers, such as BatchNorm's running statistics, are left to replay)")
         if self.late:
             out += f"; {self.late} more step(s) checked in windows that count for nothing (cosigned too late)"
         if self.pending:
@@ -87,9 +87,9 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
     rules = move_rules(model, optimizer)
     if isinstance(rules, str):
         return MoveCheck(k, layout.size, cb, rules, refused=True)
-    out = MoveCheck(k, layout.size, cb, rules.describe())
-    roots = _roots(bundle, layout, init)
     n, offset = len(bundle.steps), step_offset(init)
+    out = MoveCheck(min(k, layout.size), layout.size, cb, rules.describe(n, offset))
+    roots = _roots(bundle, layout, init)
     reads: list = []
     held = 0
 
@@ -150,7 +150,11 @@ def _roots(bundle: Bundle, layout: ChunkLayout, init: dict[str, torch.Tensor]) -
         if not same(state_hash(init, m.state_digest), m.init_state_hash):
             raise VerificationError("the initial checkpoint does not hash to the committed state", step=0,
                                     check="checkpoint")
-    return [layout.root(init)] + [r.param_root for r in bundle.steps]
+    try:
+        first = layout.root(init)
+    except ValueError as e:  # the committed initial state does not fit the task's model
+        raise VerificationError(f"the initial state: {e}", step=0, check="state") from None
+    return [first] + [r.param_root for r in bundle.steps]
 
 
 @dataclass
@@ -240,6 +244,7 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
     allowed, and the largest share of the rounding slack a move used."""
     cb = layout.chunk_bytes
     lrs = np.array([r.lr for r in bundle.steps], dtype=np.float64)
+    diverged = ~np.isfinite(np.array([[r.loss, r.grad_norm] for r in bundle.steps], dtype=np.float64)).all(axis=1)
     tables: dict[tuple[float, float], np.ndarray] = {}
     # a step is a pair of rows: a state's chunk and the same chunk of the state after it (k rows on)
     pairs, row = [], 0
@@ -274,7 +279,9 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
                 tables[rule.betas] = rules.bounds(rule.betas, n, offset)
             bound = tables[rule.betas][t][:, None]
         moved, allowed = move_limits(a, b, lr, bound, rule.decay, _NUMPY[dtype])
-        bad = valid & ~(moved <= allowed) & np.isfinite(b)  # a coordinate that became inf or nan goes nowhere
+        # no step of the optimizer takes a finite value to +-inf; a NaN is an honest step's only where the step
+        # diverged (its loss or gradient norm is not finite: NaN gradients make every moved value NaN)
+        bad = valid & ~(moved <= allowed) & ~(np.isnan(b) & diverged[t][:, None])
         if bad.any():
             hits = np.argwhere(bad)
             r, c = (int(x) for x in hits[np.argmin(t[hits[:, 0]])])  # this tensor's earliest step

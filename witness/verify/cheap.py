@@ -121,9 +121,11 @@ def check_records(bundle: Bundle, task: Task, session: TrainingSession) -> list[
         if len(rec.sketch) != task.config.sketch_dims or len(rec.probe_loss) != len(task.probe_bytes()) \
                 or len(rec.projection) != fp_len:
             raise VerificationError("fingerprint or sketch has the wrong size", step=t, check="record")
-        # an fp16 step whose gradients overflowed is skipped by its GradScaler (replay skips it too)
+        # an fp16 step whose gradients overflowed is skipped by its GradScaler (replay skips it too); a run that
+        # diverged keeps NaN weights, whose sketch is NaN from step to step (it stepped: replay shows how)
         skipped = task.precision == "fp16" and not math.isfinite(rec.grad_norm)
-        if rec.sketch == prev_sketch and rec.lr > 0 and not skipped:
+        diverged = any(math.isnan(x) for x in rec.sketch)
+        if rec.sketch == prev_sketch and rec.lr > 0 and not skipped and not diverged:
             raise VerificationError("the parameters did not change: the optimizer did not step", step=t, check="record")
         prev_sketch = rec.sketch
     checks.append(f"learning-rate schedule recomputed for all {len(bundle.steps)} steps")

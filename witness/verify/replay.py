@@ -161,6 +161,12 @@ def states_read(plan: SegmentPlan, drawn: Sequence[ReplayChallenge], exact: bool
     return reads
 
 
+def same_floats(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Equal, value for value, where a NaN equals a NaN: a diverged run's records hold NaN (written as
+    "nan"), and its replay gives NaN again."""
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b, strict=True))
+
+
 def limit_for(distance: str, thresholds: dict[str, float]) -> float:
     """The threshold a state distance (``parameters``, ``buffers``, ``optimizer.<key>``) must stay within."""
     return thresholds["optimizer" if distance.startswith("optimizer.") else distance]
@@ -177,7 +183,7 @@ def check_state(bundle: Bundle, session: TrainingSession, step: int, exact: bool
     rec = bundle.steps[step - 1]
     fp, sk = session.fingerprint(), session.sketch()
     if exact:
-        if fp.digest != rec.digest.hex() or tuple(sk) != rec.sketch:
+        if fp.digest != rec.digest.hex() or not same_floats(sk, rec.sketch):
             raise VerificationError("the state does not match the recorded fingerprint and sketch",
                                     step=step - 1, check="state")
     elif relative_distance(fp.vector(), rec.fingerprint_vector) > thresholds["fingerprint"] or \
@@ -232,7 +238,11 @@ class Replayer:
         if self.layout is None or root is None:
             return
         started = time.perf_counter()
-        ok = same(self.layout.root(tensors), root)
+        try:
+            ok = same(self.layout.root(tensors), root)
+        except ValueError as e:  # a committed state whose parameters do not fit the task's model
+            raise VerificationError(f"the state after step {t} does not fit the task's model: {e}", step=t,
+                                    check="state") from None
         self.root_seconds += time.perf_counter() - started
         if not ok:
             raise VerificationError("the record's param_root is not the chunk root of its committed state's "
@@ -347,10 +357,10 @@ class Replayer:
         t = rec.step
         if not (loss == rec.loss or (math.isnan(loss) and math.isnan(rec.loss))):
             raise VerificationError(f"replayed loss {loss!r} differs from the recorded {rec.loss!r}", step=t, check="replay")
-        if digest != rec.digest.hex() or fpv != rec.fingerprint_vector:
+        if digest != rec.digest.hex() or not same_floats(fpv, rec.fingerprint_vector):
             raise VerificationError("replayed behavioral fingerprint differs from the record "
                                     f"(distance {relative_distance(fpv, rec.fingerprint_vector):.3g})", step=t, check="replay")
-        if tuple(sk) != rec.sketch:
+        if not same_floats(sk, rec.sketch):
             raise VerificationError(f"replayed parameter sketch differs from the record (distance {relative_distance(sk, rec.sketch):.3g})",
                                     step=t, check="replay")
         if not (gn == rec.grad_norm or (math.isnan(gn) and math.isnan(rec.grad_norm))):
