@@ -407,7 +407,8 @@ def test_every_mode_holds_each_state_it_loads_or_reaches_to_its_records_param_ro
     for change, why in (({"format_version": 2}, "version 3 is an online run's that commits"),
                         ({"online": {k: v for k, v in m["online"].items() if k != "chunks"}}, "come together"),
                         ({"online": m["online"] | {"chunk_bytes": 1000}}, "power of two"),
-                        ({"online": m["online"] | {"chunks": 0}}, "online.chunks")):
+                        ({"online": m["online"] | {"chunks": 0}}, "online.chunks"),
+                        ({"online": m["online"] | {"chunks": 256, "chunk_bytes": 1 << 20}}, "may hold at most 256 MiB")):
         with pytest.raises(MalformedInput, match=why):
             Manifest.parse(m | change)
 
