@@ -77,24 +77,27 @@ def write_state(path: Path, tensors: dict[str, torch.Tensor], step: int, sync: b
     os.replace(tmp, path)
 
 
-def safetensors_header(path: Path, limit: int = MAX_CHECKPOINT_BYTES) -> dict:
+def safetensors_header(path: Path, limit: int = MAX_CHECKPOINT_BYTES, data: bytes | None = None) -> dict:
     """A safetensors file's JSON header, read strictly (the file at most ``limit`` bytes, the header
-    bounded), before any tensor is loaded."""
+    bounded), before any tensor is loaded; from ``data``, the file's bytes, where the caller read them."""
     path = Path(path)
-    size = path.stat().st_size
+    size = path.stat().st_size if data is None else len(data)
     if size > limit:
         raise MalformedInput(f"{path.name} is {size} bytes, over the {limit}-byte limit")
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise MalformedInput(f"{path.name} is not a safetensors file (truncated)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_SAFETENSORS_HEADER or n + 8 > size:
-            raise MalformedInput(f"{path.name} is not a safetensors file (header length {n})")
-        try:
-            header = load_json(f.read(n))
-        except ValueError:
-            raise MalformedInput(f"{path.name} is not a safetensors file (bad header)") from None
+    if data is None:
+        with open(path, "rb") as f:
+            data = f.read(8)
+            if len(data) == 8:
+                data += f.read(min(struct.unpack("<Q", data)[0], MAX_SAFETENSORS_HEADER + 1))
+    if len(data) < 8:
+        raise MalformedInput(f"{path.name} is not a safetensors file (truncated)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_SAFETENSORS_HEADER or n + 8 > size:
+        raise MalformedInput(f"{path.name} is not a safetensors file (header length {n})")
+    try:
+        header = load_json(data[8:8 + n])
+    except ValueError:
+        raise MalformedInput(f"{path.name} is not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
         raise MalformedInput(f"{path.name} is not a safetensors file (bad header)")
     return header

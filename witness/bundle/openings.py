@@ -14,8 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
 
 from ..errors import MalformedInput, VerificationError
 from .checkpoint import safetensors_header, save_safetensors
@@ -58,7 +56,9 @@ def read_openings(path: Path, size: int, first: int, states: int, indices: tuple
     want = {"chunks": [states, len(indices), chunk_bytes], "paths": [states, nodes, 32]}
     expected = WindowOpenings(size, first, indices, np.empty(0), np.empty(0)).metadata()
     data_bytes = states * (len(indices) * chunk_bytes + nodes * 32)
-    header = safetensors_header(path, min(MAX_OPENINGS_BYTES, data_bytes + (1 << 16)))
+    limit = min(MAX_OPENINGS_BYTES, data_bytes + (1 << 16))
+    raw = _read(path, limit)
+    header = safetensors_header(path, limit, raw)
     # a readable file of another window (or another shape) is the trainer's answer, and the wrong one:
     # a rejection, as missing openings are; only a file that is not safetensors is unusable input
     if set(header) != {"__metadata__", *want} or header["__metadata__"] != expected:
@@ -69,8 +69,21 @@ def read_openings(path: Path, size: int, first: int, states: int, indices: tuple
         t = header[name]
         if not isinstance(t, dict) or t.get("dtype") != "U8" or t.get("shape") != shape:
             raise VerificationError(f"{path.name}: {name} must be uint8 of shape {shape}", step=first, check="moves")
-    try:
-        arrays = load_file(str(path))
-    except (SafetensorError, ValueError, OSError) as e:
-        raise MalformedInput(f"{path.name} is not a valid safetensors file: {e}") from None
-    return WindowOpenings(size, first, indices, arrays["chunks"], arrays["paths"])
+    # the data must be the two tensors, back to back, and nothing else (what safetensors writes)
+    offsets = [header[name].get("data_offsets") for name in ("chunks", "paths")]
+    body = 8 + int.from_bytes(raw[:8], "little")
+    if offsets[0] != [0, states * len(indices) * chunk_bytes] or offsets[1] != [offsets[0][1], data_bytes] \
+            or len(raw) != body + data_bytes:
+        raise MalformedInput(f"{path.name} is not a valid safetensors file: its tensors are not where its header "
+                             "says, or bytes follow them")
+    array = np.frombuffer(raw, dtype=np.uint8, offset=body)
+    return WindowOpenings(size, first, indices, array[:offsets[0][1]].reshape(want["chunks"]),
+                          array[offsets[0][1]:].reshape(want["paths"]))
+
+
+def _read(path: Path, limit: int) -> bytes:
+    """The file's bytes, refused past ``limit``."""
+    size = path.stat().st_size
+    if size > limit:
+        raise MalformedInput(f"{path.name} is {size} bytes, over the {limit}-byte limit")
+    return path.read_bytes()

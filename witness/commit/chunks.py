@@ -18,6 +18,8 @@ and to; ``verify_paths`` checks many openings at once, level by level.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from .batch import node_hashes, tagged_many, tree_levels
@@ -37,6 +39,18 @@ def chunk_leaves(data: bytes | memoryview | np.ndarray, chunk_bytes: int, thread
 def wrap_root(layout: bytes, size: int, tree_root: bytes) -> bytes:
     """The ``param_root`` a record commits: the chunk tree's root, bound to its layout and size."""
     return tagged_hash(ROOT_TAG, layout, size.to_bytes(8, "big"), tree_root)
+
+
+def wrap_roots(layout: bytes, size: int, tree_roots: np.ndarray) -> np.ndarray:
+    """``wrap_root`` of many tree roots ([m, 32] uint8) at once: the fixed prefix is hashed once."""
+    base = hashlib.sha256(ROOT_TAG.encode("ascii") + b"\x00" + b"".join(
+        len(p).to_bytes(8, "big") + p for p in (layout, size.to_bytes(8, "big"))) + (32).to_bytes(8, "big"))
+    out = np.empty_like(tree_roots)
+    for i, root in enumerate(tree_roots):
+        h = base.copy()
+        h.update(root.tobytes())
+        out[i] = np.frombuffer(h.digest(), dtype=np.uint8)
+    return out
 
 
 def chunk_indices(beta: bytes, k: int, size: int) -> list[int]:

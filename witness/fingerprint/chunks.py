@@ -69,10 +69,23 @@ class ChunkLayout:
         """The parameters' state names, in layout order."""
         return [n for n, _, _ in self.tensors]
 
+    @cached_property
+    def _sizes(self) -> tuple[tuple[int, int], ...]:
+        """(element size, bytes without padding) of each tensor."""
+        out = []
+        for _, dtype, shape in self.tensors:
+            size = torch.empty((), dtype=dtype).element_size()
+            out.append((size, int(np.prod(shape, dtype=np.int64)) * size))
+        return tuple(out)
+
     def nbytes(self, i: int) -> int:
         """The bytes of tensor ``i`` (without its padding)."""
-        _, dtype, shape = self.tensors[i]
-        return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        return self._sizes[i][1]
+
+    @cached_property
+    def ends(self) -> np.ndarray:
+        """Where each tensor's bytes end in a flat buffer (its padding follows, to the next chunk)."""
+        return np.array([self.starts[i] * self.chunk_bytes + n for i, (_, n) in enumerate(self._sizes)], np.int64)
 
     def empty(self, pinned: bool = False) -> torch.Tensor:
         """A zeroed flat buffer for one state's parameters (its padding stays zero)."""
@@ -90,11 +103,12 @@ class ChunkLayout:
         """The state's parameters in a flat buffer (``flat``, zero-padded, or a new one); a state
         without one of them, or with another dtype or shape, is refused."""
         flat = self.empty() if flat is None else flat
-        for (name, dtype, shape), view in zip(self.tensors, self.views(flat).values(), strict=True):
+        for i, (name, dtype, shape) in enumerate(self.tensors):
             t = state.get(name)
             if t is None or t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"the state's {name} is not the layout's ({_dtype_name(dtype)}, {list(shape)})")
-            view.copy_(t.detach())
+            lo = self.starts[i] * self.chunk_bytes
+            flat[lo:lo + self._sizes[i][1]].copy_(t.detach().reshape(-1).view(torch.uint8))
         return flat
 
     def tree(self, flat: torch.Tensor) -> ChunkTree:
@@ -109,7 +123,6 @@ class ChunkLayout:
     def locate(self, chunk: int) -> tuple[int, int, int]:
         """(tensor index, its first element in the chunk, how many of its elements the chunk holds)."""
         i = int(np.searchsorted(self.starts, chunk, side="right")) - 1
-        _, dtype, _ = self.tensors[i]
-        size = torch.empty((), dtype=dtype).element_size()
+        size = self._sizes[i][0]
         first = (chunk - self.starts[i]) * self.chunk_bytes // size
         return i, first, min(self.chunk_bytes // size, self.nbytes(i) // size - first)

@@ -144,7 +144,8 @@ def move_limits(before: np.ndarray, after: np.ndarray, lr: np.ndarray, bound: np
     against them (one per step). A parameter that may not move (``bound`` 0, no decay) may not move by a
     single bit."""
     a, b = before.astype(np.float64), after.astype(np.float64)
-    moved = np.abs(b - a * (1.0 - lr * decay))
-    ulp = np.spacing(np.maximum(np.abs(before), np.abs(after)).astype(dtype)).astype(np.float64)
-    allowed = np.where(bound > 0, lr * bound * (1.0 + REL_SLACK) + ULP_SLACK * ulp, 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN values move by NaN: out of bounds
+        moved = np.abs(b - a * (1.0 - lr * decay))
+        ulp = np.spacing(np.maximum(np.abs(before), np.abs(after)).astype(dtype)).astype(np.float64)
+        allowed = np.where(bound > 0, lr * bound * (1.0 + REL_SLACK) + ULP_SLACK * ulp, 0.0)
     return moved, allowed
