@@ -246,6 +246,7 @@ def main() -> dict:
                                    "moves_checked_steps": v.moves["checked"], "moves_worst": v.moves["worst"],
                                    "moves_slack_used": v.moves["slack_used"]}
         sizes = {mode: statistics.median(_bytes(r["out"]) for r in rs) for mode, rs in runs.items()}
+        logs = {mode: statistics.median((r["out"] / "log.jsonl").stat().st_size for r in rs) for mode, rs in runs.items()}
         if not args.skip_verify and "witnessed" in modes:
             from witness.verify.online import WitnessTrust
 
@@ -266,7 +267,7 @@ def main() -> dict:
         med = {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "trainer_cpu_s", "server_cpu_s")}
         m = {"walls_s": [round(r["wall_s"], 2) for r in rs], **med,
              "wall_ratio": med["wall_s"] / plain_wall, "trainer_cpu_ratio": med["trainer_cpu_s"] / plain_cpu}
-        m["bundle_bytes"] = sizes[mode]
+        m["bundle_bytes"], m["log_bytes"] = sizes[mode], logs[mode]
         if mode != "plain":
             spec = beacon_spec if mode == "beacon" else dataclasses.replace(beacon_spec, chunks=0) \
                 if mode == "unchunked" else specs[mode]
@@ -295,6 +296,10 @@ def main() -> dict:
             "chunk_tree_fraction": b["chunk_tree_fraction"], "trees": b["trees"],
             "tree_ms_per_step": 1000 * b["tree_cpu_seconds"] / max(1, b["trees"]),
             "openings_bytes": b["opened_bytes"], "openings_bytes_per_step": b["opened_bytes"] / args.steps,
+            # what the chunks add to a bundle: the openings and the records' roots (the runs' logs differ by those
+            # alone), against the unchunked bundle (whose kept states, drawn at random, vary by +-10 % a run)
+            "extra_bytes": b["opened_bytes"] + b["log_bytes"] - u["log_bytes"],
+            "extra_bytes_ratio": (b["opened_bytes"] + b["log_bytes"] - u["log_bytes"]) / u["bundle_bytes"],
             "bundle_bytes_ratio": b["bundle_bytes"] / u["bundle_bytes"],
             "wall_ratio_chunked_to_unchunked": b["wall_s"] / u["wall_s"]}
         if "verify" in b:
