@@ -508,6 +508,9 @@ def test_a_withheld_statement_breaks_the_chain_and_missing_ones_are_not_audited_
     assert v.online["unaudited"] == STEPS - covered and not v.online["final"]
     assert v.detection_probability == pytest.approx(online_bound(P, 0.05, STEPS, STEPS - covered))
     assert any("not audited online" in n for n in v.notes) and v.warning
+    # nor is their move claimed checked: their windows' openings are passed over, and the line says so
+    assert v.moves["checked"] == covered and v.moves["ignored"] and f"{STEPS - covered} step(s) in no window" in \
+        v.moves["summary"] and f"{covered} of the run's {STEPS} step(s)" in v.moves["summary"]
     (b / STATEMENTS).unlink()
     v = online(b, beacon.public_key)
     assert v.online["windows"] == 0 and v.replayed_steps == 0 and v.detection_probability == 0.0

@@ -40,6 +40,7 @@ class MoveCheck:
     chunk_bytes: int
     optimizer: str  # and its bounds, or why no bound holds (refused)
     refused: bool = False
+    steps: int = 0  # the run's signed steps
     checked: int = 0  # steps whose move was checked in a window that counts
     late: int = 0  # steps checked in windows that count for nothing (their draw may have been known)
     pending: int = 0  # steps of windows whose openings have not arrived (a leaderboard's live audit)
@@ -64,8 +65,12 @@ class MoveCheck:
         if self.refused:
             return f"every step: bounded move not checked ({self.optimizer})"
         out = (f"every step: bounded move checked at {self.chunks} chunk(s) of {self.of} ({self.chunk_bytes} bytes "
-               f"each) per step, {self.checked} step(s) in {self.windows} window(s); {self.optimizer}; the parameters' "
-               "moves (buffers, such as BatchNorm's running statistics, are left to replay)")
+               f"each) per step, {self.checked} of the run's {self.steps} step(s) in {self.windows} window(s); "
+               f"{self.optimizer}; the parameters' moves (buffers, such as BatchNorm's running statistics, are left "
+               "to replay)")
+        if self.checked + self.late + self.pending < self.steps:
+            out += (f"; {self.steps - self.checked - self.late - self.pending} step(s) in no window a statement here "
+                    "opens: not checked")
         if self.late:
             out += f"; {self.late} more step(s) checked in windows that count for nothing (cosigned too late)"
         if self.pending:
@@ -90,7 +95,7 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
     if isinstance(rules, str):
         return MoveCheck(k, layout.size, cb, rules, refused=True)
     n, offset = len(bundle.steps), step_offset(init)
-    out = MoveCheck(min(k, layout.size), layout.size, cb, rules.describe(n, offset))
+    out = MoveCheck(min(k, layout.size), layout.size, cb, rules.describe(n, offset), steps=n)
     roots = _roots(bundle, layout, init)
     reads: list = []
     held = 0
