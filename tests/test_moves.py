@@ -171,6 +171,12 @@ def test_the_bound_table_takes_the_largest_b_up_to_each_step():
     assert step_offset({"model.w": torch.zeros(2)}) == 0
 
 
+def test_a_step_of_rate_zero_is_held_to_no_move():
+    a = np.array([0.5, -1.0], dtype=np.float32)
+    moved, allowed = move_limits(a, a + np.float32(1e-7), np.float64(0.0), np.float64(1.0), 0.1, np.dtype(np.float32))
+    assert (allowed == 0).all() and (moved > 0).all()
+
+
 def test_a_coordinate_that_becomes_nan_is_not_a_move_but_leaving_it_is():
     a = np.array([0.5, np.nan, 1.0], dtype=np.float32)
     b = np.array([np.nan, 0.2, 1.0], dtype=np.float32)

@@ -302,6 +302,18 @@ def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon,
         arrays[name].view(-1)[at] ^= 1
         save_safetensors(arrays, path, header(path)["__metadata__"])
 
+    def floats(o: Path) -> None:  # the same bytes, its header's offsets written as JSON floats (64.0 == 64)
+        path = o / "online" / "chunks" / files[1].name
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        for name in ("chunks", "paths"):
+            header[name]["data_offsets"] = [float(x) for x in header[name]["data_offsets"]]
+        text = json.dumps(header).encode()
+        path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+    with pytest.raises(MalformedInput, match="tensors are not where its header says"):
+        online(tampered("floats", floats), beacon.public_key)
     path = "does not lead to the param_root its record commits"
     for name, at, why in (("chunks", 5, path), ("paths", 40, path),
                           ("chunks", 1024 * 2 + 200, "fc2.bias.* holds bytes past the tensor's end")):  # its padding

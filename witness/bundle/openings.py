@@ -67,18 +67,24 @@ def read_openings(path: Path, size: int, first: int, states: int, indices: tuple
                                 check="moves")
     for name, shape in want.items():
         t = header[name]
-        if not isinstance(t, dict) or t.get("dtype") != "U8" or t.get("shape") != shape:
+        if not isinstance(t, dict) or t.get("dtype") != "U8" or not _ints(t.get("shape"), shape):
             raise VerificationError(f"{path.name}: {name} must be uint8 of shape {shape}", step=first, check="moves")
     # the data must be the two tensors, back to back, and nothing else (what safetensors writes)
-    offsets = [header[name].get("data_offsets") for name in ("chunks", "paths")]
+    split = states * len(indices) * chunk_bytes
     body = 8 + int.from_bytes(raw[:8], "little")
-    if offsets[0] != [0, states * len(indices) * chunk_bytes] or offsets[1] != [offsets[0][1], data_bytes] \
-            or len(raw) != body + data_bytes:
+    if not _ints(header["chunks"].get("data_offsets"), [0, split]) \
+            or not _ints(header["paths"].get("data_offsets"), [split, data_bytes]) or len(raw) != body + data_bytes:
         raise MalformedInput(f"{path.name} is not a valid safetensors file: its tensors are not where its header "
                              "says, or bytes follow them")
     array = np.frombuffer(raw, dtype=np.uint8, offset=body)
-    return WindowOpenings(size, first, indices, array[:offsets[0][1]].reshape(want["chunks"]),
-                          array[offsets[0][1]:].reshape(want["paths"]))
+    return WindowOpenings(size, first, indices, array[:split].reshape(want["chunks"]),
+                          array[split:].reshape(want["paths"]))
+
+
+def _ints(value: object, want: list[int]) -> bool:
+    """Whether a header's list is exactly these integers (JSON's 64.0 or true are not 64 or 1)."""
+    return isinstance(value, list) and len(value) == len(want) and all(
+        type(x) is int and x == w for x, w in zip(value, want, strict=True))
 
 
 def _read(path: Path, limit: int) -> bytes:

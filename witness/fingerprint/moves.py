@@ -141,11 +141,12 @@ def move_limits(before: np.ndarray, after: np.ndarray, lr: np.ndarray, bound: np
     """(how far each coordinate moved beyond its decayed value, how far it may), elementwise, in float64.
 
     ``before`` and ``after`` are the values in the parameter's ``dtype``; ``lr`` and ``bound`` broadcast
-    against them (one per step). A parameter that may not move (``bound`` 0, no decay) may not move by a
-    single bit."""
+    against them (one per step). A parameter that may not move (``bound`` 0, no decay), or a step of rate
+    0, is allowed a move of 0 (the caller holds a frozen parameter to its very bits)."""
     a, b = before.astype(np.float64), after.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN values move by NaN: out of bounds
         moved = np.abs(b - a * (1.0 - lr * decay))
         ulp = np.spacing(np.maximum(np.abs(before), np.abs(after)).astype(dtype)).astype(np.float64)
-        allowed = np.where(bound > 0, lr * bound * (1.0 + REL_SLACK) + ULP_SLACK * ulp, 0.0)
+        # a step of rate 0 moves nothing (the decay is 1, the update 0): it is held to no move at all
+        allowed = np.where((bound > 0) & (lr > 0), lr * bound * (1.0 + REL_SLACK) + ULP_SLACK * ulp, 0.0)
     return moved, allowed

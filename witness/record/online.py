@@ -198,6 +198,7 @@ class OnlineChallenges:
         self.reopen: dict[int, tuple[int, list[int], dict[int, tuple[np.ndarray, np.ndarray]]]] = {}
         self._scratch: torch.Tensor | None = None  # a flat buffer for a state the ring does not keep
         self._scratch_lock = threading.Lock()
+        self._reopen_lock = threading.Lock()
         self.statements: dict[int, BeaconStatement] = {}  # by head size
         self.wanted: set[int] = set()  # states of selected steps still to come (after a resume)
         self.selected: set[int] = set()  # every step a statement selected
@@ -335,14 +336,16 @@ class OnlineChallenges:
 
     def _collect(self, n: int, flat: torch.Tensor, tree: ChunkTree) -> None:
         """A resumed run passing state ``n`` again: its pieces of the windows whose openings were lost,
-        and each such window's file once all its states are here."""
-        for size, (first, chunks, pieces) in list(self.reopen.items()):
-            last = first + len(self._window_at(size))
-            if first <= n <= last and n not in pieces:
-                pieces[n] = self._pieces(flat, tree, chunks)
-                if len(pieces) == last - first + 1:
-                    del self.reopen[size]
-                    self._write_openings(size, first, chunks, [pieces[m] for m in range(first, last + 1)])
+        and each such window's file once all its states are here (one thread at a time: the overlapped
+        hash's thread and the training thread may both pass states)."""
+        with self._reopen_lock:
+            for size, (first, chunks, pieces) in list(self.reopen.items()):
+                last = first + len(self._window_at(size))
+                if first <= n <= last and n not in pieces:
+                    pieces[n] = self._pieces(flat, tree, chunks)
+                    if len(pieces) == last - first + 1:
+                        del self.reopen[size]
+                        self._write_openings(size, first, chunks, [pieces[m] for m in range(first, last + 1)])
 
     def _window_at(self, size: int) -> range:
         return self.statements[size].window(self.steps)

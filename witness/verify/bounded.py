@@ -306,6 +306,8 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
         # no step of the optimizer takes a finite value to +-inf; a NaN is an honest step's only where the step
         # diverged (its loss or gradient norm is not finite: NaN gradients make every moved value NaN)
         bad = valid & ~(moved <= allowed) & ~(np.isnan(b) & diverged[t][:, None])
+        if rule.betas is None:  # no optimizer group holds it: not a bit may change (not 0.0 to -0.0)
+            bad |= valid & (a.view(f"u{esize}") != b.view(f"u{esize}"))
         if bad.any():
             hits = np.argwhere(bad)
             r, c = (int(x) for x in hits[np.argmin(t[hits[:, 0]])])  # this tensor's earliest step
