@@ -260,6 +260,27 @@ def test_a_kept_state_of_other_dtypes_is_rejected_not_a_crash(tmp_path, beacon, 
         online(tmp_path / "b", beacon.public_key)
 
 
+def test_a_state_a_crash_lost_is_written_and_kept_for_the_next_windows_openings(tmp_path):
+    """Resuming: the state after 8 updates was selected (it ends step 7) and lost, and the window
+    before ends on it. It is written when the resumed run passes it, and kept in the ring too: the next
+    window's steps go from it, so its openings open it (found by a kill -9 test, 1 run in 15)."""
+    from witness.bundle.state import state_tensors
+    from witness.fingerprint.chunks import ChunkLayout
+    from witness.record.online import OnlineChallenges
+    from witness.session import TrainingSession
+
+    task = build_task("tiny", {"steps": STEPS})
+    session = TrainingSession(task, b"\x05" * 32, len(task.dataset()))
+    ring = OnlineChallenges(tmp_path, SPEC, None, RunLog(), STEPS, task.dataset(), 8,  # type: ignore[arg-type]
+                            ChunkLayout.of_model(session.model, SPEC.chunk_bytes))
+    ring.covered, ring.wanted = 8, {8}
+    tree = ring.keep(8, state_tensors(session.model, session.optimizer))
+    assert (tmp_path / online_state_name(8)).exists() and ring.rebuilt == 1 and not ring.wanted
+    assert 8 in ring.ring and ring.trees[8] is tree
+    ring.keep(7, state_tensors(session.model, session.optimizer))  # a covered state: hashed, not kept
+    assert 7 not in ring.ring
+
+
 def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon, monkeypatch):
     """A window's openings: every step of every window must have them, each is its window's own, and
     every byte is bound by the records' roots (a chunk, a path node), the padding zeros too."""

@@ -388,16 +388,17 @@ class OnlineChallenges:
         self.drain()
         with self._lock:
             rebuild = n in self.wanted
-            # covered by a statement (and not selected), or the final state, which no step starts from (but
-            # a chunked run's last window opens its chunks)
-            if not rebuild and (n < self.covered or n > self.steps or n == self.steps and self.layout is None):
-                return False
         if rebuild:  # selected before a crash lost it: rebuilt from the checkpoint before it
             self._write(n, state)
             with self._lock:
                 self.wanted.discard(n)
             self.rebuilt += 1
-            return False
+        with self._lock:
+            # covered by a statement (and not selected, or written just now), or the final state, which no step
+            # starts from (but a chunked run's last window opens its chunks). A state the window before ends on
+            # is the next window's first: kept, though a crash made it be written already
+            if n < self.covered or n > self.steps or n == self.steps and self.layout is None:
+                return False
         while len(self.ring) >= self.spec.ring:
             if not self._pending:
                 raise RuntimeError(f"the ring of {self.spec.ring} states is full and no head is out to the beacon")
