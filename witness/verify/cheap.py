@@ -151,6 +151,8 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         if exact:
             raise VerificationError("the initial state is not the one the run seed generates", step=0, check="init")
         init_check = None  # tolerance mode: judged against the initial checkpoint below
+    # a chunked run's records commit their parameters' chunk root too: each checkpoint is held to it
+    layout = ChunkLayout.of_model(session.model, m.online["chunk_bytes"]) if m.chunked else None  # type: ignore[index]
     for step in bundle.checkpoint_steps():
         sh, fh = bundle.committed_checkpoint(step)  # type: ignore[misc]
         path = bundle.checkpoints[step]
@@ -165,8 +167,7 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
             load_state(session.model, session.optimizer, tensors)
             check_state(bundle, session, step, exact, thresholds)
             root = bundle.steps[step - 1].param_root
-            if root is not None and not same(ChunkLayout.of_model(session.model, m.online["chunk_bytes"]).root(tensors),  # type: ignore[index]
-                                             root):
+            if root is not None and not same(layout.root(tensors), root):  # type: ignore[union-attr]
                 raise VerificationError(f"{path.name}: its record's param_root is not the chunk root of its parameters",
                                         step=step, check="checkpoint")
         if bundle.end is not None and step == len(bundle.steps) and not same(model_hash(tensors, m.state_digest),
