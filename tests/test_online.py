@@ -446,6 +446,23 @@ def test_every_mode_holds_each_state_it_loads_or_reaches_to_its_records_param_ro
             Manifest.parse(m | change)
 
 
+def test_the_command_line_opens_the_recorders_default_chunks_and_k_reaches_the_manifest(capsys):
+    from witness.cli import build_parser
+    from witness.cli.run import ONLINE_CHUNKS, _online_spec
+    from witness.record.online import DEFAULT_CHUNKS
+
+    assert ONLINE_CHUNKS == DEFAULT_CHUNKS  # what --online-chunks's help says is the default
+    parse = build_parser().parse_args
+    base = ["train", "--task", "tiny", "--beacon", "http://127.0.0.1:9"]
+    assert _online_spec(parse(base), 100).chunks == DEFAULT_CHUNKS
+    assert _online_spec(parse(base + ["--online-chunks", "5"]), 100).to_json()["chunks"] == 5
+    assert "chunks" not in _online_spec(parse(base + ["--online-chunks", "0"]), 100).to_json()  # none committed
+    for bad in ("-1", "257", "two"):
+        with pytest.raises(SystemExit):
+            parse(base + ["--online-chunks", bad])
+    assert "--online-chunks" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
 def test_a_plugin_run_commits_its_chunks_where_its_optimizer_bounds_a_move(tmp_path, beacon, capsys, optimizer):
     # the example plugin (a BatchNorm CNN): with AdamW every step's move is checked; with SGD, whose

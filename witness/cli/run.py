@@ -23,6 +23,7 @@ from .args import (
 )
 
 SELF_CHECK_SHARE = 0.01  # witness.record.background.DEFAULT_SHARE (imported here, it would import torch)
+ONLINE_CHUNKS = 2  # witness.record.online.DEFAULT_CHUNKS (the same: its help says the default)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -444,7 +445,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--online-every", type=positive, help="steps between heads streamed to the beacon (default 10)")
     t.add_argument("--online-chunks", type=chunk_count, metavar="K",
                    help="parameter chunks each window opens of every state, for the bounded-move check of every step "
-                        "(default 4; 0 commits none)")
+                        f"(default {ONLINE_CHUNKS}; 0 commits none)")
     t.add_argument("--leaderboard", metavar="URL", help="take the run ticket from this leaderboard and stream heads to it")
     t.add_argument("--track", help="the leaderboard track (its recipe replaces --task, --steps and --config)")
     t.add_argument("--token", help="leaderboard API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")
