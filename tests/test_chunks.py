@@ -18,6 +18,7 @@ from witness.commit.chunks import (
     path_nodes,
     verify_paths,
     wrap_root,
+    wrap_roots,
 )
 from witness.commit.merkle import MerkleTree
 from witness.fingerprint.chunks import ChunkLayout
@@ -48,6 +49,15 @@ def test_every_path_is_the_rfc6962_audit_path(size, hashing):
         want = log.inclusion_proof(i)
         assert [bytes(x) for x in tree.paths([i])] == want
         assert len(want) == len(path_nodes(i, size))
+
+
+def test_the_batched_root_wrap_is_the_single_one_and_binds_layout_and_size():
+    tops = np.frombuffer(_leaves(5), dtype=np.uint8).reshape(5, 32)
+    many = wrap_roots(LAYOUT, 9, tops)
+    assert [bytes(r) for r in many] == [wrap_root(LAYOUT, 9, t.tobytes()) for t in tops]
+    assert wrap_roots(LAYOUT, 9, tops[:0]).shape == (0, 32)
+    assert not (wrap_roots(LAYOUT, 10, tops) == many).all(axis=1).any()
+    assert not (wrap_roots(b"\x08" * 32, 9, tops) == many).all(axis=1).any()
 
 
 def test_the_batched_check_reaches_each_root_and_any_change_misses_it(hashing):

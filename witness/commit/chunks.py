@@ -18,12 +18,10 @@ and to; ``verify_paths`` checks many openings at once, level by level.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
 from .batch import node_hashes, tagged_many, tree_levels
-from .hashing import tagged_hash
+from .hashing import tagged_hash, tagged_hashes
 
 CHUNK_TAG = "witness/param-chunk/v1"
 ROOT_TAG = "witness/param-root/v1"
@@ -43,14 +41,8 @@ def wrap_root(layout: bytes, size: int, tree_root: bytes) -> bytes:
 
 def wrap_roots(layout: bytes, size: int, tree_roots: np.ndarray) -> np.ndarray:
     """``wrap_root`` of many tree roots ([m, 32] uint8) at once: the fixed prefix is hashed once."""
-    base = hashlib.sha256(ROOT_TAG.encode("ascii") + b"\x00" + b"".join(
-        len(p).to_bytes(8, "big") + p for p in (layout, size.to_bytes(8, "big"))) + (32).to_bytes(8, "big"))
-    out = np.empty_like(tree_roots)
-    for i, root in enumerate(tree_roots):
-        h = base.copy()
-        h.update(root.tobytes())
-        out[i] = np.frombuffer(h.digest(), dtype=np.uint8)
-    return out
+    out = tagged_hashes(ROOT_TAG, (layout, size.to_bytes(8, "big")), (r.tobytes() for r in tree_roots))
+    return np.frombuffer(b"".join(out), dtype=np.uint8).reshape(-1, 32)
 
 
 def chunk_indices(beta: bytes, k: int, size: int) -> list[int]:

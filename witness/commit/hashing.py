@@ -7,6 +7,7 @@ import hmac
 import json
 import math
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import MalformedInput
@@ -24,14 +25,30 @@ def sha256(data: bytes) -> bytes:
 _TAG_STATES: dict[str, Any] = {}
 
 
-def tagged_hash(tag: str, *parts: bytes) -> bytes:
-    """SHA-256 of an ASCII tag, a NUL, then length-prefixed parts (no ambiguity between parts)."""
+def _tagged(tag: str, *parts: bytes) -> Any:
+    """The SHA-256 state after an ASCII tag, a NUL, then length-prefixed parts."""
     base = _TAG_STATES.get(tag)
     if base is None:  # the tag's prefix is hashed once, then its state is copied
         base = _TAG_STATES[tag] = hashlib.sha256(tag.encode("ascii") + b"\x00")
     h = base.copy()
     h.update(b"".join(len(p).to_bytes(8, "big") + p for p in parts))
-    return h.digest()
+    return h
+
+
+def tagged_hash(tag: str, *parts: bytes) -> bytes:
+    """SHA-256 of an ASCII tag, a NUL, then length-prefixed parts (no ambiguity between parts)."""
+    return _tagged(tag, *parts).digest()
+
+
+def tagged_hashes(tag: str, fixed: tuple[bytes, ...], last: Iterable[bytes]) -> list[bytes]:
+    """``tagged_hash(tag, *fixed, x)`` for every ``x`` of ``last``, the shared parts hashed once."""
+    base = _tagged(tag, *fixed)
+    out = []
+    for x in last:
+        h = base.copy()
+        h.update(len(x).to_bytes(8, "big") + x)
+        out.append(h.digest())
+    return out
 
 
 def leaf_hash(data: bytes) -> bytes:
