@@ -78,6 +78,11 @@ def test_selected_steps_are_replayed_before_submission_and_not_again(server, tmp
         resp = tc.put(f"/api/runs/{run_id}/online/chunks/{size}", content=path.read_bytes(),
                       headers={"Authorization": f"Bearer {alice.token}", "Content-Type": "application/octet-stream"})
         assert resp.status_code == code, resp.text
+    # a run that streamed no head yet (so no manifest) takes no openings
+    fresh = C.ticket(Authed(tc, alice.token), "live")["run_id"]
+    resp = tc.put(f"/api/runs/{fresh}/online/chunks/6", content=path.read_bytes(),
+                  headers={"Authorization": f"Bearer {alice.token}", "Content-Type": "application/octet-stream"})
+    assert resp.status_code == 409 and "takes no online challenges" in resp.text, resp.text
     page = tc.get("/tracks/live").text
     assert f"{len(steps)} of {len(steps)} selected step(s) verified" in page and "required, with p ≥ 0.5" in page
     hist = tc.get(f"/api/runs/{run_id}/challenges").json()

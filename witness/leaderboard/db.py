@@ -7,6 +7,7 @@ created and changed only by the Alembic migrations in ``migrations/``.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -126,6 +127,12 @@ class LogLine(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
     position: Mapped[int] = mapped_column(Integer, primary_key=True)
     line: Mapped[str] = mapped_column(Text)
+
+
+def run_manifest(s, run_id: int) -> dict:  # noqa: ANN001 - a Session
+    """A streamed run's manifest, the first line of its log ({} before its first head came)."""
+    first = s.get(LogLine, (run_id, 0))
+    return json.loads(first.line) if first is not None else {}
 
 
 class OnlineStep(Base):

@@ -49,6 +49,7 @@ from .db import (
     Run,
     Track,
     now_ms,
+    run_manifest,
 )
 from .service import Leaderboard
 
@@ -128,7 +129,7 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         acct = s.get(Account, run.account_id)
         # replay exactly the ready steps: a statement may select steps whose rows are not written
         # yet (the beacon commits its statement first), and those wait for their uploads too
-        planned = json.loads(s.get(LogLine, (run.id, 0)).line)["steps_planned"]
+        planned = run_manifest(s, run.id)["steps_planned"]
         others = set(range(planned)) - {row.step for row in ready}
         verdict, failures = None, []
         with tempfile.TemporaryDirectory(dir=lb.store.root / "incoming", prefix="live-") as tmp:
@@ -263,8 +264,7 @@ def online_progress(s, run: Run) -> dict:  # noqa: ANN001 - a Session
     open_ = run.status in OPEN
     # a chunked run's windows: their openings uploaded, and the steps a live round checked every move of
     windows = s.execute(select(OnlineWindow.status, OnlineWindow.steps).where(OnlineWindow.run_id == run.id)).all()
-    first = s.get(LogLine, (run.id, 0))
-    chunks = (json.loads(first.line).get("online") or {}).get("chunks", 0) if first is not None else 0
+    chunks = (run_manifest(s, run.id).get("online") or {}).get("chunks", 0)
     return {"selected": len(rows), "waiting": count["selected"] if open_ else 0,
             "ready": count["ready"] if open_ else 0, "verified": count["passed"], "failed": count["failed"],
             "while_training": live, "at_submission": count["passed"] - live,

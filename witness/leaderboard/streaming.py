@@ -36,6 +36,7 @@ from .db import (
     OnlineWindow,
     Run,
     now_ms,
+    run_manifest,
 )
 
 
@@ -143,7 +144,7 @@ class StreamedRuns:
 
     def _select(self, s: Session, run: Run, st: BeaconStatement) -> None:
         """Note the steps a statement selects (once: the same head again gets the same statement)."""
-        planned = json.loads(s.get(LogLine, (run.id, 0)).line)["steps_planned"]
+        planned = run_manifest(s, run.id)["steps_planned"]
         have = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id)))
         t = now_ms()
         s.add_all(OnlineStep(run_id=run.id, step=n, status="selected", selected_ms=t, has_samples=False)
@@ -205,7 +206,7 @@ class StreamedRuns:
         chunks, this server's beacon stamped the head of ``size`` records for it, opening steps, and
         its openings have not come."""
         run = self._uploading(s, acct, run_id)
-        manifest = json.loads(s.get(LogLine, (run.id, 0)).line)
+        manifest = run_manifest(s, run.id)
         if "chunks" not in (manifest.get("online") or {}):
             raise ApiError(409, f"run {run_id} commits no parameter chunks: it has no openings to upload")
         first = s.scalar(select(Head.root).where(Head.run_id == run.id, Head.size == 1))
@@ -223,7 +224,7 @@ class StreamedRuns:
         """The most bytes the openings of a window of ``steps`` can take: its states (one more than its
         steps), each with its chunks and their paths (at most 41 nodes: a tree of 2^40 chunks), and a
         header (the caller caps it at the track's upload limit too)."""
-        online = json.loads(s.get(LogLine, (run_id, 0)).line).get("online") or {}
+        online = run_manifest(s, run_id).get("online") or {}
         chunks, size = online.get("chunks", 0), online.get("chunk_bytes", 0)
         return (len(steps) + 1) * chunks * (size + 41 * 32) + (1 << 16)
 
