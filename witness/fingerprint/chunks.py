@@ -23,7 +23,8 @@ DEFAULT_CHUNK_BYTES = 1024
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64, 1 << 20
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the layout's id and messages spell it (``float32``)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -62,7 +63,7 @@ class ChunkLayout:
         """The layout's hash: the chunk size and every tensor's name, dtype and shape, in order."""
         return tagged_hash("witness/chunk-layout/v1", canonical_json(
             {"chunk_bytes": self.chunk_bytes,
-             "tensors": [[n, _dtype_name(d), list(s)] for n, d, s in self.tensors]}))
+             "tensors": [[n, dtype_name(d), list(s)] for n, d, s in self.tensors]}))
 
     @property
     def names(self) -> list[str]:
@@ -106,7 +107,7 @@ class ChunkLayout:
         for i, (name, dtype, shape) in enumerate(self.tensors):
             t = state.get(name)
             if t is None or t.dtype != dtype or tuple(t.shape) != shape:
-                raise ValueError(f"the state's {name} is not the layout's ({_dtype_name(dtype)}, {list(shape)})")
+                raise ValueError(f"the state's {name} is not the layout's ({dtype_name(dtype)}, {list(shape)})")
             lo = self.starts[i] * self.chunk_bytes
             flat[lo:lo + self._sizes[i][1]].copy_(t.detach().reshape(-1).view(torch.uint8))
         return flat
@@ -120,9 +121,13 @@ class ChunkLayout:
         """The ``param_root`` of a state's parameters."""
         return self.tree(self.flatten(state)).root
 
+    def tensor_of(self, chunks: np.ndarray) -> np.ndarray:
+        """The index of the tensor each chunk belongs to."""
+        return np.searchsorted(np.asarray(self.starts), chunks, side="right") - 1
+
     def locate(self, chunk: int) -> tuple[int, int, int]:
         """(tensor index, its first element in the chunk, how many of its elements the chunk holds)."""
-        i = int(np.searchsorted(self.starts, chunk, side="right")) - 1
+        i = int(self.tensor_of(np.asarray(chunk)))
         size = self._sizes[i][0]
         first = (chunk - self.starts[i]) * self.chunk_bytes // size
         return i, first, min(self.chunk_bytes // size, self.nbytes(i) // size - first)

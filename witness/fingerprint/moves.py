@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .chunks import dtype_name
+
 # Rounding: torch's AdamW computes in the parameter's dtype, so a step's move may exceed the exact
 # bound by a few roundings of the update (each 2^-24 of it in float32) and of the new value (an ulp
 # of it). The check allows the move lr * B * (1 + REL_SLACK) + ULP_SLACK ulps of the larger of the two
@@ -118,13 +120,13 @@ def move_rules(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Move
             if id(p) not in names:
                 return f"{kind.__name__} steps a tensor that is not one of the model's parameters"
             if p.dtype not in SUPPORTED_DTYPES:
-                return (f"parameter {names[id(p)]} is {str(p.dtype).removeprefix('torch.')}: the bound's rounding is "
+                return (f"parameter {names[id(p)]} is {dtype_name(p.dtype)}: the bound's rounding is "
                         "checked for float32 and float64 parameters only")
             rules[f"model.{names[id(p)]}"] = MoveRule((b1, b2), float(group["weight_decay"]) if decoupled else 0.0)
     for n, p in model.named_parameters():
         if f"model.{n}" not in rules:
             if p.dtype not in SUPPORTED_DTYPES:
-                return f"parameter {n} is {str(p.dtype).removeprefix('torch.')}: float32 or float64 parameters only"
+                return f"parameter {n} is {dtype_name(p.dtype)}: float32 or float64 parameters only"
             rules[f"model.{n}"] = MoveRule(None)
     return MoveRules(kind.__name__, rules)
 

@@ -213,7 +213,7 @@ class _Batch:
 def _check_padding(batch: _Batch, layout: ChunkLayout) -> None:
     """Every opened chunk is zero past its tensor's end (the layout pads so): the bytes of a chunk are
     then exactly its tensor's values, and a root committed over other padding is refused here."""
-    tensor = np.searchsorted(np.asarray(layout.starts), batch.chunk, side="right") - 1
+    tensor = layout.tensor_of(batch.chunk)
     used = np.clip(layout.ends[tensor] - batch.chunk * layout.chunk_bytes, 0, layout.chunk_bytes)  # its data bytes
     rows = np.nonzero(used < layout.chunk_bytes)[0]  # a tensor's last chunk: the only ones with padding
     pad = np.zeros(len(batch.chunk), dtype=bool)
@@ -272,7 +272,7 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
     ks = np.concatenate([np.full((op.chunks.shape[0] - 1) * op.chunks.shape[1], op.chunks.shape[1])
                          for _, _, op in batch.reads])
     step, chunk = batch.state[first_rows], batch.chunk[first_rows]
-    tensor = np.searchsorted(np.asarray(layout.starts), chunk, side="right") - 1
+    tensor = layout.tensor_of(chunk)
     worst = slack = 0.0
     found: list[tuple[int, str]] = []  # (step, what moved too far), one per tensor
     for i in np.unique(tensor):
