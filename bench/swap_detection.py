@@ -163,7 +163,7 @@ def trial(folder: Path, task, leaves: Path, stolen: dict, staged: int = 0) -> di
         v = e.verdict
         named = any(f.startswith(f"step {SWAP_AT}: moves: model.") and "moved from" in f for f in e.failures)
         return {"rejected": True, "names_step_and_coordinate": named,
-                "by_moves": any(": moves: " in f for f in e.failures),
+                "by_moves": "failed_window" in (v.moves or {}),
                 "selected_bad": bool(bad & set(v.online["selected"])), "first_failure": e.failures[0][:240]}
 
 

@@ -305,12 +305,14 @@ def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon,
     files = _chunked(tmp_path / "b")
     gone = tampered("gone", lambda o: (o / "online" / "chunks" / files[2].name).unlink())
     with pytest.raises(RunRejected, match=r"step 8: moves: the trainer kept no chunk openings for the window "
-                                          r"closing at size 13"):
+                                          r"closing at size 13") as e:
         online(gone, beacon.public_key)
+    assert e.value.verdict.moves["failed_window"] == 13
     moved = tampered("moved", lambda o: shutil.copy(o / "online" / "chunks" / files[1].name,
                                                     o / "online" / "chunks" / files[2].name))
-    with pytest.raises(RunRejected, match="not the chunk openings of the window closing at size 13"):
+    with pytest.raises(RunRejected, match="not the chunk openings of the window closing at size 13") as e:
         online(moved, beacon.public_key)
+    assert e.value.verdict.moves["failed_window"] == 13
 
     def flip(o: Path, name: str, at: int) -> None:
         from safetensors.numpy import load_file
@@ -336,11 +338,15 @@ def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon,
     with pytest.raises(MalformedInput, match="tensors are not where its header says"):
         online(tampered("floats", floats), beacon.public_key)
     path = "does not lead to the param_root its record commits"
+    # (each is the first state of files[1]'s window, which the window before ends on too: the failure names the
+    # window whose openings failed, not the step alone, so a leaderboard's decision names that file)
     for name, at, why in (("chunks", 5, path), ("paths", 40, path),
                           ("chunks", 1024 * 2 + 200, "fc2.bias.* holds bytes past the tensor's end")):  # its padding
         bad = tampered(f"{name}{at}", lambda o, n=name, a=at: flip(o, n, a))
-        with pytest.raises(RunRejected, match=why):
+        with pytest.raises(RunRejected, match=why) as e:
             online(bad, beacon.public_key)
+        assert e.value.verdict.moves["failed_window"] == int(files[1].name[:8])
+        assert f"failed in the window closing at size {int(files[1].name[:8])}" in e.value.verdict.summary()
     # a trainer that commits padding of its own (for states 9..15, which no draw loads): every path
     # holds, the zeros do not
     from witness.record.online import OnlineChallenges

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -171,8 +170,9 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
                 s.add(ChallengeRow(round_id=rnd.id, step=row.step, length=1, passed=r.passed,
                                    distances_json=json.dumps(r.distances), failure=r.failure))
         failed = {t for t, r in results.items() if not r.passed}
-        moved = [f for f in failures if ": moves: " in f or f.startswith("moves: ")]  # a coordinate out of bounds
-        if failures and failed and not failed & {row.step for row, _ in replayed} and not moved:
+        # a window's openings that did not hold (a coordinate out of bounds, a path to another root): the window
+        moved = (verdict.moves or {}).get("failed_window") if verdict is not None and failures else None
+        if failures and failed and not failed & {row.step for row, _ in replayed} and moved is None:
             failures = []  # the steps that failed were another round's to decide: it rejects the run on them
         passed = not failures
         # the windows whose every step's opened moves this round checked (each taken once, from "uploaded")
@@ -192,7 +192,7 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         if failures:
             bad = next((row for row, r in replayed if not r.passed), None)
             where = f"step {bad.step}" if bad is not None else \
-                "the chunk openings of a window" if moved else "its streamed log"
+                "the chunk openings of a window" if moved is not None else "its streamed log"
             reason = f"online challenge failed while the run trained ({where}): " + "; ".join(failures)
             t = now_ms()
             # only a run still training is decided here: a submitted one is decided by its certification
@@ -201,7 +201,7 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
                                 .execution_options(synchronize_session=False)).rowcount
             if decided:
                 s.refresh(run)
-                window = _window_of(windows, moved[0], planned) if moved and bad is None else None
+                window = next((w for w in windows if w.size == moved), None) if bad is None else None
                 if bad is not None:  # the decision names the uploaded state the step failed from
                     subject = {"name": f"run-{run.id}-state-{bad.step:08d}.safetensors",
                                "digest": {"sha256": bad.state_sha256}}
@@ -217,19 +217,6 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
             s.rollback()
             return
         s.commit()
-
-
-def _window_of(windows: list[OnlineWindow], failure: str, planned: int) -> OnlineWindow | None:
-    """The window whose openings a bounded-move failure ("step t: moves: …") was found in."""
-    found = re.match(r"step (\d+): moves: ", failure)
-    if found is None:
-        return None
-    t = int(found.group(1))
-    for w in windows:
-        stop = min(w.size - 1, planned)
-        if stop - w.steps <= t < stop or t == stop:  # (a path failure names the state the window ends on)
-            return w
-    return None
 
 
 def _close(s, job: Job, worker: str) -> None:  # noqa: ANN001 - a Session

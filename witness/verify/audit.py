@@ -213,7 +213,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     data_checked = _data_checked(task, bundle, named_root, found, local is not None)
     session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
     checks += check_records(bundle, task, session)
-    moves, move_failure = None, None
+    moves, move_failure, failed_window = None, None, None
     if online is not None and m.chunked:
         # before any checkpoint is loaded: the session holds the state the seed gives
         init = {k: v.clone() for k, v in state_tensors(session.model, session.optimizer).items()}
@@ -224,7 +224,7 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         except MalformedInput:
             raise
         except VerificationError as e:
-            move_failure = str(e)
+            move_failure, failed_window = str(e), getattr(e, "window", None)
     leaves = committed_leaves(bundle, task, local.dataset if local else None, leaves_path)
     checks += check_data_usage(bundle, task, leaves, local.dataset if local else None)
     if probes_from_bundle(task, bundle):
@@ -274,9 +274,11 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     if moves is not None:
         verdict.moves = moves.to_json() | {"summary": moves.describe()}
         verdict.checks.append(moves.describe())
+    elif move_failure is not None:  # which window's openings failed, for a leaderboard to name that file
+        verdict.moves = {"failed_window": failed_window, "summary": "every step: the bounded-move check failed"
+                         + (f" in the window closing at size {failed_window}" if failed_window else "") + " (below)"}
     elif online is not None and m.online is not None:
-        verdict.notes.append("every step: bounded move not checked (the run commits no parameter chunks)"
-                             if move_failure is None else "every step: the bounded-move check failed (below)")
+        verdict.notes.append("every step: bounded move not checked (the run commits no parameter chunks)")
     if online is not None:
         verdict.online = {"beacon": online.beacon, "p": online.p, "every": online.every, "windows": online.windows,
                           "selected": online.selected, "covered": online.covered,

@@ -31,6 +31,15 @@ _NUMPY = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float6
 BATCH_BYTES = 64 << 20  # openings checked together: a run's windows are read and checked this much at a time
 
 
+class MoveFailure(VerificationError):
+    """A window's openings that do not hold: ``window`` is the head size it closes at (so a leaderboard
+    names that file; a step alone is ambiguous where windows share the state between them)."""
+
+    def __init__(self, message: str, *, window: int, step: int | None = None, check: str | None = "moves"):
+        super().__init__(message, step=step, check=check)
+        self.window = window
+
+
 @dataclass
 class MoveCheck:
     """What the bounded-move audit checked, for the verdict."""
@@ -124,12 +133,17 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
                 out.pending += len(d.steps)
                 out.missing.append(d.size)
                 continue
-            raise VerificationError(f"the trainer kept no chunk openings for the window closing at size {d.size} "
-                                    f"(steps {d.steps.start}..{d.steps.stop - 1}): a chunked run opens chunks of every "
-                                    "state of every window", step=d.steps.start, check="moves")
+            raise MoveFailure(f"the trainer kept no chunk openings for the window closing at size {d.size} "
+                              f"(steps {d.steps.start}..{d.steps.stop - 1}): a chunked run opens chunks of every state "
+                              "of every window", step=d.steps.start, window=d.size)
         chunks = chunk_indices(d.beta, k, layout.size)
         nodes = sum(len(path_nodes(c, layout.size)) for c in chunks)
-        opened = read_openings(path, d.size, d.steps.start, len(d.steps) + 1, tuple(chunks), cb, nodes)
+        try:
+            opened = read_openings(path, d.size, d.steps.start, len(d.steps) + 1, tuple(chunks), cb, nodes)
+        except MalformedInput:
+            raise
+        except VerificationError as e:  # another window's file, or another shape: this window's failure
+            raise MoveFailure(e.diagnosis, step=e.step, check=e.check, window=d.size) from None
         reads.append((d, chunks, opened))
         held += opened.chunks.nbytes + opened.paths.nbytes
         if held >= BATCH_BYTES:
@@ -222,10 +236,9 @@ def _check_padding(batch: _Batch, layout: ChunkLayout) -> None:
         r = int(np.nonzero(pad)[0][0])
         d, _, _ = batch.where(r)
         state = int(batch.state[r])
-        raise VerificationError(f"chunk {int(batch.chunk[r])} ({layout.tensors[tensor[r]][0]}) of the state after "
-                                f"{state} update(s), opened for the window closing at size {d.size}, holds bytes past "
-                                "the tensor's end, where the layout pads with zeros", step=max(state - 1, 0),
-                                check="moves")
+        raise MoveFailure(f"chunk {int(batch.chunk[r])} ({layout.tensors[tensor[r]][0]}) of the state after "
+                          f"{state} update(s), opened for the window closing at size {d.size}, holds bytes past the "
+                          "tensor's end, where the layout pads with zeros", step=max(state - 1, 0), window=d.size)
 
 
 def _check_paths(batch: _Batch, layout: ChunkLayout, roots: list[bytes | None]) -> None:
@@ -246,10 +259,10 @@ def _check_paths(batch: _Batch, layout: ChunkLayout, roots: list[bytes | None]) 
         split = np.nonzero((per_state[i] != per_state[i, :1]).any(axis=1))[0]
         d, chunks, _ = batch.where(i * k)
         t = int(state[i])
-        raise VerificationError(f"chunk {chunks[int(split[0]) if split.size else 0]} of the state after {t} update(s), "
-                                f"opened for the window closing at size {d.size}, does not lead to the param_root its "
-                                "record commits (a chunk or a path was changed, or the root commits other parameters)",
-                                step=max(t - 1, 0), check="moves")
+        raise MoveFailure(f"chunk {chunks[int(split[0]) if split.size else 0]} of the state after {t} update(s), "
+                          f"opened for the window closing at size {d.size}, does not lead to the param_root its "
+                          "record commits (a chunk or a path was changed, or the root commits other parameters)",
+                          step=max(t - 1, 0), window=d.size)
 
 
 def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: Bundle, offset: int,
@@ -274,7 +287,7 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
     step, chunk = batch.state[first_rows], batch.chunk[first_rows]
     tensor = layout.tensor_of(chunk)
     worst = slack = 0.0
-    found: list[tuple[int, str]] = []  # (step, what moved too far), one per tensor
+    found: list[tuple[int, str, int]] = []  # (step, what moved too far, its window's size), one per tensor
     for i in np.unique(tensor):
         name, dtype, shape = layout.tensors[i]
         rows = np.nonzero(tensor == i)[0]
@@ -317,7 +330,8 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
                 (f", after the decay by lr x {rule.decay:g}" if rule.decay else "") + ")"
             found.append((int(t[r]), f"{name}{list(coord)} moved from {float(a[r, c])!r} to {float(b[r, c])!r}, "
                                      f"{moved[r, c]:.3g} in one step where it {limit}: no step of {rules.optimizer} "
-                                     "moves a coordinate that far, whatever its gradient"))
+                                     "moves a coordinate that far, whatever its gradient",
+                          batch.where(int(first_rows[rows[r]]))[0].size))
             continue
         ok = valid & (allowed > 0) & np.isfinite(moved)
         if ok.any():
@@ -326,6 +340,6 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
             room = allowed - exact
             slack = max(slack, float(((moved - exact)[ok & (room > 0)] / room[ok & (room > 0)]).max(initial=0.0)))
     if found:
-        t, why = min(found)
-        raise VerificationError(why, step=t, check="moves")
+        t, why, window = min(found)
+        raise MoveFailure(why, step=t, window=window)
     return worst, slack
