@@ -176,7 +176,8 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
             failures = []  # the steps that failed were another round's to decide: it rejects the run on them
         passed = not failures
         # the windows whose every step's opened moves this round checked (each taken once, from "uploaded")
-        sizes = set(verdict.moves["sizes"]) if passed and verdict is not None and verdict.moves else set()
+        # (a failed check's moves hold only where it failed: no window of it counts as checked)
+        sizes = set(verdict.moves.get("sizes", ())) if passed and verdict is not None and verdict.moves else set()
         checked = [w for w in windows if w.size in sizes and s.execute(
             update(OnlineWindow).where(OnlineWindow.id == w.id, OnlineWindow.status == "uploaded")
             .values(status="checked", round_id=rnd.id).execution_options(synchronize_session=False)).rowcount]
