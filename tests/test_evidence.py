@@ -264,8 +264,9 @@ def test_restarts_of_one_computation_are_priced_into_the_bound_whatever_key_or_f
     train(tmp_path / "a1", beacon.link(), r=r, stop=22)
     train(tmp_path / "a2", beacon.link(), r=r)
     train(tmp_path / "a3", beacon.link(), r=r, config={"sketch_dims": 9}, stop=22)
-    # linked but not priced: the same seed with another learning rate (a sweep trains anew), and a
-    # stranger's run of the same recipe under another seed (which anyone could open, to grieve)
+    # priced too: the same seed under another recipe (here another learning rate; it could as well be a
+    # field that changes no bit of the training). Linked but not priced: a stranger's run of the same
+    # recipe under another seed (which anyone could open, to grieve)
     train(tmp_path / "sweep", beacon.link(), r=r, config={"lr": 0.02})
     train(tmp_path / "stranger", beacon.link(), r=b"\x06" * 32, stop=5)
     # the presented run, through the command line
@@ -273,17 +274,46 @@ def test_restarts_of_one_computation_are_priced_into_the_bound_whatever_key_or_f
                  str(tmp_path / "key.pem"), "--out", str(tmp_path / "run"), "--quiet", "--beacon", beacon.url,
                  "--seed", "restart", "--online-p", str(P), "--online-every", str(EVERY)]) == 0
     final = statements(tmp_path / "run")[-1]
-    assert final.final and final.version == 2 and (final.others, final.attempts) == (5, 3)
+    assert final.final and final.version == 2 and (final.others, final.attempts) == (5, 4)
     code, v = cli_json(capsys, "verify", tmp_path / "run", "--mode", "online", "--beacon-key", beacon.public_key,
                        "--allow-weak")
-    assert code == 0 and v["online"]["attempts"] == 3
+    assert code == 0 and v["online"]["attempts"] == 4
     b = math.ceil(0.05 * STEPS)
-    assert v["bound"] == pytest.approx((1 - (1 - P) ** b) ** 4) == pytest.approx(online_bound(P, 0.05, STEPS, 0, 3))
+    assert v["bound"] == pytest.approx((1 - (1 - P) ** b) ** 5) == pytest.approx(online_bound(P, 0.05, STEPS, 0, 4))
     capsys.readouterr()
     main(["verify", str(tmp_path / "run"), "--mode", "online", "--beacon-key", beacon.public_key, "--allow-weak"])
     out = capsys.readouterr().out
-    assert "linked 5 other run(s) to this one" in out and "prices 3 of them in" in out and "over 4 attempts" in out
-    assert "fresh key with another run seed is not seen" in out
+    assert "linked 5 other run(s) to this one" in out and "prices 4 of them in" in out and "over 5 attempts" in out
+    assert "an attempt under another run seed is not seen" in out
+
+
+def test_variants_of_one_computation_under_an_inert_recipe_field_are_priced(tmp_path, beacon, capsys):
+    """The red team's finding: the trainer trains once, then streams the same steps under recipes that
+    differ only in a field that changes no bit of the training (a clipping threshold never reached), each
+    under a fresh key, and presents the first whose draw missed its bad step. Every run of the seed is
+    priced, whatever its recipe."""
+    from witness.cli.args import trainer_r
+
+    r = trainer_r("inert")
+    bad = {32}
+    variants = [train(tmp_path / f"v{clip:g}", beacon.link(), r=r, bad=bad, config={"grad_clip": clip}, stop=37)
+                for clip in (1000.0, 1001.0, 1002.0)]
+    # the variants' step records are byte-identical: one computation, signed under three recipes and keys
+    logs = [(tmp_path / f"v{clip:g}" / "log.jsonl").read_bytes().splitlines()[1:30] for clip in (1000.0, 1001.0)]
+    assert logs[0] == logs[1] and variants[0].key != variants[1].key
+    save_key(generate_key(), tmp_path / "key.pem")
+    assert main(["train", "--task", "tiny", "--steps", str(STEPS), "--checkpoint-every", "10", "--key",
+                 str(tmp_path / "key.pem"), "--out", str(tmp_path / "run"), "--quiet", "--beacon", beacon.url,
+                 "--seed", "inert", "--config", "grad_clip=1003.0", "--online-p", str(P), "--online-every",
+                 str(EVERY)]) == 0
+    final = statements(tmp_path / "run")[-1]
+    assert final.final and (final.others, final.attempts) == (3, 3)
+    code, v = cli_json(capsys, "verify", tmp_path / "run", "--mode", "online", "--beacon-key", beacon.public_key,
+                       "--bad-fraction", str(1 / STEPS), "--allow-weak")
+    assert code == 0 and v["online"]["attempts"] == 3
+    # one bad step of 40 at p = 0.25: one attempt is caught with probability 0.25, but a trainer that presents
+    # the first of four attempts whose draw missed is caught only if all four drew the step: 0.25^4
+    assert v["bound"] == pytest.approx(P ** 4) == pytest.approx(online_bound(P, 1 / STEPS, STEPS, 0, 3))
 
 
 def test_a_head_that_calls_an_abandoned_attempt_finished_does_not_unprice_it(tmp_path, beacon):

@@ -23,6 +23,7 @@ from witness.beacon.db import create_tables
 from witness.beacon.witness import MAX_BODY, Witness, WitnessConflict
 from witness.beacon.witness_client import WitnessClient, WitnessError
 from witness.beacon.witness_db import WitnessFork, WitnessLog
+from witness.commit.attempts import AttemptsNote
 from witness.commit.beacon import run_id
 from witness.commit.log import RunLog
 from witness.commit.merkle import EMPTY_ROOT
@@ -356,40 +357,50 @@ def test_of_two_requests_from_one_old_size_exactly_one_is_cosigned(backend, fork
     engine.dispose()
 
 
-def test_the_attempts_note_counts_another_run_of_the_same_seed_and_recipe(http):
+def test_the_attempts_note_prices_every_run_of_the_same_seed_whatever_its_recipe(http):
     first = Run()
     register(http, first)
     witness = NoteKey(witness_key(http).name, ED25519, witness_key(http).public)
 
-    def attempts(run: Run) -> tuple[int, int, str]:
+    def attempts(run: Run) -> tuple[int, int, str, tuple[str, ...]]:
         r = http.get(f"{P}/attempts/{origin_hash(run.origin)}")
         note = parse_note(r.content)
         assert r.status_code == 200 and verify_note_signature(note, witness)
         lines = note.text.split("\n")
-        assert lines[:2] == ["witness attempts/v1", run.origin]
-        return int(lines[3].split()[1]), int(lines[4].split()[1]), lines[2]
+        assert lines[:2] == ["witness attempts/v2", run.origin]
+        counted = AttemptsNote.parse(note.text)  # the priced runs named, each once
+        assert counted.runs is not None and len(counted.runs) == counted.attempts
+        return counted.others, counted.attempts, lines[2], counted.runs
 
-    assert attempts(first) == (0, 0, "0")
+    def rid(run: Run) -> str:
+        return run_id(run.manifest).hex()
+
+    assert attempts(first) == (0, 0, "0", ())
     cosignature(add(http, first, 0, 4))
-    assert attempts(first) == (0, 0, "4")
+    assert attempts(first) == (0, 0, "4", ())
     again = Run()  # the same seed and recipe under a fresh key: one computation, priced in
     register(http, again)
-    assert attempts(first) == (1, 1, "4") and attempts(again) == (1, 1, "0")
+    assert attempts(first) == (1, 1, "4", (rid(again),)) and attempts(again) == (1, 1, "0", (rid(first),))
+    # the same seed under another recipe (a field that may change no bit of the training): priced too
+    inert = Run(grad_clip=1000.0)
+    register(http, inert)
+    assert attempts(first)[:2] == (2, 2) and attempts(first)[3] == tuple(sorted([rid(again), rid(inert)]))
     reseeded = Run(key=first.key, seed="22" * 32)  # the same key and recipe, another seed: linked, not priced
     register(http, reseeded)
-    assert attempts(first) == (2, 1, "4") and attempts(reseeded) == (2, 0, "0")
+    assert attempts(first)[:2] == (3, 2) and attempts(reseeded)[:2] == (3, 0)
     other = Run(seed="33" * 32, task="another")  # nothing shared
     register(http, other)
-    assert attempts(first) == (2, 1, "4") and attempts(other) == (0, 0, "0")
+    assert attempts(first)[:2] == (3, 2) and attempts(other)[:2] == (0, 0)
     # a run the beacon answered (its heads streamed to POST heads) counts too, once if also registered
     beaconed = Run()
     sth = SignedTreeHead.sign(beaconed.key, 3, beaconed.log.root(3))
     r = http.post(f"{P}/heads", json={"tree_head": sth.to_json(), "manifest": beaconed.manifest.decode(),
                                        "consistency": [h.hex() for h in beaconed.log.tree.consistency_proof(1, 3)]})
     assert r.status_code == 200, r.text
-    assert attempts(first) == (3, 2, "4")
+    assert attempts(first)[:2] == (4, 3)
     register(http, beaconed)
-    assert attempts(first) == (3, 2, "4") and attempts(beaconed) == (3, 2, "0")
+    assert attempts(first)[:2] == (4, 3) and attempts(beaconed)[:2] == (4, 3)
+    assert rid(beaconed) in attempts(first)[3]
 
 
 def test_a_keys_logs_are_listed_a_page_at_a_time(http):

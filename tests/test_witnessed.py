@@ -40,16 +40,16 @@ SEED = b"\x31" * 32  # the local chain's BLS key, fixed: its chain info is pinne
 
 
 class Loopback:
-    """A local drand chain and two witnesses, served on loopback for one module."""
+    """A local drand chain and ``witnesses`` witnesses (two by default), served on loopback for one module."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, witnesses: int = 2):
         self.folder = folder
         self.drand = LocalDrand(seed=SEED, period=1)
         self.info = folder / "chain-info.json"
         self.info.write_text(json.dumps(self.drand.chain.to_json()))
         self.servers = [start_uvicorn(drand_app(self.drand))]
-        self.keys = [generate_key(), generate_key()]
-        self.names = ["w1.example", "w2.example"]
+        self.keys = [generate_key() for _ in range(witnesses)]
+        self.names = [f"w{i + 1}.example" for i in range(witnesses)]
         for i, k in enumerate(self.keys):
             self.servers.append(start_uvicorn(create_app(f"sqlite:///{folder / f'w{i}.db'}", k, name=self.names[i])))
         self.drand_url = self.servers[0][2]
@@ -329,7 +329,8 @@ def _trainer_key(bundle: Path):
     return load_key(bundle.parent / "trainer.key")
 
 
-def _train(out: Path, link, key=None, *, bad: set[int] = frozenset(), like: Path | None = None) -> Path:
+def _train(out: Path, link, key=None, *, bad: set[int] = frozenset(), like: Path | None = None,
+           r: bytes = b"\x05" * 32) -> Path:
     """A tiny online run through ``link``; at each step in ``bad`` the weights are nudged before it is
     trained. ``like``: the same manifest as that bundle's (its key, r and settings: its very origin)."""
     task = build_task("tiny", {"steps": STEPS})
@@ -338,7 +339,7 @@ def _train(out: Path, link, key=None, *, bad: set[int] = frozenset(), like: Path
         kw = {"r": bytes.fromhex(m["r"]), "checkpoint_every": m["checkpoint_every"], "threads": m["threads"],
               "online": OnlineSpec(**m["online"])}
     else:
-        kw = {"r": b"\x05" * 32, "online": OnlineSpec(p=P, every=EVERY, ring=64)}
+        kw = {"r": r, "online": OnlineSpec(p=P, every=EVERY, ring=64)}
     rec = Recorder.create(task, out, key or generate_key(), beacon=link, self_check=False, **kw)
     for t in range(STEPS):
         if t in bad:

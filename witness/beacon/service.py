@@ -216,18 +216,20 @@ class Beacon:
     def _linked(self, s: Session, row: BeaconRun) -> tuple[int, int]:
         """How many other runs this beacon linked to this one, and how many of them it prices in.
 
-        Linked (reported): the same signing key, recipe, run seed or account. Priced: the runs with the
-        same run seed and the same training recipe, finished or not: they are one computation, so a
-        trainer pays for it once and gets a draw per run (a "final" head costs it nothing to sign).
-        The seed is the trainer's secret until its first head, so no one else can add such a run.
-        Runs under a fresh key with another seed are other computations, each paid for up to its
-        bad steps (a leaderboard prices its account's uncertified runs itself: ``attempts``)."""
+        Linked (reported): the same signing key, recipe, run seed or account. Priced: every run with
+        the same run seed, whatever its recipe, key or name, finished or not. The seed fixes the
+        initial weights and the data order; a recipe field that changes no bit of the training (a
+        clipping threshold never reached) is free to vary, so "another recipe" need not be another
+        computation, and a "final" head costs nothing to sign. The seed is the trainer's secret until
+        its first head, so no one else can add such a run. A run under another seed trains from
+        other weights on another order: another computation, paid for up to its bad steps (a
+        leaderboard prices its account's uncertified runs itself: ``attempts``)."""
         links = [BeaconRun.public_key == row.public_key, BeaconRun.recipe == row.recipe, BeaconRun.seed == row.seed]
         if row.account is not None:
             links.append(BeaconRun.account == row.account)
         others = s.scalar(select(func.count()).select_from(BeaconRun).where(BeaconRun.id != row.id, or_(*links)))
         priced = s.scalar(select(func.count()).select_from(BeaconRun).where(
-            BeaconRun.id != row.id, BeaconRun.seed == row.seed, BeaconRun.recipe == row.recipe))
+            BeaconRun.id != row.id, BeaconRun.seed == row.seed))
         return int(others or 0), int(priced or 0)
 
     def _equivocation(self, s: Session, row: BeaconRun, stamped: BeaconHead, other: SignedTreeHead) -> BeaconStatement:

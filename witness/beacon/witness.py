@@ -19,6 +19,7 @@ from sqlalchemy import func, or_, select, union, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from ..commit.attempts import AttemptsNote
 from ..commit.hashing import HASH_SIZE, same
 from ..commit.merkle import EMPTY_ROOT, verify_consistency
 from ..commit.note import (
@@ -47,7 +48,6 @@ from .witness_db import WitnessFork, WitnessLog
 MAX_BODY = 64 << 10  # an add-checkpoint request: 63 proof lines and a checkpoint with a few signatures
 MAX_PROOF_LINES = 63  # tlog-witness's bound
 MAX_SIZE = (1 << 63) - 1  # a database's signed 64-bit integer; no run's log comes near
-ATTEMPTS_HEADER = "witness attempts/v1"
 _OLD = re.compile(r"old (0|[1-9][0-9]{0,18})")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -268,10 +268,10 @@ class Witness:
 
     def attempts(self, s: Session, ohash: str) -> bytes:
         """A note signed by this witness (type 0x01, its name): the log's latest size, how many other runs
-        it links to it (key, recipe or seed) and how many of them it prices in (seed and recipe)."""
+        it links to it (key, recipe or seed), and the runs it prices in (every run of its seed)."""
         row = self._log(s, ohash)
         others, priced = linked(s, row)
-        text = f"{ATTEMPTS_HEADER}\n{row.origin}\n{row.size}\nothers {others}\nattempts {priced}\n"
+        text = AttemptsNote(row.origin, row.size, others, len(priced), tuple(priced)).text()
         # the key also makes cosignatures (type 0x04), whose signed message starts "cosignature/v1":
         # never this text's first line, so neither can pass for the other
         return Note(text, (sign_note(text, self.name, self.key),)).encode()  # type: ignore[arg-type]
@@ -290,21 +290,19 @@ def log_key(row: WitnessLog) -> NoteKey:
     return NoteKey(row.origin, ED25519, bytes.fromhex(row.public_key))
 
 
-def linked(s: Session, row: WitnessLog) -> tuple[int, int]:
-    """Other runs linked to this log's (``Beacon._linked``'s rules, over the witness's logs and the
-    beacon's runs, a run in both counted once) and those priced in as attempts at it."""
-    def count(w: list, b: list) -> int:
-        runs = union(select(WitnessLog.run).where(WitnessLog.run != row.run, *w),
-                     select(BeaconRun.run).where(BeaconRun.run != row.run, *b)).subquery()
-        return int(s.scalar(select(func.count()).select_from(runs)) or 0)
-
-    others = count([or_(WitnessLog.public_key == row.public_key, WitnessLog.recipe == row.recipe,
-                        WitnessLog.seed == row.seed)],
-                   [or_(BeaconRun.public_key == row.public_key, BeaconRun.recipe == row.recipe,
-                        BeaconRun.seed == row.seed)])
-    priced = count([WitnessLog.seed == row.seed, WitnessLog.recipe == row.recipe],
-                   [BeaconRun.seed == row.seed, BeaconRun.recipe == row.recipe])
-    return others, priced
+def linked(s: Session, row: WitnessLog) -> tuple[int, list[str]]:
+    """How many other runs are linked to this log's (``Beacon._linked``'s rules, over the witness's logs
+    and the beacon's runs, a run in both counted once), and the ids of those priced in as attempts at
+    it: every run of the same run seed, whatever its recipe or key."""
+    others = union(
+        select(WitnessLog.run).where(WitnessLog.run != row.run, or_(
+            WitnessLog.public_key == row.public_key, WitnessLog.recipe == row.recipe, WitnessLog.seed == row.seed)),
+        select(BeaconRun.run).where(BeaconRun.run != row.run, or_(
+            BeaconRun.public_key == row.public_key, BeaconRun.recipe == row.recipe, BeaconRun.seed == row.seed)),
+    ).subquery()
+    priced = union(select(WitnessLog.run).where(WitnessLog.run != row.run, WitnessLog.seed == row.seed),
+                   select(BeaconRun.run).where(BeaconRun.run != row.run, BeaconRun.seed == row.seed))
+    return int(s.scalar(select(func.count()).select_from(others)) or 0), sorted(s.scalars(priced))
 
 
 def log_json(r: WitnessLog) -> dict:

@@ -8,6 +8,7 @@ import re
 
 import httpx
 
+from ..commit.attempts import AttemptsNote
 from ..commit.note import (
     COSIGNATURE_V1,
     ED25519,
@@ -22,7 +23,7 @@ from ..commit.note import (
 )
 from ..errors import MalformedInput, VerificationError
 from .client import Answer, BeaconError, BoundedClient, _detail
-from .witness import ATTEMPTS_HEADER, MAX_BODY, MAX_PROOF_LINES
+from .witness import MAX_BODY, MAX_PROOF_LINES
 
 _COUNT = re.compile(r"0|[1-9][0-9]{0,18}")
 
@@ -160,12 +161,9 @@ class WitnessClient(BoundedClient):
             note = parse_note(resp.content)
             if not verify_note_signature(note, self.note_key):
                 raise VerificationError("the note is not signed by the witness")
-            lines = note.text[:-1].split("\n")
-            ok = len(lines) == 5 and lines[:2] == [ATTEMPTS_HEADER, origin] and _COUNT.fullmatch(lines[2]) \
-                and lines[3].startswith("others ") and _COUNT.fullmatch(lines[3][7:]) \
-                and lines[4].startswith("attempts ") and _COUNT.fullmatch(lines[4][9:])
-            if not ok:
-                raise VerificationError(f"not a {ATTEMPTS_HEADER} note for {origin}")
-        except VerificationError as e:
+            counted = AttemptsNote.parse(note.text)
+            if counted.origin != origin:
+                raise VerificationError(f"a note for {counted.origin[:80]!r}, not for {origin}")
+        except (VerificationError, MalformedInput) as e:
             raise WitnessError(f"{self.where}'s attempts note does not verify: {e}") from None
-        return int(lines[3][7:]), int(lines[4][9:]), resp.content
+        return counted.others, counted.attempts, resp.content

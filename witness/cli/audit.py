@@ -111,7 +111,9 @@ def _witness_trust(args: argparse.Namespace):  # noqa: ANN202 - a WitnessTrust
     if not args.witness or not args.drand:
         raise MalformedInput("witnessed online mode needs both --witness NAME=KEY (repeatable) and --drand "
                              "quicknet|CHAIN-INFO.json")
-    return WitnessTrust(tuple(args.witness), args.witnesses_required or len(args.witness), chain_info(args.drand))
+    # a majority by default: any two sets of K > N/2 share a witness, which refuses a second branch
+    required = args.witnesses_required or len(args.witness) // 2 + 1
+    return WitnessTrust(tuple(args.witness), required, chain_info(args.drand))
 
 
 def read_head(path: str):
@@ -188,7 +190,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="online mode: a transparency-log witness you trust to cosign each window: its name and "
                         "Ed25519 key (hex, or its vkey NAME+ID+BASE64); repeatable")
     v.add_argument("--witnesses-required", type=positive, metavar="K",
-                   help="how many of the --witness keys must cosign each window (default: all of them)")
+                   help="how many of the --witness keys must cosign each window (default: more than half of "
+                        "them; with K <= N/2 the bound is taken over N//K branches, and the verdict warns)")
     v.add_argument("--drand", metavar="quicknet|CHAIN-INFO.json",
                    help="online mode with --witness: the drand chain whose rounds give the randomness (quicknet, "
                         "pinned here, or a chain-info file)")

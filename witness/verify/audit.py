@@ -283,7 +283,8 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         verdict.online = {"beacon": online.beacon, "p": online.p, "every": online.every, "windows": online.windows,
                           "selected": online.selected, "covered": online.covered,
                           "unaudited": online.unseen, "final": online.final, "witnessed": online.witnessed, "others": online.others,
-                          "attempts": online.attempts, "linking": online.linking()}
+                          "attempts": online.attempts, "branches": online.branches, "priced": online.priced,
+                          "trust_warning": online.trust_warning, "linking": online.linking()}
     if local is None and bundle.complete and mode != "offline":
         verdict.checks.append("every replayed sample is the committed dataset's, with its documents")
     if not bundle.complete:
@@ -368,7 +369,7 @@ def _bound(verdict: Verdict, drawn: list[ReplayChallenge], online: OnlinePlan | 
         done = replayed(verdict.ledger)
         verdict.verified = sum(1 for t in online.selected if t in done)
         verdict.detection_probability = online_bound_from(verdict.ledger, online.selected, online.p, f, n,
-                                                          online.unseen, online.attempts)
+                                                          online.unseen, online.priced)
 
 
 def default_response_dir(bundle_dir: str | os.PathLike) -> Path:

@@ -9,7 +9,6 @@ audit could not see.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ import torch
 
 from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle
+from ..commit.attempts import AttemptsNote, count_attempts
 from ..commit.beacon import BeaconStatement, run_id, selected_steps
 from ..commit.drand import ChainInfo, round_time, verify_round
 from ..commit.hashing import parse_canonical_json, same
@@ -74,6 +74,25 @@ class OnlinePlan:
     # every window's draw, in order: the head size it closes at, its steps, its beta, and whether it
     # counts (a late window's draw is checked all the same, but claims nothing)
     draws: list[Draw] = field(default_factory=list)
+    # the branches of one log its witnesses cannot tell apart: 1, unless the verifier requires K of N
+    # witnesses with 2K <= N, when up to N // K disjoint sets of K could each cosign a branch of its own
+    branches: int = 1
+
+    @property
+    def priced(self) -> int | None:
+        """The other attempts the bound is taken over: each attempt the count names may have up to
+        ``branches`` branches (None: unknown, and the bound is 0)."""
+        return None if self.attempts is None else (self.attempts + 1) * self.branches - 1
+
+    @property
+    def trust_warning(self) -> str | None:
+        """A ``WARNING`` line where the verifier's witnesses cannot exclude a branched log."""
+        if self.branches == 1:
+            return None
+        return (f"WARNING: weak witness quorum: {self.witnessed} lets {self.branches} disjoint sets of witnesses each "
+                f"cosign a branch of this run's log without any witness seeing a fork, so the bound is taken over "
+                f"{self.branches} branch(es) of every attempt; require more than half of the named witnesses "
+                "(--witnesses-required) to exclude branches")
 
     @property
     def unseen(self) -> int:
@@ -107,10 +126,12 @@ class OnlinePlan:
             return (f"other attempts unknown: {why}, so the beacon's count of the trainer's other attempts (restarts "
                     "until a draw misses) is missing and the online bound is 0")
         who = "the witnesses linked" if self.witnessed is not None else "the beacon linked"
+        branched = f" x {self.branches} branch(es) (a weak witness quorum)" if self.branches > 1 else ""
         return (f"{who} {self.others} other run(s) to this one (its key, recipe, run seed or account) and "
-                f"prices {self.attempts} of them in as attempts at it: the bound is taken over {self.attempts + 1} "
-                "attempt(s); an attempt under a fresh key with another run seed is not seen (it costs its trainer "
-                "its own training up to its bad steps)")
+                f"prices {self.attempts} of them in as attempts at it (every run of its run seed): the bound is "
+                f"taken over {self.attempts + 1} attempt(s){branched}; an attempt under another run seed is not "
+                "seen (it trains from other weights on another data order: its trainer pays for its own training "
+                "up to its bad steps)")
 
 
 def parse_statements(bundle: Bundle) -> list[BeaconStatement]:
@@ -205,6 +226,13 @@ class WitnessTrust:
             raise MalformedInput(f"--witnesses-required must be between 1 and the {len(self.witnesses)} witness(es) "
                                  "named")
 
+    @property
+    def branches(self) -> int:
+        """How many branches of one log these witnesses could cosign, each through K of them, without any
+        named witness seeing two: 1 where K > N/2 (any two sets of K share a witness, which refuses the
+        second branch), else N // K disjoint sets."""
+        return 1 if 2 * self.required > len(self.witnesses) else len(self.witnesses) // self.required
+
     def describe(self) -> str:
         """Who cosigns, for the verdict."""
         names = ", ".join(k.name for k in self.witnesses)
@@ -214,12 +242,6 @@ class WitnessTrust:
 def check_online(bundle: Bundle, trust: str | WitnessTrust) -> OnlinePlan:
     """The online plan under the verifier's trust: one beacon's key (hex), or witnesses and drand."""
     return check_windows(bundle, trust) if isinstance(trust, WitnessTrust) else check_statements(bundle, trust)
-
-
-ATTEMPTS_HEADER = "witness attempts/v1"
-_COUNT = r"(?:0|[1-9][0-9]{0,17})"  # ASCII digits, no sign or leading zero (int() takes "+1", " 1", "1_0")
-_ATTEMPTS = re.compile(re.escape(ATTEMPTS_HEADER) + r"\n(?P<origin>[^\n]+)\n(?P<size>" + _COUNT + r")\nothers (?P<others>"
-                       + _COUNT + r")\nattempts (?P<attempts>" + _COUNT + r")\n")
 
 
 def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
@@ -275,9 +297,10 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
                                 f"one, but the log is signed to size {signed}", check="witness")
     others = attempts = None
     if final:
-        others, attempts = _attempts(windows[-1], trust, origin)
+        others, attempts = _attempts(windows[-1], trust, origin, run)
     return OnlinePlan(trust.describe(), m.online["p"], m.online["every"], len(windows), sorted(selected), covered,
-                      range(covered, n), final, others, attempts, late, trust.describe(), sorted(late_selected), draws)
+                      range(covered, n), final, others, attempts, late, trust.describe(), sorted(late_selected), draws,
+                      trust.branches)
 
 
 def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes, n: int) -> bool:
@@ -315,26 +338,48 @@ def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origi
     return in_time >= trust.required
 
 
-def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str) -> tuple[int | None, int | None]:
-    """The largest count of the run's other attempts a named witness signed for its final checkpoint."""
-    counts = []
+def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes) -> tuple[int | None, int | None]:
+    """The run's other attempts that the named witnesses signed counts of, for its final checkpoint:
+    each priced run once, whichever witness saw it (the union of the runs the notes name).
+
+    Every named witness that cosigned the final checkpoint must have signed a count: with K > N/2 any
+    attempt that drew a window was cosigned by K named witnesses, one of which cosigned this run's final
+    checkpoint too and so counted it. A missing count of such a witness is a rejection, never 0. With
+    2K <= N an attempt may pass only through witnesses that never cosigned this run, so every named
+    witness's count is needed; without one the attempts are unknown (None) and the bound is 0."""
+    final = parse_note(w.checkpoint)
+    cosigners = {key.name for key in trust.witnesses
+                 if any(sig.name == key.name and sig.key_id == key.id for sig in final.signatures)}
+    counted: dict[str, AttemptsNote] = {}
     for raw in w.attempts:
         try:
             note = parse_note(raw)
         except (MalformedInput, ValueError):
             raise MalformedInput("the final witnessed window holds an attempts note that does not parse") from None
         for key in trust.witnesses:
-            signer = NoteKey(key.name, ED25519, key.public)
-            if not verify_note_signature(note, signer):
+            if not verify_note_signature(note, NoteKey(key.name, ED25519, key.public)):
                 continue
-            found = _ATTEMPTS.fullmatch(note.text)
-            if found is None or found["origin"] != origin or found["size"] != str(w.size):
+            try:
+                found = AttemptsNote.parse(note.text)
+            except MalformedInput as e:
+                raise VerificationError(f"witness {key.name}'s attempts note: {e}", check="witness") from None
+            # a witness that cosigned the final checkpoint counted as of it; one that did not (a weak quorum's
+            # other witnesses) may have stopped earlier, but never holds this origin past the log's end
+            if found.origin != origin or (found.size != w.size if key.name in cosigners else found.size > w.size):
                 raise VerificationError(f"witness {key.name}'s attempts note is not a count for this run's final "
-                                        "checkpoint", check="witness")
-            counts.append((int(found["others"]), int(found["attempts"])))
-    if not counts:
+                                        f"checkpoint (it names {found.origin[:80]!r} at size {found.size}: a witness "
+                                        "that holds another branch of this log, or another log's count)",
+                                        check="witness")
+            counted[key.name] = found
+    missing = sorted(cosigners - set(counted))
+    if missing:
+        raise VerificationError(f"the final witnessed window is cosigned by {', '.join(missing)}, whose count of the "
+                                "run's other attempts the bundle does not hold: every cosigning witness's count is "
+                                "needed (a missing count is not a count of 0)", check="witness")
+    if not counted or (trust.branches > 1 and len(counted) < len(trust.witnesses)):
         return None, None
-    return max(c[0] for c in counts), max(c[1] for c in counts)  # a witness that saw more is believed
+    notes = list(counted.values())
+    return max(n.others for n in notes), count_attempts(notes, run.hex())
 
 
 class OnlineStates:

@@ -111,7 +111,7 @@ class Verdict:
 
     def _formula(self) -> str:
         if self.online is not None:
-            k = self.online.get("attempts")
+            k = self.online.get("priced", self.online.get("attempts"))
             if k is None:
                 return "0: other attempts unknown"
             one = "1-(1-p)^ceil(fT)" + (" less the steps not audited" if self.online["unaudited"] else "")
@@ -167,6 +167,8 @@ class Verdict:
                             + (f"; {o['unaudited']} step(s) not audited online (after the last window, or in windows "
                                "cosigned too late)" if o["unaudited"] else ""))
             lines.insert(3, f"  attempts: {o['linking']}")
+            if o.get("trust_warning"):
+                lines.insert(1, f"  {o['trust_warning']}")
             if self.moves is not None:
                 lines.insert(4, f"  {self.moves['summary']}")
         if self.data_root:
