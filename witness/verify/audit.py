@@ -25,7 +25,7 @@ from ..session import (
     torch_version,
 )
 from ..task.base import Task
-from .bounded import check_moves
+from .bounded import blind_text, check_moves
 from .challenges import ReplayChallenge, challenges_needed, draw_challenges
 from .cheap import check_checkpoints, check_records, probes_from_bundle, task_of, use_threads
 from .finddata import committed_dataset
@@ -274,6 +274,10 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
     if moves is not None:
         verdict.moves = moves.to_json() | {"summary": moves.describe()}
         verdict.checks.append(moves.describe())
+        if moves.blind:
+            verdict.notes.append(f"the schedule lets step(s) {blind_text(moves.blind)} move a coordinate by the "
+                                 "parameters' whole RMS or more: a model swapped in there passes the bounded-move "
+                                 "check, and only replay (at rate p) checks those steps")
     elif move_failure is not None:  # which window's openings failed, for a leaderboard to name that file
         verdict.moves = {"failed_window": failed_window, "summary": "every step: the bounded-move check failed"
                          + (f" in the window closing at size {failed_window}" if failed_window else "") + " (below)"}

@@ -24,7 +24,15 @@ from ..commit.chunks import chunk_indices, chunk_leaves, path_nodes, verify_path
 from ..commit.hashing import same
 from ..errors import MalformedInput, VerificationError
 from ..fingerprint.chunks import ChunkLayout
-from ..fingerprint.moves import MoveRules, move_limits, move_rules, step_offset
+from ..fingerprint.moves import (
+    MoveRules,
+    blind_steps,
+    move_limits,
+    move_rules,
+    parameter_rms,
+    step_offset,
+    unchanged,
+)
 from .online import OnlinePlan
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
@@ -60,6 +68,13 @@ class MoveCheck:
     # move used: how close an honest run's rounding comes to a false rejection (1 would be one)
     slack_used: float = 0.0
     windows: int = 0
+    # what the check can discriminate: the parameters' RMS in the initial state, the largest allowance
+    # lr_t * B_t of any step and its step, and the steps (inclusive ranges) whose allowance reaches that
+    # RMS, where a whole swapped model fits in one step's move
+    scale: float = 0.0
+    largest: float = 0.0
+    largest_step: int = 0
+    blind: list[list[int]] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)  # head sizes of the pending windows
     ignored: list[int] = field(default_factory=list)  # head sizes of openings no statement in the bundle opens
     sizes: list[int] = field(default_factory=list)  # head sizes of the windows checked
@@ -77,6 +92,14 @@ class MoveCheck:
                f"each) per step, {self.checked} of the run's {self.steps} step(s) in {self.windows} window(s); "
                f"{self.optimizer}; the parameters' moves (buffers, such as BatchNorm's running statistics, are left "
                "to replay)")
+        if self.steps:
+            ratio = self.largest / self.scale if self.scale > 0 else float("inf")
+            out += (f"; the most a step may move a coordinate is lr x B = {self.largest:.3g} (step {self.largest_step}), "
+                    f"{ratio:.3g} of the parameters' RMS at the start ({self.scale:.3g})")
+        if self.blind:
+            out += (f"; WARNING: at step(s) {blind_text(self.blind)} a step may move a coordinate by the parameters' "
+                    "whole RMS or more: there the check cannot tell a swapped model from a step (only replay, at "
+                    "rate p, checks those steps)")
         if self.checked + self.late + self.pending < self.steps:
             out += (f"; {self.steps - self.checked - self.late - self.pending} step(s) in no window a statement here "
                     "opens: not checked")
@@ -105,7 +128,8 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
         return MoveCheck(k, layout.size, cb, rules, refused=True)
     n, offset = len(bundle.steps), step_offset(init)
     out = MoveCheck(min(k, layout.size), layout.size, cb, rules.describe(n, offset), steps=n)
-    roots = _roots(bundle, layout, init)
+    roots, init = _roots(bundle, layout, init)
+    _discrimination(out, bundle, rules, init, offset)
     reads: list = []
     held = 0
 
@@ -157,9 +181,35 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
     return out
 
 
-def _roots(bundle: Bundle, layout: ChunkLayout, init: dict[str, torch.Tensor]) -> list[bytes | None]:
+def blind_text(blind: list[list[int]], most: int = 6) -> str:
+    """Inclusive step ranges, cut short when many."""
+    shown = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in blind[:most])
+    return shown + (f", … ({len(blind)} ranges)" if len(blind) > most else "")
+
+
+def _discrimination(out: MoveCheck, bundle: Bundle, rules: MoveRules, init: dict[str, torch.Tensor],
+                    offset: int) -> None:
+    """What the check can tell apart: every step's allowance (the largest lr_t * B_t of any parameter's
+    rule) against the parameters' RMS at the start, which the seed (or the committed initial state)
+    fixes. A schedule whose rate spikes at a step makes that step's allowance as large as the model."""
+    n = len(bundle.steps)
+    bounded = sorted(name for name, r in rules.rules.items() if r.betas is not None)
+    if not n or not bounded:
+        return
+    lrs = np.array([r.lr for r in bundle.steps], dtype=np.float64)
+    allowance = np.zeros(n)
+    for betas in {rules.rules[name].betas for name in bounded}:
+        allowance = np.fmax(allowance, lrs * rules.bounds(betas, n, offset))  # type: ignore[arg-type]
+    out.scale = parameter_rms(init, bounded)
+    out.largest_step = int(np.argmax(np.where(np.isnan(allowance), np.inf, allowance)))
+    out.largest = float(allowance[out.largest_step])
+    out.blind = blind_steps(allowance, out.scale)
+
+
+def _roots(bundle: Bundle, layout: ChunkLayout,
+           init: dict[str, torch.Tensor]) -> tuple[list[bytes | None], dict[str, torch.Tensor]]:
     """The param root of every state: the initial one computed here from a state that hashes to the
-    manifest's initial state, the others the records'."""
+    manifest's initial state, the others the records'; and that initial state."""
     m = bundle.manifest
     if not same(state_hash(init, m.state_digest), m.init_state_hash):
         if 0 not in bundle.checkpoints:
@@ -175,7 +225,7 @@ def _roots(bundle: Bundle, layout: ChunkLayout, init: dict[str, torch.Tensor]) -
         first = layout.root(init)
     except ValueError as e:  # the committed initial state does not fit the task's model
         raise VerificationError(f"the initial state: {e}", step=0, check="state") from None
-    return [first] + [r.param_root for r in bundle.steps]
+    return [first] + [r.param_root for r in bundle.steps], init
 
 
 @dataclass
@@ -310,9 +360,11 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
         # past it, or not finite) are checked exactly, in float64. The screen's rounding is an ulp or so, and the
         # check allows four past lr * B, so no move out of bounds passes it (an honest run's rows fall in it at
         # its tight first step, and where a coordinate moves by as much as the optimizer can)
+        # (a coordinate's move is measured from its decayed value or its old one, whichever is nearer: torch
+        # skips a parameter without a gradient, decay and all; ``move_limits`` says why)
         with np.errstate(invalid="ignore", over="ignore"):
-            rough = np.abs(b - a * (1.0 - lr * rule.decay).astype(a.dtype))
-            near = (valid & ~(rough <= (0.999 * lr * bound).astype(a.dtype))).any(axis=1)
+            rough = np.minimum(np.abs(b - a * (1.0 - lr * rule.decay).astype(a.dtype)), np.abs(b - a))
+            near = (valid & ~unchanged(a, b) & ~(rough <= (0.999 * lr * bound).astype(a.dtype))).any(axis=1)
         sel = np.nonzero(near)[0]
         rows, a, b, valid, t, lr, bound, first = (x[sel] for x in (rows, a, b, valid, t, lr, bound, first))
         moved, allowed = move_limits(a, b, lr, bound, rule.decay, _NUMPY[dtype])
@@ -320,7 +372,7 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
         # diverged (its loss or gradient norm is not finite: NaN gradients make every moved value NaN)
         bad = valid & ~(moved <= allowed) & ~(np.isnan(b) & diverged[t][:, None])
         if rule.betas is None:  # no optimizer group holds it: not a bit may change (not 0.0 to -0.0)
-            bad |= valid & (a.view(f"u{esize}") != b.view(f"u{esize}"))
+            bad |= valid & ~unchanged(a, b)
         if bad.any():
             hits = np.argwhere(bad)
             r, c = (int(x) for x in hits[np.argmin(t[hits[:, 0]])])  # this tensor's earliest step
