@@ -174,29 +174,42 @@ def released_model(bundle_dir: str, model: str | None, out: Path) -> dict:
 def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
     """``witness data check``: as ``witness verify`` reports a verdict, a ``VALID: …`` line on
     stdout, then the summary as JSON (whole, after that one line; ``--json``: the JSON alone), exit
-    0; or an ``INVALID: …`` (exit 1) or ``UNUSABLE INPUT: …`` (exit 2) line on stderr."""
+    0; or an ``INVALID: …`` (exit 1) or ``UNUSABLE INPUT: …`` (exit 2) line on stderr. A signer
+    nothing pins gets a ``WARNING: …`` line on stderr."""
     from ..bundle.reader import open_bundle
-    from ..commit.dsse import read_json_or_envelope, read_with_statement
+    from ..commit.dsse import read_json_or_envelope, read_signed
+    from ..commit.signing import read_public_key
     from ..data.proofs import MAX_PROOF_BYTES
 
-    head, key, digest, task, usage = None, None, None, None, []
+    head, key, digest, task, usage, b = None, None, None, None, [], None
     try:
-        obj, stmt = read_with_statement(args.proof, MAX_PROOF_BYTES, "proof")
+        pinned = read_public_key(args.signer) if args.signer else None
         if args.bundle:
             from ..verify.audit import task_of
-            from ..verify.usage import check_data_usage, committed_leaves
 
             b = open_bundle(args.bundle)
             head, key, digest, task = b.final_head, b.manifest.public_key, b.manifest.state_digest, task_of(b)
             if b.end is None:
                 raise MalformedInput("the bundle is not a finished run: no end record commits its used data")
-            if b.leaves is not None:  # the used-data trees the proof relies on, rebuilt from the leaves
-                usage = check_data_usage(b, task, committed_leaves(b, task))
         elif args.tree_head:
             head = read_head(args.tree_head)
-            pinned = read_json_or_envelope(args.tree_head, 1 << 20, "tree-head")
-            key = pinned.get("public_key") if isinstance(pinned, dict) else None
+            pinned_head = read_json_or_envelope(args.tree_head, 1 << 20, "tree-head")
+            key = pinned_head.get("public_key") if isinstance(pinned_head, dict) else None
+        # the run's key (the bundle's, or the published head's) is one the verifier already trusts
+        obj, signed = read_signed(args.proof, MAX_PROOF_BYTES, "proof", pinned=pinned,
+                                  trusted=[key] if isinstance(key, str) else [])
+        if b is not None and b.leaves is not None:  # the used-data trees the proof relies on, rebuilt from the leaves
+            from ..verify.usage import check_data_usage, committed_leaves
+
+            usage = check_data_usage(b, task, committed_leaves(b, task))
         summary = check_proof(obj, head=head, public_key=key, task=task)
+        # a bare proof's signature is its own head's, by the key it names (check_proof verified it)
+        signer = signed.signer if signed else obj["public_key"]
+        if pinned is not None and signer != pinned:
+            raise VerificationError(f"the proof is signed by key {signer}, not by the expected key {pinned} "
+                                    "(--signer)", check="signature")
+        pinned_by = "--signer" if pinned else "the run's key" if signer == key else None
+        summary |= {"signer_key": signer, "signer_pinned": pinned_by is not None}
         if usage:
             summary["used_data"] = usage
         if args.model:
@@ -204,7 +217,7 @@ def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
             from ..evals.release import check_subject
 
             final = parse_hex(obj["tree_head"]["extensions"].get("final_model_hash"), "final_model_hash")
-            check_subject(stmt, args.model, final, digest)
+            check_subject(signed.statement if signed else None, args.model, final, digest)
             summary["subject"] = f"{Path(args.model).name}: the run's final model, named by the statement"
     except VerificationError as e:
         if args.json:  # a script reading stdout gets an answer either way, as from witness verify --json
@@ -215,12 +228,24 @@ def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
         return e.exit_code
     if head is None:
         summary["note"] = "checked against the proof's own signed head; pin one with --bundle or --tree-head"
+    what = "the envelope" if signed else "the proof"
     if args.json:
         print(json.dumps({"valid": True} | summary))
     else:
-        print(_valid_line(args, summary, head, key))
+        print(_valid_line(args, summary, head, key) + f"; {what} is signed by key {signer} "
+              f"({f'pinned by {pinned_by}' if pinned_by else 'which nothing pins'})")
         print(json.dumps(summary, indent=2))
+    if pinned_by is None:
+        print(unpinned_warning(what, signer, "the run's key" if key else None,
+                               "" if args.bundle else ", or check it against its run with --bundle"), file=sys.stderr)
     return 0
+
+
+def unpinned_warning(what: str, signer: str, trusted: str | None, hint: str = "") -> str:
+    """The line that says a signature by ``signer`` proves nothing about who made ``what``."""
+    why = f"it is not {trusted}, and no --signer pins it" if trusted else "no --signer pins it"
+    return (f"WARNING: {what} is signed by key {signer}, which nothing pins ({why}): the signature proves nothing "
+            f"about who made it; pass --signer with the key you trust{hint}")
 
 
 def _valid_line(args: argparse.Namespace, summary: dict, head, key: str | None) -> str:  # noqa: ANN001 - a head
@@ -314,6 +339,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--bundle", help="check against this bundle's signed head and key")
     g.add_argument("--tree-head", help="a published signed tree head (JSON, with public_key)")
     c.add_argument("--model", help="also check that the signed envelope names this released model file")
+    c.add_argument("--signer", help="the key that must have signed the envelope (or a bare proof): raw hex or PEM, "
+                                    "or a file holding either; without it, or the run's key by --bundle or "
+                                    "--tree-head, a signer is reported with a WARNING that nothing pins it")
     c.add_argument("--json", action="store_true", help="print the answer as one JSON object alone (no VALID "
                                                        "line; {\"valid\": false, ...} when it is not)")
     c.set_defaults(func=cmd_data)

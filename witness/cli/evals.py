@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from .args import DEFAULT_KEY, data_arg, fraction, hex_bytes, positive
 from .audit import report_verdict
-from .data import released_model
+from .data import released_model, unpinned_warning
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -34,20 +35,45 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_verify_eval(args: argparse.Namespace) -> int:
     """Check an evaluation certificate against its bundle, with spot checks."""
     from ..bundle.reader import open_bundle
-    from ..commit.dsse import read_with_statement
+    from ..commit.dsse import read_signed
+    from ..commit.signing import read_public_key
+    from ..errors import RunRejected
     from ..evals.evaluate import verify_eval
     from ..evals.release import check_subject
 
+    signer: dict = {}  # who signed what was checked, once it is known: for the WARNING after the verdict
+
     def audit():
-        cert, stmt = read_with_statement(args.cert, 256 * 1024 * 1024, "certificate")
+        pinned = read_public_key(args.signer) if args.signer else None
         bundle = open_bundle(args.bundle)
-        verdict = verify_eval(cert, bundle, spots=args.spot, forged_fraction=args.forged_fraction, nonce=args.nonce,
-                              exact=not args.tolerance)
+        run_key = bundle.manifest.public_key  # the run's own key: one the verifier already trusts
+        cert, signed = read_signed(args.cert, 256 * 1024 * 1024, "certificate", pinned=pinned, trusted=[run_key])
+
+        def signed_by(verdict) -> None:  # noqa: ANN001 - an EvalVerdict
+            key = signed.signer if signed else cert["evaluator"]  # a bare certificate: its evaluator signed it
+            pinned_by = "--signer" if pinned else "the run's key" if key == run_key else None
+            verdict.signer_key, verdict.signer_pinned_by = key, pinned_by
+            signer.update(key=key, pinned=pinned_by is not None,
+                          what="the certificate's envelope" if signed else "the certificate")
+
+        try:
+            # --signer pins the evaluator too: the key that signed the certificate's body
+            verdict = verify_eval(cert, bundle, spots=args.spot, forged_fraction=args.forged_fraction,
+                                  nonce=args.nonce, exact=not args.tolerance, evaluator=pinned)
+        except RunRejected as e:  # spot checks failed: the verdict still says who signed the certificate
+            if e.verdict is not None:
+                signed_by(e.verdict)
+            raise
+        signed_by(verdict)
         if args.model:  # after the certificate is checked: its run is this bundle, finished
-            check_subject(stmt, args.model, bundle.end.final_model_hash, bundle.manifest.state_digest)
+            check_subject(signed.statement if signed else None, args.model, bundle.end.final_model_hash,
+                          bundle.manifest.state_digest)
         return verdict
 
-    return report_verdict(args, audit)
+    code = report_verdict(args, audit)
+    if code == 0 and not signer["pinned"]:  # an accepted certificate is what a reader may rely on
+        print(unpinned_warning(signer["what"], signer["key"], "the run's key"), file=sys.stderr)
+    return code
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -111,6 +137,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ve.add_argument("--tolerance", action="store_true", help="re-run the spot checks within thresholds (other hardware)")
     ve.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     ve.add_argument("--model", help="also check that the signed envelope names this released model file")
+    ve.add_argument("--signer", help="the evaluator's key, which must have signed the certificate and its envelope: "
+                                     "raw hex or PEM, or a file holding either; without it, a signer other than the "
+                                     "run's own key is reported with a WARNING that nothing pins it")
     data_arg(ve)
     ve.set_defaults(func=cmd_verify_eval)
 

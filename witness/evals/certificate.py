@@ -115,7 +115,8 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
     except Exception:
         raise VerificationError("the evaluator's signature on the certificate is invalid", check="signature") from None
     if evaluator is not None and cert["evaluator"] != evaluator:
-        raise VerificationError("the certificate is signed by another evaluator", check="signature")
+        raise VerificationError(f"the certificate is signed by evaluator key {cert['evaluator']}, not by the "
+                                f"expected key {evaluator}", check="signature")
 
     run = _obj(cert["run"], {"public_key", "tree_head"}, "run")
     es = _obj(cert["eval_set"], {"split", "root", "size"}, "eval_set")

@@ -77,6 +77,8 @@ class EvalVerdict:
     spot_checked: list[int] = field(default_factory=list)
     near_duplicates: dict = field(default_factory=dict)
     verify_seconds: float = 0.0
+    signer_key: str | None = None  # the key (hex) whose signature on the certificate was checked, where known
+    signer_pinned_by: str | None = None  # what pins it (--signer, the run's key); None: nothing does
 
     def to_json(self) -> dict:
         """The ``--json`` form."""
@@ -85,6 +87,9 @@ class EvalVerdict:
     def summary(self) -> str:
         """Readable lines."""
         lines = [f"{'ACCEPTED' if self.accepted else 'REJECTED'}: evaluation certificate signed by {self.evaluator}",
+                 *([f"  signed by key {self.signer_key} ("
+                    f"{f'pinned by {self.signer_pinned_by}' if self.signer_pinned_by else 'which nothing pins'})"]
+                   if self.signer_key else []),
                  f"  aggregates (recomputed exactly): {canonical_json(self.aggregates).decode()}",
                  f"  contamination: all {self.eval_documents} evaluation documents proven absent from the training data",
                  f"  spot checks: {self.challenges} example(s) re-run; had >= {100 * self.bad_fraction:g}% of the "
@@ -104,12 +109,14 @@ def draw_spots(signature: str, nonce: bytes, n: int, m: int) -> list[int]:
 
 
 def verify_eval(cert: dict, bundle_dir: str | os.PathLike | Bundle, *, spots: int = 100, forged_fraction: float = 0.05,
-                nonce: bytes | None = None, exact: bool = True, rtol: float = 1e-4) -> EvalVerdict:
-    """Check a certificate in full against its bundle, then re-run M random examples."""
+                nonce: bytes | None = None, exact: bool = True, rtol: float = 1e-4,
+                evaluator: str | None = None) -> EvalVerdict:
+    """Check a certificate in full against its bundle (and pinned ``evaluator``), then re-run M random examples."""
     started = time.perf_counter()
     bundle = as_bundle(bundle_dir)
     task = task_of(bundle)
-    c = check_certificate(cert, task.aggregates, head=bundle.final_head, public_key=bundle.manifest.public_key)
+    c = check_certificate(cert, task.aggregates, head=bundle.final_head, public_key=bundle.manifest.public_key,
+                          evaluator=evaluator)
     if c["task"] != task.name:
         raise VerificationError(f"the certificate names task {c['task']!r}; the run is {task.name!r}", check="binding")
     # The absence proofs are against the run's used-document tree, under the run's claimed rule:
