@@ -30,7 +30,8 @@ from torch import nn
 
 from ..commit.hashing import canonical_json, leaf_hash
 from ..commit.merkle import merkle_root
-from ..errors import MalformedInput
+from ..errors import MalformedInput, VerificationError
+from ..fingerprint.chunks import alias_groups
 
 try:
     import blake3 as _blake3
@@ -218,8 +219,50 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     return out
 
 
+def check_aliases(groups: list[tuple[str, ...]], tensors: dict[str, torch.Tensor], where: str = "the state",
+                  step: int | None = None) -> None:
+    """Every name of each alias group (``alias_groups``: tied weights) holds the same bytes in a flat
+    state; else a rejection naming both names."""
+    for group in groups:
+        held = [n for n in group if n in tensors]
+        if not held:
+            continue  # none of the group's names: not a model state (a missing tensor is refused where it is loaded)
+        if len(held) < len(group):
+            lost = next(n for n in group if n not in tensors)
+            raise VerificationError(f"{where} holds {held[0]} but not {lost}, which is the same tensor in the task's "
+                                    "model (tied weights)", step=step, check="state")
+        first = tensors[group[0]]
+        for name in group[1:]:
+            t = tensors[name]
+            # bytes, not values: NaN equals itself here, and -0.0 is not 0.0
+            if t.dtype != first.dtype or t.shape != first.shape or not np.array_equal(_raw(first), _raw(t)):
+                raise VerificationError(f"{where} holds different bytes under {group[0]} and {name}, which are one "
+                                        "tensor in the task's model (tied weights)", step=step, check="state")
+
+
+def _check_views(model: nn.Module, model_sd: dict[str, torch.Tensor], groups: list[tuple[str, ...]]) -> None:
+    """After loading: names whose bytes share a storage other than as one tensor (views into one buffer)
+    read back what the state holds, so overlapping views cannot carry two values either."""
+    live = model.state_dict(keep_vars=True)
+    storages: dict[tuple, list[str]] = {}
+    for k, t in live.items():
+        if t.numel() and t.device.type != "meta" and not hasattr(t, "to_local"):
+            storages.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(f"model.{k}")
+    tied = {n: set(g) for g in groups for n in g}
+    for names in storages.values():
+        if len(names) < 2 or set(names) == tied.get(names[0]):  # one tied tensor: compared before loading
+            continue
+        for n in names:
+            if not np.array_equal(_raw(live[n[6:]]), _raw(model_sd[n[6:]])):
+                others = ", ".join(m for m in names if m != n)
+                raise VerificationError(f"the state's {n} is not what the task's model holds after loading it: its "
+                                        f"bytes share storage with {others}, and the state holds other bytes there",
+                                        check="state")
+
+
 def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor]) -> None:
-    """Put a flat state back into a model and its optimizer, refusing missing or extra tensors."""
+    """Put a flat state back into a model and its optimizer, refusing missing or extra tensors, and
+    tied names (``check_aliases``) that hold different bytes."""
     model_sd = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
     missing = set(model.state_dict()) - set(model_sd)
     extra = set(model_sd) - set(model.state_dict())
@@ -228,7 +271,12 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensor
     for k, v in model.state_dict().items():
         if model_sd[k].shape != v.shape or model_sd[k].dtype != v.dtype:
             raise MalformedInput(f"checkpoint tensor {k} has the wrong shape or dtype")
+    # torch would copy each tied name into the one tensor in turn, the last one winning: the state
+    # hash and the chunk layout would then bind bytes that the loaded model does not run
+    groups = alias_groups(model)
+    check_aliases(groups, tensors)
     model.load_state_dict(model_sd)
+    _check_views(model, model_sd, groups)
     if optimizer is None:
         return
     params = dict(model.named_parameters())

@@ -59,9 +59,15 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def identify_weights(bundle: Bundle, path: str | os.PathLike) -> Identity:
-    """Same model iff the weights hash to the run's final model hash."""
-    got = model_hash(read_weights(path), bundle.manifest.state_digest)
+    """Same model iff the weights hash to the run's final model hash; weights whose tied names (the
+    task's model says which) hold different bytes are refused, even then."""
+    from .release import check_tied
+
+    weights = read_weights(path)
+    got = model_hash(weights, bundle.manifest.state_digest)
     ok = bundle.end is not None and same(got, bundle.end.final_model_hash)
+    if ok:  # another model is DIFFERENT whatever its ties; the run's own must be one model
+        check_tied(bundle, weights, Path(path).name)
     return Identity(ok, "weights", f"model hash {got.hex()[:16]}… "
                     f"{'equals' if ok else 'differs from'} the run's final model hash "
                     f"{bundle.end.final_model_hash.hex()[:16] if bundle.end else '?'}…")

@@ -15,9 +15,10 @@ import torch
 
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_safetensors
 from ..bundle.reader import Bundle
-from ..bundle.state import model_hash, state_hash
+from ..bundle.state import check_aliases, model_hash, state_hash
 from ..commit.hashing import same
 from ..errors import MalformedInput, VerificationError
+from ..fingerprint.chunks import alias_groups
 
 
 def final_model_tensors(bundle: Bundle, needed_for: str = "a final model") -> dict[str, torch.Tensor]:
@@ -30,9 +31,19 @@ def final_model_tensors(bundle: Bundle, needed_for: str = "a final model") -> di
     return {k: v for k, v in tensors.items() if k.startswith("model.")}
 
 
+def check_tied(bundle: Bundle, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """``tensors`` (``model.*``) hold the same bytes under every name the task's own model ties; which
+    names those are comes from the model the registry builds for the run's recipe, never from the bundle."""
+    from ..verify.audit import task_of
+
+    check_aliases(alias_groups(task_of(bundle).build_model(bundle.manifest.run_seed)), tensors, where)
+
+
 def export_model(bundle: Bundle, path: str | os.PathLike) -> dict:
-    """Write the run's final model (``state_dict`` names, no optimizer) to ``path``; its in-toto subject."""
+    """Write the run's final model (``state_dict`` names, no optimizer) to ``path``; its in-toto subject.
+    Tied names are written each with the one tensor's bytes (a final state whose tied names differ is refused)."""
     tensors = final_model_tensors(bundle, "a final model to release")
+    check_tied(bundle, tensors, "the final checkpoint")
     model = {k[len("model."):]: v.contiguous() for k, v in tensors.items()}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

@@ -6,6 +6,11 @@ sorted by name, each starting on a chunk boundary and zero-padded to a whole num
 trainer's ring keeps a state's parameters in such a buffer, so the chunks are hashed where they were
 copied; a verifier lays out the tensors it loads the same way. The layout's id (a hash of the chunk
 size and every tensor's name, dtype and shape) is bound into the root.
+
+Tied weights (one tensor under several state names: nanoGPT's and Hugging Face's tied embedding and
+output head) are one alias group (``alias_groups``, from the model itself, never from a bundle). The
+layout lays each group out once, under its first name; the state hash holds every name, and a state
+whose names of one group hold different bytes is refused wherever it is loaded (``bundle.state``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,26 @@ from ..commit.hashing import canonical_json, tagged_hash
 
 DEFAULT_CHUNK_BYTES = 1024
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64, 1 << 20
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Where a tensor's bytes lie: two state names with one key are one tensor (tied)."""
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: the shard this process holds
+    if local.device.type == "meta" or local.numel() == 0:  # no bytes (meta tensors all point at 0)
+        return ("id", id(t))
+    size = local.element_size()
+    return (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset() * size, size,
+            tuple(t.shape), tuple(local.shape), local.stride())
+
+
+def alias_groups(model: torch.nn.Module) -> list[tuple[str, ...]]:
+    """The state names (``model.<state_dict key>``) that are one tensor in ``model`` (tied weights):
+    groups of two or more, each in ``state_dict`` order. Same storage, offset, shape and stride, so
+    a parameter and a buffer, or two parameter objects, that share their bytes are tied too."""
+    groups: dict[tuple, list[str]] = {}
+    for k, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(_storage_key(t), []).append(f"model.{k}")
+    return [tuple(g) for g in groups.values() if len(g) > 1]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -55,8 +80,21 @@ class ChunkLayout:
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkLayout:
-        """The layout of a model's parameters (tied ones once, under the name ``named_parameters`` gives)."""
-        return cls.of({f"model.{n}": p for n, p in model.named_parameters()}, chunk_bytes)
+        """The layout of a model's parameters: each alias group (``alias_groups``: tied weights) once,
+        under the first of its parameter names in ``state_dict`` order.
+
+        For weights tied as one ``Parameter`` (nanoGPT's ``transformer.wte.weight`` and
+        ``lm_head.weight``) that is the name ``named_parameters()`` gives. The group's other names
+        are left out: a state is loaded only where every name of a group holds the same bytes
+        (``bundle.state.check_aliases``), so the first name's chunks are the whole group's."""
+        params: dict[str, torch.Tensor] = {}
+        seen: set[tuple] = set()
+        for n, p in model.named_parameters(remove_duplicate=False):
+            key = _storage_key(p)
+            if key not in seen:
+                seen.add(key)
+                params[f"model.{n}"] = p
+        return cls.of(params, chunk_bytes)
 
     @cached_property
     def id(self) -> bytes:

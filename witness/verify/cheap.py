@@ -12,12 +12,19 @@ import torch
 from .. import REPLAYS_RUNS_OF, __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint
 from ..bundle.reader import Bundle
-from ..bundle.state import load_state, model_hash, state_distances, state_hash, state_tensors
+from ..bundle.state import (
+    check_aliases,
+    load_state,
+    model_hash,
+    state_distances,
+    state_hash,
+    state_tensors,
+)
 from ..commit.hashing import same
 from ..data.dataset import Dataset, sample_hash
 from ..data.leaves import DatasetLeaves
 from ..errors import MalformedInput, VerificationError
-from ..fingerprint.chunks import ChunkLayout
+from ..fingerprint.chunks import ChunkLayout, alias_groups
 from ..session import TrainingSession, bounded_threads, cpu_cores
 from ..task.base import Task
 from ..task.registry import build_task, check_task_source
@@ -153,6 +160,7 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         init_check = None  # tolerance mode: judged against the initial checkpoint below
     # a chunked run's records commit their parameters' chunk root too: each checkpoint is held to it
     layout = ChunkLayout.of_model(session.model, m.online["chunk_bytes"]) if m.chunked else None  # type: ignore[index]
+    aliases = alias_groups(session.model)  # tied weights, from the task's own model
     for step in bundle.checkpoint_steps():
         sh, fh = bundle.committed_checkpoint(step)  # type: ignore[misc]
         path = bundle.checkpoints[step]
@@ -161,6 +169,7 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         tensors = read_checkpoint(path)
         if not same(state_hash(tensors, m.state_digest), sh):
             raise VerificationError(f"{path.name} does not hash to the committed state", step=step, check="checkpoint")
+        check_aliases(aliases, tensors, f"the checkpoint {path.name}", step=step)
         if step == 0 and init_check is None:  # first in the loop: the session still holds the seed's state
             init_check = _init_within_tolerance(tensors, seeded, session, thresholds)
         if step > 0:

@@ -21,11 +21,11 @@ import torch
 from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle
 from ..bundle.schema import StepRecord
-from ..bundle.state import load_state, state_distances, state_hash, state_tensors
+from ..bundle.state import check_aliases, load_state, state_distances, state_hash, state_tensors
 from ..commit.hashing import same
 from ..data.dataset import Dataset
 from ..errors import MalformedInput, VerificationError
-from ..fingerprint.chunks import ChunkLayout
+from ..fingerprint.chunks import ChunkLayout, alias_groups
 from ..fingerprint.probes import relative_distance
 from ..session import TrainingSession, warn_mkl
 from ..task.base import Task
@@ -205,6 +205,7 @@ class Replayer:
         warn_mkl()
         self.session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
         self.parameters = {f"model.{n}" for n, _ in self.session.model.named_parameters()}
+        self.aliases = alias_groups(self.session.model)  # tied weights: the task's model says which, not a bundle
         # a chunked run's records commit their parameters' chunk root too: every state loaded or reached
         # must have it (a root a window's openings were checked against that is not its state's own
         # would let the openings show a trajectory the run did not take)
@@ -228,6 +229,7 @@ class Replayer:
         if want is None or not same(state_hash(tensors, self.bundle.manifest.state_digest), want):
             raise VerificationError(f"the state after {step} update(s) does not hash to the committed state",
                                     step=step, check="state")
+        check_aliases(self.aliases, tensors, f"the state after {step} update(s)", step=step)
         if step > 0:
             self.check_param_root(step - 1, tensors)
         return tensors
