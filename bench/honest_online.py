@@ -6,7 +6,9 @@ runs cycle through recipes that stress the bound: warm-up from the first step (B
 gradient moves every coordinate by lr), gradient clipping, gradient accumulation, fp16 with a
 GradScaler (skipped steps move nothing), AdamW with betas (0.9, 0.999) (B_t up to 7.27), Adam with L2
 decay, BatchNorm (tinycnn, the CNN plugin), the nanogpt-style plugin, the overlapped state hash (the
-GPU path, on the CPU), and audits in tolerance mode. Each run has its own r (seed), so its own data
+GPU path, on the CPU), audits in tolerance mode, and parameters a step does not update (a frozen
+embedding in an AdamW decay group at decay 0.1 and 1.0, requires_grad toggled mid-run, a branch a
+step does not use, fp16 skipped steps at decay 1.0). Each run has its own r (seed), so its own data
 order, initialisation and draws. Reported: runs, false rejections (with their reasons), and the
 largest move any run made as a fraction of its step's bound.
 
@@ -59,15 +61,22 @@ RECIPES = [
      {"steps": 16, "batch_size": 8, "precision": "fp16", "lr": 0.01}, {}, {}),
     ("tiny, overlapped state hash (the GPU path)", "tiny", {"steps": 24}, {"overlap": True}, {}),
     ("tiny, audited in tolerance mode", "tiny", {"steps": 24}, {}, {"exact": False}),
+    # parameters a step does not update (torch skips them, decay and all): issue 46's honest cases
+    ("frozen embedding in a decay group, decay 0.1", "frozen-lookup-test", {"steps": 16, "weight_decay": 0.1}, {}, {}),
+    ("frozen embedding in a decay group, decay 1.0", "frozen-lookup-test", {"steps": 16}, {}, {}),
+    ("requires_grad toggled mid-run", "unfreezing-test", {"steps": 16}, {}, {}),
+    ("a branch a step does not use", "branchy-test", {"steps": 16}, {}, {}),
+    ("fp16 skipped steps, decay 1.0", "fp16-skips-test", {"steps": 16, "precision": "fp16", "lr": 0.01}, {}, {}),
 ]
 
 
-def _register_fp16() -> None:
-    from test_fp16 import (
-        HalfTask,  # the suite's fp16 task: its first steps overflow and are skipped
-    )
+def _register_test_tasks() -> None:
+    # the suite's own: fp16 (its first steps overflow and are skipped) and the parameters a step leaves alone
+    from test_fp16 import HalfTask
+    from test_honest_moves import TASKS
 
-    registry.BUILTIN[HalfTask.name] = HalfTask
+    for cls in (HalfTask, *TASKS):
+        registry.BUILTIN[cls.name] = cls
     registry._built.cache_clear()
 
 
@@ -97,7 +106,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    _register_fp16()
+    _register_test_tasks()
     started = time.perf_counter()
     per: dict[str, list[dict]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
