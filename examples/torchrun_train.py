@@ -15,8 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from witness.commit.hashing import tagged_hash  # witness
-from witness.commit.signing import load_or_create_key  # witness
+from witness.commit.signing import load_or_create_key, secret_r  # witness
 from witness.distributed import DistRecorder, exit_now  # witness
 from witness.task import build_task
 
@@ -37,7 +36,11 @@ def main() -> None:
     torch.set_num_threads(1)
     task = build_task(args.task, {"steps": args.steps, "batch_size": args.batch_size})
     key = load_or_create_key(args.key) if dist.get_rank() == 0 else None  # witness: rank 0 signs
-    r = tagged_hash("witness/trainer-seed/v1", args.seed.encode())  # witness: or a leaderboard ticket
+    # witness: r from the seed text under rank 0's key (no one without the key can guess the run seed),
+    # or a leaderboard ticket; every rank needs it (the data order and the initial weights follow from it)
+    shared = [secret_r(args.seed, key) if key is not None else None]
+    dist.broadcast_object_list(shared, src=0)
+    r = shared[0]
     rec = DistRecorder(task, args.out, key, r=r, checkpoint_every=args.checkpoint_every,  # witness
                        parallelism=args.parallelism)
 

@@ -87,13 +87,30 @@ def test_an_evaluation_envelope_resigned_by_an_unknown_key(run, tmp_path, capsys
     forged = _write(tmp_path / "cert.dsse.json", envelope(_statement(d / "cert.json.dsse.json"), stranger))
     code, out, err = _cli(capsys, "verify-eval", forged, "--bundle", bundle, "--spot", "2")
     assert code == 0, err
-    assert out.startswith("ACCEPTED") and f"signed by key {stranger_hex} (which nothing pins)" in out, out
+    # who made the certificate is its evaluator (its signature on the certificate is checked); the
+    # stranger's envelope only carries it, and says so
+    assert out.startswith("ACCEPTED") and f"signed by key {evaluator} (which nothing pins)" in out, out
     (warning,) = _warnings(err)
-    assert stranger_hex in warning and "proves nothing about who made it" in warning
+    assert evaluator in warning and "proves nothing about who made it" in warning
+    assert f"envelope is signed by key {stranger_hex}, not by its evaluator" in err
     # pinned to the evaluator's key: the stranger's envelope is refused, naming the key
     code, out, err = _cli(capsys, "verify-eval", forged, "--bundle", bundle, "--spot", "2", "--signer", evaluator)
     assert code == 1 and "no signature on the envelope by the expected key" in err and evaluator in err, err
     assert not _warnings(err)
+
+
+def test_an_evaluators_certificate_rewrapped_under_the_runs_key_is_not_pinned_by_it(run, tmp_path, capsys):
+    """The red team: the trainer wraps a third party's certificate in an envelope of the run's own key.
+    The run's key pins the envelope, not the certificate's maker, which nothing pins: a WARNING."""
+    d, bundle, trainer, evaluator, trainer_key = run
+    rewrapped = _write(tmp_path / "cert.dsse.json", envelope(_statement(d / "cert.json.dsse.json"), trainer_key))
+    code, out, err = _cli(capsys, "verify-eval", rewrapped, "--bundle", bundle, "--spot", "2")
+    assert code == 0 and f"signed by key {evaluator} (which nothing pins)" in out, out
+    assert evaluator in _warnings(err)[0] and f"envelope is signed by key {trainer}" in err
+    # witness report names the maker and warns the same way
+    code, _, err = _cli(capsys, "report", bundle, "--out", tmp_path / "report", "--eval", rewrapped, "--spot", "2")
+    assert code == 0 and evaluator in _warnings(err)[0], err
+    assert f"signed by key {evaluator} (which nothing pins)" in (tmp_path / "report" / "report.md").read_text()
 
 
 # --- (2) a securesystemslib keyid (a hash) is read, never parsed as a key -------------------------

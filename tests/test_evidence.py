@@ -27,7 +27,8 @@ from witness.commit.signing import generate_key, public_hex, save_key
 from witness.errors import MalformedInput
 from witness.record.online import OnlineSpec
 from witness.record.recorder import Recorder
-from witness.task import build_task
+from witness.task import build_task, registry
+from witness.task.generic import GenericTask
 from witness.verify.replay import SegmentPlan
 from witness.web import start_uvicorn, stop_uvicorn
 
@@ -256,8 +257,9 @@ def test_a_bundle_with_two_statements_of_one_window_is_rejected(tmp_path, beacon
 def test_restarts_of_one_computation_are_priced_into_the_bound_whatever_key_or_finish(tmp_path, beacon, capsys):
     from witness.cli.args import trainer_r
 
-    r = trainer_r("restart")  # what `witness train --seed restart` uses
-    save_key(generate_key(), tmp_path / "key.pem")
+    key = generate_key()
+    save_key(key, tmp_path / "key.pem")
+    r = trainer_r("restart", key)  # what `witness train --seed restart --key key.pem` uses
     # attempts at the presented run's computation (its run seed and training recipe), each under a fresh
     # key: walked away from when the draw selected the bad step, finished (all of them can be: they are
     # one computation), and one that changes only what is observed of the training (the sketch)
@@ -274,7 +276,7 @@ def test_restarts_of_one_computation_are_priced_into_the_bound_whatever_key_or_f
                  str(tmp_path / "key.pem"), "--out", str(tmp_path / "run"), "--quiet", "--beacon", beacon.url,
                  "--seed", "restart", "--online-p", str(P), "--online-every", str(EVERY)]) == 0
     final = statements(tmp_path / "run")[-1]
-    assert final.final and final.version == 2 and (final.others, final.attempts) == (5, 4)
+    assert final.final and final.version == 3 and (final.others, final.attempts) == (5, 4)
     code, v = cli_json(capsys, "verify", tmp_path / "run", "--mode", "online", "--beacon-key", beacon.public_key,
                        "--allow-weak")
     assert code == 0 and v["online"]["attempts"] == 4
@@ -294,14 +296,15 @@ def test_variants_of_one_computation_under_an_inert_recipe_field_are_priced(tmp_
     priced, whatever its recipe."""
     from witness.cli.args import trainer_r
 
-    r = trainer_r("inert")
+    key = generate_key()
+    r = trainer_r("inert", key)  # what `witness train --seed inert --key key.pem` uses
     bad = {32}
     variants = [train(tmp_path / f"v{clip:g}", beacon.link(), r=r, bad=bad, config={"grad_clip": clip}, stop=37)
                 for clip in (1000.0, 1001.0, 1002.0)]
     # the variants' step records are byte-identical: one computation, signed under three recipes and keys
     logs = [(tmp_path / f"v{clip:g}" / "log.jsonl").read_bytes().splitlines()[1:30] for clip in (1000.0, 1001.0)]
     assert logs[0] == logs[1] and variants[0].key != variants[1].key
-    save_key(generate_key(), tmp_path / "key.pem")
+    save_key(key, tmp_path / "key.pem")
     assert main(["train", "--task", "tiny", "--steps", str(STEPS), "--checkpoint-every", "10", "--key",
                  str(tmp_path / "key.pem"), "--out", str(tmp_path / "run"), "--quiet", "--beacon", beacon.url,
                  "--seed", "inert", "--config", "grad_clip=1003.0", "--online-p", str(P), "--online-every",
@@ -316,10 +319,71 @@ def test_variants_of_one_computation_under_an_inert_recipe_field_are_priced(tmp_
     assert v["bound"] == pytest.approx(P ** 4) == pytest.approx(online_bound(P, 1 / STEPS, STEPS, 0, 3))
 
 
+def test_a_stranger_who_guesses_the_seed_text_cannot_open_runs_of_the_run_seed(tmp_path, beacon):
+    """``--seed 0`` once made r = H("0"), so anyone could compute the run seed from the public data root
+    and open runs of it at the beacon, each priced as an attempt at the honest run (the red team: ten
+    such runs took an honest audit from 97 % to weak). r is now the text's under the signing key."""
+    from witness.commit.hashing import tagged_hash
+    from witness.commit.signing import secret_r
+
+    key = generate_key()
+    save_key(key, tmp_path / "key.pem")
+    # the stranger's guesses: the old derivation, from the text alone, and the text under a key of its own
+    for i, r in enumerate((tagged_hash("witness/trainer-seed/v1", b"0"), secret_r("0", generate_key()))):
+        train(tmp_path / f"stranger{i}", beacon.link(), r=r, stop=4, config={"lr": 0.5})
+    assert main(["train", "--task", "tiny", "--steps", str(STEPS), "--checkpoint-every", "10", "--key",
+                 str(tmp_path / "key.pem"), "--out", str(tmp_path / "run"), "--quiet", "--beacon", beacon.url,
+                 "--seed", "0", "--online-p", str(P), "--online-every", str(EVERY)]) == 0
+    final = statements(tmp_path / "run")[-1]
+    assert final.final and (final.others, final.attempts) == (0, 0)  # no key, recipe or seed in common
+    m = parse_canonical_json((tmp_path / "run" / "log.jsonl").read_bytes().splitlines()[0])
+    assert bytes.fromhex(m["r"]) == secret_r("0", key)  # the same text and key give the same r
+
+
+class FixedStart(GenericTask):
+    """A fine-tune from fixed weights (the model ignores the run seed), every batch the whole dataset:
+    under any run seed it trains the same steps, so another seed is no other computation."""
+
+    name = "fixed-start-test"
+
+    def make_model(self):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the pretrained weights it starts from, whatever the run seed
+            return torch.nn.Linear(4, 2)
+
+    def make_dataset(self):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        return [{"x": x[i], "y": (x[i, 0] > 0).long()} for i in range(16)]
+
+
+@pytest.mark.parametrize("batch", [16, 8])
+def test_restarts_under_other_seeds_that_train_the_same_steps_are_not_priced_as_if_they_cost(tmp_path, beacon,
+                                                                                           capsys, batch):
+    """The red team: a task from fixed weights whose batch is the whole dataset trains the same steps
+    under every run seed, so each fresh seed is an unpriced draw. The verifier sees both things (the
+    initial state under a second seed, the batches as sets): the bound is then 0, and says why. With
+    half the dataset a batch, another seed trains on other samples: priced as before."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(registry.BUILTIN, FixedStart.name, FixedStart)  # as a plugin would register it
+        registry._built.cache_clear()
+        try:
+            task = build_task(FixedStart.name, {"steps": STEPS, "batch_size": batch})
+            train(tmp_path / "run", beacon.link(), task=task)
+            code, v = cli_json(capsys, "verify", tmp_path / "run", "--mode", "online", "--beacon-key",
+                               beacon.public_key)
+        finally:
+            registry._built.cache_clear()
+    if batch == 16:
+        assert code == 3 and v["accepted"] and v["bound"] == 0.0 and v["online"]["attempts"] is None
+        assert "does not depend on the run seed" in v["online"]["uncounted"] and "bound is 0" in v["warning"]
+    else:
+        assert v["online"]["attempts"] == 0 and v["online"]["uncounted"] is None and v["bound"] > 0
+
+
 def test_a_head_that_calls_an_abandoned_attempt_finished_does_not_unprice_it(tmp_path, beacon):
     from witness.cli.args import trainer_r
 
-    r = trainer_r("fake-finish")
+    r = trainer_r("fake-finish", generate_key())
     rec = train(tmp_path / "a", beacon.link(), r=r, stop=22)
     # the trainer signs a head for one made-up record whose extensions say the run ended
     rec.log.append({"type": "end", "made": "up"})

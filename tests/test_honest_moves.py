@@ -131,7 +131,9 @@ class Skipping(Branchy):
 
 
 class Spiky(FrozenLookup):
-    """A task whose own schedule spikes at its last step (what a recipe field can no longer ask for)."""
+    """A task whose own schedule spikes at its last step (what a recipe field can no longer ask for), to
+    0.4: below the RMS of the embedding (about 1, most of the parameters), above the head's (about 0.14).
+    The red team's model: an RMS over all parameters together hid the head's blind step."""
 
     name = "spiky-test"
 
@@ -139,10 +141,32 @@ class Spiky(FrozenLookup):
         return Lookup()
 
     def lr_at(self, step):
-        return 10.0 if step == self.config.steps - 1 else self.config.lr
+        return 0.4 if step == self.config.steps - 1 else self.config.lr
 
 
-TASKS = (FrozenLookup, Unfreezing, Branchy, Skipping, Spiky)
+class TwoRates(FrozenLookup):
+    """A task whose own step trains its head at ten times the schedule's rate (per-group rates)."""
+
+    name = "two-rates-test"
+
+    def make_model(self):
+        return Lookup()
+
+    def train_step(self, model, optimizer, batch, lr, seed, clip=None):
+        original = optimizer.step
+
+        def step(*args, **kw):
+            optimizer.param_groups[-1]["lr"] = lr * 10  # the no-decay group: the head's bias
+            return original(*args, **kw)
+
+        optimizer.step = step
+        try:
+            return super().train_step(model, optimizer, batch, lr, seed, clip)
+        finally:
+            optimizer.step = original
+
+
+TASKS = (FrozenLookup, Unfreezing, Branchy, Skipping, Spiky, TwoRates)
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +238,26 @@ def test_a_spike_in_a_tasks_own_schedule_is_named_in_the_verdict(tmp_path, beaco
     assert code == 0 and v["accepted"], v["failures"]
     moves = v["moves"]
     assert moves["blind"] == [[STEPS - 1, STEPS - 1]] and moves["largest_step"] == STEPS - 1
-    assert moves["largest"] >= 10.0 > moves["scale"]
-    assert f"WARNING: at step(s) {STEPS - 1} a step may move a coordinate" in moves["summary"]
-    assert any(f"step(s) {STEPS - 1} move a coordinate by the parameters' whole RMS" in n for n in v["notes"])
+    assert "model.head.weight" in moves["blind_tensors"] and "model.emb.weight" not in moves["blind_tensors"]
+    assert moves["largest"] >= 0.4 > moves["scale"] and moves["scale_tensor"].startswith("model.head.")
+    assert f"WARNING: at step(s) {STEPS - 1} a step may move a coordinate by the whole RMS of" in moves["summary"]
+    assert any(f"step(s) {STEPS - 1} move a coordinate by the whole RMS of" in n for n in v["notes"])
+
+
+def test_per_group_rates_are_refused_at_the_step_not_rejected_by_every_verifier(tmp_path, beacon, capsys):
+    """The move check holds every parameter to the record's one rate: a task that trains a group at
+    another rate (the red team's: an honest run rejected by every verifier) is stopped at its first
+    step with what to do, and trains and verifies online without the check."""
+    key = tmp_path / "key.pem"
+    save_key(generate_key(), key)
+    args = ["train", "--task", TwoRates.name, "--steps", str(STEPS), "--checkpoint-every", "8", "--key", str(key),
+            "--quiet", "--beacon", beacon.url, "--online-p", "0.25", "--online-every", "4"]
+    assert main([*args, "--out", str(tmp_path / "chunked")]) == 2
+    err = capsys.readouterr().err
+    assert "step 0: the optimizer's groups trained at rates" in err and "--online-chunks 0" in err
+    assert main([*args, "--out", str(tmp_path / "run"), "--online-chunks", "0"]) == 0
+    capsys.readouterr()
+    code = main(["verify", str(tmp_path / "run"), "--mode", "online", "--beacon-key", beacon.public_key,
+                 "--allow-weak", "--json"])
+    v = json.loads(capsys.readouterr().out)
+    assert code == 0 and v["accepted"] and v["moves"] is None

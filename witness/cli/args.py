@@ -100,10 +100,11 @@ def config_value(text: str):
         return key, raw
 
 
-def trainer_r(seed: str | None) -> bytes:
-    from ..commit.hashing import tagged_hash
+def trainer_r(seed: str | None, key) -> bytes:  # noqa: ANN001 - an Ed25519PrivateKey
+    """``--seed``'s r: fresh randomness, or the text's under the signing key (``secret_r``)."""
+    from ..commit.signing import secret_r
 
-    return os.urandom(32) if seed is None else tagged_hash("witness/trainer-seed/v1", seed.encode())
+    return os.urandom(32) if seed is None else secret_r(seed, key)
 
 
 def data_arg(p: argparse.ArgumentParser) -> None:

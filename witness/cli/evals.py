@@ -38,7 +38,7 @@ def cmd_verify_eval(args: argparse.Namespace) -> int:
     from ..commit.dsse import read_signed
     from ..commit.signing import read_public_key
     from ..errors import RunRejected
-    from ..evals.evaluate import verify_eval
+    from ..evals.evaluate import name_signer, verify_eval
     from ..evals.release import check_subject
 
     signer: dict = {}  # who signed what was checked, once it is known: for the WARNING after the verdict
@@ -50,11 +50,12 @@ def cmd_verify_eval(args: argparse.Namespace) -> int:
         cert, signed = read_signed(args.cert, 256 * 1024 * 1024, "certificate", pinned=pinned, trusted=[run_key])
 
         def signed_by(verdict) -> None:  # noqa: ANN001 - an EvalVerdict
-            key = signed.signer if signed else cert["evaluator"]  # a bare certificate: its evaluator signed it
-            pinned_by = "--signer" if pinned else "the run's key" if key == run_key else None
-            verdict.signer_key, verdict.signer_pinned_by = key, pinned_by
-            signer.update(key=key, pinned=pinned_by is not None,
-                          what="the certificate's envelope" if signed else "the certificate")
+            # who made it is the certificate's evaluator (its signature on the certificate is checked), not
+            # whoever wrapped it in an envelope (--signer pins both)
+            signer.update(pinned=name_signer(verdict, cert, run_key, pinned), key=cert["evaluator"],
+                          what="the certificate")
+            if signed is not None and signed.signer != cert["evaluator"]:
+                signer["carrier"] = signed.signer
 
         try:
             # --signer pins the evaluator too: the key that signed the certificate's body
@@ -73,6 +74,10 @@ def cmd_verify_eval(args: argparse.Namespace) -> int:
     code = report_verdict(args, audit)
     if code == 0 and not signer["pinned"]:  # an accepted certificate is what a reader may rely on
         print(unpinned_warning(signer["what"], signer["key"], "the run's key"), file=sys.stderr)
+    if code == 0 and signer.get("carrier"):
+        print(f"note: the certificate's envelope is signed by key {signer['carrier']}, not by its evaluator: an "
+              "envelope only carries a certificate, and anyone may wrap one in an envelope of their own key",
+              file=sys.stderr)
     return code
 
 

@@ -90,7 +90,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.steps is not None:
             config["steps"] = args.steps
         task = build_task(args.task, config)
-        rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed), checkpoint_every=args.checkpoint_every,
+        rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed, key), checkpoint_every=args.checkpoint_every,
                               state_every=args.state_every, threads=args.threads, device=args.device, beacon=beacon,
                               online=_online_spec(args, task.config.steps, beacon) if beacon else None,
                               self_check=not args.no_self_check, self_check_share=args.self_check_share)
@@ -304,7 +304,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         witnesses = [WitnessClient(url) for _, _, url in servers[1:]]
         t0 = time.perf_counter()
-        rec = Recorder.create(task, bundle_dir, key, r=trainer_r(None), checkpoint_every=50,
+        rec = Recorder.create(task, bundle_dir, key, r=trainer_r(None, key), checkpoint_every=50,
                               beacon=WitnessedLink(witnesses, DrandClient(servers[0][2], local.chain)))
         rec.train()
         train_s = time.perf_counter() - t0
@@ -380,11 +380,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     evaluation, verdict_text = None, ""
     if args.eval:
         from ..commit.dsse import read_json_or_envelope
-        from ..evals.evaluate import verify_eval
+        from ..evals.evaluate import name_signer, verify_eval
+        from .data import unpinned_warning
 
         # Only a certificate that passes verify-eval's checks (and its spot checks) reaches the report.
         cert = read_json_or_envelope(args.eval, 256 * 1024 * 1024, "certificate")
         ev = verify_eval(cert, bundle, spots=args.spot)
+        if not name_signer(ev, cert, bundle.manifest.public_key):  # the report names who made it, as verify-eval
+            print(unpinned_warning("the certificate", ev.signer_key, "the run's key"), file=sys.stderr)
         evaluation, verdict_text = ev.aggregates, ev.summary()
     out = write_report(bundle, args.out, verdict_text, evaluation=evaluation)
     print(f"wrote {out / 'report.md'} and {out / 'report.html'}")
@@ -415,7 +418,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "process, the run stopped before its next tree head if one does not replay")
     t.add_argument("--state-every", type=positive, default=1,
                    help="commit the hash of the whole training state every K steps (default 1: every step)")
-    t.add_argument("--seed", help="the trainer's r (any string); random by default")
+    t.add_argument("--seed", help="a text that, with the signing key, gives the trainer's r (the same text and key, the "
+                                  "same run seed; no one without the key can guess it); random by default")
     t.add_argument("--key", default=str(DEFAULT_KEY), help="signing key (created if missing)")
     t.add_argument("--threads", type=positive, help="CPU threads (at most this machine's cores)")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

@@ -14,7 +14,9 @@ different witnesses saw; the sum of the counts overcounts those that several saw
     attempts M
     run <hex id>          (M lines, sorted, when M <= MAX_LISTED; none when more)
 
-Version 1 (witness 0.6 and 0.7) has no ``run`` lines: a verifier adds its count as it stands.
+Version 1 (witness 0.6 and 0.7) has no ``run`` lines, and priced only the runs of the same seed *and*
+recipe (a recipe field that changes no bit of the training escaped it): a verifier parses it, but
+reads the attempts it counts as unknown.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class AttemptsNote:
     attempts: int
     # the priced runs' ids (64 hex digits each, sorted); None where the note only counts them
     runs: tuple[str, ...] | None = None
+    version: int = 2  # 1: counted under the old rule (the same seed and recipe), which a verifier cannot use
 
     def text(self) -> str:
         """The note's text (version 2): the runs listed when there are at most ``MAX_LISTED``."""
@@ -63,7 +66,7 @@ class AttemptsNote:
         if found["header"] == ATTEMPTS_V1:
             if runs:
                 raise MalformedInput(f"a {ATTEMPTS_V1} note lists no runs")
-            return cls(found["origin"], int(found["size"]), int(found["others"]), attempts)
+            return cls(found["origin"], int(found["size"]), int(found["others"]), attempts, version=1)
         want = attempts if attempts <= MAX_LISTED else 0
         if len(runs) != want or list(runs) != sorted(set(runs)):
             raise MalformedInput(f"an attempts note counting {attempts} attempt(s) lists {len(runs)} run(s): it lists "
@@ -74,7 +77,7 @@ class AttemptsNote:
 
 def count_attempts(notes: list[AttemptsNote], run: str) -> int:
     """The distinct attempts other than ``run`` that any of ``notes`` prices in: the union of the runs
-    they name, plus the count of every note that names none (counted as if no two saw the same)."""
+    they name, plus the count of every note that names none (over 256: counted as if no two saw the same)."""
     named: set[str] = set()
     unnamed = 0
     for n in notes:

@@ -28,15 +28,20 @@ STATEMENT_FORMAT = "witness-beacon-statement"
 # account), and ``attempts``, those it prices into the bound: attempts that shared this run's
 # computation (the same run seed and training recipe) and, at a leaderboard, the account's runs
 # that were not certified. A trainer that restarts until a draw misses its bad steps is priced in.
-STATEMENT_VERSION = 2
-STATEMENT_VERSIONS = (1, 2)  # version 1 statements (witness 0.5) verify, but count no attempts
+# Version 3 has version 2's fields, but its ``attempts`` are every run of the same run seed, whatever
+# its recipe (version 2 priced the same seed *and* recipe, which an inert recipe field escaped).
+STATEMENT_VERSION = 3
+# version 1 statements (witness 0.5) verify but count no attempts; version 2 counts under the old rule,
+# so a verifier reads its final count as unknown
+STATEMENT_VERSIONS = (1, 2, 3)
+SEED_PRICED_VERSION = 3  # the first version whose final statement prices every run of the seed
 CONTEXT = b"witness beacon statement v1\x00"  # domain separation: never a valid tree-head signature
 BETA_BYTES = 32
 MAX_STATEMENT_BYTES = 4096
 MAX_INT = 1 << 62  # sizes, times and counts (beyond any database's integer: refused, not overflowed)
 _FIELDS = {"format", "version", "beacon", "run", "size", "root", "prev_size", "beta", "received_ms", "final",
            "signature"}
-_ATTEMPTS = {"others", "attempts"}  # on a version 2 final statement only
+_ATTEMPTS = {"others", "attempts"}  # on a final statement of version 2 or later only
 
 
 def run_id(manifest_line: bytes) -> bytes:

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from ..errors import MalformedInput, VerificationError
 from .ed25519 import check_public_key
-from .hashing import canonical_json, from_hex, sha256
+from .hashing import canonical_json, from_hex, sha256, tagged_hash
 
 STH_CONTEXT = "witness/signed-tree-head/v1"
 
@@ -21,6 +21,14 @@ STH_CONTEXT = "witness/signed-tree-head/v1"
 def generate_key() -> Ed25519PrivateKey:
     """A fresh Ed25519 signing key."""
     return Ed25519PrivateKey.generate()
+
+
+def secret_r(text: str, key: Ed25519PrivateKey) -> bytes:
+    """The trainer's r from a text of its choosing and its signing key: the same text and key give the
+    same r, and no one without the key can compute it. (r from the text alone, ``--seed 0``, is a run
+    seed anyone could guess from the public data root, and a stranger who opens runs of that seed at a
+    beacon has each priced as an attempt at this run.)"""
+    return tagged_hash("witness/trainer-seed/v2", key.private_bytes_raw(), text.encode())
 
 
 def save_key(key: Ed25519PrivateKey, path: Path) -> Path:

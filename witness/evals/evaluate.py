@@ -103,6 +103,18 @@ class EvalVerdict:
         return "\n".join(lines)
 
 
+def name_signer(verdict: EvalVerdict, cert: dict, run_key: str, pinned: str | None = None) -> bool:
+    """Name in ``verdict`` who made the certificate: its evaluator, whose signature on the certificate
+    ``check_certificate`` verified (an envelope around it is only a carrier: anyone may re-wrap a
+    certificate in an envelope of their own key), and what pins that key (``--signer``, the run's own
+    key, or nothing). Whether anything pins it."""
+    key = cert["evaluator"]
+    verdict.signer_key = key
+    verdict.signer_pinned_by = "--signer" if pinned is not None and key == pinned else \
+        "the run's key" if key == run_key else None
+    return verdict.signer_pinned_by is not None
+
+
 def draw_spots(signature: str, nonce: bytes, n: int, m: int) -> list[int]:
     """M distinct example indices from H(certificate signature || nonce)."""
     return sample_indices(tagged_hash("witness/spot/v1", bytes.fromhex(signature), nonce), n, m)

@@ -133,8 +133,8 @@ def move_rules(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Move
 
 def blind_steps(allowance: np.ndarray, scale: float) -> list[list[int]]:
     """The steps (as inclusive ranges ``[first, last]``) whose allowance, the most one step may move a
-    coordinate (lr_t * B_t), reaches ``scale``, the parameters' own RMS: there a whole model fits in one
-    step's move, so the move check cannot tell a swapped model from a step."""
+    coordinate (lr_t * B_t), reaches ``scale``, a tensor's own RMS: there the whole tensor fits in one
+    step's move, so the move check cannot tell a swapped tensor from a step."""
     out: list[list[int]] = []
     for t in np.nonzero(~(allowance < scale))[0].tolist():  # NaN and inf allowances are blind too
         if out and out[-1][1] == t - 1:
@@ -144,15 +144,9 @@ def blind_steps(allowance: np.ndarray, scale: float) -> list[list[int]]:
     return out
 
 
-def parameter_rms(state: dict[str, torch.Tensor], names: list[str]) -> float:
-    """The root mean square of the named tensors' values together, in float64 (the scale a step's
-    allowance is weighed against)."""
-    total = count = 0.0
-    for n in names:
-        t = state[n].detach().to(torch.float64)
-        total += float(t.pow(2).sum())
-        count += t.numel()
-    return math.sqrt(total / count) if count else 0.0
+def tensor_rms(t: torch.Tensor) -> float:
+    """A tensor's root mean square, in float64 (0 for an empty one)."""
+    return math.sqrt(float(t.detach().to(torch.float64).pow(2).mean())) if t.numel() else 0.0
 
 
 def step_offset(init_state: dict[str, torch.Tensor]) -> int:
@@ -164,22 +158,28 @@ def step_offset(init_state: dict[str, torch.Tensor]) -> int:
 
 def move_limits(before: np.ndarray, after: np.ndarray, lr: np.ndarray, bound: np.ndarray, decay: float,
                 dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(how far each coordinate moved beyond what the step may do, how far it may), elementwise, in float64.
+    """(how far each coordinate moved beyond its decayed value, how far it may), elementwise, in float64.
 
-    ``before`` and ``after`` are the values in the parameter's ``dtype``; ``lr`` and ``bound`` broadcast
-    against them (one per step). A coordinate whose bits did not change moved 0: torch's Adam and AdamW
-    skip a parameter without a gradient altogether (a frozen parameter, one a step did not use, every
-    parameter of an fp16 step the scaler skipped), decay included. One that changed is measured from its
-    decayed value or from its old one, whichever is nearer, since the decay ran only if the step did. A
-    parameter that may not move (``bound`` 0, no decay), or a step of rate 0, is allowed a move of 0."""
+    ``before`` and ``after`` are the values in the parameter's ``dtype``, a row of one tensor's coordinates
+    along the last axis (a chunk: chunks never mix tensors); ``lr`` and ``bound`` broadcast against them
+    (one per step). torch's Adam and AdamW skip a parameter without a gradient altogether, decay
+    included (a frozen parameter, one a step did not use, every parameter of an fp16 step the scaler
+    skipped): a row whose every bit is unchanged moved 0. A row that changed was stepped, decay and all,
+    so every coordinate of it is measured from its decayed value (one whose bits stayed is then a move
+    of its decay, within the bound in an honest step). A parameter that may not move (``bound`` 0, no
+    decay), or a step of rate 0, is allowed a move of 0."""
     a, b = before.astype(np.float64), after.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN values move by NaN: out of bounds
-        moved = np.minimum(np.abs(b - a * (1.0 - lr * decay)), np.abs(b - a)) if decay else np.abs(b - a)
-        moved = np.where(unchanged(before, after), 0.0, moved)
+        moved = np.where(skipped(before, after), 0.0, np.abs(b - a * (1.0 - lr * decay)))
         ulp = np.spacing(np.maximum(np.abs(before), np.abs(after)).astype(dtype)).astype(np.float64)
         # a step of rate 0 moves nothing (the decay is 1, the update 0): it is held to no move at all
         allowed = np.where((bound > 0) & (lr > 0), lr * bound * (1.0 + REL_SLACK) + ULP_SLACK * ulp, 0.0)
     return moved, allowed
+
+
+def skipped(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Whether each row (the last axis: a chunk of one tensor) kept every bit: a step that did not update it."""
+    return unchanged(before, after).all(axis=-1, keepdims=True)
 
 
 def unchanged(before: np.ndarray, after: np.ndarray) -> np.ndarray:

@@ -39,6 +39,7 @@ from .replay import (
     SegmentPlan,
     check_thresholds,
 )
+from .reseed import reseeded_same
 from .response import MissingState, Response, ResponseSamples
 from .usage import check_data_usage, committed_leaves
 from .verdict import ChallengeResult, Verdict
@@ -212,6 +213,11 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         local = LocalSamples(dataset)
     data_checked = _data_checked(task, bundle, named_root, found, local is not None)
     session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
+    if online is not None and online.attempts is not None:
+        # restarts are priced by run seed: that prices them only where another seed is another computation
+        why = reseeded_same(task, m, len(bundle.steps), state_tensors(session.model, session.optimizer))
+        if why is not None:
+            online.attempts, online.uncounted = None, why
     checks += check_records(bundle, task, session)
     moves, move_failure, failed_window = None, None, None
     if online is not None and m.chunked:
@@ -275,9 +281,11 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
         verdict.moves = moves.to_json() | {"summary": moves.describe()}
         verdict.checks.append(moves.describe())
         if moves.blind:
-            verdict.notes.append(f"the schedule lets step(s) {blind_text(moves.blind)} move a coordinate by the "
-                                 "parameters' whole RMS or more: a model swapped in there passes the bounded-move "
-                                 "check, and only replay (at rate p) checks those steps")
+            verdict.notes.append(f"the schedule lets step(s) {blind_text(moves.blind)} move a coordinate by the whole "
+                                 f"RMS of {', '.join(moves.blind_tensors[:3])}"
+                                 f"{' and others' if len(moves.blind_tensors) > 3 else ''} or more: a tensor swapped "
+                                 "in there passes the bounded-move check, and only replay (at rate p) checks those "
+                                 "steps")
     elif move_failure is not None:  # which window's openings failed, for a leaderboard to name that file
         verdict.moves = {"failed_window": failed_window, "summary": "every step: the bounded-move check failed"
                          + (f" in the window closing at size {failed_window}" if failed_window else "") + " (below)"}
@@ -288,7 +296,8 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
                           "selected": online.selected, "covered": online.covered,
                           "unaudited": online.unseen, "final": online.final, "witnessed": online.witnessed, "others": online.others,
                           "attempts": online.attempts, "branches": online.branches, "priced": online.priced,
-                          "trust_warning": online.trust_warning, "linking": online.linking()}
+                          "trust_warning": online.trust_warning, "uncounted": online.uncounted,
+                          "linking": online.linking()}
     if local is None and bundle.complete and mode != "offline":
         verdict.checks.append("every replayed sample is the committed dataset's, with its documents")
     if not bundle.complete:

@@ -29,8 +29,9 @@ from ..fingerprint.moves import (
     blind_steps,
     move_limits,
     move_rules,
-    parameter_rms,
+    skipped,
     step_offset,
+    tensor_rms,
     unchanged,
 )
 from .online import OnlinePlan
@@ -68,13 +69,16 @@ class MoveCheck:
     # move used: how close an honest run's rounding comes to a false rejection (1 would be one)
     slack_used: float = 0.0
     windows: int = 0
-    # what the check can discriminate: the parameters' RMS in the initial state, the largest allowance
-    # lr_t * B_t of any step and its step, and the steps (inclusive ranges) whose allowance reaches that
-    # RMS, where a whole swapped model fits in one step's move
+    # what the check can discriminate, tensor by tensor: the smallest RMS of a parameter tensor (in the
+    # initial state; one initialised to zero, in the final state) and that tensor, the largest allowance
+    # lr_t * B_t of any step and its step, the steps (inclusive ranges) whose allowance reaches some
+    # tensor's RMS (there that whole tensor fits in one step's move), and those tensors
     scale: float = 0.0
+    scale_tensor: str = ""
     largest: float = 0.0
     largest_step: int = 0
     blind: list[list[int]] = field(default_factory=list)
+    blind_tensors: list[str] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)  # head sizes of the pending windows
     ignored: list[int] = field(default_factory=list)  # head sizes of openings no statement in the bundle opens
     sizes: list[int] = field(default_factory=list)  # head sizes of the windows checked
@@ -92,14 +96,15 @@ class MoveCheck:
                f"each) per step, {self.checked} of the run's {self.steps} step(s) in {self.windows} window(s); "
                f"{self.optimizer}; the parameters' moves (buffers, such as BatchNorm's running statistics, are left "
                "to replay)")
-        if self.steps:
-            ratio = self.largest / self.scale if self.scale > 0 else float("inf")
+        if self.steps and self.scale_tensor:
             out += (f"; the most a step may move a coordinate is lr x B = {self.largest:.3g} (step {self.largest_step}), "
-                    f"{ratio:.3g} of the parameters' RMS at the start ({self.scale:.3g})")
+                    f"{self.largest / self.scale:.3g} of the smallest RMS of a parameter tensor ({self.scale:.3g}, "
+                    f"{self.scale_tensor})")
         if self.blind:
-            out += (f"; WARNING: at step(s) {blind_text(self.blind)} a step may move a coordinate by the parameters' "
-                    "whole RMS or more: there the check cannot tell a swapped model from a step (only replay, at "
-                    "rate p, checks those steps)")
+            out += (f"; WARNING: at step(s) {blind_text(self.blind)} a step may move a coordinate by the whole RMS "
+                    f"of {', '.join(self.blind_tensors[:3])}{' and others' if len(self.blind_tensors) > 3 else ''} or "
+                    "more: there the check cannot tell a swapped tensor from a step (only replay, at rate p, checks "
+                    "those steps)")
         if self.checked + self.late + self.pending < self.steps:
             out += (f"; {self.steps - self.checked - self.late - self.pending} step(s) in no window a statement here "
                     "opens: not checked")
@@ -189,21 +194,43 @@ def blind_text(blind: list[list[int]], most: int = 6) -> str:
 
 def _discrimination(out: MoveCheck, bundle: Bundle, rules: MoveRules, init: dict[str, torch.Tensor],
                     offset: int) -> None:
-    """What the check can tell apart: every step's allowance (the largest lr_t * B_t of any parameter's
-    rule) against the parameters' RMS at the start, which the seed (or the committed initial state)
-    fixes. A schedule whose rate spikes at a step makes that step's allowance as large as the model."""
+    """What the check can tell apart, tensor by tensor: every step's allowance (lr_t * B_t under the
+    tensor's rule) against the tensor's RMS in the initial state, which the seed (or the committed
+    initial state) fixes, or in the final state for a tensor initialised to zero. A step whose allowance
+    reaches a tensor's RMS could swap that whole tensor (a spike in a task's own schedule, say); one
+    large tensor cannot hide a small one's blind steps, as an RMS over all parameters would."""
     n = len(bundle.steps)
-    bounded = sorted(name for name, r in rules.rules.items() if r.betas is not None)
+    bounded = sorted(name for name, r in rules.rules.items() if r.betas is not None and name in init)
     if not n or not bounded:
         return
+    scales = {name: tensor_rms(init[name]) for name in bounded}
+    zero = [name for name, v in scales.items() if v == 0.0]
+    if zero and bundle.complete and n in bundle.checkpoints:  # zero-initialised: weighed as trained
+        from ..bundle.checkpoint import read_checkpoint
+
+        final = read_checkpoint(bundle.checkpoints[n])
+        scales |= {name: tensor_rms(final[name]) for name in zero if name in final}
+    scales = {name: v for name, v in scales.items() if v > 0.0}
     lrs = np.array([r.lr for r in bundle.steps], dtype=np.float64)
-    allowance = np.zeros(n)
+    blind = np.zeros(n, dtype=bool)
+    largest = np.zeros(n)
     for betas in {rules.rules[name].betas for name in bounded}:
-        allowance = np.fmax(allowance, lrs * rules.bounds(betas, n, offset))  # type: ignore[arg-type]
-    out.scale = parameter_rms(init, bounded)
-    out.largest_step = int(np.argmax(np.where(np.isnan(allowance), np.inf, allowance)))
-    out.largest = float(allowance[out.largest_step])
-    out.blind = blind_steps(allowance, out.scale)
+        allowance = lrs * rules.bounds(betas, n, offset)  # type: ignore[arg-type]
+        largest = np.fmax(largest, allowance)
+        for name in (x for x in bounded if rules.rules[x].betas == betas and x in scales):
+            # NaN and inf allowances are blind too, and so is a step whose decay factor 1 - lr x decay is 0 or
+            # less (a task's own schedule): its decayed value is no longer near the weight
+            hit = ~(allowance < scales[name]) | (lrs * rules.rules[name].decay >= 1)
+            if hit.any():
+                blind |= hit
+                out.blind_tensors.append(name)
+    if scales:
+        out.scale_tensor = min(scales, key=lambda x: (scales[x], x))
+        out.scale = scales[out.scale_tensor]
+    out.largest_step = int(np.argmax(np.where(np.isnan(largest), np.inf, largest)))
+    out.largest = float(largest[out.largest_step])
+    out.blind = blind_steps(np.where(blind, np.inf, 0.0), 1.0)
+    out.blind_tensors.sort()
 
 
 def _roots(bundle: Bundle, layout: ChunkLayout,
@@ -360,11 +387,11 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
         # past it, or not finite) are checked exactly, in float64. The screen's rounding is an ulp or so, and the
         # check allows four past lr * B, so no move out of bounds passes it (an honest run's rows fall in it at
         # its tight first step, and where a coordinate moves by as much as the optimizer can)
-        # (a coordinate's move is measured from its decayed value or its old one, whichever is nearer: torch
-        # skips a parameter without a gradient, decay and all; ``move_limits`` says why)
+        # (a chunk that kept every bit was not stepped, decay and all: torch skips a parameter without a gradient;
+        # ``move_limits`` says why)
         with np.errstate(invalid="ignore", over="ignore"):
-            rough = np.minimum(np.abs(b - a * (1.0 - lr * rule.decay).astype(a.dtype)), np.abs(b - a))
-            near = (valid & ~unchanged(a, b) & ~(rough <= (0.999 * lr * bound).astype(a.dtype))).any(axis=1)
+            rough = np.abs(b - a * (1.0 - lr * rule.decay).astype(a.dtype))
+            near = (valid & ~skipped(a, b) & ~(rough <= (0.999 * lr * bound).astype(a.dtype))).any(axis=1)
         sel = np.nonzero(near)[0]
         rows, a, b, valid, t, lr, bound, first = (x[sel] for x in (rows, a, b, valid, t, lr, bound, first))
         moved, allowed = move_limits(a, b, lr, bound, rule.decay, _NUMPY[dtype])

@@ -17,7 +17,7 @@ import torch
 from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle
 from ..commit.attempts import AttemptsNote, count_attempts
-from ..commit.beacon import BeaconStatement, run_id, selected_steps
+from ..commit.beacon import SEED_PRICED_VERSION, BeaconStatement, run_id, selected_steps
 from ..commit.drand import ChainInfo, round_time, verify_round
 from ..commit.hashing import parse_canonical_json, same
 from ..commit.note import (
@@ -77,6 +77,8 @@ class OnlinePlan:
     # the branches of one log its witnesses cannot tell apart: 1, unless the verifier requires K of N
     # witnesses with 2K <= N, when up to N // K disjoint sets of K could each cosign a branch of its own
     branches: int = 1
+    # why a count the bundle holds cannot be used (``attempts`` is then None): an older rule counted it
+    uncounted: str | None = None
 
     @property
     def priced(self) -> int | None:
@@ -120,9 +122,9 @@ class OnlinePlan:
     def linking(self) -> str:
         """What the beacon saw of other attempts, and what that leaves unseen, for the verdict."""
         if self.attempts is None:
-            why = "the bundle holds no final statement" if not self.final else \
-                "no named witness signed a count of them" if self.witnessed is not None else \
-                "its final statement is of version 1, which counts none"
+            why = self.uncounted or ("the bundle holds no final statement" if not self.final else
+                                     "no named witness signed a count of them" if self.witnessed is not None else
+                                     "its final statement is of version 1, which counts none")
             return (f"other attempts unknown: {why}, so the beacon's count of the trainer's other attempts (restarts "
                     "until a draw misses) is missing and the online bound is 0")
         who = "the witnesses linked" if self.witnessed is not None else "the beacon linked"
@@ -201,9 +203,15 @@ def check_statements(bundle: Bundle, beacon_key: str) -> OnlinePlan:
     selected = selected_by(chain, p, n)
     final = bool(chain) and chain[-1].size == signed and bundle.complete and chain[-1].final
     last = chain[-1] if final else None
+    uncounted = None
+    if last is not None and last.version == 2:  # counted before every run of a seed was priced
+        last, uncounted = None, (f"its final statement is of version 2, whose beacon priced only the runs of the "
+                                 f"same seed and recipe (a recipe field that changes no bit of the training escaped "
+                                 f"it); version {SEED_PRICED_VERSION} prices every run of the seed")
     return OnlinePlan(key_fingerprint(public_hex(public)), p, m.online["every"], len(chain), selected,
                       covered, range(covered, n), final, last.others if last else None,
-                      last.attempts if last else None, draws=[Draw(st.size, st.window(n), st.beta) for st in chain])
+                      last.attempts if last else None, draws=[Draw(st.size, st.window(n), st.beta) for st in chain],
+                      uncounted=uncounted)
 
 
 @dataclass(frozen=True)
@@ -295,12 +303,12 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
     if windows and windows[-1].final and not final:
         raise VerificationError(f"the witnessed window closing at size {windows[-1].size} calls itself the run's final "
                                 f"one, but the log is signed to size {signed}", check="witness")
-    others = attempts = None
+    others = attempts = uncounted = None
     if final:
-        others, attempts = _attempts(windows[-1], trust, origin, run)
+        others, attempts, uncounted = _attempts(windows[-1], trust, origin, run)
     return OnlinePlan(trust.describe(), m.online["p"], m.online["every"], len(windows), sorted(selected), covered,
                       range(covered, n), final, others, attempts, late, trust.describe(), sorted(late_selected), draws,
-                      trust.branches)
+                      trust.branches, uncounted)
 
 
 def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes, n: int) -> bool:
@@ -338,7 +346,8 @@ def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origi
     return in_time >= trust.required
 
 
-def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes) -> tuple[int | None, int | None]:
+def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str,
+              run: bytes) -> tuple[int | None, int | None, str | None]:
     """The run's other attempts that the named witnesses signed counts of, for its final checkpoint:
     each priced run once, whichever witness saw it (the union of the runs the notes name).
 
@@ -346,7 +355,9 @@ def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes) 
     attempt that drew a window was cosigned by K named witnesses, one of which cosigned this run's final
     checkpoint too and so counted it. A missing count of such a witness is a rejection, never 0. With
     2K <= N an attempt may pass only through witnesses that never cosigned this run, so every named
-    witness's count is needed; without one the attempts are unknown (None) and the bound is 0."""
+    witness's count is needed; without one the attempts are unknown (None) and the bound is 0. So are
+    they where a count is a version 1 note, made under the rule that priced only the runs of the same
+    seed and recipe (with why, third)."""
     final = parse_note(w.checkpoint)
     cosigners = {key.name for key in trust.witnesses
                  if any(sig.name == key.name and sig.key_id == key.id for sig in final.signatures)}
@@ -377,9 +388,14 @@ def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes) 
                                 "run's other attempts the bundle does not hold: every cosigning witness's count is "
                                 "needed (a missing count is not a count of 0)", check="witness")
     if not counted or (trust.branches > 1 and len(counted) < len(trust.witnesses)):
-        return None, None
+        return None, None, None
+    old = sorted(name for name, n in counted.items() if n.version == 1)
+    if old:
+        return None, None, (f"the count of witness(es) {', '.join(old)} is a version 1 note, made under the rule that "
+                            "priced only the runs of the same seed and recipe (a recipe field that changes no bit of "
+                            "the training escaped it)")
     notes = list(counted.values())
-    return max(n.others for n in notes), count_attempts(notes, run.hex())
+    return max(n.others for n in notes), count_attempts(notes, run.hex()), None
 
 
 class OnlineStates:

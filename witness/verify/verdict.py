@@ -94,8 +94,9 @@ class Verdict:
         if self.online.get("attempts") is None:
             return (f"WARNING: weak audit: the online bound is 0, below the {100 * floor:g}% "
                     f"{'asked for' if self.confidence is not None else 'that a meaningful audit needs'}: "
-                    + ("no named witness signed a count of the run's other attempts" if self.online.get("witnessed")
-                       else "no final beacon statement counts the run's other attempts")
+                    + (self.online.get("uncounted") or (
+                        "no named witness signed a count of the run's other attempts" if self.online.get("witnessed")
+                        else "no final beacon statement counts the run's other attempts"))
                     + " (or add an after-the-fact audit)")
         need = p_needed(floor, self.bad_fraction, self.steps - self.online["unaudited"])
         return (f"WARNING: weak audit: the online bound {percent_down(self.detection_probability)}% is below the "
