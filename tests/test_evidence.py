@@ -5,6 +5,7 @@ root is named with what it was checked against, and an online upload is taken on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -338,6 +339,22 @@ def test_a_stranger_who_guesses_the_seed_text_cannot_open_runs_of_the_run_seed(t
     assert final.final and (final.others, final.attempts) == (0, 0)  # no key, recipe or seed in common
     m = parse_canonical_json((tmp_path / "run" / "log.jsonl").read_bytes().splitlines()[0])
     assert bytes.fromhex(m["r"]) == secret_r("0", key)  # the same text and key give the same r
+
+
+def test_a_final_statement_counted_under_the_old_rule_is_read_as_unknown(tmp_path, beacon, capsys):
+    """A beacon of witness 0.6 or 0.7 signed version 2 final statements, which priced only the runs of
+    the same seed and recipe (the red team ran the inert-field restarts through one: attempts 0). A
+    verifier cannot tell which rule counted a version 2 count, so it reads it as unknown: bound 0."""
+    train(tmp_path / "run", beacon.link())
+    path = tmp_path / "run" / STATEMENTS
+    lines = path.read_bytes().splitlines()
+    final = BeaconStatement.from_json(parse_canonical_json(lines[-1]))
+    assert final.final and final.version == 3
+    old = dataclasses.replace(final, version=2).signed(beacon.key)  # what the old beacon signed
+    path.write_bytes(b"".join(x + b"\n" for x in lines[:-1]) + canonical_json(old.to_json()) + b"\n")
+    code, v = cli_json(capsys, "verify", tmp_path / "run", "--mode", "online", "--beacon-key", beacon.public_key)
+    assert code == 3 and v["accepted"] and v["bound"] == 0.0 and v["online"]["attempts"] is None
+    assert "version 2" in v["online"]["uncounted"] and "version 2" in v["warning"]
 
 
 class FixedStart(GenericTask):

@@ -24,7 +24,7 @@ from witness.beacon.witness_client import WitnessClient
 from witness.cli import main
 from witness.commit.beacon import online_bound, run_id
 from witness.commit.hashing import canonical_json, parse_canonical_json
-from witness.commit.note import run_origin
+from witness.commit.note import Note, run_origin, sign_note
 from witness.commit.signing import generate_key, public_hex
 from witness.commit.window import WitnessedWindow
 
@@ -164,3 +164,18 @@ def test_a_count_of_another_run_is_refused(branches, four, tmp_path, capsys):
     write_windows(other, objs)
     code, v = verify(other, four, "--witnesses-required", "1", which=(0, 1, 2, 3), capsys=capsys)
     assert code == 1 and any("not a count for this run's final checkpoint" in f for f in v["failures"]), v
+
+
+def test_a_count_made_under_the_old_rule_is_read_as_unknown(branches, four, tmp_path, capsys):
+    """A witness of witness 0.6 or 0.7 signed ``witness attempts/v1`` notes, which priced only the runs
+    of the same seed and recipe: a cosigner's v1 count is read as unknown, and the bound is 0."""
+    honest, _ = branches
+    out = copy(honest, tmp_path)
+    objs = windows(out)
+    origin, size = origin_of(honest), WitnessedWindow.from_json(objs[-1]).size
+    text = f"witness attempts/v1\n{origin}\n{size}\nothers 0\nattempts 0\n"
+    objs[-1]["attempts"] = [Note(text, (sign_note(text, four.names[0], four.keys[0]),)).encode().decode()]
+    write_windows(out, objs)
+    code, v = verify(out, four, "--witnesses-required", "1", which=(0,), capsys=capsys)
+    assert code == 0 and v["accepted"] and v["bound"] == 0.0 and v["online"]["attempts"] is None
+    assert "version 1 note" in v["online"]["uncounted"]
