@@ -9,8 +9,9 @@ decay, BatchNorm (tinycnn, the CNN plugin), the nanogpt-style plugin, the overla
 GPU path, on the CPU), audits in tolerance mode, and parameters a step does not update (a frozen
 embedding in an AdamW decay group at decay 0.1 and 1.0, requires_grad toggled mid-run, a branch a
 step does not use, fp16 skipped steps at decay 1.0). Each run has its own r (seed), so its own data
-order, initialisation and draws. Reported: runs, false rejections (with their reasons), and the
-largest move any run made as a fraction of its step's bound.
+order, initialisation and draws. Reported: runs, false rejections (with their reasons), the largest
+move any run made as a fraction of its step's bound, and the runs whose verdict names a step the move
+check cannot discriminate (a blind step or a spike: an honest schedule should name none).
 
     python bench/honest_online.py [--runs 200] [--json out.json]
 """
@@ -95,6 +96,7 @@ def one_run(folder: Path, task_name: str, recipe: dict, rec_opts: dict, verify_o
     try:
         v = verify_bundle(folder / "run", mode="online", beacon_key=public_hex(key.public_key()), **verify_opts)
         return {"rejected": False, "worst": v.moves["worst"], "slack_used": v.moves["slack_used"], "checked": v.moves["checked"],
+                "named": bool(v.moves["blind"] or v.moves["spikes"]),  # a step the verdict says it cannot discriminate
                 "skipped": sum(1 for line in (folder / "run" / "log.jsonl").read_text().splitlines()[1:]
                                if '"grad_norm":"inf"' in line or '"grad_norm":"nan"' in line)}
     except VerificationError as e:
@@ -125,11 +127,13 @@ def main() -> None:
                    "most_rounding_slack_used": max((x.get("slack_used", 0.0) for x in r), default=0.0),
                    "steps_checked": sum(x.get("checked", 0) for x in r),
                    "skipped_steps": sum(x.get("skipped", 0) for x in r),
+                   "runs_naming_a_blind_step_or_spike": sum(x.get("named", False) for x in r),
                    "reasons": Counter(x["why"] for x in r if x["rejected"]).most_common(3)} for name, r in per.items()}
     report({"runs": sum(len(r) for r in per.values()),
             "false_rejections": sum(row["false_rejections"] for row in rows.values()),
             "worst_move_of_bound": max(row["worst_move_of_bound"] for row in rows.values()),
             "most_rounding_slack_used": max(row["most_rounding_slack_used"] for row in rows.values()),
+            "runs_naming_a_blind_step_or_spike": sum(row["runs_naming_a_blind_step_or_spike"] for row in rows.values()),
             "wall_s": time.perf_counter() - started, "recipes": rows}, args.json)
 
 

@@ -373,24 +373,36 @@ class FixedStart(GenericTask):
         return [{"x": x[i], "y": (x[i, 0] > 0).long()} for i in range(16)]
 
 
-@pytest.mark.parametrize("batch", [16, 8])
+class FixedStartDropout(FixedStart):
+    """The same, with dropout: its masks come from the step's seed, so another seed is other steps."""
+
+    name = "fixed-start-dropout-test"
+
+    def make_model(self):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Dropout(0.1), torch.nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("cls,batch", [(FixedStart, 16), (FixedStart, 8), (FixedStartDropout, 16)])
 def test_restarts_under_other_seeds_that_train_the_same_steps_are_not_priced_as_if_they_cost(tmp_path, beacon,
-                                                                                           capsys, batch):
+                                                                                           capsys, cls, batch):
     """The red team: a task from fixed weights whose batch is the whole dataset trains the same steps
-    under every run seed, so each fresh seed is an unpriced draw. The verifier sees both things (the
-    initial state under a second seed, the batches as sets): the bound is then 0, and says why. With
-    half the dataset a batch, another seed trains on other samples: priced as before."""
+    under every run seed, so each fresh seed is an unpriced draw. The verifier sees it (the initial state
+    under a second seed, the batches as sets, a step's loss on the probes under two step seeds): the
+    bound is then 0, and says why. With half the dataset a batch another seed trains on other samples,
+    and with dropout it draws other masks: priced as before."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(registry.BUILTIN, FixedStart.name, FixedStart)  # as a plugin would register it
+        mp.setitem(registry.BUILTIN, cls.name, cls)  # as a plugin would register it
         registry._built.cache_clear()
         try:
-            task = build_task(FixedStart.name, {"steps": STEPS, "batch_size": batch})
+            task = build_task(cls.name, {"steps": STEPS, "batch_size": batch})
             train(tmp_path / "run", beacon.link(), task=task)
             code, v = cli_json(capsys, "verify", tmp_path / "run", "--mode", "online", "--beacon-key",
                                beacon.public_key)
         finally:
             registry._built.cache_clear()
-    if batch == 16:
+    if cls is FixedStart and batch == 16:
         assert code == 3 and v["accepted"] and v["bound"] == 0.0 and v["online"]["attempts"] is None
         assert "does not depend on the run seed" in v["online"]["uncounted"] and "bound is 0" in v["warning"]
     else:

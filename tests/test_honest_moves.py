@@ -140,8 +140,18 @@ class Spiky(FrozenLookup):
     def make_model(self):
         return Lookup()
 
+    spike = 0.4
+
     def lr_at(self, step):
-        return 0.4 if step == self.config.steps - 1 else self.config.lr
+        return self.spike if step == self.config.steps - 1 else self.config.lr
+
+
+class FineSpiky(Spiky):
+    """A spike to 0.02, twenty times the rate of every other step but below every tensor's RMS: the red
+    team's second model (a fine-tune of the same start, swapped in at the spike, is nearer than any RMS)."""
+
+    name = "fine-spiky-test"
+    spike = 0.02
 
 
 class TwoRates(FrozenLookup):
@@ -166,7 +176,7 @@ class TwoRates(FrozenLookup):
             optimizer.step = original
 
 
-TASKS = (FrozenLookup, Unfreezing, Branchy, Skipping, Spiky, TwoRates)
+TASKS = (FrozenLookup, Unfreezing, Branchy, Skipping, Spiky, FineSpiky, TwoRates)
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +252,24 @@ def test_a_spike_in_a_tasks_own_schedule_is_named_in_the_verdict(tmp_path, beaco
     assert moves["largest"] >= 0.4 > moves["scale"] and moves["scale_tensor"].startswith("model.head.")
     assert f"WARNING: at step(s) {STEPS - 1} a step may move a coordinate by the whole RMS of" in moves["summary"]
     assert any(f"step(s) {STEPS - 1} move a coordinate by the whole RMS of" in n for n in v["notes"])
+    assert moves["spikes"] == [[STEPS - 1, STEPS - 1]]
+
+
+def test_a_spike_below_every_tensors_scale_is_named_as_a_spike(tmp_path, beacon, capsys):
+    code, v = train_and_verify(tmp_path, beacon, capsys, FineSpiky.name)
+    assert code == 0 and v["accepted"], v["failures"]
+    moves = v["moves"]
+    assert moves["blind"] == [] and moves["spikes"] == [[STEPS - 1, STEPS - 1]]
+    assert moves["largest"] > 10 * moves["median"] and moves["largest"] < moves["scale"]
+    assert f"WARNING: step(s) {STEPS - 1} may move a coordinate over 10 times as far as" in moves["summary"]
+    assert any(f"the schedule spikes at step(s) {STEPS - 1}" in n for n in v["notes"])
+
+
+def test_honest_schedules_name_no_step(tmp_path, beacon, capsys):
+    """Warm-up then cosine decay (the built-in recipes'), and a frozen embedding's run: no step is named."""
+    code, v = train_and_verify(tmp_path, beacon, capsys, FrozenLookup.name, "warmup=4")
+    assert code == 0 and v["moves"]["blind"] == [] and v["moves"]["spikes"] == []
+    assert not any("spike" in n or "whole RMS" in n for n in v["notes"])
 
 
 def test_per_group_rates_are_refused_at_the_step_not_rejected_by_every_verifier(tmp_path, beacon, capsys):

@@ -133,7 +133,8 @@ def test_untied_models_have_no_aliases_and_their_layout_is_every_parameter():
 
 
 def test_a_hugging_face_model_that_ties_its_word_embeddings_has_both_names_in_one_group():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # installed with the project's [hf] extra: the suite needs it
+
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
                                   tie_word_embeddings=True)
     model = transformers.GPT2LMHeadModel(cfg)

@@ -225,11 +225,6 @@ class Task:
         if _number(floor) and _number(getattr(c, "lr", None)) and floor > c.lr:
             raise ValueError(f"min_lr {floor!r} is above lr {c.lr!r}: the rate would rise after its warm-up (a "
                              "schedule decays after its peak)")
-        decay = getattr(c, "weight_decay", None)
-        if _number(decay) and _number(getattr(c, "lr", None)) and c.lr * decay >= 1:
-            # AdamW multiplies each weight by 1 - lr x decay: at 0 or below, a step zeroes or flips every weight
-            raise ValueError(f"lr {c.lr!r} x weight_decay {decay!r} is 1 or more: each step would zero or flip the "
-                             "sign of every decayed weight")
         dropout = getattr(c, "dropout", None)  # a recipe's dropout, where it has one (tinygpt's, a plugin's)
         if _number(dropout) and not 0 <= dropout < 1:
             # at 1 every activation is dropped and rescaled by 1/(1-p): the outputs are NaN from step 0

@@ -25,7 +25,7 @@ from ..session import (
     torch_version,
 )
 from ..task.base import Task
-from .bounded import blind_text, check_moves
+from .bounded import SPIKE, blind_text, check_moves
 from .challenges import ReplayChallenge, challenges_needed, draw_challenges
 from .cheap import check_checkpoints, check_records, probes_from_bundle, task_of, use_threads
 from .finddata import committed_dataset
@@ -285,6 +285,11 @@ def _audit(bundle: Bundle, task: Task, mode: str, response: str | os.PathLike | 
                                  f"RMS of {', '.join(moves.blind_tensors[:3])}"
                                  f"{' and others' if len(moves.blind_tensors) > 3 else ''} or more: a tensor swapped "
                                  "in there passes the bounded-move check, and only replay (at rate p) checks those "
+                                 "steps")
+        if moves.spikes:
+            verdict.notes.append(f"the schedule spikes at step(s) {blind_text(moves.spikes)}: each may move a coordinate "
+                                 f"over {SPIKE:g} times as far as the run's median step, so a model that near the honest "
+                                 "one passes the bounded-move check there, and only replay (at rate p) checks those "
                                  "steps")
     elif move_failure is not None:  # which window's openings failed, for a leaderboard to name that file
         verdict.moves = {"failed_window": failed_window, "summary": "every step: the bounded-move check failed"

@@ -69,16 +69,18 @@ class MoveCheck:
     # move used: how close an honest run's rounding comes to a false rejection (1 would be one)
     slack_used: float = 0.0
     windows: int = 0
-    # what the check can discriminate, tensor by tensor: the smallest RMS of a parameter tensor (in the
-    # initial state; one initialised to zero, in the final state) and that tensor, the largest allowance
-    # lr_t * B_t of any step and its step, the steps (inclusive ranges) whose allowance reaches some
-    # tensor's RMS (there that whole tensor fits in one step's move), and those tensors
+    # what the check can discriminate: the smallest RMS of a parameter tensor (the larger of the initial
+    # and the final state's) and that tensor, the largest allowance lr_t * B_t of any step and its step,
+    # the steps (inclusive ranges) whose allowance reaches some tensor's RMS (there that whole tensor fits
+    # in one step's move) and those tensors, and the spikes: steps allowed over SPIKE ordinary steps' move
     scale: float = 0.0
     scale_tensor: str = ""
     largest: float = 0.0
     largest_step: int = 0
+    median: float = 0.0  # the run's median allowance: what an ordinary step may move a coordinate
     blind: list[list[int]] = field(default_factory=list)
     blind_tensors: list[str] = field(default_factory=list)
+    spikes: list[list[int]] = field(default_factory=list)  # steps allowed over SPIKE ordinary steps' move
     missing: list[int] = field(default_factory=list)  # head sizes of the pending windows
     ignored: list[int] = field(default_factory=list)  # head sizes of openings no statement in the bundle opens
     sizes: list[int] = field(default_factory=list)  # head sizes of the windows checked
@@ -105,6 +107,10 @@ class MoveCheck:
                     f"of {', '.join(self.blind_tensors[:3])}{' and others' if len(self.blind_tensors) > 3 else ''} or "
                     "more: there the check cannot tell a swapped tensor from a step (only replay, at rate p, checks "
                     "those steps)")
+        if self.spikes:
+            out += (f"; WARNING: step(s) {blind_text(self.spikes)} may move a coordinate over {SPIKE:g} times as far as "
+                    f"the run's median step ({self.median:.3g}): a model that far from the honest one (a fine-tune of "
+                    "the same start, say) fits in one such step, and only replay, at rate p, checks those steps")
         if self.checked + self.late + self.pending < self.steps:
             out += (f"; {self.steps - self.checked - self.late - self.pending} step(s) in no window a statement here "
                     "opens: not checked")
@@ -192,24 +198,30 @@ def blind_text(blind: list[list[int]], most: int = 6) -> str:
     return shown + (f", … ({len(blind)} ranges)" if len(blind) > most else "")
 
 
+# A step whose allowance is more than this many times the run's median allowance is a spike: it lets
+# one step move a coordinate as far as that many ordinary steps of the run (cosine, warm-up, one-cycle
+# and step decay by 0.1 all stay within it; the red team's spikes were 70x and 20000x).
+SPIKE = 10.0
+
+
 def _discrimination(out: MoveCheck, bundle: Bundle, rules: MoveRules, init: dict[str, torch.Tensor],
                     offset: int) -> None:
-    """What the check can tell apart, tensor by tensor: every step's allowance (lr_t * B_t under the
-    tensor's rule) against the tensor's RMS in the initial state, which the seed (or the committed
-    initial state) fixes, or in the final state for a tensor initialised to zero. A step whose allowance
-    reaches a tensor's RMS could swap that whole tensor (a spike in a task's own schedule, say); one
-    large tensor cannot hide a small one's blind steps, as an RMS over all parameters would."""
+    """What the check can tell apart. A step is blind for a tensor where its allowance (lr_t * B_t
+    under the tensor's rule) reaches the tensor's own RMS (the larger of the initial state's, which the
+    seed fixes, and the final state's, for a tensor that starts at or near zero): that whole tensor fits
+    in one step's move. And a step is a spike where its allowance is over ``SPIKE`` times the run's
+    median: a model as far from the honest one as that many ordinary steps (a fine-tune of the same
+    base, say) fits in it. Either is named in the verdict; only replay checks those steps."""
     n = len(bundle.steps)
     bounded = sorted(name for name, r in rules.rules.items() if r.betas is not None and name in init)
     if not n or not bounded:
         return
     scales = {name: tensor_rms(init[name]) for name in bounded}
-    zero = [name for name, v in scales.items() if v == 0.0]
-    if zero and bundle.complete and n in bundle.checkpoints:  # zero-initialised: weighed as trained
+    if bundle.complete and n in bundle.checkpoints:  # a tensor that starts near zero is weighed as trained
         from ..bundle.checkpoint import read_checkpoint
 
         final = read_checkpoint(bundle.checkpoints[n])
-        scales |= {name: tensor_rms(final[name]) for name in zero if name in final}
+        scales = {name: max(v, tensor_rms(final[name])) if name in final else v for name, v in scales.items()}
     scales = {name: v for name, v in scales.items() if v > 0.0}
     lrs = np.array([r.lr for r in bundle.steps], dtype=np.float64)
     blind = np.zeros(n, dtype=bool)
@@ -224,12 +236,17 @@ def _discrimination(out: MoveCheck, bundle: Bundle, rules: MoveRules, init: dict
             if hit.any():
                 blind |= hit
                 out.blind_tensors.append(name)
+    moving = largest[np.isfinite(largest) & (largest > 0)]  # the ordinary steps: those that may move at all
+    median = float(np.median(moving)) if moving.size else 0.0
+    spikes = ~(largest <= SPIKE * median) if median > 0 else np.zeros(n, dtype=bool)
     if scales:
         out.scale_tensor = min(scales, key=lambda x: (scales[x], x))
         out.scale = scales[out.scale_tensor]
     out.largest_step = int(np.argmax(np.where(np.isnan(largest), np.inf, largest)))
     out.largest = float(largest[out.largest_step])
+    out.median = median
     out.blind = blind_steps(np.where(blind, np.inf, 0.0), 1.0)
+    out.spikes = blind_steps(np.where(spikes, np.inf, 0.0), 1.0)
     out.blind_tensors.sort()
 
 

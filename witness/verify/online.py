@@ -387,8 +387,12 @@ def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str,
         raise VerificationError(f"the final witnessed window is cosigned by {', '.join(missing)}, whose count of the "
                                 "run's other attempts the bundle does not hold: every cosigning witness's count is "
                                 "needed (a missing count is not a count of 0)", check="witness")
-    if not counted or (trust.branches > 1 and len(counted) < len(trust.witnesses)):
+    if not counted:
         return None, None, None
+    if trust.branches > 1 and len(counted) < len(trust.witnesses):
+        lacking = ", ".join(sorted(k.name for k in trust.witnesses if k.name not in counted))
+        return None, None, (f"a weak witness quorum needs every named witness's count (an attempt may have passed "
+                            f"only through witnesses that never cosigned this run), and the bundle lacks {lacking}'s")
     old = sorted(name for name, n in counted.items() if n.version == 1)
     if old:
         return None, None, (f"the count of witness(es) {', '.join(old)} is a version 1 note, made under the rule that "
