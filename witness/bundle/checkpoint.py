@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..commit.hashing import file_sha256, load_json
@@ -103,14 +103,18 @@ def safetensors_header(path: Path, limit: int = MAX_CHECKPOINT_BYTES, data: byte
     return header
 
 
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """Strictly load a safetensors checkpoint: bounded size and header, never a pickle."""
+def read_checkpoint(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Strictly load a safetensors checkpoint: bounded size and header, never a pickle; only the tensors
+    in ``names`` (those it holds) where given, reading no others' bytes."""
     path = Path(path)
     header = safetensors_header(path)
     meta = header.get("__metadata__")
     if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
         raise MalformedInput(f"{path.name} is not a witness state file")
     try:
-        return load_file(str(path))
+        if names is None:
+            return load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            return {n: f.get_tensor(n) for n in names if n in header}
     except (SafetensorError, ValueError, OSError) as e:
         raise MalformedInput(f"{path.name} is not a valid safetensors file: {e}") from None

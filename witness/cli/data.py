@@ -217,12 +217,11 @@ def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
             from ..evals.release import check_subject
 
             final = parse_hex(obj["tree_head"]["extensions"].get("final_model_hash"), "final_model_hash")
-            check_subject(signed.statement if signed else None, args.model, final, digest)
+            weights = check_subject(signed.statement if signed else None, args.model, final, digest)
             if b is not None:  # with the run at hand, its task says which names are one tensor (tied weights)
-                from ..evals.identity import read_weights
                 from ..evals.release import check_tied
 
-                check_tied(b, read_weights(args.model), Path(args.model).name)
+                check_tied(b, weights, Path(args.model).name)
             summary["subject"] = f"{Path(args.model).name}: the run's final model, named by the statement"
     except VerificationError as e:
         if args.json:  # a script reading stdout gets an answer either way, as from witness verify --json

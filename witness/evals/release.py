@@ -77,10 +77,10 @@ def release_file(bundle: Bundle, path: str | os.PathLike) -> dict:
 
 
 def check_subject(stmt: dict | None, model_file: str | os.PathLike, final_model_hash: bytes,
-                  digest: str | None = None) -> None:
+                  digest: str | None = None) -> dict[str, torch.Tensor]:
     """A signed Statement is about ``model_file``: its SHA-256 is the subject's, and it holds the model
     whose hash the statement's predicate commits (``final_model_hash``, by the run's ``digest``;
-    either supported digest when the run's manifest is not at hand)."""
+    either supported digest when the run's manifest is not at hand). The file's weights, as read."""
     from ..bundle.state import DIGESTS
     from .identity import read_weights
 
@@ -96,3 +96,4 @@ def check_subject(stmt: dict | None, model_file: str | os.PathLike, final_model_
     if not any(same(model_hash(weights, d), final_model_hash) for d in ([digest] if digest else DIGESTS)):
         raise VerificationError(f"{Path(model_file).name} does not hold the model the statement's run ended with",
                                 check="subject")
+    return weights

@@ -131,12 +131,10 @@ def move_rules(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Move
     return MoveRules(kind.__name__, rules)
 
 
-def blind_steps(allowance: np.ndarray, scale: float) -> list[list[int]]:
-    """The steps (as inclusive ranges ``[first, last]``) whose allowance, the most one step may move a
-    coordinate (lr_t * B_t), reaches ``scale``, a tensor's own RMS: there the whole tensor fits in one
-    step's move, so the move check cannot tell a swapped tensor from a step."""
+def step_ranges(mask: np.ndarray) -> list[list[int]]:
+    """The steps where ``mask`` holds, as inclusive ranges ``[first, last]`` (for a verdict)."""
     out: list[list[int]] = []
-    for t in np.nonzero(~(allowance < scale))[0].tolist():  # NaN and inf allowances are blind too
+    for t in np.nonzero(mask)[0].tolist():
         if out and out[-1][1] == t - 1:
             out[-1][1] = t
         else:
@@ -147,6 +145,18 @@ def blind_steps(allowance: np.ndarray, scale: float) -> list[list[int]]:
 def tensor_rms(t: torch.Tensor) -> float:
     """A tensor's root mean square, in float64 (0 for an empty one)."""
     return math.sqrt(float(t.detach().to(torch.float64).pow(2).mean())) if t.numel() else 0.0
+
+
+def one_rate(optimizer: torch.optim.Optimizer, step: int, lr: float) -> None:
+    """Refuse a step whose optimizer groups trained at different rates (a task's own per-group rates):
+    the move check holds every parameter to the step record's one rate. (One rate other than the
+    record's is a loop's own business: replay judges it.)"""
+    rates = sorted({float(g["lr"]) for g in optimizer.param_groups})
+    if len(rates) > 1:
+        raise ValueError(f"step {step}: the optimizer's groups trained at rates {rates}, the step's record says lr "
+                         f"{lr}; the bounded-move check holds every parameter to the record's one rate, so a run with "
+                         "per-group rates takes online challenges without it (--online-chunks 0, "
+                         "OnlineSpec(chunks=0))")
 
 
 def step_offset(init_state: dict[str, torch.Tensor]) -> int:

@@ -54,7 +54,7 @@ from ..data.locate import asked, is_absolute, side_files
 from ..data.order import derive_run_seed
 from ..data.usage import used_roots
 from ..fingerprint.chunks import ChunkLayout
-from ..fingerprint.moves import move_rules
+from ..fingerprint.moves import move_rules, one_rate
 from ..session import (
     TrainingSession,
     bounded_threads,
@@ -541,8 +541,8 @@ class Recorder:
                 self.self_check.finish(step, out)  # raises, before anything is signed, if the step does not replay
         if self.online is not None:
             self.online.drain()
-            if self.online.spec.chunks:
-                self._one_rate(step, out.lr)
+            if self.online.spec.chunks:  # refused before it is signed, rather than by every verifier
+                one_rate(self.optimizer, step, out.lr)
         fp = fingerprint if fingerprint is not None else self.session.fingerprint()
         record: dict[str, Any] = {
             "type": "step",
@@ -589,17 +589,6 @@ class Recorder:
                 record["state_hash"] = state_hash(state, self.digest).hex()
         self._append_step(record)
         self.next_step = done
-
-    def _one_rate(self, step: int, lr: float) -> None:
-        """A chunked run's move check holds every parameter to the step's one learning rate: a step whose
-        optimizer groups trained at different rates (a plugin's own per-group rates) is refused here,
-        before it is signed, rather than rejected by every verifier."""
-        rates = sorted({float(g["lr"]) for g in self.optimizer.param_groups})
-        if len(rates) > 1:  # (one rate other than the record's is a loop's own business: replay judges it)
-            raise ValueError(f"step {step}: the optimizer's groups trained at rates {rates}, the step's record says "
-                             f"lr {lr}; the bounded-move check holds every parameter to the record's one rate, so a "
-                             "run with per-group rates takes online challenges without it (--online-chunks 0, "
-                             "OnlineSpec(chunks=0))")
 
     def _append_step(self, record: dict) -> None:
         """Append a step record (or, resuming, check it against the one signed before), then stream

@@ -16,6 +16,7 @@ from torch import nn
 from ..commit.hashing import canonical_json, sha256, tagged_hash
 from ..data.dataset import Dataset
 from ..fingerprint.probes import Fingerprint, fingerprint_from_outputs, projection_matrix
+from .limits import check_fields
 
 MAX_CONFIG_NUMBER = 10_000_000
 # integer recipe fields that may be 0 although their default is not (a Config adds its own)
@@ -142,11 +143,6 @@ def autocast(device: torch.device, precision: str):  # noqa: ANN201 - a context 
                           enabled=precision in AUTOCAST)
 
 
-def _number(x: object) -> bool:
-    """An int or a float (not a bool)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def seed_int(seed: bytes, tag: str) -> int:
     """A 63-bit torch seed derived from a byte seed."""
     return int.from_bytes(tagged_hash(tag, seed)[:8], "big") >> 1
@@ -216,19 +212,7 @@ class Task:
                              "equal micro-batches")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision is one of {', '.join(PRECISIONS)}")
-        # a schedule may rise only in its warm-up: a floor above the peak would make the rate climb after it,
-        # up to a spike at the last step, where a step's allowed move (lr x B) holds a whole swapped model
-        ratio, floor = getattr(c, "min_lr_ratio", None), getattr(c, "min_lr", None)
-        if _number(ratio) and ratio > 1:
-            raise ValueError(f"min_lr_ratio {ratio!r} is above 1: the rate would rise after its warm-up, to "
-                             f"{ratio:g} times the recipe's lr at the last step (a schedule decays after its peak)")
-        if _number(floor) and _number(getattr(c, "lr", None)) and floor > c.lr:
-            raise ValueError(f"min_lr {floor!r} is above lr {c.lr!r}: the rate would rise after its warm-up (a "
-                             "schedule decays after its peak)")
-        dropout = getattr(c, "dropout", None)  # a recipe's dropout, where it has one (tinygpt's, a plugin's)
-        if _number(dropout) and not 0 <= dropout < 1:
-            # at 1 every activation is dropped and rescaled by 1/(1-p): the outputs are NaN from step 0
-            raise ValueError(f"dropout is a probability in [0, 1), not {dropout!r}")
+        check_fields(c)
 
     @property
     def compiles(self) -> bool:

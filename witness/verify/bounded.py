@@ -26,11 +26,11 @@ from ..errors import MalformedInput, VerificationError
 from ..fingerprint.chunks import ChunkLayout
 from ..fingerprint.moves import (
     MoveRules,
-    blind_steps,
     move_limits,
     move_rules,
     skipped,
     step_offset,
+    step_ranges,
     tensor_rms,
     unchanged,
 )
@@ -220,7 +220,7 @@ def _discrimination(out: MoveCheck, bundle: Bundle, rules: MoveRules, init: dict
     if bundle.complete and n in bundle.checkpoints:  # a tensor that starts near zero is weighed as trained
         from ..bundle.checkpoint import read_checkpoint
 
-        final = read_checkpoint(bundle.checkpoints[n])
+        final = read_checkpoint(bundle.checkpoints[n], bounded)  # the parameters only, not the moments
         scales = {name: max(v, tensor_rms(final[name])) if name in final else v for name, v in scales.items()}
     scales = {name: v for name, v in scales.items() if v > 0.0}
     lrs = np.array([r.lr for r in bundle.steps], dtype=np.float64)
@@ -245,8 +245,8 @@ def _discrimination(out: MoveCheck, bundle: Bundle, rules: MoveRules, init: dict
     out.largest_step = int(np.argmax(np.where(np.isnan(largest), np.inf, largest)))
     out.largest = float(largest[out.largest_step])
     out.median = median
-    out.blind = blind_steps(np.where(blind, np.inf, 0.0), 1.0)
-    out.spikes = blind_steps(np.where(spikes, np.inf, 0.0), 1.0)
+    out.blind = step_ranges(blind)
+    out.spikes = step_ranges(spikes)
     out.blind_tensors.sort()
 
 
