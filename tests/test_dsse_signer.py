@@ -13,7 +13,7 @@ from helpers import train_tiny
 
 from witness.cli import main
 from witness.commit.dsse import envelope, sslib_keyid, verify_envelope
-from witness.commit.signing import generate_key, public_hex, save_key
+from witness.commit.signing import generate_key, public_hex, public_key_from_hex, save_key
 from witness.errors import MalformedInput, VerificationError
 
 
@@ -32,6 +32,14 @@ def _statement(env_path) -> dict:
 def _write(path, env: dict):
     path.write_text(json.dumps(env))
     return path
+
+
+def _is_key(hex_key: str) -> bool:
+    try:
+        public_key_from_hex(hex_key)
+        return True
+    except MalformedInput:
+        return False
 
 
 def _warnings(err: str) -> list[str]:
@@ -161,14 +169,24 @@ def test_an_evaluation_envelope_with_a_hash_keyid(run, tmp_path, capsys):
 
 
 def test_no_key_to_check_with_is_unusable_input_not_a_crash(run, tmp_path, capsys):
-    d, _, trainer, _, _ = run
+    d = run[0]
     stmt = _statement(d / "exc.json.dsse.json")
     del stmt["predicate"]["public_key"]  # a Statement that names no key ...
     env = envelope(stmt, generate_key())
-    env["signatures"][0]["keyid"] = sslib_keyid(trainer)  # ... and a keyid that is none
+    # ... and a keyid that is none. About one hash in sixteen decodes as a good Ed25519 key (a point of the
+    # prime-order subgroup), which is then tried, fails, and makes this a rejection instead: pick a key
+    # whose securesystemslib keyid is no key, so the test means the same on every run
+    keyid = next(k for k in (sslib_keyid(public_hex(generate_key().public_key())) for _ in range(1000))
+                 if not _is_key(k))
+    env["signatures"][0]["keyid"] = keyid
     code, out, err = _cli(capsys, "data", "check", _write(tmp_path / "nokey.dsse.json", env))
     assert code == 2 and out == "" and err.startswith("UNUSABLE INPUT: ") and "--signer" in err, err
     assert "point" not in err
+    # a hash keyid that happens to decode as a good key is tried as one: it does not verify, a rejection
+    keyid = next(k for k in (sslib_keyid(public_hex(generate_key().public_key())) for _ in range(1000)) if _is_key(k))
+    env["signatures"][0]["keyid"] = keyid
+    code, out, err = _cli(capsys, "data", "check", _write(tmp_path / "haskey.dsse.json", env))
+    assert code == 1 and "signature is invalid" in err, err
 
 
 def test_a_weak_pinned_key_is_refused(run, capsys):
