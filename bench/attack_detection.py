@@ -30,7 +30,7 @@ from attacks import KINDS, build  # noqa: E402 - the test suite's own attacks
 
 from witness.bundle.reader import open_bundle  # noqa: E402
 from witness.errors import RunRejected, VerificationError  # noqa: E402
-from witness.verify import verify_bundle  # noqa: E402
+from witness.verify import Evidence, Policy, Verifier  # noqa: E402
 from witness.verify.challenges import detection_probability, draw_challenges  # noqa: E402
 from witness.verify.response import Response  # noqa: E402
 
@@ -47,8 +47,8 @@ def audit(bundle: Path, response: Path, bad: set[int], q: int, audits: int, opti
         hit = {c.step for c in draw_challenges(opened.final_head, nonce, n, q)} & bad
         drew += bool(hit)
         try:
-            v = verify_bundle(opened, challenges=q, nonce=nonce, mode="interactive", response=resp,
-                              bad_fraction=len(bad) / n, **options)
+            policy = Policy(challenges=q, nonce=nonce, mode="interactive", bad_fraction=len(bad) / n, **options)
+            v = Verifier(policy=policy).verify(opened, Evidence(response=resp))
             replayed += v.replayed_steps
             missed += bool(hit)
         except RunRejected as e:

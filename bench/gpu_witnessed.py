@@ -11,7 +11,7 @@ bf16 autocast over fp32 master weights; 64 x 1,024 = 65,536 tokens per step) it
    ``DistRecorder`` writing a real bundle; the state is committed at every step, each rank
    hashing the rows it holds off the training stream), and reports the median step of each, their ratio, the
    recorder's parts (loss all-gather, fingerprint, sketch, state, record) and the peak memory;
-2. replays the witnessed run on the same GPU (``verify_bundle(device="cuda")``) with every step
+2. replays the witnessed run on the same GPU (``Verifier(policy=Policy(device="cuda"))``) with every step
    challenged: whether it is bit-exact, the time of a replayed step and of loading a state, and
    from them the cost of the 99 %/5 % audit (q = 90 one-step challenges) against the training;
 3. trains a short run of the ``gpt2-small`` shape (a few windows a step, a checkpoint after every
@@ -46,7 +46,7 @@ from witness.distributed.session import DistSession
 from witness.session import device_info
 from witness.task import build_task
 from witness.task.tinygpt import PRESETS
-from witness.verify.audit import verify_bundle
+from witness.verify import Policy, Verifier
 from witness.verify.challenges import challenges_needed
 from witness.verify.replay import Replayer
 
@@ -156,7 +156,7 @@ def replay(out: Path, device: torch.device, steps: int, training_step_s: float) 
         setattr(Replayer, name, wrapped)
     try:
         t0 = time.perf_counter()
-        v = verify_bundle(out, challenges=steps, device=device.type)
+        v = Verifier(policy=Policy(challenges=steps, device=device.type)).verify(out)
         total = time.perf_counter() - t0
     finally:
         for name, inner in originals.items():
@@ -212,7 +212,7 @@ def drift(config: dict, device: torch.device, steps: int, tmp: Path) -> dict:
     if dist.get_rank() != 0:
         return {}
     t0 = time.perf_counter()
-    tol = verify_bundle(out, challenges=steps, exact=False, device="cpu")
+    tol = Verifier(policy=Policy(challenges=steps, exact=False, device="cpu")).verify(out)
     worst: dict[str, float] = {}
     for res in tol.results:
         for k, d in res.distances.items():

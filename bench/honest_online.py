@@ -41,7 +41,7 @@ from witness.errors import VerificationError  # noqa: E402
 from witness.record import Recorder  # noqa: E402
 from witness.record.online import OnlineSpec  # noqa: E402
 from witness.task import build_task, registry  # noqa: E402
-from witness.verify import verify_bundle  # noqa: E402
+from witness.verify import Policy, Trust, Verifier  # noqa: E402
 
 SMALL = {"n_layer": 1, "d_model": 64, "n_head": 4, "batch_size": 8, "block": 32, "probes": 2, "probe_len": 8,
          "corpus_max_bytes": 300_000}
@@ -94,7 +94,8 @@ def one_run(folder: Path, task_name: str, recipe: dict, rec_opts: dict, verify_o
         rec.overlap = True
     rec.train(progress=False)
     try:
-        v = verify_bundle(folder / "run", mode="online", beacon_key=public_hex(key.public_key()), **verify_opts)
+        trust = Trust(beacon_key=public_hex(key.public_key()))
+        v = Verifier(trust, Policy(mode="online", **verify_opts)).verify(folder / "run")
         return {"rejected": False, "worst": v.moves["worst"], "slack_used": v.moves["slack_used"], "checked": v.moves["checked"],
                 "named": bool(v.moves["blind"] or v.moves["spikes"]),  # a step the verdict says it cannot discriminate
                 "skipped": sum(1 for line in (folder / "run" / "log.jsonl").read_text().splitlines()[1:]

@@ -59,7 +59,7 @@ from witness.commit.signing import generate_key
 from witness.record import Recorder
 from witness.record.online import OnlineSpec
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Trust, Verifier
 from witness.verify.challenges import challenges_needed
 from witness.verify.respond import respond
 
@@ -237,7 +237,7 @@ def main() -> dict:
             if args.skip_verify or mode not in modes:
                 continue
             start = time.perf_counter()
-            v = verify_bundle(runs[mode][0]["out"], mode="online", beacon_key=bkey)
+            v = Verifier(Trust(beacon_key=bkey), Policy(mode="online")).verify(runs[mode][0]["out"])
             verified[mode] = {"verify_online_s": time.perf_counter() - start, "accepted": v.accepted,
                               "replayed_steps": v.replayed_steps, "compute_fraction": v.cost_fraction,
                               "detection_probability": v.detection_probability}
@@ -252,8 +252,7 @@ def main() -> dict:
 
             link = runs["witnessed"][0]["rec"].online.link
             start = time.perf_counter()
-            v = verify_bundle(runs["witnessed"][0]["out"], mode="online",
-                              witnesses=WitnessTrust(tuple(link.keys), len(link.keys), chain))
+            v = Verifier(Trust(witnesses=WitnessTrust(tuple(link.keys), len(link.keys), chain)), Policy(mode="online")).verify(runs["witnessed"][0]["out"])
             verified["witnessed"] = {"verify_online_s": time.perf_counter() - start, "accepted": v.accepted,
                                      "replayed_steps": v.replayed_steps, "compute_fraction": v.cost_fraction,
                                      "detection_probability": v.detection_probability}

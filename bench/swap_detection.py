@@ -47,7 +47,7 @@ from witness.record.online import OnlineSpec  # noqa: E402
 from witness.session import TrainingSession  # noqa: E402
 from witness.task import build_task  # noqa: E402
 from witness.task.base import StepOutput  # noqa: E402
-from witness.verify import verify_bundle  # noqa: E402
+from witness.verify import Evidence, Policy, Trust, Verifier  # noqa: E402
 
 CONFIG = {"n_layer": 1, "d_model": 64, "n_head": 4, "batch_size": 8, "block": 32, "probes": 2, "probe_len": 8}
 STEPS, SWAP_AT, P, EVERY = 40, 20, 0.25, 4
@@ -157,7 +157,7 @@ def trial(folder: Path, task, leaves: Path, stolen: dict, staged: int = 0) -> di
         rec.log_step(t, task.train_step(rec.model, rec.optimizer, batch, rec.lr(t), rec.step_seed(t)))
     rec.finish()
     try:
-        v = verify_bundle(folder / "run", mode="online", beacon_key=beacon.public_key, leaves=leaves)
+        v = Verifier(Trust(beacon_key=beacon.public_key), Policy(mode="online")).verify(folder / "run", Evidence(leaves=leaves))
         return {"rejected": False, "selected_bad": bool(bad & set(v.online["selected"]))}
     except RunRejected as e:
         v = e.verdict

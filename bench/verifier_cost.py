@@ -24,7 +24,7 @@ from witness.bundle.state import state_hash, state_tensors
 from witness.commit.signing import generate_key
 from witness.record import Recorder
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Verifier
 from witness.verify.challenges import challenges_needed
 from witness.verify.respond import respond
 
@@ -53,7 +53,7 @@ def run(args, tmp: Path, state_every: int, offline: bool) -> dict:
            "log_bytes_per_step": (run_dir / "log.jsonl").stat().st_size / args.steps}
     if offline:
         start = time.perf_counter()
-        off = verify_bundle(run_dir, challenges=q, nonce=b"bench")
+        off = Verifier(policy=Policy(challenges=q, nonce=b"bench")).verify(run_dir)
         out["offline"] = {"verify_s": time.perf_counter() - start, "replayed_steps": off.replayed_steps,
                           "compute_fraction": off.cost_fraction}
         out["offline"]["time_fraction"] = out["offline"]["verify_s"] / train_s
@@ -61,7 +61,7 @@ def run(args, tmp: Path, state_every: int, offline: bool) -> dict:
     respond(run_dir, resp, nonce=b"bench", challenges=q)
     respond_s = time.perf_counter() - start
     start = time.perf_counter()
-    inter = verify_bundle(run_dir, challenges=q, nonce=b"bench", mode="interactive", response=resp)
+    inter = Verifier(policy=Policy(challenges=q, nonce=b"bench", mode="interactive")).verify(run_dir, Evidence(response=resp))
     verify_s = time.perf_counter() - start
     out["interactive"] = {"challenges": q, "detection_probability": inter.detection_probability,
                           "verify_s": verify_s, "time_fraction": verify_s / train_s,

@@ -32,7 +32,7 @@ from witness.errors import MalformedInput, VerificationError
 from witness.fingerprint.probes import relative_distance
 from witness.session import TrainingSession, cpu_kernels, device_info, same_hardware
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 from witness.verify.replay import DEFAULT_THRESHOLDS
 
 DATA = Path(__file__).parent / "data"
@@ -58,20 +58,20 @@ def bundle_verifies(tmp: Path, release: str) -> None:
     assert opened.manifest.code_version == release
     steps = len(opened.steps)
     if exact_here(release, opened.manifest):
-        v = verify_bundle(opened, challenges=steps, nonce=b"every step")
+        v = Verifier(policy=Policy(challenges=steps, nonce=b"every step")).verify(opened)
         assert v.accepted and v.complete and v.replayed_steps == steps, v
         if "kernels" not in opened.manifest.device:
             assert any("did not record its CPU's kernel choice" in n for n in v.notes), v.notes
         assert main(["verify", "--allow-weak", str(bundle), "--challenges", str(steps)]) == 0
         return
     try:
-        verify_bundle(opened, challenges=steps, nonce=b"every step")
+        Verifier(policy=Policy(challenges=steps, nonce=b"every step")).verify(opened)
         raise AssertionError("exact replay on another kind of CPU was accepted")
     except MalformedInput as e:  # the run names its CPU: exact replay is refused, with the way out
         assert "kernels" in opened.manifest.device and "--tolerance" in str(e), e
     except VerificationError:  # a run before 0.4 did not record its CPU: the verifier tried, and the bits differ
         assert "kernels" not in opened.manifest.device
-    v = verify_bundle(opened, challenges=steps, nonce=b"every step", exact=False)
+    v = Verifier(policy=Policy(challenges=steps, nonce=b"every step", exact=False)).verify(opened)
     assert v.accepted and v.replayed_steps == steps and not v.exact, v
     assert main(["verify", "--allow-weak", str(bundle), "--challenges", str(steps), "--tolerance"]) == 0
 

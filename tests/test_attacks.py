@@ -14,7 +14,7 @@ from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.log import RunLog
 from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.task.base import StepOutput
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Trust, Verifier
 
 ALL = 10_000  # challenge every step: the attack must be caught wherever it sits
 
@@ -34,7 +34,7 @@ def _edit(line: bytes, **changes) -> bytes:
 
 
 def test_honest_run_is_accepted(honest_bundle):
-    v = verify_bundle(honest_bundle, challenges=ALL, nonce=b"x")
+    v = Verifier(policy=Policy(challenges=ALL, nonce=b"x")).verify(honest_bundle)
     assert v.accepted and v.exact and v.challenges == 40 and v.complete
 
 
@@ -43,7 +43,7 @@ def test_edited_record_breaks_the_signed_root(bundle_copy):
     lines[8] = _edit(lines[8], loss=0.001)
     _write(bundle_copy, lines)
     with pytest.raises(VerificationError, match="do not hash to signed tree head"):
-        verify_bundle(bundle_copy, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
 
 
 def test_edited_and_resigned_record_fails_replay(bundle_copy, signing_key):
@@ -51,7 +51,7 @@ def test_edited_and_resigned_record_fails_replay(bundle_copy, signing_key):
     lines[8] = _edit(lines[8], loss=0.001)
     _resign(bundle_copy, signing_key, lines)
     with pytest.raises(RunRejected, match=r"step 7: replay: replayed loss .* differs from the recorded 0.001"):
-        verify_bundle(bundle_copy, challenges=ALL)
+        Verifier(policy=Policy(challenges=ALL)).verify(bundle_copy)
 
 
 def test_edited_fingerprint_resigned_fails_replay(bundle_copy, signing_key):
@@ -60,7 +60,7 @@ def test_edited_fingerprint_resigned_fails_replay(bundle_copy, signing_key):
     rec["fingerprint"]["probe_loss"][0] += 1e-6
     _resign(bundle_copy, signing_key, lines[:5] + [canonical_json(rec)] + lines[6:])
     with pytest.raises(RunRejected, match="step 4: replay: replayed behavioral fingerprint differs"):
-        verify_bundle(bundle_copy, challenges=ALL)
+        Verifier(policy=Policy(challenges=ALL)).verify(bundle_copy)
 
 
 @pytest.mark.parametrize("resign", [False, True])
@@ -70,11 +70,11 @@ def test_dropped_record_is_rejected(bundle_copy, signing_key, resign):
     if resign:
         _resign(bundle_copy, signing_key, lines)
         with pytest.raises(VerificationError, match="is step 5, expected step 4: steps were dropped or reordered"):
-            verify_bundle(bundle_copy, challenges=1)
+            Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
     else:
         _write(bundle_copy, lines)
         with pytest.raises(VerificationError, match="edited, dropped, inserted or reordered"):
-            verify_bundle(bundle_copy, challenges=1)
+            Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
 
 
 @pytest.mark.parametrize("resign", [False, True])
@@ -84,11 +84,11 @@ def test_reordered_records_are_rejected(bundle_copy, signing_key, resign):
     if resign:
         _resign(bundle_copy, signing_key, lines)
         with pytest.raises(VerificationError, match="expected step 2"):
-            verify_bundle(bundle_copy, challenges=1)
+            Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
     else:
         _write(bundle_copy, lines)
         with pytest.raises(VerificationError, match="reordered"):
-            verify_bundle(bundle_copy, challenges=1)
+            Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
 
 
 def test_every_byte_flip_in_every_file_is_rejected(bundle_copy, tmp_path):
@@ -105,7 +105,7 @@ def test_every_byte_flip_in_every_file_is_rejected(bundle_copy, tmp_path):
             flipped[pos] ^= 0x01
             target.write_bytes(bytes(flipped))
             with pytest.raises(VerificationError) as info:
-                verify_bundle(work, challenges=1, nonce=b"n")
+                Verifier(policy=Policy(challenges=1, nonce=b"n")).verify(work)
             assert str(info.value), f"{path.name}@{pos}"
 
 
@@ -113,7 +113,7 @@ def test_checkpoint_swapped_with_another_runs(bundle_copy, tmp_path, signing_key
     other = train_tiny(tmp_path / "other", signing_key, r=b"\x09" * 32)
     shutil.copy(other / "checkpoints/00000020.safetensors", bundle_copy / "checkpoints/00000020.safetensors")
     with pytest.raises(VerificationError, match=r"step 20: checkpoint: 00000020.safetensors is not the committed checkpoint file"):
-        verify_bundle(bundle_copy, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
 
 
 def test_learning_rate_changed_and_recorded(tmp_path):
@@ -125,7 +125,7 @@ def test_learning_rate_changed_and_recorded(tmp_path):
 
     bundle = train_tiny(tmp_path / "b", cheat=cheat)
     with pytest.raises(VerificationError, match=r"step 20: schedule: learning rate .* is not the schedule's"):
-        verify_bundle(bundle, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle)
 
 
 def test_learning_rate_changed_but_schedule_recorded(tmp_path):
@@ -137,7 +137,7 @@ def test_learning_rate_changed_but_schedule_recorded(tmp_path):
 
     bundle = train_tiny(tmp_path / "b", cheat=cheat)
     with pytest.raises(RunRejected) as info:
-        verify_bundle(bundle, challenges=ALL)
+        Verifier(policy=Policy(challenges=ALL)).verify(bundle)
     assert info.value.failures == ["step 23: replay: replayed behavioral fingerprint differs from the record "
                                    + info.value.failures[0].split("from the record ", 1)[1]]
 
@@ -150,7 +150,7 @@ def test_steps_logged_without_the_optimizer_stepping(tmp_path):
 
     bundle = train_tiny(tmp_path / "b", cheat=cheat)
     with pytest.raises(VerificationError, match="step 30: record: the parameters did not change"):
-        verify_bundle(bundle, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle)
 
 
 def test_fabricated_steps_with_forged_updates_fail_replay(tmp_path):
@@ -166,7 +166,7 @@ def test_fabricated_steps_with_forged_updates_fail_replay(tmp_path):
 
     bundle = train_tiny(tmp_path / "b", cheat=cheat)
     with pytest.raises(RunRejected) as info:
-        verify_bundle(bundle, challenges=ALL)
+        Verifier(policy=Policy(challenges=ALL)).verify(bundle)
     assert info.value.failures[0].startswith("step 30: replay:")
     failed = [r.step for r in info.value.verdict.results if not r.passed]
     assert failed == list(range(30, 40))  # each later challenge must replay through step 30
@@ -184,7 +184,7 @@ def test_training_on_uncommitted_batches_fails_replay(tmp_path):
 
     bundle = train_tiny(tmp_path / "b", cheat=cheat)
     with pytest.raises(RunRejected) as info:
-        verify_bundle(bundle, challenges=ALL)
+        Verifier(policy=Policy(challenges=ALL)).verify(bundle)
     assert [f.split(":")[0] for f in info.value.failures] == ["step 12", "step 27"]
     assert all("replayed loss" in f for f in info.value.failures)
     # Interactive mode catches it too: the trainer's own response cannot hide it.
@@ -192,7 +192,7 @@ def test_training_on_uncommitted_batches_fails_replay(tmp_path):
 
     respond(bundle, tmp_path / "resp", nonce=b"n", challenges=ALL)
     with pytest.raises(RunRejected, match="step 12"):
-        verify_bundle(bundle, challenges=ALL, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+        Verifier(policy=Policy(challenges=ALL, nonce=b"n", mode="interactive")).verify(bundle, Evidence(response=tmp_path / "resp"))
 
 
 def test_batch_order_not_derived_from_the_seed_is_rejected(bundle_copy, signing_key):
@@ -201,7 +201,7 @@ def test_batch_order_not_derived_from_the_seed_is_rejected(bundle_copy, signing_
     rec["batch"] = list(reversed(rec["batch"]))
     _resign(bundle_copy, signing_key, lines[:3] + [canonical_json(rec)] + lines[4:])
     with pytest.raises(VerificationError, match="step 2: data order"):
-        verify_bundle(bundle_copy, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
 
 
 def test_run_seed_not_bound_to_the_data_is_rejected(bundle_copy, signing_key):
@@ -209,15 +209,15 @@ def test_run_seed_not_bound_to_the_data_is_rejected(bundle_copy, signing_key):
     lines[0] = _edit(lines[0], run_seed="00" * 32)
     _resign(bundle_copy, signing_key, lines)
     with pytest.raises(VerificationError, match="run seed is not H"):
-        verify_bundle(bundle_copy, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
 
 
 def test_pinned_signer_rejects_another_key(honest_bundle):
     with pytest.raises(VerificationError, match="not by the pinned key"):
-        verify_bundle(honest_bundle, challenges=1, public_key="ab" * 32)
+        Verifier(Trust(signer="ab" * 32), Policy(challenges=1)).verify(honest_bundle)
     opened = open_bundle(honest_bundle)  # a bundle opened once and passed on keeps the pin
     with pytest.raises(VerificationError, match="not by the pinned key"):
-        verify_bundle(opened, challenges=1, public_key="ab" * 32)
+        Verifier(Trust(signer="ab" * 32), Policy(challenges=1)).verify(opened)
 
 
 def test_unregistered_task_is_unusable(bundle_copy, signing_key):
@@ -226,7 +226,7 @@ def test_unregistered_task_is_unusable(bundle_copy, signing_key):
     lines[0] = _edit(lines[0], task="my_own_code")
     _resign(bundle_copy, signing_key, lines)
     with pytest.raises(MalformedInput, match="not a task of this witness release"):
-        verify_bundle(bundle_copy, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
 
 
 def test_offline_needs_the_committed_dataset(bundle_copy, signing_key):
@@ -235,7 +235,7 @@ def test_offline_needs_the_committed_dataset(bundle_copy, signing_key):
     m["task_config"]["dataset_size"] = 999  # recipe now names a dataset the records were not made from
     _resign(bundle_copy, signing_key, [canonical_json(m)] + lines[1:])
     with pytest.raises(MalformedInput, match="committed dataset"):
-        verify_bundle(bundle_copy, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle_copy)
 
 
 def test_a_published_head_pins_the_log_against_rewriting(bundle_copy, signing_key, tmp_path, capsys):
@@ -273,17 +273,17 @@ def test_a_log_signed_past_its_last_checkpoint(bundle_copy, signing_key):
     # on the committed state hashes; tolerance mode needs the committed tensors at the end of a
     # segment, and refuses to end a replay where no checkpoint is.
     _sign_prefix(bundle_copy, signing_key, 16)  # the manifest and steps 0..14; a checkpoint after 10
-    v = verify_bundle(bundle_copy, challenges=ALL)
+    v = Verifier(policy=Policy(challenges=ALL)).verify(bundle_copy)
     assert v.accepted and v.steps == 15 and not v.complete
     with pytest.raises(RunRejected, match="no committed state after this step to end its replay on"):
-        verify_bundle(bundle_copy, challenges=ALL, exact=False)
+        Verifier(policy=Policy(challenges=ALL, exact=False)).verify(bundle_copy)
 
 
 def test_a_signed_log_must_end_on_a_committed_state(tmp_path, signing_key):
     bundle = train_tiny(tmp_path / "b", signing_key, state_every=5)
     _sign_prefix(bundle, signing_key, 14)  # ends at step 12; states are committed after 4, 9, 14, ...
     with pytest.raises(VerificationError, match="step 12: log: the signed log ends at a step whose training state"):
-        verify_bundle(bundle, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle)
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -302,4 +302,4 @@ def test_a_run_from_an_initial_state_of_the_trainers_choosing_is_rejected(tmp_pa
     bundle = train_tiny(tmp_path / "b", r=r, config={"steps": 8}, checkpoint_every=4, session=session)
     with pytest.raises(VerificationError, match="step 0: init: the initial state is not the one the run seed generates"
                                           + ("" if exact else ": parameters distance")):
-        verify_bundle(bundle, challenges=ALL, exact=exact)
+        Verifier(policy=Policy(challenges=ALL, exact=exact)).verify(bundle)

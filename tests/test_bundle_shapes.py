@@ -22,7 +22,7 @@ from witness.bundle.layout import STATEMENTS, online_chunks_name
 from witness.bundle.reader import open_bundle
 from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.record.online import OnlineSpec
-from witness.verify import verify_bundle
+from witness.verify import Policy, Trust, Verifier
 from witness.verify.online import parse_statements
 
 STEPS, F = 24, 0.05
@@ -82,10 +82,10 @@ def _apply(bundle: Path, into: Path, shape) -> Path:
     return out
 
 
-def _judge(honest: Path, path: Path, **kw) -> str:
+def _judge(honest: Path, path: Path, trust: Trust | None = None, **policy) -> str:
     """unusable, rejected, or accepted with a bound recomputed here from the verdict's own ledger."""
     try:
-        v = verify_bundle(path, bad_fraction=F, **kw)
+        v = Verifier(trust, Policy(bad_fraction=F, **policy)).verify(path)
     except RunRejected as e:
         assert e.verdict is None or not e.verdict.accepted
         return "rejected"
@@ -134,7 +134,7 @@ def test_an_online_run_in_any_shape_is_unusable_rejected_or_accepted_on_its_ledg
     nonce = data.draw(st.binary(min_size=1, max_size=4))
     with tempfile.TemporaryDirectory() as tmp:
         path = _apply(honest, Path(tmp), shape)
-        outcomes = [_judge(honest, path, mode="online", beacon_key=runs["beacon_key"]),
+        outcomes = [_judge(honest, path, Trust(beacon_key=runs["beacon_key"]), mode="online"),
                     _judge(honest, path, challenges=8, nonce=nonce)]
     if shape == (set(), [], list(range(len(shape[2])))):
         assert outcomes == ["accepted", "accepted"]  # the honest run, as it is

@@ -23,7 +23,7 @@ from witness.data.order import derive_run_seed
 from witness.errors import RunRejected, VerificationError
 from witness.session import TrainingSession
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Verifier
 from witness.verify.challenges import detection_probability, draw_challenges
 from witness.verify.replay import DEFAULT_THRESHOLDS
 from witness.verify.response import Response
@@ -44,8 +44,8 @@ def _audit_rate(bundle, response, bad: set[int], q: int, audits: int, **kw) -> N
         nonce = seed.to_bytes(4, "big")
         drew_bad = any(c.step in bad for c in draw_challenges(opened.final_head, nonce, n, q))
         try:
-            v = verify_bundle(opened, challenges=q, nonce=nonce, mode="interactive", response=resp,
-                              bad_fraction=f, **kw)
+            v = Verifier(policy=Policy(challenges=q, nonce=nonce, mode="interactive", bad_fraction=f, **kw)).verify(
+                opened, Evidence(response=resp))
         except RunRejected as e:
             failed = {r.step for r in e.verdict.results if not r.passed}
             assert drew_bad and failed and failed <= bad, (seed, e.failures)
@@ -60,7 +60,8 @@ def _audit_rate(bundle, response, bad: set[int], q: int, audits: int, **kw) -> N
 
 def _interactive_all(bundle, response, **kw):
     """Challenge every step interactively; the rejection (RunRejected) or the verdict."""
-    return verify_bundle(bundle, challenges=ALL, nonce=b"all", mode="interactive", response=response, **kw)
+    policy = Policy(challenges=ALL, nonce=b"all", mode="interactive", **kw)
+    return Verifier(policy=policy).verify(bundle, Evidence(response=response))
 
 
 def _failed_steps(info) -> list[int]:
@@ -128,7 +129,7 @@ def test_forged_optimizer_state_cannot_carry_a_stolen_model(tmp_path, stolen, co
                "replayed training state does not hash to the committed one")
         assert all(any(w in f for w in why) for f in info.value.failures), info.value.failures[:2]
     with pytest.raises(RunRejected):  # offline replay rejects it too
-        verify_bundle(bundle, challenges=ALL)
+        Verifier(policy=Policy(challenges=ALL)).verify(bundle)
 
 
 # --- 3. parameters changed where neither the probes nor the sketch look ------------------------
@@ -153,7 +154,7 @@ def test_weights_the_probes_and_sketch_never_see_are_bound_by_the_state_hash(tmp
         _interactive_all(bundle, resp)
     assert set(_failed_steps(info)) == HIDDEN_STEPS
     with pytest.raises(RunRejected) as info:  # offline, every replay from checkpoint 0 meets step 3 first
-        verify_bundle(bundle, challenges=ALL)
+        Verifier(policy=Policy(challenges=ALL)).verify(bundle)
     assert info.value.failures[0].startswith("step 3: replay: the replayed training state does not hash")
     assert _failed_steps(info) == list(range(3, 10))
 
@@ -173,7 +174,7 @@ def test_a_claimed_world_size_buys_no_tolerance(tmp_path):
     bundle = train_tiny(tmp_path / "b", config={"steps": 12}, session=claim, cheat=cheat)
     assert open_bundle(bundle).manifest.world_size == 4
     with pytest.raises(RunRejected) as info:
-        verify_bundle(bundle, challenges=ALL)
+        Verifier(policy=Policy(challenges=ALL)).verify(bundle)
     v = info.value.verdict
     assert v.exact and not v.thresholds and all(not r.passed for r in v.results)
 
@@ -224,7 +225,7 @@ def test_used_data_left_out_of_the_end_record_is_caught_in_full_whatever_is_draw
     for nonce in (clean, b"a", b"b"):
         for mode in ("offline", "interactive"):
             with pytest.raises(VerificationError, match="used-sample tree .* leaves out data the run trained on") as info:
-                verify_bundle(opened, challenges=1, nonce=nonce, mode=mode, response=resp)
+                Verifier(policy=Policy(challenges=1, nonce=nonce, mode=mode)).verify(opened, Evidence(response=resp))
             assert not isinstance(info.value, RunRejected)  # no replay was needed
 
 
@@ -245,8 +246,7 @@ def test_respond_ships_exactly_the_states_the_audit_reads(tmp_path, monkeypatch,
     read: list[int] = []
     state = Response.state
     monkeypatch.setattr(Response, "state", lambda self, step: (read.append(step), state(self, step))[1])
-    v = verify_bundle(bundle, challenges=20, nonce=b"n", mode="interactive", response=tmp_path / "resp",
-                      exact=not tolerance)
+    v = Verifier(policy=Policy(challenges=20, nonce=b"n", mode="interactive", exact=not tolerance)).verify(bundle, Evidence(response=tmp_path / "resp"))
     assert v.accepted and set(read) == shipped
     if not tolerance:  # 20 of 30 steps: runs of consecutive challenges replay on from their own states
         assert len(shipped) < 20

@@ -15,7 +15,7 @@ from witness.bundle.reader import open_bundle
 from witness.cli import build_parser, main
 from witness.evals.evaluate import evaluate
 from witness.report import write_report
-from witness.verify.audit import verify_bundle
+from witness.verify import Policy, Verifier
 from witness.verify.challenges import weak_bound_warning
 
 
@@ -100,7 +100,7 @@ def test_a_weak_audit_is_flagged(honest_bundle, capsys):
 
 
 def test_a_strong_audit_is_not_flagged_and_the_confidence_asked_for_is_the_floor(honest_bundle):
-    strong = verify_bundle(honest_bundle, challenges=45, nonce=b"\x01")  # 45 >= the run's 40 steps: bound 1
+    strong = Verifier(policy=Policy(challenges=45, nonce=b"\x01")).verify(honest_bundle)  # 45 >= the run's 40 steps: bound 1
     assert strong.detection_probability == 1 and strong.warning is None and "WARNING" not in strong.summary()
     assert weak_bound_warning(1 - 0.95**45, 0.05) is None  # 90.06 % clears the default floor of 90 %
     assert "below the 90%" in weak_bound_warning(1 - 0.95**44, 0.05)
@@ -115,7 +115,7 @@ def test_the_report_holds_its_plots(honest_bundle, tmp_path):
 
     cert = evaluate(honest_bundle, generate_key())
     ev = verify_eval(cert, honest_bundle, spots=10, nonce=b"\x02")
-    v = verify_bundle(honest_bundle, challenges=45, nonce=b"\x01")
+    v = Verifier(policy=Policy(challenges=45, nonce=b"\x01")).verify(honest_bundle)
     out = write_report(open_bundle(honest_bundle), tmp_path / "report", v.summary(),
                        [(r.step, r.passed) for r in v.results], ev.aggregates)
     for name in ("loss.png", "optimizer.png", "fingerprints.png"):

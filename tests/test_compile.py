@@ -15,7 +15,7 @@ from witness.record import Recorder
 from witness.record.selfcheck import SelfCheckFailed
 from witness.task import build_task, registry
 from witness.task.generic import GenericTask
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 
 class CompiledMLP(GenericTask):
@@ -57,7 +57,7 @@ def test_a_compiled_recipe_records_and_replays_its_compiled_step_bit_for_bit(tas
     assert len(rec.self_check.report()["steps"]) == 2
     m = open_bundle(tmp_path / "run").manifest
     assert m.task_config["compile"] is True and m.device["compiler"]  # what made the kernels
-    v = verify_bundle(tmp_path / "run", challenges=4, nonce=b"c")
+    v = Verifier(policy=Policy(challenges=4, nonce=b"c")).verify(tmp_path / "run")
     assert v.accepted and v.replayed_steps == 4
     # the eager step is not the compiled one (its kernels round otherwise): an eager replay would not match
     eager = task()
@@ -124,7 +124,7 @@ def test_a_compiled_embedding_at_two_threads_replays_exactly(cls, monkeypatch, t
         assert len(grads) == 1
         rec.train(progress=False)
         assert rec.self_check.report()["steps"]
-        v = verify_bundle(tmp_path / "run", challenges=6, nonce=b"e")
+        v = Verifier(policy=Policy(challenges=6, nonce=b"e")).verify(tmp_path / "run")
         assert v.accepted and v.exact and v.replayed_steps == 6
     finally:
         torch.set_num_threads(before[0])

@@ -18,7 +18,7 @@ from witness.data.dataset import sample_hash
 from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.record import Recorder
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 from witness.verify.data_queries import check_data_proof as check_proof
 
 SMALL = {"steps": 12, "n_layer": 1, "d_model": 32, "n_head": 2, "batch_size": 8,
@@ -230,9 +230,9 @@ def test_binding_exclusion_proof_exists_but_replay_rejects(tmp_path):
     head = open_bundle(run).final_head
     elsewhere = next(n.to_bytes(2, "big") for n in range(1000)
                      if not 10 <= draw_challenges(head, n.to_bytes(2, "big"), 40, 1)[0].step < 20)
-    verify_bundle(run, challenges=1, nonce=elsewhere)  # a challenge outside [10, 20) does not see it
+    Verifier(policy=Policy(challenges=1, nonce=elsewhere)).verify(run)  # a challenge outside [10, 20) does not see it
     with pytest.raises(RunRejected, match="step 10: replay"):
-        verify_bundle(run, challenges=40)
+        Verifier(policy=Policy(challenges=40)).verify(run)
 
 
 def test_verifier_rejects_a_false_used_data_commitment(tmp_path):
@@ -251,7 +251,7 @@ def test_verifier_rejects_a_false_used_data_commitment(tmp_path):
     manifest["public_key"] = public_hex(key.public_key())
     _resign(tmp_path / "copy", key, [canonical_json(manifest)] + lines[1:-1] + [canonical_json(end)])
     with pytest.raises(VerificationError, match="used-document tree is not the one the logged batches give"):
-        verify_bundle(tmp_path / "copy", challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(tmp_path / "copy")
 
 
 def test_check_against_a_published_tree_head_file(gpt, tmp_path):

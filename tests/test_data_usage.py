@@ -36,7 +36,7 @@ from witness.leaderboard.service import Leaderboard
 from witness.leaderboard.tracks import parse_track
 from witness.leaderboard.worker import work
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Verifier
 from witness.verify.data_queries import check_data_proof, run_commitments
 from witness.verify.respond import respond
 
@@ -44,12 +44,13 @@ ALL = 10_000
 SWAP = "gives documents under rule 'self', but the task 'tinygpt' decides rule 'prefix32'"
 
 
-def _interactive(bundle, resp, nonce=b"r", challenges=ALL, **kw):
-    return verify_bundle(bundle, challenges=challenges, nonce=nonce, mode="interactive", response=resp, **kw)
+def _interactive(bundle, resp, nonce=b"r", challenges=ALL, leaves=None):
+    policy = Policy(challenges=challenges, nonce=nonce, mode="interactive")
+    return Verifier(policy=policy).verify(bundle, Evidence(response=resp, leaves=leaves))
 
 
 def _both_modes(bundle, tmp_path):
-    offline = verify_bundle(bundle, challenges=ALL)
+    offline = Verifier(policy=Policy(challenges=ALL)).verify(bundle)
     respond(bundle, tmp_path / "resp", nonce=b"r", challenges=ALL)
     return offline, _interactive(bundle, tmp_path / "resp")
 
@@ -73,7 +74,7 @@ def test_honest_runs_of_every_task_are_accepted_in_both_modes(tmp_path, task, co
     with pytest.raises(MalformedInput, match="needs the dataset's leaves"):
         _interactive(bundle, tmp_path / "resp")
     assert _interactive(bundle, tmp_path / "resp", leaves=tmp_path / "published.leaves").accepted
-    assert verify_bundle(bundle, challenges=2).accepted  # offline, the dataset here gives them
+    assert Verifier(policy=Policy(challenges=2)).verify(bundle).accepted  # offline, the dataset here gives them
 
 
 # --- 1. the task, never the bundle, decides what a document is ---------------------------------
@@ -107,7 +108,7 @@ def test_a_document_rule_swap_is_rejected_by_the_cheap_audit_and_offline(swapped
     d, bundle, _, _ = swapped
     for mode in ("interactive", "offline"):  # before any replay: whatever the challenges
         with pytest.raises(VerificationError, match=SWAP) as info:
-            verify_bundle(bundle, challenges=ALL, nonce=b"r", mode=mode, response=d / "resp")
+            Verifier(policy=Policy(challenges=ALL, nonce=b"r", mode=mode)).verify(bundle, Evidence(response=d / "resp"))
         assert not isinstance(info.value, RunRejected)
     assert main(["verify", "--allow-weak", str(bundle), "--mode", "interactive", "--response", str(d / "resp"), "--nonce", "72"]) == 1
 
@@ -244,7 +245,7 @@ def test_a_leaves_file_that_is_not_the_committed_dataset_is_refused(gpt_run, tmp
     (bundle / "dataset.leaves").write_bytes(bytes(raw))
     for mode in ("interactive", "offline"):  # offline checks a leaves file the bundle carries too
         with pytest.raises(VerificationError, match="leaves do not hash to the committed data root"):
-            verify_bundle(bundle, challenges=1, mode=mode, response=d / "resp", nonce=b"r")
+            Verifier(policy=Policy(challenges=1, mode=mode, nonce=b"r")).verify(bundle, Evidence(response=d / "resp"))
     (bundle / "dataset.leaves").write_bytes(b"WLEAVES1" + bytes(10))
     assert main(["verify", "--allow-weak", str(bundle), "--mode", "interactive", "--response", str(d / "resp"), "--nonce", "72"]) == 2
 
@@ -278,4 +279,4 @@ def test_a_dataset_root_that_mislabels_documents_is_caught_where_its_samples_are
     assert {r.step for r in failed if not r.failure.startswith("not replayed")} == holding
     assert all("names other documents than the dataset's committed leaves" in f for f in info.value.failures)
     with pytest.raises(MalformedInput, match="committed dataset .* is not the one here"):
-        verify_bundle(bundle, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle)

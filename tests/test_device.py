@@ -24,7 +24,7 @@ from witness.session import TrainingSession, deterministic_device, device_info, 
 from witness.task import build_task
 from witness.task.base import to_device
 from witness.task.tinygpt import Block
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 H200 = {"kind": "cuda", "name": "NVIDIA H200", "cuda": "13.0", "cudnn": "91000", "driver": "580.65"}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible to torch here)")
@@ -46,7 +46,7 @@ def test_the_manifest_records_the_hardware(gpt):
 
 
 def test_a_bf16_run_replays_bit_for_bit(gpt):
-    v = verify_bundle(gpt, challenges=8, nonce=b"\x01")
+    v = Verifier(policy=Policy(challenges=8, nonce=b"\x01")).verify(gpt)
     assert v.accepted and v.replayed_steps == 8 and not v.thresholds
     assert any("replayed on the run's own hardware, the CPU" in c for c in v.checks)
 
@@ -96,11 +96,11 @@ def test_a_run_from_other_hardware_replays_only_in_tolerance_mode(gpt, signing_k
     m = open_bundle(gpt).manifest.raw
     edit_manifest(bundle, signing_key, versions=dict(m["versions"], device=H200))
     with pytest.raises(MalformedInput, match="recorded on NVIDIA H200 .* needs the same hardware .*--device cuda"):
-        verify_bundle(bundle, challenges=3)
+        Verifier(policy=Policy(challenges=3)).verify(bundle)
     assert main(["verify", str(bundle), "--challenges", "3"]) == 2
     assert "--tolerance" in capsys.readouterr().err
     # the claim buys nothing: the CPU replay still has to land within the thresholds on every state
-    v = verify_bundle(bundle, challenges=3, exact=False, nonce=b"\x02")
+    v = Verifier(policy=Policy(challenges=3, exact=False, nonce=b"\x02")).verify(bundle)
     assert v.accepted and any("recorded on NVIDIA H200" in n and "tolerance mode" in n for n in v.notes)
 
 
@@ -111,7 +111,7 @@ def test_a_recipe_naming_a_later_field_at_its_default_is_not_canonical(gpt, sign
     config = open_bundle(gpt).manifest.task_config
     edit_manifest(bundle, signing_key, task_config=dict(config, activation_checkpointing=False))
     with pytest.raises(VerificationError, match="not in canonical form"):
-        verify_bundle(bundle, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle)
 
 
 def test_a_false_device_record_is_malformed(gpt, signing_key, tmp_path):
@@ -161,11 +161,11 @@ def test_a_gpu_run_replays_bit_for_bit_on_the_gpu_and_in_tolerance_on_the_cpu(tm
     assert main(args) == 0
     m = open_bundle(tmp_path / "run").manifest
     assert m.device["kind"] == "cuda" and m.device["name"] == torch.cuda.get_device_name()
-    v = verify_bundle(tmp_path / "run", challenges=6, device="cuda")
+    v = Verifier(policy=Policy(challenges=6, device="cuda")).verify(tmp_path / "run")
     assert v.accepted and any("bit for bit" in c for c in v.checks)
     with pytest.raises(MalformedInput, match="same hardware"):
-        verify_bundle(tmp_path / "run", challenges=2)
-    drift = verify_bundle(tmp_path / "run", challenges=6, exact=False)
+        Verifier(policy=Policy(challenges=2)).verify(tmp_path / "run")
+    drift = Verifier(policy=Policy(challenges=6, exact=False)).verify(tmp_path / "run")
     assert drift.accepted and drift.thresholds
 
 
@@ -198,11 +198,11 @@ def test_a_cpu_that_picks_other_kernels_is_other_hardware(tmp_path, capsys):
     recorded = open_bundle(run).manifest.device
     assert " DEFAULT" in recorded["kernels"] and recorded["kernels"] != device_info("cpu")["kernels"]
     with pytest.raises(MalformedInput, match="needs the same hardware .*--tolerance"):
-        verify_bundle(run, challenges=4)
+        Verifier(policy=Policy(challenges=4)).verify(run)
     assert main(["verify", str(run), "--challenges", "4"]) == 2
     assert "DEFAULT" in capsys.readouterr().err
     # tolerance mode replays it here: the seed's weights, drawn by this CPU, lie within the thresholds
-    v = verify_bundle(run, challenges=4, exact=False)
+    v = Verifier(policy=Policy(challenges=4, exact=False)).verify(run)
     assert v.accepted and any("initial state within tolerance" in c for c in v.checks), v.checks
     # on a CPU that picks the same kernels, it replays bit for bit
     verify = [sys.executable, "-m", "witness.cli", "verify", str(run), "--challenges", "4", "--json"]
@@ -213,4 +213,4 @@ def test_a_cpu_that_picks_other_kernels_is_other_hardware(tmp_path, capsys):
     edit_manifest(run, load_key(key), versions=dict(open_bundle(run).manifest.raw["versions"],
                                                     device={"kind": "cpu", "machine": recorded["machine"]}))
     with pytest.raises(VerificationError, match="initial state is not the one the run seed generates"):
-        verify_bundle(run, challenges=4)
+        Verifier(policy=Policy(challenges=4)).verify(run)

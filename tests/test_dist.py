@@ -16,7 +16,7 @@ from witness.commit.signing import generate_key, save_key
 from witness.errors import RunRejected
 from witness.session import TrainingSession
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 from witness.verify.challenges import draw_challenges
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -61,17 +61,17 @@ def runs(tmp_path_factory):
 def test_ddp_run_replays_bit_exactly_on_one_process(runs):
     b = open_bundle(runs["ddp"])
     assert (b.manifest.world_size, b.manifest.raw["parallelism"]) == (2, "ddp")
-    v = verify_bundle(runs["ddp"], challenges=100)
+    v = Verifier(policy=Policy(challenges=100)).verify(runs["ddp"])
     assert v.accepted and v.exact and v.replayed_steps == 12
 
 
 def test_fsdp_run_replays_bit_exactly_on_one_process(runs):
     # Clipping uses FSDP2's shard-by-shard gradient norm; replay reduces it the same way.
     for name in ("fsdp", "fsdp_noclip"):
-        v = verify_bundle(runs[name], challenges=100)
+        v = Verifier(policy=Policy(challenges=100)).verify(runs[name])
         assert v.accepted and v.exact and v.replayed_steps == 12, name
     # Tolerance mode, when asked for, reports every distance (all zero here) against its threshold.
-    v = verify_bundle(runs["fsdp"], challenges=100, exact=False)
+    v = Verifier(policy=Policy(challenges=100, exact=False)).verify(runs["fsdp"])
     replayed = [r for r in v.results if r.replayed_steps]
     assert v.accepted and replayed and all(r.distances["fingerprint"] == r.distances["parameters"] == 0.0
                                            for r in replayed)
@@ -110,7 +110,7 @@ def test_fsdp_units_per_block_with_recomputed_activations_replay_bit_exactly(run
     out = torchrun(runs["dir"] / "gpt_fsdp", runs["key"], "fsdp", "--task", "tinygpt", "--steps", "4")
     m = open_bundle(out).manifest
     assert m.task_config["activation_checkpointing"] and m.state_digest.endswith("/2")
-    v = verify_bundle(out, challenges=100)
+    v = Verifier(policy=Policy(challenges=100)).verify(out)
     assert v.accepted and v.exact and v.replayed_steps == 4, v.failures
 
 
@@ -118,11 +118,11 @@ def test_fsdp_units_per_block_with_recomputed_activations_replay_bit_exactly(run
 def test_a_rank_training_on_another_batch_is_rejected(runs, parallelism):
     out = torchrun(runs["dir"] / f"cheat_{parallelism}", runs["key"], parallelism, "--cheat-step", "6")
     with pytest.raises(RunRejected, match="step 6: replay"):
-        verify_bundle(out, challenges=100)
+        Verifier(policy=Policy(challenges=100)).verify(out)
     head = open_bundle(out).final_head
     early = next(n.to_bytes(2, "big") for n in range(999)
                  if all(c.step < 4 for c in draw_challenges(head, n.to_bytes(2, "big"), 12, 2)))
-    verify_bundle(out, challenges=2, nonce=early)  # challenges before the checkpoint at 4 do not see step 6
+    Verifier(policy=Policy(challenges=2, nonce=early)).verify(out)  # challenges before the checkpoint at 4 do not see step 6
 
 
 # 8 ranks (2 run in the tests above): 4 told nothing 8 does not, and cost the suite 22 s
@@ -136,5 +136,5 @@ def test_many_ranks_replay_bit_exactly_on_one_process(runs, parallelism, ranks):
     assert (m.world_size, m.parallelism) == (ranks, parallelism)
     # every step's state is committed: FSDP2's ranks hash their own rows, one shard each
     assert m.state_every == 1 and m.state_digest == default_digest() + (f"/{ranks}" if parallelism == "fsdp" else "")
-    v = verify_bundle(out, challenges=100)
+    v = Verifier(policy=Policy(challenges=100)).verify(out)
     assert v.accepted and v.exact and v.replayed_steps == 8 and not v.thresholds, v.failures

@@ -21,7 +21,7 @@ from witness.record.selfcheck import SelfCheckFailed
 from witness.task import StepOutput, build_task, registry
 from witness.task.base import clip_whole
 from witness.task.generic import GenericTask
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 
 class Loud(nn.Module):
@@ -87,7 +87,7 @@ def test_an_fp16_loop_with_the_runs_scaler_replays_its_skipped_steps_bit_for_bit
     assert skipped and skipped[0] == 0 and len(skipped) < 8  # overflowed, backed off, then trained
     final = read_checkpoint(b.checkpoints[8])
     assert float(final["scaler.scale"]) < 65536.0  # the backed-off scale is committed state
-    v = verify_bundle(tmp_path / "run", challenges=8, nonce=b"h")
+    v = Verifier(policy=Policy(challenges=8, nonce=b"h")).verify(tmp_path / "run")
     assert v.accepted and v.replayed_steps == 8
 
 

@@ -131,7 +131,7 @@ def test_mutated_used_data_proofs_are_refused_not_crashes(tmp_path, monkeypatch)
     # used-data trees, and every mutation of those proofs is refused.
     from witness.commit.hashing import canonical_json
     from witness.errors import RunRejected
-    from witness.verify import verify_bundle
+    from witness.verify import Evidence, Policy, Verifier
     from witness.verify.respond import respond
 
     monkeypatch.setattr("witness.record.recorder.DATA_COMMITMENT", 1)
@@ -139,7 +139,7 @@ def test_mutated_used_data_proofs_are_refused_not_crashes(tmp_path, monkeypatch)
     monkeypatch.undo()
     respond(bundle, tmp_path / "resp", nonce=b"n", challenges=1)
     doc = json.loads((tmp_path / "resp" / "response.json").read_text())
-    verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+    Verifier(policy=Policy(challenges=1, nonce=b"n", mode="interactive")).verify(bundle, Evidence(response=tmp_path / "resp"))
     (step,) = doc["steps"]
     tried = 0
     for path, m in _mutants({"used": doc["steps"][step]["used"]}):
@@ -147,7 +147,7 @@ def test_mutated_used_data_proofs_are_refused_not_crashes(tmp_path, monkeypatch)
         full["steps"][step]["used"] = m["used"]
         (tmp_path / "resp" / "response.json").write_bytes(canonical_json(full))
         with pytest.raises(VerificationError) as info:  # unusable, or a failed challenge: never a crash
-            verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+            Verifier(policy=Policy(challenges=1, nonce=b"n", mode="interactive")).verify(bundle, Evidence(response=tmp_path / "resp"))
         if isinstance(info.value, RunRejected):
             assert "used-" in info.value.failures[0] or "used-data" in info.value.failures[0], path
         tried += 1
@@ -158,13 +158,13 @@ def test_a_response_to_a_run_with_committed_leaves_carries_no_proofs(tmp_path):
     # Its samples are checked against the dataset's leaves: proofs where none belong are refused.
     from witness.commit.hashing import canonical_json
     from witness.errors import MalformedInput
-    from witness.verify import verify_bundle
+    from witness.verify import Evidence, Policy, Verifier
     from witness.verify.respond import respond
 
     bundle = train_tiny(tmp_path / "run", config={"steps": 8}, checkpoint_every=4)
     respond(bundle, tmp_path / "resp", nonce=b"n", challenges=1)
     doc = json.loads((tmp_path / "resp" / "response.json").read_text())
-    verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+    Verifier(policy=Policy(challenges=1, nonce=b"n", mode="interactive")).verify(bundle, Evidence(response=tmp_path / "resp"))
     (step,) = doc["steps"]
     assert doc["steps"][step]["used"] is None and all(p == [] for p in doc["steps"][step]["proofs"])
     tried = 0
@@ -173,6 +173,6 @@ def test_a_response_to_a_run_with_committed_leaves_carries_no_proofs(tmp_path):
         full["steps"][step][field] = junk
         (tmp_path / "resp" / "response.json").write_bytes(canonical_json(full))
         with pytest.raises(MalformedInput):
-            verify_bundle(bundle, challenges=1, nonce=b"n", mode="interactive", response=tmp_path / "resp")
+            Verifier(policy=Policy(challenges=1, nonce=b"n", mode="interactive")).verify(bundle, Evidence(response=tmp_path / "resp"))
         tried += 1
     assert tried == len(JUNK)

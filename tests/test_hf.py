@@ -13,7 +13,7 @@ from helpers import with_beacon
 from witness.cli import main as witness
 from witness.commit.hashing import canonical_json
 from witness.commit.signing import load_key
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Trust, Verifier
 from witness.verify.respond import respond
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -36,10 +36,10 @@ def test_the_trainer_run_replays_bit_for_bit(hf_run, tmp_path):
     # with GPT-2's dropout on: transformers draws its masks from torch's global generator, which each
     # step seeds from the committed step seed, in the Trainer's step and in replay alike
     assert manifest["task_config"]["dropout"] == 0.1
-    v = verify_bundle(run, challenges=12, nonce=b"all")  # offline, every step
+    v = Verifier(policy=Policy(challenges=12, nonce=b"all")).verify(run)  # offline, every step
     assert v.accepted and v.exact and v.replayed_steps == 12
     respond(run, tmp_path / "answer", nonce=b"cheap", challenges=6)
-    assert verify_bundle(run, challenges=6, nonce=b"cheap", mode="interactive", response=tmp_path / "answer").accepted
+    assert Verifier(policy=Policy(challenges=6, nonce=b"cheap", mode="interactive")).verify(run, Evidence(response=tmp_path / "answer")).accepted
 
 
 def test_a_tampered_trainer_run_is_rejected(hf_run, tmp_path, capsys):
@@ -67,14 +67,14 @@ def test_hf_gpt2_refuses_a_precision_its_trainer_step_would_not_replay():
 
 def test_the_trainer_run_took_online_challenges(hf_run):
     run, _, beacon_key = hf_run
-    v = verify_bundle(run, mode="online", beacon_key=beacon_key)
+    v = Verifier(Trust(beacon_key=beacon_key), Policy(mode="online")).verify(run)
     assert v.accepted and v.online["final"] and v.online["unaudited"] == 0 and v.replayed_steps == len(v.online["selected"])
 
 
 def test_the_trainers_gradient_accumulation_replays_bit_for_bit(tmp_path):
     assert hf_trainer.main(["--out", str(tmp_path / "run"), "--steps", "4", "--key", str(tmp_path / "k.pem"),
                             "--grad-accum", "2"]) == 0
-    v = verify_bundle(tmp_path / "run", challenges=4, nonce=b"accum")
+    v = Verifier(policy=Policy(challenges=4, nonce=b"accum")).verify(tmp_path / "run")
     assert v.accepted and v.replayed_steps == 4
 
 

@@ -17,7 +17,7 @@ from witness.errors import RunRejected
 from witness.record import Recorder
 from witness.session import TrainingSession, cpu_cores
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Verifier
 from witness.verify.challenges import draw_challenges
 from witness.verify.respond import respond
 
@@ -33,11 +33,12 @@ def keep_thread_count():
     torch.set_num_threads(before)
 
 
-def _both_modes(bundle, tmp_path, **kw):
+def _both_modes(bundle, tmp_path):
     """Every step challenged offline, and interactively with the trainer's own response."""
-    offline = verify_bundle(bundle, challenges=ALL, **kw)
+    offline = Verifier(policy=Policy(challenges=ALL)).verify(bundle)
     respond(bundle, tmp_path / "resp", nonce=b"r", challenges=ALL)
-    interactive = verify_bundle(bundle, challenges=ALL, nonce=b"r", mode="interactive", response=tmp_path / "resp", **kw)
+    interactive = Verifier(policy=Policy(challenges=ALL, nonce=b"r", mode="interactive")).verify(
+        bundle, Evidence(response=tmp_path / "resp"))
     return offline, interactive
 
 
@@ -53,7 +54,7 @@ def test_honest_runs_pass_at_their_own_thread_count(tmp_path, threads):
     # The first convolution's gradients depend on the thread count: at the other count replay
     # differs in the last bits, and the verdict says why.
     with pytest.raises(RunRejected) as info:
-        verify_bundle(tmp_path / "b", challenges=ALL, threads=3 - threads)
+        Verifier(policy=Policy(challenges=ALL, threads=3 - threads)).verify(tmp_path / "b")
     assert f"(replayed at {3 - threads} thread(s); the run recorded {threads})" in info.value.failures[0]
     assert any(f"verify with --threads {threads}" in n for n in info.value.verdict.notes)
 
@@ -135,7 +136,7 @@ def test_a_state_committed_every_k_steps_is_replayed_segment_by_segment(tmp_path
         kinds.add(1 in segments)
         respond(bundle, tmp_path / f"r{seed}", nonce=nonce, challenges=2)
         try:
-            v = verify_bundle(bundle, challenges=2, nonce=nonce, mode="interactive", response=tmp_path / f"r{seed}")
+            v = Verifier(policy=Policy(challenges=2, nonce=nonce, mode="interactive")).verify(bundle, Evidence(response=tmp_path / f"r{seed}"))
         except RunRejected as e:
             assert 1 in segments, (drawn, e.failures)
             assert e.verdict.results[0].step in range(5, 10) or e.verdict.results[1].step in range(5, 10)

@@ -13,7 +13,7 @@ import pytest
 from witness.bundle.reader import open_bundle
 from witness.commit.signing import generate_key, save_key
 from witness.errors import MalformedInput
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 STEPS, EVERY = 600, 20
 
@@ -41,7 +41,7 @@ def test_kill_9_then_verify_then_resume(tmp_path):
     assert proc.returncode == -signal.SIGKILL
 
     # The killed bundle verifies as the run it really was: the steps its last signed head covers.
-    verdict = verify_bundle(out, challenges=5, nonce=b"k")
+    verdict = Verifier(policy=Policy(challenges=5, nonce=b"k")).verify(out)
     assert verdict.accepted and not verdict.complete
     assert verdict.steps % EVERY == 0 and 100 - EVERY <= verdict.steps < STEPS
     assert any("incomplete run" in n for n in verdict.notes)
@@ -51,7 +51,7 @@ def test_kill_9_then_verify_then_resume(tmp_path):
     res = subprocess.run(_train(out, key, "--resume"), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert (out / "heads.jsonl").read_bytes().startswith(heads_before)
-    done = verify_bundle(out, challenges=5, nonce=b"k2")
+    done = Verifier(policy=Policy(challenges=5, nonce=b"k2")).verify(out)
     assert done.accepted and done.complete and done.steps == STEPS
 
     # Same seed, same bits: the resumed run ends in exactly the state of an uninterrupted run.
@@ -76,12 +76,12 @@ def test_a_checkpoint_write_cut_short_is_left_aside_and_cleared_by_the_resume(tm
     # what a kill leaves while safetensors writes a file through its temp file, and our own temp files
     for name in ("checkpoints/.tmpTk9udY", "checkpoints/00000008.safetensors.tmp", "checkpoints/.tmpAbC123"):
         (tmp_path / "b" / name).write_bytes(b"half a checkpoint")
-    v = verify_bundle(tmp_path / "b", challenges=4, nonce=b"t")
+    v = Verifier(policy=Policy(challenges=4, nonce=b"t")).verify(tmp_path / "b")
     assert v.accepted and not v.complete
     resumed = Recorder.resume(tmp_path / "b", key)
     assert not list((tmp_path / "b" / "checkpoints").glob(".tmp*"))
     resumed.train(progress=False)
-    assert verify_bundle(tmp_path / "b", challenges=8, nonce=b"all").complete
+    assert Verifier(policy=Policy(challenges=8, nonce=b"all")).verify(tmp_path / "b").complete
     # a file of that shape outside the folders a write goes to is still an unexpected file
     train_tiny(tmp_path / "c", config={"steps": 4}, checkpoint_every=2)
     (tmp_path / "c" / ".tmpTk9udY").write_bytes(b"x")

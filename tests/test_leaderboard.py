@@ -447,14 +447,14 @@ def test_a_long_verification_keeps_its_lease(server, tmp_path, monkeypatch):
     alice = register(tc, "alice")
     run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "run")
     submit(tc, alice, bundle, cert)
-    real, started = W.verify_bundle, threading.Event()
+    real, started = W.verify_round, threading.Event()
 
     def slow(*a, **kw):
         started.set()
         time.sleep(2.0)  # four lease periods of 0.5 s
         return real(*a, **kw)
 
-    monkeypatch.setattr(W, "verify_bundle", slow)
+    monkeypatch.setattr(W, "verify_round", slow)
     first = threading.Thread(target=W.work, args=(lb,), kwargs={"worker": "w1", "once": True, "lease_ms": 500})
     first.start()
     assert started.wait(60)

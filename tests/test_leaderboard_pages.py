@@ -374,7 +374,7 @@ def test_two_online_rounds_never_replay_one_step_into_the_history_twice(board, t
     with lb.Session() as s:  # a second online job, as when a step came ready while another job ran
         queue.enqueue(s, run_id, "online", 1)
         s.commit()
-    real, nested = online.verify_bundle, []
+    real, nested = online.verify_round, []
 
     def racing(*a, **kw):
         """While the first job replays, a second worker takes the other job and replays the same steps."""
@@ -385,7 +385,7 @@ def test_two_online_rounds_never_replay_one_step_into_the_history_twice(board, t
             process(lb, job, "other-worker")
         return real(*a, **kw)
 
-    monkeypatch.setattr(online, "verify_bundle", racing)
+    monkeypatch.setattr(online, "verify_round", racing)
     assert work(lb, once=True) == 1 and nested  # (the nested job was done by the other worker)
     rounds = tc.get(f"/api/runs/{run_id}/challenges").json()
     steps = [c["step"] for rnd in rounds for c in rnd["challenges"]]

@@ -14,7 +14,7 @@ from helpers import resign, with_beacon
 from witness.cli import main as witness
 from witness.commit.hashing import canonical_json
 from witness.commit.signing import load_key
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Trust, Verifier
 from witness.verify.respond import respond
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -32,10 +32,10 @@ def pl_run(tmp_path_factory) -> tuple[Path, Path, str]:
 
 def test_the_lightning_run_replays_bit_for_bit(pl_run, tmp_path):
     run, *_ = pl_run
-    v = verify_bundle(run, challenges=12, nonce=b"all")  # offline, every step (dropout included)
+    v = Verifier(policy=Policy(challenges=12, nonce=b"all")).verify(run)  # offline, every step (dropout included)
     assert v.accepted and v.exact and v.replayed_steps == 12
     respond(run, tmp_path / "answer", nonce=b"cheap", challenges=6)
-    assert verify_bundle(run, challenges=6, nonce=b"cheap", mode="interactive", response=tmp_path / "answer").accepted
+    assert Verifier(policy=Policy(challenges=6, nonce=b"cheap", mode="interactive")).verify(run, Evidence(response=tmp_path / "answer")).accepted
 
 
 def test_a_tampered_lightning_run_is_rejected(pl_run, tmp_path, capsys):
@@ -93,13 +93,13 @@ def test_a_bf16_recipe_under_lightning_replays_bit_for_bit(tmp_path):
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[WitnessCallback(rec)])
     trainer.fit(TaskModule(rec))
-    v = verify_bundle(tmp_path / "run", challenges=3, nonce=b"bf16")  # replay applies the recipe's autocast
+    v = Verifier(policy=Policy(challenges=3, nonce=b"bf16")).verify(tmp_path / "run")  # replay applies the recipe's autocast
     assert v.accepted and v.replayed_steps == 3
 
 
 def test_the_lightning_run_took_online_challenges(pl_run):
     run, _, beacon_key = pl_run
-    v = verify_bundle(run, mode="online", beacon_key=beacon_key)
+    v = Verifier(Trust(beacon_key=beacon_key), Policy(mode="online")).verify(run)
     assert v.accepted and v.online["final"] and v.online["unaudited"] == 0 and v.replayed_steps == len(v.online["selected"])
 
 
@@ -121,7 +121,7 @@ def test_lightning_gradient_accumulation_and_clip_val_replay_exactly(tmp_path):
     L.Trainer(accumulate_grad_batches=2, gradient_clip_val=task.config.grad_clip, callbacks=[WitnessCallback(rec)],
               **kw).fit(TaskModule(rec))
     assert rec.self_check.report()["steps"]  # replayed as it was recorded
-    v = verify_bundle(tmp_path / "run", challenges=4, nonce=b"accum")
+    v = Verifier(policy=Policy(challenges=4, nonce=b"accum")).verify(tmp_path / "run")
     assert v.accepted and v.replayed_steps == 4
     # settings that are not the recipe's are refused before the first step
     rec2 = Recorder.create(task, tmp_path / "other", generate_key(), r=b"\x06" * 32, checkpoint_every=2)

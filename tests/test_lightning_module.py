@@ -17,7 +17,7 @@ from witness.integrations.lightning import LightningTask, WitnessCallback, commi
 from witness.record import Recorder
 from witness.task import build_task, registry
 from witness.task.generic import GenericConfig
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 
 class LitClassifier(L.LightningModule):
@@ -90,7 +90,7 @@ def test_your_own_lightning_module_replays_bit_for_bit(lit, tmp_path, interval):
     assert len(rec.self_check.report()["steps"]) == 2  # two of its steps replayed as they were recorded
     lrs = [task.lr_at(t) for t in range(8)]
     assert (lrs[0] == lrs[-1]) == (interval == "epoch")  # per step, the scheduler's; per epoch, one rate
-    v = verify_bundle(tmp_path / "run", challenges=8, nonce=b"lit")
+    v = Verifier(policy=Policy(challenges=8, nonce=b"lit")).verify(tmp_path / "run")
     assert v.accepted and v.replayed_steps == 8
     assert len(rec.optimizer.state) == 4  # the optimizer Lightning stepped is the recorder's (its state committed)
 
@@ -112,7 +112,7 @@ def test_a_tampered_lightning_module_run_is_rejected(lit, tmp_path):
     lines[3] = canonical_json(rec3)
     resign(tmp_path / "run", key, lines)
     with pytest.raises(RunRejected, match="replayed loss"):
-        verify_bundle(tmp_path / "run", challenges=8, nonce=b"t")
+        Verifier(policy=Policy(challenges=8, nonce=b"t")).verify(tmp_path / "run")
 
 
 def test_lightning_settings_off_the_recipe_are_refused_before_the_first_step(lit, tmp_path):

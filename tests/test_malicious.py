@@ -14,7 +14,7 @@ from helpers import nonce_drawing_elsewhere
 from witness.bundle.layout import MAX_LOG_BYTES
 from witness.cli import main
 from witness.errors import MalformedInput
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Verifier
 from witness.verify.respond import respond
 
 
@@ -110,7 +110,7 @@ def test_response_naming_a_path_outside(honest_bundle, tmp_path):
     evil = doc.replace(f'"states/{int(first):08d}.safetensors"', '"../../../../etc/passwd"')
     (resp / "response.json").write_text(evil)
     with pytest.raises(MalformedInput, match="outside its states/ folder"):
-        verify_bundle(honest_bundle, challenges=2, nonce=b"n", mode="interactive", response=resp)
+        Verifier(policy=Policy(challenges=2, nonce=b"n", mode="interactive")).verify(honest_bundle, Evidence(response=resp))
 
 
 def test_response_with_a_linked_state(honest_bundle, tmp_path):
@@ -120,7 +120,7 @@ def test_response_with_a_linked_state(honest_bundle, tmp_path):
     state.unlink()
     state.symlink_to(honest_bundle / "checkpoints" / "00000010.safetensors")
     with pytest.raises(MalformedInput, match="link"):
-        verify_bundle(honest_bundle, challenges=1, nonce=b"n", mode="interactive", response=resp)
+        Verifier(policy=Policy(challenges=1, nonce=b"n", mode="interactive")).verify(honest_bundle, Evidence(response=resp))
 
 
 def test_cli_exit_codes_in_a_fresh_process(honest_bundle, tmp_path):
@@ -159,8 +159,7 @@ def test_responses_answer_the_audit_nonce_and_carry_none(honest_bundle, tmp_path
     assert "nonce" not in doc
     # made for another nonce: the states this audit draws are missing, and the verdict says why
     with pytest.raises(RunRejected, match="this audit's nonce"):
-        verify_bundle(honest_bundle, challenges=2, nonce=nonce_drawing_elsewhere(honest_bundle, b"n", 2),
-                      mode="interactive", response=resp)
+        Verifier(policy=Policy(challenges=2, nonce=nonce_drawing_elsewhere(honest_bundle, b"n", 2), mode="interactive")).verify(honest_bundle, Evidence(response=resp))
     # a version 2 response (with its unchecked nonce) is not read
     (resp / "response.json").write_bytes(canonical_json(dict(doc, version=2, nonce="6e")))
     with pytest.raises(MalformedInput, match="supported version"):

@@ -13,7 +13,7 @@ from witness.bundle.reader import open_bundle
 from witness.bundle.schema import Manifest
 from witness.commit.signing import generate_key, public_hex
 from witness.errors import MalformedInput, VerificationError
-from witness.verify import verify_bundle
+from witness.verify import Policy, Trust, Verifier
 
 REJECTED, UNUSABLE = 1, 2
 
@@ -82,7 +82,7 @@ def test_a_false_manifest_field_is_refused(honest, signing_key, tmp_path, field)
     edit_manifest(bundle, signing_key, **changes)
     ticket = b"\x08" * 32 if field == "r_source" else None
     with pytest.raises(VerificationError, match=why) as info:
-        verify_bundle(bundle, challenges=10_000, nonce=b"f", ticket=ticket)
+        Verifier(Trust(ticket=ticket), Policy(challenges=10_000, nonce=b"f")).verify(bundle)
     assert info.value.exit_code == code, str(info.value)
     assert isinstance(info.value, MalformedInput) == (code == UNUSABLE)
 
@@ -91,7 +91,7 @@ def test_a_true_ticket_claim_passes_and_is_reported(honest, signing_key, tmp_pat
     bundle = tmp_path / "b"
     shutil.copytree(honest["tiny"], bundle)
     edit_manifest(bundle, signing_key, r_source="ticket")
-    v = verify_bundle(bundle, challenges=3, ticket=b"\x07" * 32)
+    v = Verifier(Trust(ticket=b"\x07" * 32), Policy(challenges=3)).verify(bundle)
     assert "r is the issued ticket" in v.checks
-    v = verify_bundle(bundle, challenges=3)
+    v = Verifier(policy=Policy(challenges=3)).verify(bundle)
     assert any("only its issuer can check" in n for n in v.notes)

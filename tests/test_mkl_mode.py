@@ -16,7 +16,7 @@ from witness.commit.signing import generate_key
 from witness.record import Recorder
 from witness.session import mkl_mode
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -59,7 +59,7 @@ def test_finding_1s_configuration_records_and_replays_exactly(tmp_path, seed):
                               r=bytes([seed]) * 32, checkpoint_every=3, threads=2)
         rec.train(progress=False)
         assert 0 in rec.self_check.report()["steps"]
-        v = verify_bundle(tmp_path / "run", challenges=3, nonce=b"f1")
+        v = Verifier(policy=Policy(challenges=3, nonce=b"f1")).verify(tmp_path / "run")
         assert v.accepted and v.exact and v.replayed_steps == 3
     finally:
         torch.set_num_threads(before)

@@ -38,7 +38,7 @@ from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.record.online import OnlineSpec
 from witness.record.recorder import Recorder
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Trust, Verifier
 from witness.web import start_uvicorn, stop_uvicorn
 
 STEPS, P, EVERY = 24, 0.25, 4
@@ -93,7 +93,7 @@ def train(out: Path, link, *, bad: set[int] = frozenset(), key=None, steps: int 
 
 
 def online(bundle, key: str, **kw):
-    return verify_bundle(bundle, mode="online", beacon_key=key, **kw)
+    return Verifier(Trust(beacon_key=key), Policy(mode="online", **kw)).verify(bundle)
 
 
 def statements(bundle: Path) -> list[BeaconStatement]:
@@ -119,7 +119,7 @@ def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_compari
         assert v.detection_probability == pytest.approx(online_bound(P, 0.05, STEPS))
         assert "1-(1-p)^ceil(fT)" in v.summary() and f"p = {P:g}" in v.summary()
     # the cheap checks still run in full, and the after-the-fact audits still work on the same bundle
-    assert verify_bundle(tmp_path / "b", challenges=3).accepted
+    assert Verifier(policy=Policy(challenges=3)).verify(tmp_path / "b").accepted
     # the command line: the verifier names the beacon's key, or the input is unusable
     from witness.cli import main
     assert main(["verify", "--allow-weak", str(tmp_path / "b"), "--mode", "online", "--beacon-key", beacon.public_key, "--json"]) == 0
@@ -433,13 +433,13 @@ def test_every_mode_holds_each_state_it_loads_or_reaches_to_its_records_param_ro
     other = parse_canonical_json(lines[5])["param_root"]
     swapped = forged("swapped", 6, lambda o: o.update(param_root=other))  # step 5 names step 4's root
     with pytest.raises(RunRejected, match="step 5: moves: the record's param_root is not the chunk root"):
-        verify_bundle(swapped, challenges=10_000, nonce=b"all")
+        Verifier(policy=Policy(challenges=10_000, nonce=b"all")).verify(swapped)
     at_checkpoint = forged("checkpoint", 8, lambda o: o.update(param_root=other))  # step 7: a checkpoint
     with pytest.raises(VerificationError, match="its record's param_root is not the chunk root of its parameters"):
-        verify_bundle(at_checkpoint, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(at_checkpoint)
     none = forged("none", 3, lambda o: o.pop("param_root"))
     with pytest.raises(VerificationError, match="step 2: record: the record lacks a param_root"):
-        verify_bundle(none, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(none)
     from witness.bundle.schema import Manifest
 
     m = parse_canonical_json(lines[0])
@@ -529,7 +529,7 @@ def test_statements_signed_by_a_beacon_the_verifier_did_not_name_prove_nothing(t
         online(tmp_path / "b", beacon.public_key)
     assert online(tmp_path / "b", own.public_key).accepted  # only under the key that signed them
     with pytest.raises(MalformedInput, match="--beacon-key"):
-        verify_bundle(tmp_path / "b", mode="online")
+        Verifier(policy=Policy(mode="online")).verify(tmp_path / "b")
 
 
 def test_a_statement_replayed_from_another_run_or_edited_is_rejected(tmp_path, beacon):

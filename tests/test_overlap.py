@@ -9,7 +9,7 @@ from witness.commit.hashing import parse_canonical_json
 from witness.commit.signing import generate_key
 from witness.record import Recorder
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 CONFIGS = {
     "tinygpt": {"steps": 9, "batch_size": 4, "block": 32, "n_layer": 1, "d_model": 32, "n_head": 2,
@@ -37,4 +37,4 @@ def test_an_overlapped_state_hash_writes_the_same_log(task_name, tmp_path):
     inline = _train(task_name, tmp_path / "inline", key, overlap=False)
     overlapped = _train(task_name, tmp_path / "overlap", key, overlap=True)
     assert overlapped == inline and sum("state_hash" in r for r in inline) == CONFIGS[task_name]["steps"]
-    assert verify_bundle(tmp_path / "overlap", challenges=9, nonce=b"\x04").accepted
+    assert Verifier(policy=Policy(challenges=9, nonce=b"\x04")).verify(tmp_path / "overlap").accepted

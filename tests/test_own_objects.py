@@ -11,7 +11,7 @@ from witness_example_nanogpt.model import GPT, GPTConfig, get_lr
 from witness.commit.signing import generate_key
 from witness.record import Recorder, start_run
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 MODEL = dict(block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
 RECIPE = dict(steps=6, batch_size=4, grad_accum=2, lr=1e-3, min_lr=1e-4, warmup=2, weight_decay=0.1, grad_clip=1.0,
@@ -62,7 +62,7 @@ def test_the_loops_own_objects_record_a_run_that_replays_every_step(data):
                                                                          built.state_dict().values(), strict=True))
     train(rec, model, optimizer, RECIPE["steps"], rec.batches(own_get_batch))
     rec.finish()
-    v = verify_bundle(data / "run", mode="offline")
+    v = Verifier(policy=Policy(mode="offline")).verify(data / "run")
     assert v.accepted and v.replayed_steps == RECIPE["steps"], v.reason
 
 
@@ -124,4 +124,4 @@ def test_an_evaluation_inside_the_loop_is_the_loops_own(data):
         assert get("val")[0].shape == (2, 16)
     train(rec, model, optimizer, RECIPE["steps"], get)
     rec.finish()
-    assert verify_bundle(data / "run", mode="offline").accepted
+    assert Verifier(policy=Policy(mode="offline")).verify(data / "run").accepted

@@ -123,7 +123,7 @@ def test_the_example_plugin_trains_verifies_and_rejects_a_tampered_copy(tmp_path
     # examples/cnn_plugin, installed by the project's set-up (make setup): a BatchNorm CNN in 40 lines
     assert "example-cnn" in registry.task_names(), "the example plugin is not installed: run make setup"
     from witness.bundle.state import state_tensors
-    from witness.verify import verify_bundle
+    from witness.verify import Evidence, Policy, Verifier
     from witness.verify.respond import respond
 
     out = tmp_path / "run"
@@ -132,9 +132,9 @@ def test_the_example_plugin_trains_verifies_and_rejects_a_tampered_copy(tmp_path
     manifest = json.loads((out / "log.jsonl").read_text().splitlines()[0])
     assert manifest["task_source"]["distribution"] == "witness-example-cnn"
     assert manifest["task_config"]["optimizer"] == "AdamW"  # the optimizer is part of the recipe
-    assert verify_bundle(out, challenges=8, nonce=b"o").accepted  # offline, every step
+    assert Verifier(policy=Policy(challenges=8, nonce=b"o")).verify(out).accepted  # offline, every step
     respond(out, tmp_path / "answer", nonce=b"i", challenges=8)
-    assert verify_bundle(out, challenges=8, nonce=b"i", mode="interactive", response=tmp_path / "answer").accepted
+    assert Verifier(policy=Policy(challenges=8, nonce=b"i", mode="interactive")).verify(out, Evidence(response=tmp_path / "answer")).accepted
 
     # the probes leave BatchNorm's running statistics untouched
     task = registry.build_task("example-cnn", manifest["task_config"])

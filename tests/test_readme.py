@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -16,7 +16,7 @@ def test_the_own_loop_snippet_runs_and_its_run_verifies(tmp_path, monkeypatch):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})  # noqa: S102 - our own README
-    assert verify_bundle(tmp_path / "my-run", challenges=5).accepted
+    assert Verifier(policy=Policy(challenges=5)).verify(tmp_path / "my-run").accepted
 
 
 def test_every_command_the_readme_names_exists_and_has_help(capsys):

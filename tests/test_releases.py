@@ -24,7 +24,7 @@ from witness.commit.signing import generate_key
 from witness.errors import MalformedInput
 from witness.record import Recorder
 from witness.task import build_task
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 
 def test_this_release_replays_its_own_runs_and_those_of_0_3_0_and_0_4_0():
@@ -55,7 +55,7 @@ def test_a_run_of_a_release_outside_the_list_is_refused(tmp_path, release):
     bundle = train_tiny(tmp_path / "b", key, config={"steps": 4}, checkpoint_every=2)
     edit_manifest(bundle, key, code_version=release)
     with pytest.raises(MalformedInput, match=f"recorded by witness {release}; .* replays runs of 0.3.0"):
-        verify_bundle(bundle, challenges=1)
+        Verifier(policy=Policy(challenges=1)).verify(bundle)
     assert main(["verify", "--allow-weak", str(bundle), "--challenges", "1"]) == 2
 
 
@@ -75,7 +75,7 @@ def test_a_resume_continues_only_a_run_whose_steps_this_release_reproduces(tmp_p
     resumed = Recorder.resume(tmp_path / "b", key)
     assert resumed.start_step == 4
     resumed.train(progress=False)
-    assert verify_bundle(tmp_path / "b", challenges=8, nonce=b"all").accepted
+    assert Verifier(policy=Policy(challenges=8, nonce=b"all")).verify(tmp_path / "b").accepted
 
 
 @pytest.mark.parametrize("change", ["torch", "kernels"])

@@ -8,7 +8,7 @@ import pytest
 from helpers import assert_binomial, train_tiny
 
 from witness.errors import RunRejected
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 from witness.verify.challenges import challenges_needed, detection_probability, draw_challenges
 
 STEPS, BAD = 20, {2, 9, 13, 17}  # f = 0.2
@@ -42,7 +42,7 @@ def test_detection_rate_matches_the_bound(bad_run, q):
     for seed in range(audits):
         drew_bad = any(c.step in BAD for c in draw_challenges(bundle.final_head, seed.to_bytes(4, "big"), STEPS, q))
         try:
-            verify_bundle(bundle, challenges=q, nonce=seed.to_bytes(4, "big"))
+            Verifier(policy=Policy(challenges=q, nonce=seed.to_bytes(4, "big"))).verify(bundle)
         except RunRejected as e:
             assert drew_bad and all(int(f.split(":")[0].split()[1]) in BAD for f in e.failures)
             caught += 1
@@ -102,7 +102,7 @@ def test_a_failed_segment_replayed_again_counts_its_steps_once_and_its_bound_rou
     from helpers import train_tiny
 
     from witness.errors import RunRejected
-    from witness.verify import verify_bundle
+    from witness.verify import Policy, Verifier
     from witness.verify.verdict import percent_down
 
     def cheat(rec, t, batch):
@@ -114,7 +114,7 @@ def test_a_failed_segment_replayed_again_counts_its_steps_once_and_its_bound_rou
 
     bundle = train_tiny(tmp_path / "b", config={"steps": 8}, checkpoint_every=8, state_every=8, cheat=cheat)
     with pytest.raises(RunRejected) as caught:
-        verify_bundle(bundle, mode="offline", challenges=8)
+        Verifier(policy=Policy(mode="offline", challenges=8)).verify(bundle)
     v = caught.value.verdict
     assert v.distinct_steps <= 8 < v.replayed_steps  # the segment of steps 0..7 was replayed more than once
     assert f"{v.distinct_steps} distinct step(s) replayed ({v.replayed_steps} replays of them)" in v.summary()

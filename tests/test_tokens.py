@@ -27,7 +27,7 @@ from witness.data.tokens import (
 from witness.errors import MalformedInput, VerificationError
 from witness.task import registry
 from witness.task.generic import GenericTask
-from witness.verify import verify_bundle
+from witness.verify import Evidence, Policy, Verifier
 from witness.verify.data_queries import check_data_proof, run_commitments
 from witness.verify.respond import respond
 
@@ -284,10 +284,10 @@ def corpus_task(tmp_path, monkeypatch):
 
 def test_a_run_on_a_token_corpus_verifies_and_answers_data_queries(corpus_task, tmp_path, capsys):
     bundle = train_tiny(tmp_path / "run", task=CorpusLM.name, config={"steps": 6, "batch_size": 4}, checkpoint_every=3)
-    v = verify_bundle(bundle, challenges=100)
+    v = Verifier(policy=Policy(challenges=100)).verify(bundle)
     assert v.accepted and v.replayed_steps == 6
     respond(bundle, tmp_path / "resp", nonce=b"r", challenges=100)
-    assert verify_bundle(bundle, challenges=100, nonce=b"r", mode="interactive", response=tmp_path / "resp").accepted
+    assert Verifier(policy=Policy(challenges=100, nonce=b"r", mode="interactive")).verify(bundle, Evidence(response=tmp_path / "resp")).accepted
     run, _ = run_commitments(bundle)
     leaves = run.dataset.leaves
     used = {i for r in open_bundle(bundle).steps for i in r.batch}

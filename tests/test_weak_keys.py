@@ -12,7 +12,7 @@ from witness.bundle.reader import open_bundle
 from witness.commit import ed25519
 from witness.commit.signing import generate_key, public_hex, public_key_from_hex
 from witness.errors import MalformedInput
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 P = 2**255 - 19
 SIGN = 1 << 255
@@ -89,7 +89,7 @@ def _off_curve(raw: bytes) -> bool:
 def test_a_bundle_signed_without_a_private_key_is_refused(tmp_path, key):
     bundle = train_tiny(tmp_path / "b", ForgedKey(key), config={"steps": 4}, checkpoint_every=2)
     with pytest.raises(MalformedInput, match="small-order"):
-        verify_bundle(open_bundle(bundle), challenges=1, nonce=b"\x01")
+        Verifier(policy=Policy(challenges=1, nonce=b"\x01")).verify(open_bundle(bundle))
 
 
 def test_the_leaderboard_registers_no_weak_key(tmp_path):

@@ -20,7 +20,7 @@ from witness.record import Recorder
 from witness.task import build_task, registry
 from witness.task.generic import GenericTask
 from witness.task.samples import TokenWindows
-from witness.verify import verify_bundle
+from witness.verify import Policy, Verifier
 
 
 class PathWindows(GenericTask):
@@ -95,7 +95,7 @@ def test_a_side_file_the_model_reads_is_found_by_its_content(plugins, tmp_path, 
     shutil.move(tmp_path / "points.csv", other / "rows.csv")
     registry._built.cache_clear()
     with locate.data_dirs([tmp_path / "elsewhere"]):
-        v = verify_bundle(tmp_path / "run", mode="offline")
+        v = Verifier(policy=Policy(mode="offline")).verify(tmp_path / "run")
     assert v.accepted and any("'vocab.json' is" in n or "'points.csv' is" in n for n in [*v.notes, *v.checks]), v.notes
 
 
@@ -128,7 +128,7 @@ def test_a_second_run_after_a_failed_one_takes_over_its_hooks_and_generators(dat
     assert torch.initial_seed() == 1234  # given back when the failed run's hooks were taken down
     train(rec2, model, optimizer, RECIPE["steps"], rec2.batches(own_get_batch))
     rec2.finish()
-    assert verify_bundle(data / "run2", mode="offline").accepted
+    assert Verifier(policy=Policy(mode="offline")).verify(data / "run2").accepted
 
 
 def test_a_collator_of_the_scripts_own_is_refused_not_dropped(tmp_path, monkeypatch):

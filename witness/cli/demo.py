@@ -35,7 +35,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..record import Recorder
     from ..report import write_report
     from ..task import build_task
-    from ..verify.audit import verify_bundle
+    from ..verify import Evidence, Policy, Trust, Verifier
     from ..verify.respond import respond
 
     out = Path(args.out)
@@ -88,8 +88,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
           "round's BLS signature under the chain it pins, and replays each selected step, bit for bit.",
           file=sys.stderr)
     trust = WitnessTrust(tuple(w.key for w in witnesses), 2, local.chain)
-    online_text, online_code, online_results = _demo_audit(lambda: verify_bundle(
-        bundle_dir, mode="online", witnesses=trust, progress=True))
+    online_text, online_code, online_results = _demo_audit(lambda: Verifier(
+        Trust(witnesses=trust), Policy(mode="online"), progress=True).verify(bundle_dir))
     print(online_text)
     r = rec.online.report()
     answer_s = r["copy_seconds"] + r["write_seconds"] + r["wait_seconds"]
@@ -103,8 +103,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     respond(bundle_dir, out / "response", nonce=nonce, challenges=q, progress=True)
     respond_s = time.perf_counter() - t0
-    cheap_text, cheap_code, cheap_results = _demo_audit(lambda: verify_bundle(
-        bundle_dir, challenges=q, nonce=nonce, mode="interactive", response=out / "response", progress=True))
+    cheap_text, cheap_code, cheap_results = _demo_audit(lambda: Verifier(
+        policy=Policy(challenges=q, nonce=nonce, mode="interactive"), progress=True).verify(
+        bundle_dir, Evidence(response=out / "response")))
     print(cheap_text)
     replayed = sum(r.replayed_steps for r in cheap_results)
     print(f"   the trainer answered in {respond_s:.1f} s; the verifier replayed {replayed} of {args.steps} steps "
@@ -114,7 +115,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("3. The full offline audit. The verifier holds the data itself and needs nothing from the trainer; it "
           "replays every challenged segment from the nearest checkpoint, so it costs close to the training "
           "itself.", file=sys.stderr)
-    text, code, results = _demo_audit(lambda: verify_bundle(bundle_dir, challenges=q, progress=True))
+    text, code, results = _demo_audit(lambda: Verifier(policy=Policy(challenges=q), progress=True).verify(bundle_dir))
     print(text)
     verdicts = (f"1. online audit\n{online_text}\n\n2. cheap audit (interactive)\n{cheap_text}\n\n"
                 f"3. full offline audit\n{text}")

@@ -33,7 +33,8 @@ from ..commit.signing import SignedTreeHead
 from ..errors import RunRejected, VerificationError
 from ..store import link_or_copy, online_key, online_prefix
 from ..task.registry import build_task
-from ..verify.audit import verify_bundle
+from ..verify.audit import LiveRound, Verifier, verify_round
+from ..verify.policy import Policy, Trust
 from . import queue
 from .certification import record_decision
 from .db import (
@@ -135,9 +136,10 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
             try:
                 bundle = live_bundle(lb, s, run, ready, Path(tmp) / "bundle", windows)
                 # windows whose openings are not here (checked by an earlier round, or still coming) wait
-                verdict = verify_bundle(bundle, mode="online", beacon_key=lb.public_key, public_key=acct.public_key,
-                                        ticket=bytes.fromhex(run.r), bad_fraction=lb.settings.bad_fraction,
-                                        skip=others, pending_openings=True)
+                trust = Trust(signer=acct.public_key, beacon_key=lb.public_key, ticket=bytes.fromhex(run.r))
+                policy = Policy(mode="online", bad_fraction=lb.settings.bad_fraction)
+                verdict = verify_round(Verifier(trust, policy), bundle, None,
+                                       LiveRound(skip=others, pending_openings=True))
             except RunRejected as e:
                 verdict, failures = e.verdict, list(e.failures)
             except VerificationError as e:  # MalformedInput too: an upload the audit cannot read

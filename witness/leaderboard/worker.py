@@ -27,8 +27,9 @@ from ..evals.evaluate import verify_eval
 from ..evals.release import export_model
 from ..report import plot_fingerprints, plot_loss, plot_optimizer
 from ..store import EVALUATION, evaluation_key, model_key, plot_key
-from ..verify.audit import verify_bundle
+from ..verify.audit import LiveRound, Verifier, verify_round
 from ..verify.ledger import LedgerEntry
+from ..verify.policy import Policy, Trust
 from . import queue
 from .certification import record_decision
 from .db import Account, ChallengeRow, Head, Job, OnlineStep, Round, Run, Track, now_ms
@@ -87,11 +88,11 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
                 # its initial one: a submission without it would leave them nothing to start from
                 raise VerificationError("the submission of an online run leaves out its initial checkpoint, "
                                         "which re-challenges replay from", check="checkpoint")
-            how = {"mode": "online", "beacon_key": lb.public_key, "earlier": earlier} if online else \
-                {"challenges": job.count, "nonce": nonce}
-            verdict = verify_bundle(bundle, bad_fraction=lb.settings.bad_fraction, public_key=acct.public_key,
-                                    published_heads=heads, ticket=bytes.fromhex(run.r),
-                                    data_root=bytes.fromhex(track.data_root), **how)
+            trust = Trust(signer=acct.public_key, beacon_key=lb.public_key if online else None,
+                          published_heads=heads, ticket=bytes.fromhex(run.r), data_root=bytes.fromhex(track.data_root))
+            policy = Policy(mode="online", bad_fraction=lb.settings.bad_fraction) if online else \
+                Policy(challenges=job.count, nonce=nonce, bad_fraction=lb.settings.bad_fraction)
+            verdict = verify_round(Verifier(trust, policy), bundle, None, LiveRound(earlier=earlier))
         except RunRejected as e:
             verdict, failures = e.verdict, list(e.failures)
         except MalformedInput as e:

@@ -1,6 +1,10 @@
-"""Verification: full cheap checks, challenge drawing, replay, verdicts and bounds."""
+"""Verification: full cheap checks, challenge drawing, replay, verdicts and bounds.
 
-from .audit import verify_bundle
+``Verifier(Trust(...), Policy(...)).verify(bundle, Evidence(...))`` audits one bundle.
+"""
+
+from .audit import Verifier
+from .policy import Evidence, Policy, Trust
 from .verdict import Verdict
 
-__all__ = ["Verdict", "verify_bundle"]
+__all__ = ["Evidence", "Policy", "Trust", "Verdict", "Verifier"]

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from ..commit.hashing import canonical_json, tagged_hash
 from ..commit.signing import SignedTreeHead
-from .verdict import percent_down
+
+
+def percent_down(p: float, digits: int = 2) -> str:
+    """A probability as a percentage rounded down (a bound shown rounded up would claim more than
+    was checked: 0.99996 is "99.99", never "100.00")."""
+    scale = 10 ** digits
+    return f"{math.floor(100 * p * scale * (1 + 1e-12)) / scale:.{digits}f}"
 
 
 @dataclass(frozen=True, order=True)

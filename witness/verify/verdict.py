@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
+from .challenges import WEAK_BOUND, percent_down, weak_bound_warning
 from .ledger import LedgerEntry
-
-
-def percent_down(p: float, digits: int = 2) -> str:
-    """A probability as a percentage rounded down (a bound shown rounded up would claim more than
-    was checked: 0.99996 is "99.99", never "100.00")."""
-    scale = 10 ** digits
-    return f"{math.floor(100 * p * scale * (1 + 1e-12)) / scale:.{digits}f}"
 
 
 @dataclass
@@ -68,8 +61,6 @@ class Verdict:
     @property
     def floor(self) -> float:
         """The bound this verdict must reach to pass: the confidence asked for, else 90 %."""
-        from .challenges import WEAK_BOUND
-
         return WEAK_BOUND if self.confidence is None else self.confidence
 
     @property
@@ -82,8 +73,6 @@ class Verdict:
     @property
     def warning(self) -> str | None:
         """The weak-audit warning, when the bound is below the confidence asked for (or 90 %)."""
-        from .challenges import weak_bound_warning
-
         if self.online is None:
             return weak_bound_warning(self.detection_probability, self.bad_fraction, self.confidence)
         from ..commit.beacon import p_needed
