@@ -19,6 +19,18 @@ def test_the_own_loop_snippet_runs_and_its_run_verifies(tmp_path, monkeypatch):
     assert Verifier(policy=Policy(challenges=5)).verify(tmp_path / "my-run").accepted
 
 
+def test_the_verifier_snippet_runs_against_the_own_loop_run(tmp_path, monkeypatch):
+    text = README.read_text()
+    own = re.search(r"```python\n(.*?)```", text.split("## Witnessing your own loop", 1)[1], re.S).group(1)
+    verify = re.search(r"```python\n(.*?)```", text.split("## Verifying from Python", 1)[1], re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(own, "README.md", "exec"), {"__name__": "readme"})  # noqa: S102 - our own README
+    scope = {"__name__": "readme"}
+    exec(compile(verify, "README.md", "exec"), scope)  # noqa: S102 - our own README
+    assert scope["verdict"].accepted and scope["verdict"].mode == "offline"
+    assert scope["verdict"].detection_probability >= 0.99 - 1e-9  # the policy's confidence, reached
+
+
 def test_every_command_the_readme_names_exists_and_has_help(capsys):
     import pytest
 

@@ -36,10 +36,11 @@ def sign_certificate(body: dict, key: Ed25519PrivateKey) -> dict:
     return body | {"signature": key.sign(canonical_json(body)).hex()}
 
 
-def build_body(task_name: str, head: SignedTreeHead, public_key: str, eval_root: bytes, eval_size: int,
+def build_body(task_name: str, head: SignedTreeHead, public_key: str, eval_set: tuple[bytes, int],
                examples: list[dict], aggregates: dict, absences: list[tuple[str, bytes, PairProof]],
                near: dict) -> dict:
-    """The certificate's content before signing."""
+    """The certificate's content before signing; ``eval_set`` is the held-out split's (root, size)."""
+    eval_root, eval_size = eval_set
     return {
         "format": FORMAT,
         "version": VERSION,

@@ -53,7 +53,7 @@ def evaluate(bundle_dir: str | os.PathLike, key: Ed25519PrivateKey, progress: bo
     for i in tqdm(range(len(eval_set)), desc="evaluating", unit="example", disable=not progress):
         sample = eval_set.sample_bytes(i)
         examples.append({"index": i, "sample": eval_set.hashes[i].hex(), **task.eval_example(model, sample)})
-    body = build_body(task.name, bundle.final_head, bundle.manifest.public_key, eval_set.root, len(eval_set),
+    body = build_body(task.name, bundle.final_head, bundle.manifest.public_key, (eval_set.root, len(eval_set)),
                       examples, task.aggregates(examples), absences, near)
     return sign_certificate(body, key)
 

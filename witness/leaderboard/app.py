@@ -26,7 +26,7 @@ from ..store import (
     Upload,
     UploadTooLarge,
 )
-from ..verify.online import MAX_SAMPLES_JSON
+from ..verify.kept import MAX_SAMPLES_JSON
 from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
 from .db import Account, Head, Track
 from .deps import DB, Acct, RunId

@@ -32,15 +32,6 @@ def sign_decision(key, subjects: list[dict], predicate: dict) -> str:  # noqa: A
     return canonical_json(envelope(stmt, key)).decode()
 
 
-def decision_predicate(*, server_key: str, run: dict, decision: str, reason: str | None, round_: dict | None,
-                       challenges: list[dict], bound: dict, verdict: dict | None, evaluation: dict | None,
-                       decided_ms: int) -> dict:
-    """What the server decided about a run, and on what evidence."""
-    return {"server": {"public_key": server_key, "software": f"witness {__version__}"}, "run": run,
-            "decision": decision, "reason": reason, "round": round_, "challenges": challenges, "bound": bound,
-            "verdict": verdict, "evaluation": evaluation, "decided_ms": decided_ms}
-
-
 @dataclass
 class Certification:
     """A checked certification: who decided what about which run."""
@@ -148,15 +139,16 @@ def record_decision(lb, s, run, rnd=None, verdict=None, bundle=None, subjects=No
                       "metric_value": run.metric_value, "spot_check_bound": run.eval_bound,
                       "contamination": run.contamination}
     final_model_hash = bundle.end.final_model_hash.hex() if bundle is not None and bundle.end is not None else None
-    predicate = decision_predicate(
-        server_key=lb.public_key,
+    # what the server decided about a run, and on what evidence
+    predicate = dict(
+        server={"public_key": lb.public_key, "software": f"witness {__version__}"},
         run={"id": run.id, "track": run.track, "task": track.task, "recipe": json.loads(track.config_json),
              "data_root": track.data_root, "trainer_key": acct.public_key, "trainer": acct.name, "r": run.r,
              "steps": run.steps, "final_size": run.final_size, "final_root": run.final_root,
              "final_state_hash": run.final_state_hash, "final_model_hash": final_model_hash,
              "submission_sha256": run.bundle_sha256},
         decision="certified" if run.status == "certified" else run.status, reason=run.reason,
-        round_=None if rnd is None else {"id": rnd.id, "kind": rnd.kind, "nonce": rnd.nonce, "count": rnd.count,
+        round=None if rnd is None else {"id": rnd.id, "kind": rnd.kind, "nonce": rnd.nonce, "count": rnd.count,
                                           "passed": rnd.passed, "bound": rnd.bound},
         challenges=challenges,
         bound={"bad_fraction": lb.settings.bad_fraction, "this_round": None if rnd is None else rnd.bound,

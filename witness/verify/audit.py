@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,8 +36,9 @@ from .challenges import ReplayChallenge, draw_challenges
 from .cheap import check_checkpoints, check_records, probes_from_bundle, task_of, use_threads
 from .explain import move_notes, online_notes, online_summary
 from .finddata import committed_dataset
+from .kept import OnlineSamples, OnlineStates
 from .ledger import LedgerEntry, drawn_bound, online_bound_from, replayed, verified_challenges
-from .online import OnlinePlan, OnlineSamples, OnlineStates, check_online
+from .online import OnlinePlan, check_online
 from .policy import DEFAULT_BAD_FRACTION, DEFAULT_CONFIDENCE, Evidence, Policy, Trust
 from .replay import DEFAULT_THRESHOLDS, CheckpointStates, LocalSamples, Replayer, SegmentPlan
 from .reseed import reseeded_same
@@ -109,7 +110,7 @@ def verify_round(verifier: Verifier, source: str | os.PathLike | Bundle, evidenc
     # the small files the task read (data_files) stand for the files with their content, for every
     # build of the task's parts in this audit (its model too), found when it first asks for one
     with use_threads(m.threads, policy.threads, notes) as threads, by_content(m.raw.get("data_files") or {}):
-        audit = _Audit(verifier, bundle, task, response, evidence.leaves, live, notes, checks, threads)
+        audit = _Audit(verifier, bundle, task, replace(evidence, response=response), live, notes, checks, threads)
         return audit.run(challenges, nonce, started)
 
 
@@ -161,12 +162,11 @@ def _trusted(bundle: Bundle, task: Task, trust: Trust, policy: Policy, notes: li
 class _Audit:
     """One audit, after the checks of what the verifier named: its stages, in the order they run."""
 
-    def __init__(self, verifier: Verifier, bundle: Bundle, task: Task, response: Response | None,
-                 leaves_path: str | os.PathLike | None, live: LiveRound, notes: list[str], checks: list[str],
-                 threads: int) -> None:
+    def __init__(self, verifier: Verifier, bundle: Bundle, task: Task, evidence: Evidence, live: LiveRound,
+                 notes: list[str], checks: list[str], threads: int) -> None:
         self.policy, self.trust, self.progress = verifier.policy, verifier.trust, verifier.progress
-        self.bundle, self.task, self.m, self.response, self.leaves_path = bundle, task, bundle.manifest, response, \
-            leaves_path
+        self.bundle, self.task, self.m = bundle, task, bundle.manifest
+        self.response, self.leaves_path = evidence.response, evidence.leaves
         self.skip, self.earlier, self.pending = set(live.skip), list(live.earlier), live.pending_openings
         self.notes, self.checks, self.threads = notes, checks, threads
         self.limits = dict(DEFAULT_THRESHOLDS, **self.policy.thresholds)

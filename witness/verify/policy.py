@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from ..commit.signing import parse_public_key
 from ..errors import MalformedInput
 
 if TYPE_CHECKING:  # a Response reads tensors: imported where an audit needs one
@@ -28,7 +29,7 @@ MODES = ("offline", "interactive", "online")
 class Trust:
     """What the verifier trusts, each named by the verifier (a flag, a leaderboard's own records).
 
-    ``signer``: the trainer's public key (hex or PEM); without it the bundle's own key is taken, and
+    ``signer``: the trainer's public key (hex or PEM text); without it the bundle's own key is taken, and
     the verdict says whose signature it checked. ``beacon_key`` (one beacon, hex) or ``witnesses``
     (named witnesses and a drand chain) are whom online challenges are trusted from. The log must
     extend every one of the ``published_heads`` (heads the trainer published earlier: it cannot have
@@ -45,6 +46,11 @@ class Trust:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "published_heads", tuple(self.published_heads))
+        for name in ("signer", "beacon_key"):  # PEM or hex in either case: the raw hex the bundle names keys by
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, parse_public_key(value) if value.lstrip().startswith("-----BEGIN")
+                                   else value.strip().lower())
         if self.beacon_key is not None and self.witnesses is not None:
             raise MalformedInput("online mode trusts one beacon (--beacon-key) or witnesses and drand (--witness, "
                                  "--drand), not both")
