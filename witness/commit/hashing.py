@@ -7,7 +7,7 @@ import hmac
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import MalformedInput
@@ -140,12 +140,18 @@ def check_depth(obj: Any, limit: int = MAX_JSON_DEPTH) -> None:
 def load_json(data: bytes | str) -> Any:
     """``json.loads`` for untrusted bytes: anything that is not JSON, including nesting deeper than
     ``MAX_JSON_DEPTH`` or than the parser's recursion allows, is a ``ValueError``."""
+    return _parsed(lambda: json.loads(data), lambda e: type(e).__name__)
+
+
+def _parsed(parse: Callable[[], Any], why: Callable[[Exception], str]) -> Any:
+    """What ``parse`` (a ``json.loads``) returns, any failure of it a ``ValueError`` (saying ``why(e)``),
+    and the value checked to nest at most ``MAX_JSON_DEPTH`` deep."""
     try:
-        obj = json.loads(data)
+        obj = parse()
     except RecursionError:
         raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep (too deep to parse)") from None
     except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"not valid JSON ({type(e).__name__})") from None
+        raise ValueError(f"not valid JSON ({why(e)})") from None
     if isinstance(obj, (dict, list)):
         check_depth(obj)
     return obj
@@ -154,18 +160,8 @@ def load_json(data: bytes | str) -> Any:
 def parse_canonical_json(data: bytes) -> Any:
     """Parse JSON and insist that ``data`` is exactly its canonical form (and nests at most
     ``MAX_JSON_DEPTH`` deep)."""
-    try:
-        obj = json.loads(
-            data.decode("utf-8"),
-            object_pairs_hook=_no_duplicates,
-            parse_constant=_no_constants,
-        )
-    except RecursionError:
-        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep (too deep to parse)") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"not valid JSON ({e})") from None
-    if isinstance(obj, (dict, list)):
-        check_depth(obj)
+    obj = _parsed(lambda: json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                                     parse_constant=_no_constants), str)
     try:
         canonical = canonical_json(obj)
     except (ValueError, RecursionError) as e:  # cannot happen within the depth limit: kept as a guard

@@ -93,13 +93,22 @@ def data_file(name: str) -> Path:
     want = (_by_content.get() or {}).get(name)
     if want is not None:
         return _content(name, *want)
+    found = on_search_path(name)
+    if found is not None:
+        return found
+    where = ", ".join(str(d) for d in search_path())
+    raise FileNotFoundError(f"the data {name!r} is in none of the data folders ({where}): pass the folder it lies "
+                            f"in with --data DIR (or set {SEARCH_ENV})")
+
+
+def on_search_path(name: str) -> Path | None:
+    """Where the name itself points on the search path, the first folder that has it (None if none
+    does); no pin and no content stands in for it."""
     for d in search_path():
         p = d / name
         if p.exists():
             return p
-    where = ", ".join(str(d) for d in search_path())
-    raise FileNotFoundError(f"the data {name!r} is in none of the data folders ({where}): pass the folder it lies "
-                            f"in with --data DIR (or set {SEARCH_ENV})")
+    return None
 
 
 @contextmanager

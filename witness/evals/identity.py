@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle, open_bundle
 from ..bundle.state import model_hash
 from ..commit.hashing import load_json, same
 from ..errors import MalformedInput
 from ..fingerprint.probes import relative_distance
 from ..verify.audit import task_of
+from .weights import check_tied, read_weights
 
 MAX_RESPONSE = 64 * 1024 * 1024
 
@@ -38,31 +38,9 @@ class Identity:
         return asdict(self)
 
 
-def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """A weights file as ``model.*`` tensors: a witness checkpoint, or a plain model state dict."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if not p.is_file():
-        raise MalformedInput(f"{p} is not a file")
-    try:
-        return {k: v for k, v in read_checkpoint(p).items() if k.startswith("model.")}
-    except MalformedInput:
-        pass
-    if p.stat().st_size > 8 * 1024**3:
-        raise MalformedInput(f"{p} is too large")
-    try:
-        return {f"model.{k}": v for k, v in load_file(str(p)).items()}
-    except (SafetensorError, ValueError, OSError) as e:
-        raise MalformedInput(f"{p} is not a safetensors weights file: {e}") from None
-
-
 def identify_weights(bundle: Bundle, path: str | os.PathLike) -> Identity:
     """Same model iff the weights hash to the run's final model hash; weights whose tied names (the
     task's model says which) hold different bytes are refused, even then."""
-    from .release import check_tied
-
     weights = read_weights(path)
     got = model_hash(weights, bundle.manifest.state_digest)
     ok = bundle.end is not None and same(got, bundle.end.final_model_hash)

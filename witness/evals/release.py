@@ -15,10 +15,11 @@ import torch
 
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_safetensors
 from ..bundle.reader import Bundle
-from ..bundle.state import check_aliases, model_hash, state_hash
+from ..bundle.state import model_hash, state_hash
 from ..commit.hashing import same
 from ..errors import MalformedInput, VerificationError
-from ..fingerprint.chunks import alias_groups
+from .identity import identify_weights
+from .weights import check_tied, read_weights
 
 
 def final_model_tensors(bundle: Bundle, needed_for: str = "a final model") -> dict[str, torch.Tensor]:
@@ -29,14 +30,6 @@ def final_model_tensors(bundle: Bundle, needed_for: str = "a final model") -> di
     if not same(state_hash(tensors, bundle.manifest.state_digest), bundle.end.final_state_hash):
         raise VerificationError("the final checkpoint is not the committed final state", check="checkpoint")
     return {k: v for k, v in tensors.items() if k.startswith("model.")}
-
-
-def check_tied(bundle: Bundle, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """``tensors`` (``model.*``) hold the same bytes under every name the task's own model ties; which
-    names those are comes from the model the registry builds for the run's recipe, never from the bundle."""
-    from ..verify.audit import task_of
-
-    check_aliases(alias_groups(task_of(bundle).build_model(bundle.manifest.run_seed)), tensors, where)
 
 
 def export_model(bundle: Bundle, path: str | os.PathLike) -> dict:
@@ -60,8 +53,6 @@ def subject_of(path: str | os.PathLike) -> dict:
 
 def model_subject(bundle: Bundle, path: str | os.PathLike) -> dict:
     """The subject for a released model file, after checking it holds exactly the run's final model."""
-    from .identity import identify_weights
-
     if bundle.end is None:
         raise MalformedInput("only a finished run has a final model")
     found = identify_weights(bundle, path)
@@ -82,7 +73,6 @@ def check_subject(stmt: dict | None, model_file: str | os.PathLike, final_model_
     whose hash the statement's predicate commits (``final_model_hash``, by the run's ``digest``;
     either supported digest when the run's manifest is not at hand). The file's weights, as read."""
     from ..bundle.state import DIGESTS
-    from .identity import read_weights
 
     if stmt is None:
         raise MalformedInput("checking a model file needs the signed envelope (the .dsse.json file), not bare JSON")

@@ -27,7 +27,7 @@ from ..commit.hashing import load_json
 from ..verify.audit import task_of
 from ..web import BodyLimit, json_depth
 from .evaluate import final_model
-from .identity import read_weights
+from .weights import read_weights
 
 MAX_BODY = 1 << 20
 MAX_INPUTS = 64

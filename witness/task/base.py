@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -13,14 +12,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..commit.hashing import canonical_json, sha256, tagged_hash
+from ..commit.hashing import tagged_hash
 from ..data.dataset import Dataset
-from ..fingerprint.probes import Fingerprint, fingerprint_from_outputs, projection_matrix
-from .limits import check_fields
-
-MAX_CONFIG_NUMBER = 10_000_000
-# integer recipe fields that may be 0 although their default is not (a Config adds its own)
-MAY_BE_ZERO = frozenset({"warmup"})
+from .limits import check_fields, config_from
+from .probing import TaskProbes
 
 
 @dataclass(frozen=True)
@@ -148,10 +143,11 @@ def seed_int(seed: bytes, tag: str) -> int:
     return int.from_bytes(tagged_hash(tag, seed)[:8], "big") >> 1
 
 
-class Task:
+class Task(TaskProbes):
     """A registered recipe. Subclasses set ``Config`` and implement the model-specific parts.
 
-    The step function here is the one the recorder runs and the verifier replays.
+    The step function here is the one the recorder runs and the verifier replays; the probes, the
+    fingerprint and the evaluation metric come from ``TaskProbes``.
     """
 
     name: ClassVar[str]
@@ -178,27 +174,7 @@ class Task:
     @classmethod
     def from_config(cls, obj: dict) -> Task:
         """Build from a config dict, refusing unknown or ill-typed fields."""
-        fields = {f.name: f for f in dataclasses.fields(cls.Config)}
-        unknown = set(obj) - set(fields)
-        if unknown:
-            raise ValueError(f"unknown config fields for task {cls.name}: {sorted(unknown)}")
-        defaults = cls.Config()
-        values = {}
-        for k, v in obj.items():
-            want = type(getattr(defaults, k))
-            if want is float and type(v) is int:
-                v = float(v)
-            if type(v) is not want:
-                raise ValueError(f"config field {k} of task {cls.name} must be {want.__name__}")
-            if want in (int, float) and not 0 <= v <= MAX_CONFIG_NUMBER:
-                raise ValueError(f"config field {k} of task {cls.name} is out of range")
-            # a size (a width, a count of layers, classes or steps) is at least 1: zero builds a
-            # model with nothing in it, which trains without a word and certifies nothing
-            if want is int and v == 0 and getattr(defaults, k) > 0 and k not in MAY_BE_ZERO | set(
-                    getattr(cls.Config, "MAY_BE_ZERO", ())):
-                raise ValueError(f"config field {k} of task {cls.name} must be at least 1, not 0")
-            values[k] = v
-        task = cls(dataclasses.replace(defaults, **values))
+        task = cls(config_from(cls.Config, obj, cls.name))
         task.check_limits()
         return task
 
@@ -407,69 +383,7 @@ class Task:
         optimizer.step()
         return StepOutput(mean_of_ranks(losses), lr, float(gn))
 
-    # --- probes -------------------------------------------------------------------------
-    def probe_bytes(self) -> list[bytes]:
-        """The committed probe inputs, as canonical bytes."""
-        raise NotImplementedError
-
-    def with_probes(self, probes: list[bytes]) -> Task:
-        """This task with the given probe inputs (a bundle's, its hash checked against the manifest)
-        in place of those it would read from its training data."""
-        if not self.probes_are_samples:
-            raise ValueError(f"the probes of task {self.name!r} are its own, not samples of its data")
-        task = copy.copy(self)
-        task._given_probes = list(probes)
-        task._probes = task._proj = None
-        return task
-
-    def probe_tensors(self) -> Any:
-        """The probe set as model inputs."""
-        return self.collate_probes(self.probe_bytes())
-
-    def collate_probes(self, probes: list[bytes]) -> Any:
-        """Probe inputs (canonical bytes) as model inputs."""
-        return self.collate(probes)
-
-    def probe_hash(self) -> bytes:
-        """Commitment to the probe set."""
-        return sha256(canonical_json([p.hex() for p in self.probe_bytes()]))
-
-    def probe_outputs(self, model: nn.Module, probes: Any) -> torch.Tensor:
-        """The model's outputs ``[P, ..., width]`` on the probe inputs."""
-        raise NotImplementedError
-
-    def probe_losses(self, outputs: torch.Tensor, probes: Any) -> torch.Tensor:
-        """Per-probe losses ``[P]`` computed from the outputs alone (so a black box can be scored)."""
-        raise NotImplementedError
-
-    def fingerprint_of_outputs(self, outputs: torch.Tensor) -> Fingerprint:
-        """The fingerprint of probe outputs, however they were obtained (a model, or an endpoint)."""
-        if self._probes is None:
-            self._probes = self.probe_tensors()
-        if self._proj is None:
-            self._proj = projection_matrix(self.probe_hash(), outputs.shape[-1], self.config.fingerprint_dims)
-        return fingerprint_from_outputs(outputs, self.probe_losses(outputs, self._probes), self._proj)
-
-    # --- evaluation ---------------------------------------------------------------------
-    def eval_dataset(self) -> Dataset:
-        """The committed evaluation split (never in the training order)."""
-        raise NotImplementedError
-
-    def eval_example(self, model: nn.Module, sample: bytes) -> dict:
-        """Per-example result: ``loss``, and for classifiers ``prediction`` and ``correct``."""
-        raise NotImplementedError
-
-    def aggregates(self, examples: list[dict]) -> dict:
-        """Aggregate metrics, recomputable exactly from the per-example results."""
-        import math
-
-        n = len(examples)
-        mean = math.fsum(e["loss"] for e in examples) / n if n else 0.0
-        out = {"examples": n, "mean_loss": mean}
-        if examples and "correct" in examples[0]:
-            out["accuracy"] = sum(1 for e in examples if e["correct"]) / n
-        return out
-
+    # --- probes (the rest, and evaluation, in ``probing.TaskProbes``) ----------------------
     @torch.no_grad()
     def recorded_probe_outputs(self, model: nn.Module, probes: Any) -> torch.Tensor:
         """Probe outputs as the fingerprint takes them: on the model's device, at the recipe's
@@ -478,33 +392,6 @@ class Task:
         with autocast(device, self.precision):
             outputs = self.probe_outputs(model, to_device(probes, device))
         return outputs.float().cpu()
-
-    @torch.no_grad()
-    def fingerprint(self, model: nn.Module) -> Fingerprint:
-        """The behavioral fingerprint of ``model``: its outputs on the probes in eval mode.
-
-        Witnessing must not change the training: in eval mode BatchNorm reads its running
-        statistics instead of updating them, and no gradient is taken, so the probes leave every
-        parameter, buffer and optimizer state as they were. Each module's own mode is restored.
-        """
-        if self._probes is None:
-            self._probes = self.probe_tensors()
-        modes = [(m, m.training) for m in model.modules()]
-        model.eval()
-        try:
-            return self.fingerprint_of_outputs(self.recorded_probe_outputs(model, self._probes))
-        finally:
-            for m, training in modes:
-                m.training = training
-
-    def fingerprint_spec(self) -> dict:
-        """What the fingerprint contains, for the manifest."""
-        return {
-            "probes": len(self.probe_bytes()),
-            "projection_dims": self.config.fingerprint_dims,
-            "sketch_dims": self.config.sketch_dims,
-            "digest": "sha256(float32 probe outputs)",
-        }
 
     def flops_per_step(self) -> float:
         """Approximate training FLOPs of one step (6 * params * tokens), for cost reports."""

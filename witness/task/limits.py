@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+MAX_CONFIG_NUMBER = 10_000_000
+# integer recipe fields that may be 0 although their default is not (a Config adds its own)
+MAY_BE_ZERO = frozenset({"warmup"})
 
 
 def _number(x: object) -> bool:
@@ -26,3 +31,29 @@ def check_fields(c: Any) -> None:  # noqa: ANN401 - a task's Config
     if _number(dropout) and not 0 <= dropout < 1:
         # at 1 every activation is dropped and rescaled by 1/(1-p): the outputs are NaN from step 0
         raise ValueError(f"dropout is a probability in [0, 1), not {dropout!r}")
+
+
+def config_from(config_cls: type, obj: dict, task: str) -> Any:  # noqa: ANN401 - a task's Config
+    """The ``config_cls`` instance a config dict describes (the defaults where it says nothing), refusing
+    unknown fields, ill-typed ones, numbers out of range and zero sizes."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    unknown = set(obj) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown config fields for task {task}: {sorted(unknown)}")
+    defaults = config_cls()
+    values = {}
+    for k, v in obj.items():
+        want = type(getattr(defaults, k))
+        if want is float and type(v) is int:
+            v = float(v)
+        if type(v) is not want:
+            raise ValueError(f"config field {k} of task {task} must be {want.__name__}")
+        if want in (int, float) and not 0 <= v <= MAX_CONFIG_NUMBER:
+            raise ValueError(f"config field {k} of task {task} is out of range")
+        # a size (a width, a count of layers, classes or steps) is at least 1: zero builds a
+        # model with nothing in it, which trains without a word and certifies nothing
+        if want is int and v == 0 and getattr(defaults, k) > 0 and k not in MAY_BE_ZERO | set(
+                getattr(config_cls, "MAY_BE_ZERO", ())):
+            raise ValueError(f"config field {k} of task {task} must be at least 1, not 0")
+        values[k] = v
+    return dataclasses.replace(defaults, **values)

@@ -7,9 +7,13 @@ from pathlib import Path
 from ..bundle.schema import Manifest
 from ..commit.hashing import same
 from ..data.dataset import Dataset
-from ..data.locate import asked, by_content, candidates, pinned, search_path
+from ..data.locate import asked, by_content, candidates, on_search_path, pinned, search_path
 from ..errors import MalformedInput
 from ..task.base import Task
+
+
+def _same_file(path: Path, named: Path | None) -> bool:
+    return named is not None and path.resolve() == named.resolve()
 
 
 def _matches(dataset: Dataset, m: Manifest) -> bool:
@@ -26,17 +30,8 @@ def committed_dataset(task: Task, m: Manifest) -> tuple[Dataset, str | None]:
     with by_content(pins) as found:
         dataset, note = _committed_dataset(task, m, pins)
     notes = [f"the data file {name!r} is {path} (found by its content)" for name, path in found.items()
-             if path.resolve() != _named(name)]
+             if not _same_file(path, on_search_path(name))]
     return dataset, "; ".join([*notes, *([note] if note else [])]) or None
-
-
-def _named(name: str) -> Path | None:
-    """Where the name itself points on the search path (None if nowhere)."""
-    for d in search_path():
-        p = d / name
-        if p.exists():
-            return p.resolve()
-    return None
 
 
 def _committed_dataset(task: Task, m: Manifest, pins: dict) -> tuple[Dataset, str | None]:
