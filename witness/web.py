@@ -200,3 +200,15 @@ def stop_uvicorn(server, thread: threading.Thread) -> None:  # noqa: ANN001 - uv
     """Ask a server started by ``start_uvicorn`` to stop, and wait for it."""
     server.should_exit = True
     thread.join(30)
+
+
+def serve_until_interrupted(server, thread: threading.Thread) -> int:  # noqa: ANN001 - uvicorn.Server
+    """Wait while a server started by ``start_uvicorn`` runs; Ctrl-C stops it. Exit code 0."""
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_uvicorn(server, thread)
+    return 0

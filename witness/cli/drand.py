@@ -15,7 +15,7 @@ from .beacon import port
 def cmd_drand_serve(args: argparse.Namespace) -> int:
     """Serve a local drand chain on 127.0.0.1; write its chain info first, for verifiers to pin."""
     from ..beacon.drand import LocalDrand, create_app
-    from ..web import start_uvicorn, stop_uvicorn
+    from ..web import serve_until_interrupted, start_uvicorn
 
     local = LocalDrand(seed=args.seed, period=args.period, genesis_time=args.genesis)
     info = local.chain
@@ -31,14 +31,7 @@ def cmd_drand_serve(args: argparse.Namespace) -> int:
     print(f"a local chain of one signer, for tests and demos only; verifiers pin {pinned}"
           + (" (its key comes from --seed: anyone who knows the seed can sign its rounds)" if args.seed else ""),
           file=sys.stderr, flush=True)
-    try:
-        while thread.is_alive():
-            thread.join(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stop_uvicorn(server, thread)
-    return 0
+    return serve_until_interrupted(server, thread)
 
 
 def period(value: str) -> int:

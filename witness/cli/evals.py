@@ -106,18 +106,11 @@ def cmd_identify(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a bundle's final model over HTTP for black-box identification."""
     from ..evals.serve import create_app
-    from ..web import start_uvicorn, stop_uvicorn
+    from ..web import serve_until_interrupted, start_uvicorn
 
     server, thread, url = start_uvicorn(create_app(args.bundle, args.weights), args.host, args.port)
     print(f"serving {url}/v1/outputs (GET /v1/info, API at /docs); Ctrl-C stops", flush=True)
-    try:
-        while thread.is_alive():
-            thread.join(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stop_uvicorn(server, thread)
-    return 0
+    return serve_until_interrupted(server, thread)
 
 
 
