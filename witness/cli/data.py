@@ -185,7 +185,7 @@ def _check_data_proof(args: argparse.Namespace, check_proof) -> int:
     try:
         pinned = read_public_key(args.signer) if args.signer else None
         if args.bundle:
-            from ..verify.audit import task_of
+            from ..verify.cheap import task_of
 
             b = open_bundle(args.bundle)
             head, key, digest, task = b.final_head, b.manifest.public_key, b.manifest.state_digest, task_of(b)

@@ -15,8 +15,8 @@ from ..bundle.state import load_state
 from ..commit.hashing import canonical_json, same, tagged_hash
 from ..errors import RunRejected, VerificationError
 from ..task.base import Task
-from ..verify.audit import task_of
 from ..verify.challenges import sample_indices, weak_bound_warning
+from ..verify.cheap import task_of
 from ..verify.data_queries import run_commitments
 from ..verify.usage import check_data_usage, check_document_rule, committed_leaves
 from ..verify.verdict import percent_down

@@ -24,7 +24,7 @@ from .. import __version__
 from ..bundle.reader import open_bundle
 from ..bundle.state import load_state, model_hash
 from ..commit.hashing import load_json
-from ..verify.audit import task_of
+from ..verify.cheap import task_of
 from ..web import BodyLimit, json_depth
 from .evaluate import final_model
 from .weights import read_weights

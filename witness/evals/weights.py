@@ -40,6 +40,6 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def check_tied(bundle: Bundle, tensors: dict[str, torch.Tensor], where: str) -> None:
     """``tensors`` (``model.*``) hold the same bytes under every name the task's own model ties; which
     names those are comes from the model the registry builds for the run's recipe, never from the bundle."""
-    from ..verify.audit import task_of
+    from ..verify.cheap import task_of
 
     check_aliases(alias_groups(task_of(bundle).build_model(bundle.manifest.run_seed)), tensors, where)

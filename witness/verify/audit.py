@@ -49,8 +49,7 @@ from .verdict import ChallengeResult, Verdict
 if TYPE_CHECKING:
     from ..data.leaves import DatasetLeaves
 
-__all__ = ["DEFAULT_BAD_FRACTION", "DEFAULT_CONFIDENCE", "Verifier", "default_response_dir", "task_of",
-           "use_threads"]
+__all__ = ["DEFAULT_BAD_FRACTION", "DEFAULT_CONFIDENCE", "Verifier", "default_response_dir"]
 
 
 class Verifier:
