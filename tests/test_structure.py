@@ -201,8 +201,8 @@ def test_graph_reads_imports():
     assert "witness.task.base" in g["witness.task.tinygpt"]  # from .base import Task
     assert "witness.task.base" in g["witness.task"]  # the package's __init__
     assert "witness.commit.hashing" in g["witness.data.order"]  # from ..commit.hashing import
-    assert "witness.verify.audit" in g["witness.evals.weights"]  # inside check_tied()
-    assert "in check_tied()" in g["witness.evals.weights"]["witness.verify.audit"]
+    assert "witness.verify.cheap" in g["witness.evals.weights"]  # inside check_tied()
+    assert "in check_tied()" in g["witness.evals.weights"]["witness.verify.cheap"]
     assert "witness.leaderboard.queue" in g["witness.leaderboard.service"]  # from . import queue
     assert "witness.leaderboard" not in g["witness.leaderboard.service"]  # ... and not the package
     assert "witness" in g["witness.evals.serve"]  # from .. import __version__: the package's __init__
