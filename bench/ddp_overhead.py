@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from witness.commit.signing import generate_key
 from witness.distributed import DistRecorder
+from witness.record import Commitments
 from witness.task import build_task
 
 
@@ -41,7 +42,7 @@ def main() -> None:
     task = build_task("tinygpt", CONFIG)
     tmp = tempfile.mkdtemp() if rank == 0 else None
     rec = DistRecorder(task, Path(tmp or ".") / "run", generate_key() if rank == 0 else None, r=b"\x04" * 32,
-                       checkpoint_every=10**9, parallelism="ddp")
+                       commit=Commitments(checkpoint_every=10**9), parallelism="ddp")
     plain = DistributedDataParallel(task.build_model(rec.session.run_seed))
     plain_opt = task.build_optimizer(plain)
     ds = task.dataset()

@@ -17,9 +17,9 @@ from witness.bundle.reader import open_bundle
 from witness.commit.hashing import canonical_json
 from witness.commit.signing import generate_key
 from witness.evals.evaluate import evaluate, final_model, verify_eval
-from witness.record import Recorder
+from witness.record import Commitments, Recorder
 from witness.task import build_task
-from witness.verify.audit import task_of
+from witness.verify.cheap import task_of
 
 BASE = {"steps": 20, "n_layer": 2, "d_model": 128}
 
@@ -35,7 +35,8 @@ def main() -> dict:
         for limit in (1_000_000, 4_000_000, 0):
             task = build_task("tinygpt", dict(BASE, corpus_max_bytes=limit))
             run = Path(tmp) / f"run{limit}"
-            Recorder.create(task, run, generate_key(), r=b"\x03" * 32, checkpoint_every=10).train(progress=False)
+            Recorder.create(task, run, generate_key(), r=b"\x03" * 32,
+                            commit=Commitments(checkpoint_every=10)).train(progress=False)
             start = time.perf_counter()
             cert = evaluate(run, generate_key(), progress=False)
             eval_s = time.perf_counter() - start

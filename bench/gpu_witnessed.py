@@ -43,6 +43,7 @@ from common import parser, report
 from witness.commit.signing import generate_key
 from witness.distributed.recorder import DistRecorder
 from witness.distributed.session import DistSession
+from witness.record import Commitments
 from witness.session import device_info
 from witness.task import build_task
 from witness.task.tinygpt import PRESETS
@@ -120,7 +121,7 @@ def witnessed_steps(task, device: torch.device, steps: int, out: Path, checkpoin
     """A witnessed FSDP2 run: step times, the recorder's parts, and the final checkpoint's time."""
     # Every step's state is committed: each rank hashes the rows it holds, off the training stream.
     rec = DistRecorder(task, out, generate_key() if dist.get_rank() == 0 else None, r=b"\x05" * 32,
-                       checkpoint_every=checkpoint_every, parallelism="fsdp")
+                       commit=Commitments(checkpoint_every=checkpoint_every), parallelism="fsdp")
     parts: dict[str, list[float]] = {}
     timed(rec.session, {"global_output": "loss all-gather", "fingerprint": "fingerprint", "sketch": "sketch",
                         "full_state": "state"}, parts, device)

@@ -21,7 +21,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from witness.commit.signing import generate_key
 from witness.integrations.hf import attach, committed_dataset
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, SelfChecking
 from witness.task import build_task
 
 CONFIG = {"batch_size": 16, "block": 128, "n_layer": 4, "n_head": 8, "d_model": 256, "warmup": 2,
@@ -55,8 +55,9 @@ def run(witnessed: bool, steps: int, out: Path) -> list[float]:
     timer = StepTimes()
     if witnessed:
         # one checkpoint at the end only: the trainer's own checkpoint writes are not the recorder's cost
-        rec = Recorder.create(task, out / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=steps,
-                              self_check=False)  # steady-state step cost only
+        rec = Recorder.create(task, out / "run", generate_key(), r=b"\x01" * 32,
+                              commit=Commitments(checkpoint_every=steps),
+                              self_check=SelfChecking(enabled=False))  # steady-state step cost only
         trainer = Trainer(model=rec.model, args=args, train_dataset=committed_dataset(rec),
                           optimizers=(rec.optimizer, None), callbacks=[timer])
         attach(trainer, rec)

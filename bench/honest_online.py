@@ -38,7 +38,7 @@ from witness.beacon.client import BeaconClient  # noqa: E402
 from witness.commit.signing import generate_key, public_hex  # noqa: E402
 from witness.data.locate import data_dirs  # noqa: E402
 from witness.errors import VerificationError  # noqa: E402
-from witness.record import Recorder  # noqa: E402
+from witness.record import Commitments, Online, Recorder, SelfChecking  # noqa: E402
 from witness.record.online import OnlineSpec  # noqa: E402
 from witness.task import build_task, registry  # noqa: E402
 from witness.verify import Policy, Trust, Verifier  # noqa: E402
@@ -88,8 +88,9 @@ def one_run(folder: Path, task_name: str, recipe: dict, rec_opts: dict, verify_o
     http = TestClient(create_app(f"sqlite:///{folder / 'beacon.db'}", key))
     task = build_task(task_name, recipe)
     rec = Recorder.create(task, folder / "run", generate_key(), r=os.urandom(32),
-                          checkpoint_every=max(2, task.config.steps // 4), beacon=BeaconClient(http),
-                          online=OnlineSpec(0.25, 4, 9), self_check=False)
+                          commit=Commitments(checkpoint_every=max(2, task.config.steps // 4)),
+                          online=Online(beacon=BeaconClient(http), spec=OnlineSpec(0.25, 4, 9)),
+                          self_check=SelfChecking(enabled=False))
     if rec_opts.get("overlap"):
         rec.overlap = True
     rec.train(progress=False)

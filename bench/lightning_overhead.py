@@ -20,7 +20,7 @@ from common import compare_runs, time_hooks
 
 from witness.commit.signing import generate_key
 from witness.integrations.lightning import TaskModule, WitnessCallback
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, SelfChecking
 from witness.task import build_task
 from witness.task.base import clip_whole
 
@@ -73,8 +73,9 @@ def run(witnessed: bool, steps: int, out: Path) -> list[float]:
     kw = dict(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False)
     if witnessed:
-        rec = Recorder.create(task, out / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=steps,
-                              self_check=False)  # steady-state step cost only
+        rec = Recorder.create(task, out / "run", generate_key(), r=b"\x01" * 32,
+                              commit=Commitments(checkpoint_every=steps),
+                              self_check=SelfChecking(enabled=False))  # steady-state step cost only
         cb = WitnessCallback(rec)
         time_hooks(cb, ("on_train_batch_start", "on_train_batch_end"))
         L.Trainer(callbacks=[timer, cb], **kw).fit(TaskModule(rec))

@@ -56,7 +56,7 @@ from witness.beacon.witness_client import WitnessClient
 from witness.bundle.state import state_tensors
 from witness.commit.drand import chain_info
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Commitments, Online, Recorder, SelfChecking
 from witness.record.online import OnlineSpec
 from witness.task import build_task
 from witness.verify import Policy, Trust, Verifier
@@ -152,8 +152,9 @@ def train(task, out: Path, checkpoint_every: int, beacon=None, spec=None, server
     """One training run: its wall time, the trainer's and the servers' CPU over it, its recorder."""
     before = [process_cpu(p.pid) for p in servers]
     cpu, start = self_cpu(), time.perf_counter()
-    rec = Recorder.create(task, out, generate_key(), r=b"\x02" * 32, checkpoint_every=checkpoint_every,
-                          beacon=beacon, online=spec, self_check=False)
+    rec = Recorder.create(task, out, generate_key(), r=b"\x02" * 32,
+                          commit=Commitments(checkpoint_every=checkpoint_every),
+                          online=Online(beacon=beacon, spec=spec), self_check=SelfChecking(enabled=False))
     rec.train(progress=False)
     wall, cpu = time.perf_counter() - start, self_cpu() - cpu
     server_cpu = sum(process_cpu(p.pid) for p in servers) - sum(before)

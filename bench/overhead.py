@@ -21,7 +21,7 @@ from common import parser, report
 
 from witness.bundle.state import state_hash, state_tensors
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, SelfChecking
 from witness.task import build_task
 
 CONFIG = {"steps": 100_000, "batch_size": 64, "block": 128, "n_layer": 4, "d_model": 256, "n_head": 8,
@@ -40,7 +40,8 @@ def main() -> dict:
     batch_tokens = task.config.batch_size * task.config.block
     with tempfile.TemporaryDirectory() as tmp:
         rec = Recorder.create(task, Path(tmp) / "run", generate_key(), r=b"\x01" * 32,
-                              checkpoint_every=10**9, self_check=False)  # steady-state step cost only
+                              commit=Commitments(checkpoint_every=10**9),
+                              self_check=SelfChecking(enabled=False))  # steady-state step cost only
         plain_model = task.build_model(rec.session.run_seed)
         plain_opt = task.build_optimizer(plain_model)
         ds = task.dataset()

@@ -42,7 +42,7 @@ from witness.commit.signing import generate_key, public_hex  # noqa: E402
 from witness.data.order import derive_run_seed  # noqa: E402
 from witness.errors import RunRejected  # noqa: E402
 from witness.fingerprint.moves import move_rules  # noqa: E402
-from witness.record import Recorder  # noqa: E402
+from witness.record import Commitments, Online, Recorder, SelfChecking  # noqa: E402
 from witness.record.online import OnlineSpec  # noqa: E402
 from witness.session import TrainingSession  # noqa: E402
 from witness.task import build_task  # noqa: E402
@@ -133,9 +133,10 @@ class Beacon:
 def trial(folder: Path, task, leaves: Path, stolen: dict, staged: int = 0) -> dict:  # noqa: ANN001 - a Task
     """One run with the swap (at one step, or staged over ``staged`` steps), audited online."""
     beacon = Beacon(folder)
-    rec = Recorder.create(task, folder / "run", generate_key(), r=os.urandom(32), checkpoint_every=STEPS,
-                          beacon=BeaconClient(beacon.http), online=OnlineSpec(P, EVERY, 2 * EVERY + 1),
-                          self_check=False, leaves=False)
+    rec = Recorder.create(task, folder / "run", generate_key(), r=os.urandom(32),
+                          commit=Commitments(checkpoint_every=STEPS, leaves=False),
+                          online=Online(beacon=BeaconClient(beacon.http), spec=OnlineSpec(P, EVERY, 2 * EVERY + 1)),
+                          self_check=SelfChecking(enabled=False))
     bad = set()
     for t in range(task.config.steps):
         batch = rec.batch(t)
@@ -191,8 +192,9 @@ def main() -> None:
             "step_selected_for_replay": sum(r["selected_bad"] for r in runs),
             "example_failure": next((r["first_failure"] for r in runs if r["rejected"]), None)}
         # how far the stolen model is, and how long a swap inside the bound takes
-        probe = Recorder.create(task, tmp / "probe", generate_key(), r=os.urandom(32), checkpoint_every=STEPS,
-                                self_check=False, leaves=False)
+        probe = Recorder.create(task, tmp / "probe", generate_key(), r=os.urandom(32),
+                                commit=Commitments(checkpoint_every=STEPS, leaves=False),
+                                self_check=SelfChecking(enabled=False))
         for t in range(SWAP_AT):
             probe.log_step(t, task.train_step(probe.model, probe.optimizer, probe.batch(t), probe.lr(t),
                                               probe.step_seed(t)))

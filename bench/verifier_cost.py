@@ -22,7 +22,7 @@ from common import parser, report
 
 from witness.bundle.state import state_hash, state_tensors
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, SelfChecking
 from witness.task import build_task
 from witness.verify import Evidence, Policy, Verifier
 from witness.verify.challenges import challenges_needed
@@ -38,8 +38,9 @@ def run(args, tmp: Path, state_every: int, offline: bool) -> dict:
     run_dir, resp = tmp / f"run{state_every}", tmp / f"resp{state_every}"
     _ = task.dataset().root  # build the data commitment outside the timed training loop
     start = time.perf_counter()
-    rec = Recorder.create(task, run_dir, generate_key(), r=b"\x02" * 32, checkpoint_every=args.checkpoint_every,
-                          state_every=state_every, self_check=False)
+    rec = Recorder.create(task, run_dir, generate_key(), r=b"\x02" * 32,
+                          commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=state_every),
+                          self_check=SelfChecking(enabled=False))
     rec.train(progress=False)
     train_s = time.perf_counter() - start
     n = 50  # the recorder's state hash, measured alone on the final state

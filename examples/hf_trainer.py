@@ -16,7 +16,7 @@ from transformers import Trainer, TrainingArguments
 from witness.beacon.client import BeaconClient
 from witness.commit.signing import load_or_create_key
 from witness.integrations.hf import attach, committed_dataset  # witness
-from witness.record import Recorder  # witness
+from witness.record import Commitments, Online, Recorder  # witness
 from witness.task import build_task
 
 
@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
               "warmup": 4, "corpus_max_bytes": 300_000, "dropout": a.dropout,
               "grad_accum": a.grad_accum}
     task = build_task("hf-gpt2", recipe)
-    rec = Recorder.create(task, a.out, load_or_create_key(a.key), r=os.urandom(32), checkpoint_every=10,  # witness
-                          beacon=BeaconClient(a.beacon) if a.beacon else None)  # witness: online challenges
+    rec = Recorder.create(task, a.out, load_or_create_key(a.key), r=os.urandom(32),  # witness
+                          commit=Commitments(checkpoint_every=10),  # witness
+                          online=Online(beacon=BeaconClient(a.beacon) if a.beacon else None))  # witness: online challenges
     c = task.config
     args = TrainingArguments(output_dir=os.path.join(a.out + ".trainer"), max_steps=c.steps, learning_rate=c.lr,
                              per_device_train_batch_size=c.batch_size // c.grad_accum,

@@ -16,7 +16,7 @@ import lightning as L
 from witness.beacon.client import BeaconClient
 from witness.commit.signing import load_or_create_key
 from witness.integrations.lightning import TaskModule, WitnessCallback  # witness
-from witness.record import Recorder  # witness
+from witness.record import Commitments, Online, Recorder  # witness
 from witness.task import build_task
 
 
@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     recipe = {"steps": a.steps, "batch_size": 8, "block": 32, "n_layer": 1, "d_model": 32, "n_head": 2,
               "warmup": 4, "probes": 2, "probe_len": 8, "corpus_max_bytes": 300_000}
     task = build_task("tinygpt", recipe)
-    rec = Recorder.create(task, a.out, load_or_create_key(a.key), r=os.urandom(32), checkpoint_every=10,  # witness
-                          beacon=BeaconClient(a.beacon) if a.beacon else None)  # witness: online challenges
+    rec = Recorder.create(task, a.out, load_or_create_key(a.key), r=os.urandom(32),  # witness
+                          commit=Commitments(checkpoint_every=10),  # witness
+                          online=Online(beacon=BeaconClient(a.beacon) if a.beacon else None))  # witness: online challenges
     trainer = L.Trainer(max_steps=task.config.steps, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[WitnessCallback(rec)])  # witness

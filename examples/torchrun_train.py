@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from witness.commit.signing import load_or_create_key, secret_r  # witness
 from witness.distributed import DistRecorder, exit_now  # witness
+from witness.record import Commitments  # witness
 from witness.task import build_task
 
 
@@ -41,7 +42,7 @@ def main() -> None:
     shared = [secret_r(args.seed, key) if key is not None else None]
     dist.broadcast_object_list(shared, src=0)
     r = shared[0]
-    rec = DistRecorder(task, args.out, key, r=r, checkpoint_every=args.checkpoint_every,  # witness
+    rec = DistRecorder(task, args.out, key, r=r, commit=Commitments(checkpoint_every=args.checkpoint_every),  # witness
                        parallelism=args.parallelism)
 
     for step in range(args.steps):

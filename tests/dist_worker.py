@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from witness.commit.signing import load_key
 from witness.distributed import DistRecorder, exit_now
+from witness.record import Commitments
 from witness.task import build_task
 
 
@@ -22,7 +23,7 @@ def main() -> None:
     ap.add_argument("--cheat-step", type=int, default=-1, help="at this step rank 1 trains on another batch")
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--checkpoint-every", type=int, default=4)
-    ap.add_argument("--state-every", type=int, default=None)
+    ap.add_argument("--state-every", type=int, default=1)
     ap.add_argument("--overlap", action="store_true", help="hash the state off the training stream, as on a GPU")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -34,8 +35,9 @@ def main() -> None:
     else:
         task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})  # 16 splits over 1, 2, 4 ranks
     key = load_key(args.key) if dist.get_rank() == 0 else None
-    rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32, checkpoint_every=args.checkpoint_every,
-                       state_every=args.state_every, parallelism=args.parallelism)
+    rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32,
+                       commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=args.state_every),
+                       parallelism=args.parallelism)
     rec.overlap = args.overlap
     if args.parallelism == "fsdp":  # the root, and a unit of its own for each block the task names
         from torch.distributed.fsdp import FSDPModule

@@ -19,7 +19,7 @@ from witness.commit.log import RunLog
 from witness.commit.signing import generate_key
 from witness.commit.sorted_tree import SortedTree
 from witness.data.proofs import pair_to_json
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, SelfChecking, Training
 from witness.session import TrainingSession
 from witness.task import build_task
 from witness.verify.response import FORMAT, VERSION
@@ -32,10 +32,11 @@ def train_tiny(out: Path, key=None, *, r: bytes = b"\x07" * 32, checkpoint_every
                state_every: int = 1, session: TrainingSession | None = None) -> Path:
     """Train a small task; ``cheat(rec, t, batch) -> StepOutput | None`` may replace any step."""
     t_ = build_task(task, dict(TINY, **(config or {})))
-    rec = Recorder.create(t_, out, key or generate_key(), r=r, checkpoint_every=checkpoint_every,
-                          state_every=state_every, session=session,
-                          parallelism="none" if session is None else session.parallelism,
-                          self_check=cheat is None)  # a cheat would stop at its own self-check
+    rec = Recorder.create(t_, out, key or generate_key(), r=r,
+                          commit=Commitments(checkpoint_every=checkpoint_every, state_every=state_every),
+                          training=Training(session=session,
+                                            parallelism="none" if session is None else session.parallelism),
+                          self_check=SelfChecking(enabled=cheat is None))  # a cheat would stop at its own self-check
     for t in range(t_.config.steps):
         batch = rec.batch(t)
         out_ = cheat(rec, t, batch) if cheat else None

@@ -161,16 +161,18 @@ ONLINE_ALL = "all=tiny:steps=20,online=1.0@accuracy+"  # p = 1: every step is se
 def online_recorder(client, trainer: Trainer, track: str, out: Path, link=C.LeaderboardBeacon, p: float = 1.0):
     """A recorder on a ticket of ``track`` that takes online challenges from the leaderboard (``link``
     may be a subclass of the leaderboard's beacon link that misbehaves)."""
-    from witness.record import Recorder
+    from witness.record import Commitments, Online, Recorder, SelfChecking
     from witness.record.online import OnlineSpec
     from witness.task import build_task
 
     a = Authed(client, trainer.token)
     tk = C.ticket(a, track)
     task = build_task(tk["task"], tk["config"])
-    return Recorder.create(task, out, trainer.key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=5,
-                           beacon=link(a, tk["run_id"]), online=OnlineSpec.for_steps(task.config.steps, p=p),
-                           self_check=False)  # some of these trainers cheat
+    return Recorder.create(task, out, trainer.key, r=bytes.fromhex(tk["r"]),
+                           commit=Commitments(checkpoint_every=5, r_source="ticket"),
+                           online=Online(beacon=link(a, tk["run_id"]),
+                                         spec=OnlineSpec.for_steps(task.config.steps, p=p)),
+                           self_check=SelfChecking(enabled=False))  # some of these trainers cheat
 
 
 def train_steps(rec, steps, factor=lambda t: 1.0) -> None:  # noqa: ANN001 - a Recorder

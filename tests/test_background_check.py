@@ -14,7 +14,7 @@ import torch
 from witness.cli import main
 from witness.cli.run import SELF_CHECK_SHARE
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, SelfChecking, Training
 from witness.record import background as bg
 from witness.record.selfcheck import SelfCheck, SelfCheckFailed
 from witness.task import build_task
@@ -23,7 +23,7 @@ from witness.task.base import StepOutput, clip_whole
 
 def _recorder(tmp_path, steps=8, sampled=(3, 5, 6), task="tiny", **config):
     rec = Recorder.create(build_task(task, {"steps": steps, **config}), tmp_path / "run", generate_key(),
-                          r=b"\x05" * 32, checkpoint_every=4)
+                          r=b"\x05" * 32, commit=Commitments(checkpoint_every=4))
     rec.self_check.close()
     rec.self_check = SelfCheck(rec, [0, 1], sampled=set(sampled))  # these steps, whatever they cost
     rec.self_check.prepare(0)  # (create prepared its own self-check's step 0)
@@ -167,7 +167,7 @@ def test_the_budget_samples_nothing_until_the_checker_start_is_earned_then_keeps
 def test_a_share_outside_0_and_1_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"a fraction in \[0, 1\]"):
         Recorder.create(build_task("tiny", {"steps": 2}), tmp_path / "r", generate_key(), r=b"\x07" * 32,
-                        self_check_share=2.0)
+                        self_check=SelfChecking(share=2.0))
 
 
 def test_the_checker_reads_its_samples_file_strictly(tmp_path):
@@ -221,7 +221,7 @@ def _clamp_from(step: int, rec):
 @pytest.mark.parametrize("sampled", [(), (6,)])
 def test_weights_changed_after_a_record_are_caught_where_the_next_step_is_checked(tmp_path, sampled):
     rec = Recorder.create(build_task("tiny", {"steps": 12}), tmp_path / "run", generate_key(), r=b"\x08" * 32,
-                          checkpoint_every=4)
+                          commit=Commitments(checkpoint_every=4))
     rec.self_check.close()
     rec.self_check = SelfCheck(rec, [0, 6] if not sampled else [0], sampled=set(sampled))
     rec.self_check.prepare(0)
@@ -276,7 +276,7 @@ def test_a_thread_count_changed_after_create_stops_the_run(tmp_path):
     before = torch.get_num_threads()
     try:
         rec = Recorder.create(build_task("tiny", {"steps": 6}), tmp_path / "run", generate_key(), r=b"\x0a" * 32,
-                              threads=2)
+                              training=Training(threads=2))
         torch.set_num_threads(1)
         with pytest.raises(SelfCheckFailed, match="ran at 1 thread.*the run recorded 2"):
             rec.train(progress=False)
@@ -287,7 +287,7 @@ def test_a_thread_count_changed_after_create_stops_the_run(tmp_path):
 def test_a_resumed_run_is_self_checked_too(tmp_path):
     key = generate_key()
     task = build_task("tiny", {"steps": 12})
-    rec = Recorder.create(task, tmp_path / "run", key, r=b"\x0b" * 32, checkpoint_every=4)
+    rec = Recorder.create(task, tmp_path / "run", key, r=b"\x0b" * 32, commit=Commitments(checkpoint_every=4))
     for t in range(6):  # killed after step 5
         rec.log_step(t, task.train_step(rec.step_model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
     rec.self_check.close()

@@ -11,7 +11,7 @@ from torch import nn
 
 from witness.bundle.reader import open_bundle
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, Training
 from witness.record.selfcheck import SelfCheckFailed
 from witness.task import build_task, registry
 from witness.task.generic import GenericTask
@@ -51,7 +51,7 @@ def task(monkeypatch):
 
 def test_a_compiled_recipe_records_and_replays_its_compiled_step_bit_for_bit(task, tmp_path):
     t = task(compile=True)
-    rec = Recorder.create(t, tmp_path / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=2)
+    rec = Recorder.create(t, tmp_path / "run", generate_key(), r=b"\x01" * 32, commit=Commitments(checkpoint_every=2))
     assert rec.step_model is not rec.model  # the step runs compiled
     rec.train(progress=False)
     assert len(rec.self_check.report()["steps"]) == 2
@@ -61,7 +61,8 @@ def test_a_compiled_recipe_records_and_replays_its_compiled_step_bit_for_bit(tas
     assert v.accepted and v.replayed_steps == 4
     # the eager step is not the compiled one (its kernels round otherwise): an eager replay would not match
     eager = task()
-    r2 = Recorder.create(eager, tmp_path / "eager", generate_key(), r=b"\x01" * 32, checkpoint_every=2)
+    r2 = Recorder.create(eager, tmp_path / "eager", generate_key(), r=b"\x01" * 32,
+                         commit=Commitments(checkpoint_every=2))
     r2.train(progress=False)
     assert open_bundle(tmp_path / "eager").steps[0].state_hash != open_bundle(tmp_path / "run").steps[0].state_hash
 
@@ -69,7 +70,7 @@ def test_a_compiled_recipe_records_and_replays_its_compiled_step_bit_for_bit(tas
 def test_a_loop_that_compiles_a_step_the_recipe_does_not_is_stopped_at_step_0(task, tmp_path):
     torch._dynamo.reset()  # a process that has compiled nothing yet, as a user's training script
     t = task()
-    rec = Recorder.create(t, tmp_path / "run", generate_key(), r=b"\x02" * 32, checkpoint_every=2)
+    rec = Recorder.create(t, tmp_path / "run", generate_key(), r=b"\x02" * 32, commit=Commitments(checkpoint_every=2))
     compiled = torch.compile(rec.model)  # the user's own compile, which replay would not run
     batch = rec.batch(0)
     out = t.train_step(compiled, rec.optimizer, batch, rec.lr(0), rec.step_seed(0))
@@ -112,7 +113,8 @@ def test_a_compiled_embedding_at_two_threads_replays_exactly(cls, monkeypatch, t
     before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
         t = build_task(cls.name, {"steps": 6, "batch_size": 16, "compile": True})
-        rec = Recorder.create(t, tmp_path / "run", generate_key(), r=b"\x05" * 32, checkpoint_every=3, threads=2)
+        rec = Recorder.create(t, tmp_path / "run", generate_key(), r=b"\x05" * 32,
+                              commit=Commitments(checkpoint_every=3), training=Training(threads=2))
         # the same backward, run again from one state, gives the same bits every time
         batch = rec.batch(0)
         grads = set()

@@ -16,7 +16,7 @@ from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.signing import generate_key
 from witness.data.dataset import sample_hash
 from witness.errors import MalformedInput, RunRejected, VerificationError
-from witness.record import Recorder
+from witness.record import Commitments, Recorder
 from witness.task import build_task
 from witness.verify import Policy, Verifier
 from witness.verify.data_queries import check_data_proof as check_proof
@@ -29,7 +29,8 @@ SMALL = {"steps": 12, "n_layer": 1, "d_model": 32, "n_head": 2, "batch_size": 8,
 def gpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt") / "run"
     task = build_task("tinygpt", SMALL)
-    Recorder.create(task, out, generate_key(), r=b"\x05" * 32, checkpoint_every=6).train(progress=False)
+    Recorder.create(task, out, generate_key(), r=b"\x05" * 32,
+                    commit=Commitments(checkpoint_every=6)).train(progress=False)
     ds = task.dataset()
     used_docs = set()
     for line in (out / "log.jsonl").read_bytes().split(b"\n")[1:-2]:

@@ -26,6 +26,7 @@ from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.log import RunLog
 from witness.commit.signing import generate_key, public_hex, save_key
 from witness.errors import MalformedInput
+from witness.record import Commitments, Online, SelfChecking
 from witness.record.online import OnlineSpec
 from witness.record.recorder import Recorder
 from witness.task import build_task, registry
@@ -73,8 +74,8 @@ def train(out: Path, link, *, key=None, bad: set[int] = frozenset(), steps: int 
     """A tiny online run; at each step in ``bad`` the trainer nudges the weights first (its committed
     state before the step is the honest one). ``stop``: an attempt walked away from at that step."""
     task = task or build_task("tiny", {"steps": steps, **(config or {})})
-    rec = Recorder.create(task, out, key or generate_key(), r=r, checkpoint_every=10, beacon=link,
-                          online=spec, self_check=not bad)
+    rec = Recorder.create(task, out, key or generate_key(), r=r, commit=Commitments(checkpoint_every=10),
+                          online=Online(beacon=link, spec=spec), self_check=SelfChecking(enabled=not bad))
     for t in range(steps if stop is None else stop):
         if t in bad:
             with torch.no_grad():
@@ -510,9 +511,10 @@ def test_parallel_online_uploads_of_one_step_keep_one_object(tmp_path, backend):
             a = Authed(http, alice.token)
             tk = C.ticket(a, "all")
             task = build_task(tk["task"], tk["config"])
-            rec = Recorder.create(task, tmp_path / "run", alice.key, r=bytes.fromhex(tk["r"]), r_source="ticket",
-                                  checkpoint_every=4, beacon=Quiet(a, tk["run_id"]),
-                                  online=OnlineSpec.for_steps(12, p=1.0), self_check=False)
+            rec = Recorder.create(task, tmp_path / "run", alice.key, r=bytes.fromhex(tk["r"]),
+                                  commit=Commitments(checkpoint_every=4, r_source="ticket"),
+                                  online=Online(beacon=Quiet(a, tk["run_id"]), spec=OnlineSpec.for_steps(12, p=1.0)),
+                                  self_check=SelfChecking(enabled=False))
             for t in range(6):
                 rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
             rec.online.wait()

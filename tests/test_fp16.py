@@ -16,7 +16,7 @@ from witness.bundle.checkpoint import read_checkpoint
 from witness.bundle.reader import open_bundle
 from witness.cli import main
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Commitments, Recorder
 from witness.record.selfcheck import SelfCheckFailed
 from witness.task import StepOutput, build_task, registry
 from witness.task.base import clip_whole
@@ -79,7 +79,8 @@ def _own_loop(rec, scaler):
 
 
 def test_an_fp16_loop_with_the_runs_scaler_replays_its_skipped_steps_bit_for_bit(half, tmp_path):
-    rec = Recorder.create(half, tmp_path / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=4)
+    rec = Recorder.create(half, tmp_path / "run", generate_key(), r=b"\x01" * 32,
+                          commit=Commitments(checkpoint_every=4))
     assert rec.scaler is not None and rec.scaler.get_scale() == 65536.0
     _own_loop(rec, rec.scaler)
     b = open_bundle(tmp_path / "run")
@@ -92,7 +93,8 @@ def test_an_fp16_loop_with_the_runs_scaler_replays_its_skipped_steps_bit_for_bit
 
 
 def test_an_fp16_loop_with_a_scaler_of_its_own_is_stopped_at_step_0(half, tmp_path):
-    rec = Recorder.create(half, tmp_path / "run", generate_key(), r=b"\x02" * 32, checkpoint_every=4)
+    rec = Recorder.create(half, tmp_path / "run", generate_key(), r=b"\x02" * 32,
+                          commit=Commitments(checkpoint_every=4))
     with pytest.raises(SelfCheckFailed, match=r"loss scale \(scaler\.growth_tracker\)|rec\.scaler"):
         _own_loop(rec, torch.amp.GradScaler("cpu"))  # its state is nobody's commitment
 

@@ -134,7 +134,7 @@ def test_mutated_used_data_proofs_are_refused_not_crashes(tmp_path, monkeypatch)
     from witness.verify import Evidence, Policy, Verifier
     from witness.verify.respond import respond
 
-    monkeypatch.setattr("witness.record.recorder.DATA_COMMITMENT", 1)
+    monkeypatch.setattr("witness.record.start.DATA_COMMITMENT", 1)
     bundle = train_tiny(tmp_path / "run", config={"steps": 8}, checkpoint_every=4)
     monkeypatch.undo()
     respond(bundle, tmp_path / "resp", nonce=b"n", challenges=1)

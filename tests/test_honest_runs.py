@@ -14,7 +14,7 @@ from witness.bundle.reader import open_bundle
 from witness.bundle.state import state_hash, state_tensors
 from witness.commit.signing import generate_key
 from witness.errors import RunRejected
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, Training
 from witness.session import TrainingSession, cpu_cores
 from witness.task import build_task
 from witness.verify import Evidence, Policy, Verifier
@@ -46,8 +46,8 @@ def _both_modes(bundle, tmp_path):
 def test_honest_runs_pass_at_their_own_thread_count(tmp_path, threads):
     assert cpu_cores() >= 2, "this test needs two cores (CI has them)"
     task = build_task("tinycnn", CNN)
-    Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x03" * 32, checkpoint_every=8,
-                    threads=threads).train(progress=False)
+    Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x03" * 32, commit=Commitments(checkpoint_every=8),
+                    training=Training(threads=threads)).train(progress=False)
     for v in _both_modes(tmp_path / "b", tmp_path):
         assert v.accepted and v.exact and v.threads == threads and v.replayed_steps == CNN["steps"]
         assert not any("thread" in n for n in v.notes)
@@ -62,10 +62,11 @@ def test_honest_runs_pass_at_their_own_thread_count(tmp_path, threads):
 def test_a_resumed_run_passes_and_equals_an_uninterrupted_one(tmp_path):
     key = generate_key()
     task = build_task("tinycnn", CNN)
-    whole = Recorder.create(task, tmp_path / "whole", key, r=b"\x04" * 32, checkpoint_every=8, threads=2)
+    whole = Recorder.create(task, tmp_path / "whole", key, r=b"\x04" * 32, commit=Commitments(checkpoint_every=8),
+                            training=Training(threads=2))
     whole.train(progress=False)
-    rec = Recorder.create(build_task("tinycnn", CNN), tmp_path / "b", key, r=b"\x04" * 32, checkpoint_every=8,
-                          threads=2)
+    rec = Recorder.create(build_task("tinycnn", CNN), tmp_path / "b", key, r=b"\x04" * 32,
+                          commit=Commitments(checkpoint_every=8), training=Training(threads=2))
     for t in range(19):  # killed after step 18: the records of 16..18 are unsigned
         rec.log_step(t, rec.task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
     del rec

@@ -64,12 +64,12 @@ def test_kill_9_then_verify_then_resume(tmp_path):
 def test_a_checkpoint_write_cut_short_is_left_aside_and_cleared_by_the_resume(tmp_path):
     from helpers import train_tiny
 
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder
     from witness.task import build_task
 
     key = generate_key()
     task = build_task("tiny", {"steps": 8})
-    rec = Recorder.create(task, tmp_path / "b", key, r=b"\x03" * 32, checkpoint_every=4)
+    rec = Recorder.create(task, tmp_path / "b", key, r=b"\x03" * 32, commit=Commitments(checkpoint_every=4))
     for t in range(6):
         rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
     del rec

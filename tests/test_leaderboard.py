@@ -105,12 +105,12 @@ def test_only_registered_tracks_and_their_exact_recipe(server, tmp_path):
     assert r.status_code == 404 and "no track" in r.json()["detail"]
     # a run of the right task with another recipe is refused at its first head
     tk = C.ticket(api, "quick")
-    from witness.record import Recorder
+    from witness.record import Commitments, Online, Recorder
 
     task = build_task("tiny", {"steps": 21})
     with pytest.raises(C.LeaderboardError, match="recipe is not track 'quick'"):
-        Recorder.create(task, tmp_path / "b", alice.key, r=bytes.fromhex(tk["r"]), r_source="ticket",
-                        on_head=C.HeadStreamer(api, tk["run_id"]))
+        Recorder.create(task, tmp_path / "b", alice.key, r=bytes.fromhex(tk["r"]),
+                        commit=Commitments(r_source="ticket"), online=Online(on_head=C.HeadStreamer(api, tk["run_id"])))
 
 
 def test_a_submission_signed_with_another_key_is_refused(server, tmp_path):
@@ -136,12 +136,13 @@ def test_a_bundle_that_does_not_extend_the_streamed_heads_is_rejected(server, tm
     alice = register(tc, "alice")
     run_id, bundle, cert = train_and_certify(tc, alice, tmp_path / "streamed")
     # the trainer writes another log for the same ticket after the fact (its checkpoints differ)
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder
 
     tk_r = _run(lb, run_id).r
     rewritten = tmp_path / "rewritten"
     task = build_task("tiny", {"steps": 20})
-    rec = Recorder.create(task, rewritten, alice.key, r=bytes.fromhex(tk_r), r_source="ticket", checkpoint_every=4)
+    rec = Recorder.create(task, rewritten, alice.key, r=bytes.fromhex(tk_r),
+                          commit=Commitments(checkpoint_every=4, r_source="ticket"))
     rec.train(progress=False)
     with pytest.raises(C.LeaderboardError, match="rejected: the submitted log does not extend the tree head of size 1"):
         submit(tc, alice, rewritten, cert)
@@ -159,12 +160,12 @@ def test_streamed_heads_must_be_consistent(server, tmp_path):
     alice = register(tc, "alice")
     api = Authed(tc, alice.token)
     tk = C.ticket(api, "quick")
-    from witness.record import Recorder
+    from witness.record import Commitments, Online, Recorder
 
     seen = []
     rec = Recorder.create(build_task("tiny", {"steps": 20}), tmp_path / "b", alice.key, r=bytes.fromhex(tk["r"]),
-                          r_source="ticket", checkpoint_every=5,
-                          on_head=lambda h, log: seen.append((h, list(log.lines))))
+                          commit=Commitments(checkpoint_every=5, r_source="ticket"),
+                          online=Online(on_head=lambda h, log: seen.append((h, list(log.lines)))))
     rec.train(progress=False)
     first, lines1 = seen[0]
     ok = api.post(f"/api/runs/{tk['run_id']}/heads", json={"tree_head": first.to_json(), "manifest": lines1[0].decode()})
@@ -427,12 +428,12 @@ def test_a_weakly_anchored_run_is_rejected(server, tmp_path):
     lb.settings.max_head_gap = 200
     api = Authed(tc, alice.token)
     tk = C.ticket(api, "quick")
-    from witness.record import Recorder
+    from witness.record import Commitments, Online, Recorder
 
     streamer = C.HeadStreamer(api, tk["run_id"])
     rec = Recorder.create(build_task("tiny", {"steps": 20}), tmp_path / "late", alice.key, r=bytes.fromhex(tk["r"]),
-                          r_source="ticket", checkpoint_every=5,
-                          on_head=lambda h, log: streamer(h, log) if h.extensions is None else None)
+                          commit=Commitments(checkpoint_every=5, r_source="ticket"),
+                          online=Online(on_head=lambda h, log: streamer(h, log) if h.extensions is None else None))
     rec.train(progress=False)
     with pytest.raises(C.LeaderboardError, match="final tree head \\(size 22\\) was not streamed"):
         submit(tc, alice, tmp_path / "late", cert)

@@ -57,7 +57,7 @@ def test_a_loader_off_the_committed_order_is_refused(tmp_path):
     from witness.commit.signing import generate_key
     from witness.integrations.committed import same_batch
     from witness.integrations.lightning import TaskModule, WitnessCallback
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder
     from witness.task import build_task
 
     t = torch.arange(6).view(2, 3)
@@ -66,7 +66,8 @@ def test_a_loader_off_the_committed_order_is_refused(tmp_path):
 
     task = build_task("tinygpt", {"steps": 3, "batch_size": 4, "block": 16, "n_layer": 1, "d_model": 16, "n_head": 2,
                                   "probes": 2, "probe_len": 8, "corpus_max_bytes": 100_000})
-    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x02" * 32, checkpoint_every=3)
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x02" * 32,
+                          commit=Commitments(checkpoint_every=3))
 
     class Shuffled(TaskModule):
         def train_dataloader(self):
@@ -84,12 +85,13 @@ def test_a_bf16_recipe_under_lightning_replays_bit_for_bit(tmp_path):
 
     from witness.commit.signing import generate_key
     from witness.integrations.lightning import TaskModule, WitnessCallback
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder
     from witness.task import build_task
 
     task = build_task("tinygpt", {"steps": 3, "batch_size": 4, "block": 16, "n_layer": 1, "d_model": 16, "n_head": 2,
                                   "probes": 2, "probe_len": 8, "corpus_max_bytes": 100_000, "precision": "bf16"})
-    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x05" * 32, checkpoint_every=3)
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x05" * 32,
+                          commit=Commitments(checkpoint_every=3))
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[WitnessCallback(rec)])
     trainer.fit(TaskModule(rec))
@@ -108,13 +110,14 @@ def test_lightning_gradient_accumulation_and_clip_val_replay_exactly(tmp_path):
 
     from witness.commit.signing import generate_key
     from witness.integrations.lightning import TaskModule, WitnessCallback
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder
     from witness.task import build_task
 
     recipe = {"steps": 4, "batch_size": 4, "block": 16, "n_layer": 1, "d_model": 16, "n_head": 2, "probes": 2,
               "probe_len": 8, "corpus_max_bytes": 100_000, "grad_accum": 2}
     task = build_task("tinygpt", recipe)
-    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x06" * 32, checkpoint_every=2)
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x06" * 32,
+                          commit=Commitments(checkpoint_every=2))
     kw = dict(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False)
     # Lightning's own accumulation and clipping flags, set as the recipe says
@@ -124,10 +127,12 @@ def test_lightning_gradient_accumulation_and_clip_val_replay_exactly(tmp_path):
     v = Verifier(policy=Policy(challenges=4, nonce=b"accum")).verify(tmp_path / "run")
     assert v.accepted and v.replayed_steps == 4
     # settings that are not the recipe's are refused before the first step
-    rec2 = Recorder.create(task, tmp_path / "other", generate_key(), r=b"\x06" * 32, checkpoint_every=2)
+    rec2 = Recorder.create(task, tmp_path / "other", generate_key(), r=b"\x06" * 32,
+                           commit=Commitments(checkpoint_every=2))
     with pytest.raises(ValueError, match="accumulate_grad_batches=2"):
         L.Trainer(callbacks=[WitnessCallback(rec2)], **kw).fit(TaskModule(rec2))
-    rec3 = Recorder.create(task, tmp_path / "third", generate_key(), r=b"\x06" * 32, checkpoint_every=2)
+    rec3 = Recorder.create(task, tmp_path / "third", generate_key(), r=b"\x06" * 32,
+                           commit=Commitments(checkpoint_every=2))
     with pytest.raises(ValueError, match="gradient_clip_val must be the recipe's grad_clip"):
         L.Trainer(accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[WitnessCallback(rec3)],
                   **kw).fit(TaskModule(rec3))

@@ -14,7 +14,7 @@ from torch import nn
 
 from witness.commit.signing import generate_key
 from witness.integrations.lightning import LightningTask, WitnessCallback, committed_loader
-from witness.record import Recorder
+from witness.record import Commitments, Recorder
 from witness.task import build_task, registry
 from witness.task.generic import GenericConfig
 from witness.verify import Policy, Verifier
@@ -84,7 +84,8 @@ def _fit(rec, **trainer):
 @pytest.mark.parametrize("interval", ["step", "epoch"])
 def test_your_own_lightning_module_replays_bit_for_bit(lit, tmp_path, interval):
     task = build_task("lit-test", {"grad_accum": 2, "grad_clip": 0.5, "interval": interval})
-    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x03" * 32, checkpoint_every=4)
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x03" * 32,
+                          commit=Commitments(checkpoint_every=4))
     assert isinstance(rec.model, LitClassifier)
     _fit(rec, accumulate_grad_batches=2)
     assert len(rec.self_check.report()["steps"]) == 2  # two of its steps replayed as they were recorded
@@ -102,7 +103,8 @@ def test_a_tampered_lightning_module_run_is_rejected(lit, tmp_path):
     from witness.errors import RunRejected
 
     key = generate_key()
-    rec = Recorder.create(build_task("lit-test", {}), tmp_path / "run", key, r=b"\x04" * 32, checkpoint_every=4)
+    rec = Recorder.create(build_task("lit-test", {}), tmp_path / "run", key, r=b"\x04" * 32,
+                          commit=Commitments(checkpoint_every=4))
     _fit(rec)
     lines = log_lines(tmp_path / "run")
     import json
@@ -122,10 +124,12 @@ def test_lightning_settings_off_the_recipe_are_refused_before_the_first_step(lit
         ({"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}, "accumulate_grad_batches=1"),
         ({"gradient_clip_val": 0.5, "precision": "bf16-mixed"}, "precision 'bf16-mixed' is not the recipe's 'fp32'"),
     ]):
-        rec = Recorder.create(task, tmp_path / f"r{i}", generate_key(), r=b"\x05" * 32, checkpoint_every=4)
+        rec = Recorder.create(task, tmp_path / f"r{i}", generate_key(), r=b"\x05" * 32,
+                              commit=Commitments(checkpoint_every=4))
         with pytest.raises(ValueError, match=why):
             _fit(rec, **trainer)
-    rec = Recorder.create(task, tmp_path / "other", generate_key(), r=b"\x05" * 32, checkpoint_every=4)
+    rec = Recorder.create(task, tmp_path / "other", generate_key(), r=b"\x05" * 32,
+                          commit=Commitments(checkpoint_every=4))
     with pytest.raises(ValueError, match="train the recorder's model"):
         L.Trainer(max_steps=8, gradient_clip_val=0.5, callbacks=[WitnessCallback(rec)], **KW).fit(
             LitClassifier(), train_dataloaders=committed_loader(rec))

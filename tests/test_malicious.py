@@ -136,11 +136,12 @@ def test_cli_exit_codes_in_a_fresh_process(honest_bundle, tmp_path):
 
 def test_a_run_stopped_before_its_first_checkpoint_is_unusable_not_rejected(tmp_path, capsys):
     from witness.commit.signing import generate_key
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder
     from witness.task import build_task
 
     task = build_task("tiny", {"steps": 20})
-    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x01" * 32, checkpoint_every=10)
+    rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x01" * 32,
+                          commit=Commitments(checkpoint_every=10))
     for t in range(3):  # killed here: three steps logged, none under a signed head yet
         rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
     assert _exit(tmp_path / "run") == 2

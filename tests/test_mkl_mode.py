@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Commitments, Recorder, Training
 from witness.session import mkl_mode
 from witness.task import build_task
 from witness.verify import Policy, Verifier
@@ -36,12 +36,12 @@ def test_importing_witness_pins_mkls_reproducible_mode():
 def test_a_process_that_multiplied_before_importing_witness_is_warned(tmp_path):
     code = ("import torch; torch.randn(64, 64) @ torch.randn(64, 64)\n"
             "from witness.commit.signing import generate_key\n"
-            "from witness.record import Recorder\n"
+            "from witness.record import Commitments, Recorder\n"
             "from witness.task import build_task\n"
             "from witness.session import mkl_mode\n"
             "print(mkl_mode())\n"
             f"Recorder.create(build_task('tiny', {{'steps': 2}}), {str(tmp_path / 'run')!r}, generate_key(), "
-            "r=b'\\x01' * 32, checkpoint_every=2)\n")
+            "r=b'\\x01' * 32, commit=Commitments(checkpoint_every=2))\n")
     out = _python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["off"]
@@ -56,7 +56,8 @@ def test_finding_1s_configuration_records_and_replays_exactly(tmp_path, seed):
     before = torch.get_num_threads()
     try:
         rec = Recorder.create(build_task("tinygpt", {"steps": 3}), tmp_path / "run", generate_key(),
-                              r=bytes([seed]) * 32, checkpoint_every=3, threads=2)
+                              r=bytes([seed]) * 32, commit=Commitments(checkpoint_every=3),
+                              training=Training(threads=2))
         rec.train(progress=False)
         assert 0 in rec.self_check.report()["steps"]
         v = Verifier(policy=Policy(challenges=3, nonce=b"f1")).verify(tmp_path / "run")

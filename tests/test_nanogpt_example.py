@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from witness.cli import main
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Recorder, SelfChecking
 from witness.task import build_task, registry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nanogpt_style"
@@ -121,7 +121,8 @@ def test_probes_that_are_not_the_committed_samples_are_rejected(trained, tmp_pat
     monkeypatch.chdir(trained)
     task = build_task("nanogpt-style", {"steps": 2, "batch_size": 4, "data": "data/train.bin"})
     fake = [bytes(len(p)) for p in task.probe_bytes()]
-    rec = Recorder.create(task.with_probes(fake), tmp_path / "run", generate_key(), r=b"\2" * 32, self_check=False)
+    rec = Recorder.create(task.with_probes(fake), tmp_path / "run", generate_key(), r=b"\2" * 32,
+                          self_check=SelfChecking(enabled=False))
     rec.train(progress=False)
     assert main(["verify", "--allow-weak", str(tmp_path / "run"), "--challenges", "1"]) == 1
     assert "probe 0 is not sample 0 of the committed dataset" in capsys.readouterr().err

@@ -35,6 +35,7 @@ from witness.commit.signing import (
     save_key,
 )
 from witness.errors import MalformedInput, RunRejected, VerificationError
+from witness.record import Commitments, Online, SelfChecking
 from witness.record.online import OnlineSpec
 from witness.record.recorder import Recorder
 from witness.task import build_task
@@ -79,8 +80,8 @@ def train(out: Path, link, *, bad: set[int] = frozenset(), key=None, steps: int 
     """A tiny run with online challenges; at each step in ``bad`` the trainer nudges the weights
     before training it (the committed state before the step is the honest one)."""
     task = build_task("tiny", {"steps": steps})
-    rec = Recorder.create(task, out, key or generate_key(), r=r, checkpoint_every=8, beacon=link, online=spec,
-                          self_check=not bad)
+    rec = Recorder.create(task, out, key or generate_key(), r=r, commit=Commitments(checkpoint_every=8),
+                          online=Online(beacon=link, spec=spec), self_check=SelfChecking(enabled=not bad))
     for t in range(steps):
         if t in bad:
             with torch.no_grad():
@@ -142,8 +143,8 @@ def test_with_the_overlapped_state_hash_the_ring_keeps_its_copy(tmp_path, beacon
     # the GPU path, on the CPU: the hash's snapshot is copied into the ring's buffers (one copy
     # for both), and the run verifies online exactly as one copied twice
     task = build_task("tiny", {"steps": STEPS})
-    rec = Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32, checkpoint_every=8,
-                          beacon=beacon.link(), online=SPEC)
+    rec = Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32, commit=Commitments(checkpoint_every=8),
+                          online=Online(beacon=beacon.link(), spec=SPEC))
     rec.overlap = True
     rec.train()
     r = rec.online.report()
@@ -207,8 +208,9 @@ def _own_loop(out: Path, link, change, task: str = "tiny", config: dict | None =
     """An online run whose trainer calls ``change(rec, t)`` before training each step; every window
     opens all of the (small) model's chunks, so an edit in one chunk is opened whatever the draw."""
     task = build_task(task, {"steps": STEPS} | (config or {}))
-    rec = Recorder.create(task, out, generate_key(), r=os.urandom(32), checkpoint_every=8, beacon=link,
-                          online=dataclasses.replace(SPEC, chunks=8), self_check=False)
+    rec = Recorder.create(task, out, generate_key(), r=os.urandom(32), commit=Commitments(checkpoint_every=8),
+                          online=Online(beacon=link, spec=dataclasses.replace(SPEC, chunks=8)),
+                          self_check=SelfChecking(enabled=False))
     for t in range(STEPS):
         batch = rec.batch(t)
         change(rec, t)
@@ -240,7 +242,7 @@ def test_a_coordinate_sent_to_infinity_is_out_of_bounds_but_an_honest_divergence
 def test_a_kept_state_of_other_dtypes_is_rejected_not_a_crash(tmp_path, beacon, monkeypatch):
     """The trainer commits (and keeps, for the selected step 10) a state whose fc1.bias is float64: its
     hash is the committed one, its parameters do not fit the task's model."""
-    import witness.record.recorder as recorder
+    import witness.record.records as records
     from witness.bundle.state import state_hash as real_hash
     from witness.record.online import OnlineChallenges
 
@@ -249,7 +251,7 @@ def test_a_kept_state_of_other_dtypes_is_rejected_not_a_crash(tmp_path, beacon, 
 
     at = {"step": None}
     real_log, real_write = Recorder.log_step, OnlineChallenges._write
-    monkeypatch.setattr(recorder, "state_hash", lambda st, d: real_hash(forged(st) if at["step"] == 9 else st, d))
+    monkeypatch.setattr(records, "state_hash", lambda st, d: real_hash(forged(st) if at["step"] == 9 else st, d))
     monkeypatch.setattr(Recorder, "log_step", lambda self, t, out, *a, **k: (at.update(step=t),
                                                                             real_log(self, t, out, *a, **k))[1])
     monkeypatch.setattr(OnlineChallenges, "_write", lambda self, n, st: real_write(self, n, forged(st) if n == 10 else st))
@@ -476,8 +478,8 @@ def test_a_plugin_run_commits_its_chunks_where_its_optimizer_bounds_a_move(tmp_p
     # chunks (a manifest of version 2), and the verdict says the check was not made
     task = build_task("example-cnn", {"steps": 8, "optimizer": optimizer} |
                       ({"optimizer_args": {"momentum": 0.9}} if optimizer == "SGD" else {}))
-    rec = Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32, checkpoint_every=4,
-                          beacon=beacon.link(), online=SPEC)
+    rec = Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32, commit=Commitments(checkpoint_every=4),
+                          online=Online(beacon=beacon.link(), spec=SPEC))
     rec.train(progress=False)
     manifest = json.loads((tmp_path / "b" / "log.jsonl").read_text().splitlines()[0])
     v = online(tmp_path / "b", beacon.public_key)

@@ -119,16 +119,18 @@ def test_selected_steps_are_replayed_before_submission_and_not_again(server, tmp
 
 def _online_recorder(tc, trainer, track, out, link=C.LeaderboardBeacon, p=1.0):
     """A recorder on a ticket of ``track`` that takes online challenges from the leaderboard."""
-    from witness.record import Recorder
+    from witness.record import Commitments, Online, Recorder, SelfChecking
     from witness.record.online import OnlineSpec
     from witness.task import build_task
 
     a = Authed(tc, trainer.token)
     tk = C.ticket(a, track)
     task = build_task(tk["task"], tk["config"])
-    return Recorder.create(task, out, trainer.key, r=bytes.fromhex(tk["r"]), r_source="ticket", checkpoint_every=5,
-                           beacon=link(a, tk["run_id"]), online=OnlineSpec.for_steps(task.config.steps, p=p),
-                           self_check=False)  # some of these trainers cheat
+    return Recorder.create(task, out, trainer.key, r=bytes.fromhex(tk["r"]),
+                           commit=Commitments(checkpoint_every=5, r_source="ticket"),
+                           online=Online(beacon=link(a, tk["run_id"]),
+                                         spec=OnlineSpec.for_steps(task.config.steps, p=p)),
+                           self_check=SelfChecking(enabled=False))  # some of these trainers cheat
 
 
 def _steps_of(rec, steps, factor=lambda t: 1.0):
@@ -222,14 +224,15 @@ def test_a_track_requires_online_challenges_with_its_least_p(server, tmp_path):
     with pytest.raises(C.LeaderboardError, match="requires online challenges with p >= 0.5"):
         C.train_ticketed(Authed(tc, bob.token), "live", bob.key, tmp_path / "a", checkpoint_every=5)
     # with a lower p than the track's
-    from witness.record import Recorder
+    from witness.record import Commitments, Online, Recorder
     from witness.record.online import OnlineSpec
     from witness.task import build_task
 
     tk = C.ticket(Authed(tc, bob.token), "live")
     link = C.LeaderboardBeacon(Authed(tc, bob.token), tk["run_id"])
     rec = Recorder.create(build_task("tiny", tk["config"]), tmp_path / "b", bob.key, r=bytes.fromhex(tk["r"]),
-                          r_source="ticket", checkpoint_every=5, beacon=link, online=OnlineSpec.for_steps(100, p=0.1))
+                          commit=Commitments(checkpoint_every=5, r_source="ticket"),
+                          online=Online(beacon=link, spec=OnlineSpec.for_steps(100, p=0.1)))
     with pytest.raises(C.BeaconError, match="p >= 0.5"):
         rec.online.wait()  # the first head's answer: the training stops at the next step
     rec.online.close()

@@ -7,7 +7,7 @@ import pytest
 
 from witness.commit.hashing import parse_canonical_json
 from witness.commit.signing import generate_key
-from witness.record import Recorder
+from witness.record import Commitments, Recorder
 from witness.task import build_task
 from witness.verify import Policy, Verifier
 
@@ -20,7 +20,7 @@ CONFIGS = {
 
 def _train(task_name: str, out, key, overlap: bool) -> list[dict]:
     task = build_task(task_name, CONFIGS[task_name])
-    rec = Recorder.create(task, out, key, r=b"\x03" * 32, checkpoint_every=3)
+    rec = Recorder.create(task, out, key, r=b"\x03" * 32, commit=Commitments(checkpoint_every=3))
     rec.overlap = overlap
     for t in range(task.config.steps):
         rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))

@@ -9,7 +9,7 @@ import torch
 from witness_example_nanogpt.model import GPT, GPTConfig, get_lr
 
 from witness.commit.signing import generate_key
-from witness.record import Recorder, start_run
+from witness.record import Recorder, SelfChecking, Training, start_run
 from witness.task import build_task
 from witness.verify import Policy, Verifier
 
@@ -55,7 +55,7 @@ def train(rec, model, optimizer, steps, get_batch):
 def test_the_loops_own_objects_record_a_run_that_replays_every_step(data):
     model, optimizer = own_objects()
     rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          model=model, optimizer=optimizer)
+                          training=Training(model=model, optimizer=optimizer))
     # the model is the loop's object, with the initial state a verifier rebuilds from the run seed
     built = rec.task.build_model(rec.session.run_seed)
     assert rec.model is model and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
@@ -69,7 +69,7 @@ def test_the_loops_own_objects_record_a_run_that_replays_every_step(data):
 def test_a_loop_that_trains_on_batches_of_its_own_is_stopped_at_that_step(data):
     model, optimizer = own_objects()
     rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          model=model, optimizer=optimizer)
+                          training=Training(model=model, optimizer=optimizer))
     rec.batches(own_get_batch)  # the hooks are on, but the loop keeps its own data
     with pytest.raises(ValueError, match="0 of its 2 committed micro-batch"):
         train(rec, model, optimizer, 1, own_get_batch)
@@ -78,7 +78,7 @@ def test_a_loop_that_trains_on_batches_of_its_own_is_stopped_at_that_step(data):
 def test_a_changed_copy_of_a_committed_batch_is_not_the_committed_batch(data):
     model, optimizer = own_objects()
     rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          model=model, optimizer=optimizer)
+                          training=Training(model=model, optimizer=optimizer))
     get = rec.batches(own_get_batch)
     with pytest.raises(ValueError, match="committed micro-batch"):
         train(rec, model, optimizer, 1, lambda split: tuple(t.flip(0) for t in get(split)))
@@ -87,7 +87,7 @@ def test_a_changed_copy_of_a_committed_batch_is_not_the_committed_batch(data):
 def test_a_step_beyond_the_recipe_fails_at_that_step_naming_nanogpts_off_by_one(data):
     model, optimizer = own_objects()
     rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          model=model, optimizer=optimizer, self_check=False)
+                          training=Training(model=model, optimizer=optimizer), self_check=SelfChecking(enabled=False))
     get = rec.batches(own_get_batch)
     with pytest.raises(ValueError, match=r"step 6: the recipe has 6 steps \(0\.\.5\)\. nanoGPT's train.py takes max_iters \+ 1"):
         train(rec, model, optimizer, RECIPE["steps"] + 1, get)
@@ -110,8 +110,8 @@ def test_log_step_beyond_the_recipe_fails_at_that_step(data):
 def test_objects_that_are_not_the_recipes_are_refused_before_a_step(data, change, message):
     model, optimizer = change(*own_objects())
     with pytest.raises(ValueError, match=message):
-        Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32), model=model,
-                        optimizer=optimizer)
+        Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
+                        training=Training(model=model, optimizer=optimizer))
 
 
 def test_an_evaluation_inside_the_loop_is_the_loops_own(data):

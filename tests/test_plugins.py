@@ -171,12 +171,12 @@ def test_a_safetensors_header_of_640_bytes_is_not_a_pickle():
 def test_a_plugin_run_resumes_and_a_track_can_name_a_plugin_task(site, tmp_path, capsys):
     from witness.commit.signing import generate_key, save_key
     from witness.leaderboard.tracks import parse_track
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder
 
     key = generate_key()
     save_key(key, tmp_path / "k.pem")
     task = registry.build_task("plugin-mlp", {"steps": 12})
-    rec = Recorder.create(task, tmp_path / "run", key, r=b"\x03" * 32, checkpoint_every=4)
+    rec = Recorder.create(task, tmp_path / "run", key, r=b"\x03" * 32, commit=Commitments(checkpoint_every=4))
     for t in range(6):  # killed after the checkpoint at step 4 and two more steps
         rec.log_step(t, task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
     del rec

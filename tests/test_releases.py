@@ -22,7 +22,7 @@ import witness
 from witness.cli import main
 from witness.commit.signing import generate_key
 from witness.errors import MalformedInput
-from witness.record import Recorder
+from witness.record import Commitments, Recorder
 from witness.task import build_task
 from witness.verify import Policy, Verifier
 
@@ -63,7 +63,7 @@ def test_a_run_of_a_release_outside_the_list_is_refused(tmp_path, release):
 def test_a_resume_continues_only_a_run_whose_steps_this_release_reproduces(tmp_path, release, resumes):
     key = generate_key()
     task = build_task("tiny", {"steps": 8})
-    rec = Recorder.create(task, tmp_path / "b", key, r=b"\x03" * 32, checkpoint_every=4)
+    rec = Recorder.create(task, tmp_path / "b", key, r=b"\x03" * 32, commit=Commitments(checkpoint_every=4))
     for t in range(4):  # killed right after the checkpoint at step 4
         rec.log_step(t, rec.task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
     del rec
@@ -81,20 +81,21 @@ def test_a_resume_continues_only_a_run_whose_steps_this_release_reproduces(tmp_p
 @pytest.mark.parametrize("change", ["torch", "kernels"])
 def test_a_resume_elsewhere_is_refused_before_it_touches_the_run(tmp_path, monkeypatch, change):
     # Steps from two torch releases or two kinds of CPU would replay exactly on neither.
-    from witness.record import recorder
+    from witness.record import start
 
     key = generate_key()
-    rec = Recorder.create(build_task("tiny", {"steps": 8}), tmp_path / "b", key, r=b"\x03" * 32, checkpoint_every=4)
+    rec = Recorder.create(build_task("tiny", {"steps": 8}), tmp_path / "b", key, r=b"\x03" * 32,
+                          commit=Commitments(checkpoint_every=4))
     for t in range(6):  # killed after step 5: the records of 4 and 5 are unsigned, and a resume would drop them
         rec.log_step(t, rec.task.train_step(rec.model, rec.optimizer, rec.batch(t), rec.lr(t), rec.step_seed(t)))
     del rec
     before = {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
     if change == "torch":
-        monkeypatch.setattr(recorder, "torch_version", lambda: "9.9.9")
+        monkeypatch.setattr(start, "torch_version", lambda: "9.9.9")
         why = "started with torch .* this is torch 9.9.9"
     else:
-        other = dict(recorder.device_info("cpu"), kernels="GenuineIntel AVX512 avx512f")
-        monkeypatch.setattr(recorder, "device_info", lambda device, compiled=False: other)
+        other = dict(start.device_info("cpu"), kernels="GenuineIntel AVX512 avx512f")
+        monkeypatch.setattr(start, "device_info", lambda device, compiled=False: other)
         why = "started on the CPU .* this is the CPU .*GenuineIntel AVX512.*: resume it on the same hardware"
     with pytest.raises(ValueError, match=why):
         Recorder.resume(tmp_path / "b", key)

@@ -126,10 +126,11 @@ def test_a_run_with_global_dropout_is_recorded_and_verified_exactly(site, tmp_pa
 def _loop(task, out, *, loss_of=None, lr_scale=1.0, report=float, self_check=True, log_lr=None, factor=None):
     """A user's own loop around the recorder: its step, its loss, its learning rate."""
     from witness.commit.signing import generate_key
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder, SelfChecking
     from witness.task.base import StepOutput, clip_whole, mean_of_ranks, micro_seed
 
-    rec = Recorder.create(task, out, generate_key(), r=b"\x09" * 32, checkpoint_every=4, self_check=self_check)
+    rec = Recorder.create(task, out, generate_key(), r=b"\x09" * 32, commit=Commitments(checkpoint_every=4),
+                          self_check=SelfChecking(enabled=self_check))
     for t in range(task.config.steps):
         batch = rec.batch(t)
         for g in rec.optimizer.param_groups:
@@ -244,7 +245,7 @@ def test_gradient_accumulation_in_the_users_loop_replays_exactly(site, tmp_path,
 
 def test_the_recorder_says_when_its_fixed_cost_dominates_and_what_state_every_buys(tmp_path, capsys):
     from witness.commit.signing import generate_key
-    from witness.record import Recorder
+    from witness.record import Commitments, Recorder
     from witness.task import build_task
 
     rec = Recorder.create(build_task("tiny", {"steps": 30}), tmp_path / "r", generate_key(), r=b"\x01" * 32)
@@ -261,6 +262,6 @@ def test_the_recorder_says_when_its_fixed_cost_dominates_and_what_state_every_bu
     rec.step_seconds = c["record_seconds"] / 0.04
     assert rec.cost()["hint"] is None
     sparse = Recorder.create(build_task("tiny", {"steps": 30}), tmp_path / "s", generate_key(), r=b"\x01" * 32,
-                             state_every=10, checkpoint_every=10)
+                             commit=Commitments(checkpoint_every=10, state_every=10))
     sparse.train(progress=False)
     assert sparse.cost()["hint"] is None

@@ -30,6 +30,7 @@ from witness.commit.hashing import canonical_json, parse_canonical_json
 from witness.commit.note import Checkpoint, Note, cosign, parse_note, run_origin, sign_note
 from witness.commit.signing import generate_key, save_key
 from witness.commit.window import WitnessedWindow
+from witness.record import Commitments, Online, SelfChecking, Training
 from witness.record.online import OnlineSpec
 from witness.record.recorder import Recorder
 from witness.task import build_task
@@ -336,11 +337,13 @@ def _train(out: Path, link, key=None, *, bad: set[int] = frozenset(), like: Path
     task = build_task("tiny", {"steps": STEPS})
     if like is not None:
         m = parse_canonical_json((like / "log.jsonl").read_bytes().splitlines()[0])
-        kw = {"r": bytes.fromhex(m["r"]), "checkpoint_every": m["checkpoint_every"], "threads": m["threads"],
-              "online": OnlineSpec(**m["online"])}
+        kw = {"r": bytes.fromhex(m["r"]), "commit": Commitments(checkpoint_every=m["checkpoint_every"]),
+              "training": Training(threads=m["threads"])}
+        spec = OnlineSpec(**m["online"])
     else:
-        kw = {"r": r, "online": OnlineSpec(p=P, every=EVERY, ring=64)}
-    rec = Recorder.create(task, out, key or generate_key(), beacon=link, self_check=False, **kw)
+        kw, spec = {"r": r}, OnlineSpec(p=P, every=EVERY, ring=64)
+    rec = Recorder.create(task, out, key or generate_key(), online=Online(beacon=link, spec=spec),
+                          self_check=SelfChecking(enabled=False), **kw)
     for t in range(STEPS):
         if t in bad:
             with torch.no_grad():

@@ -16,7 +16,7 @@ from test_own_objects import RECIPE, data, own_get_batch, own_objects, train  # 
 from witness.commit.signing import generate_key
 from witness.data import locate
 from witness.errors import VerificationError
-from witness.record import Recorder
+from witness.record import Recorder, Training
 from witness.task import build_task, registry
 from witness.task.generic import GenericTask
 from witness.task.samples import TokenWindows
@@ -102,7 +102,7 @@ def test_a_side_file_the_model_reads_is_found_by_its_content(plugins, tmp_path, 
 def test_a_committed_batch_changed_in_place_is_refused_at_its_forward(data):  # noqa: F811
     model, optimizer = own_objects()
     rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          model=model, optimizer=optimizer)
+                          training=Training(model=model, optimizer=optimizer))
     get = rec.batches(own_get_batch)
 
     def masked(split):
@@ -117,14 +117,14 @@ def test_a_committed_batch_changed_in_place_is_refused_at_its_forward(data):  # 
 def test_a_second_run_after_a_failed_one_takes_over_its_hooks_and_generators(data):  # noqa: F811
     model, optimizer = own_objects()
     rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          model=model, optimizer=optimizer)
+                          training=Training(model=model, optimizer=optimizer))
     get = rec.batches(own_get_batch)
     torch.manual_seed(1234)
     x, y = get("train")
     model(x, y)  # a forward, then the loop fails before its step: the generators are the step's now
     assert torch.initial_seed() != 1234
     rec2 = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run2", generate_key(), r=bytes(32),
-                           model=model, optimizer=optimizer)
+                           training=Training(model=model, optimizer=optimizer))
     assert torch.initial_seed() == 1234  # given back when the failed run's hooks were taken down
     train(rec2, model, optimizer, RECIPE["steps"], rec2.batches(own_get_batch))
     rec2.finish()

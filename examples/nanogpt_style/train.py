@@ -19,7 +19,7 @@ from ast import literal_eval
 
 import numpy as np
 import torch
-from witness.record import start_run  # witness
+from witness.record import Commitments, start_run  # witness
 
 from witness_example_nanogpt.model import GPT, GPTConfig, get_lr
 
@@ -59,7 +59,7 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 recipe = dict(steps=max_iters, batch_size=batch_size * gradient_accumulation_steps, grad_accum=gradient_accumulation_steps,  # witness
               lr=learning_rate, min_lr=min_lr, warmup=warmup_iters, weight_decay=weight_decay, grad_clip=grad_clip,  # witness
               optimizer_args={"betas": [beta1, beta2]}, data=os.path.join(data_dir, "train.bin"), **model_args)  # witness
-rec = start_run("nanogpt-style", recipe, out_dir, model=model, optimizer=optimizer, key=key_file, checkpoint_every=10)  # witness
+rec = start_run("nanogpt-style", recipe, out_dir, model=model, optimizer=optimizer, key=key_file, commit=Commitments(checkpoint_every=10))  # witness
 get_batch = rec.batches(get_batch)  # witness: the committed batches, in order
 
 t0 = time.time()

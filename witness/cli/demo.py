@@ -32,7 +32,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..commit.hashing import canonical_json
     from ..commit.signing import load_or_create_key
     from ..evals.evaluate import evaluate, verify_eval
-    from ..record import Recorder
+    from ..record import Commitments, Online, Recorder
     from ..report import write_report
     from ..task import build_task
     from ..verify import Evidence, Policy, Trust, Verifier
@@ -68,8 +68,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         witnesses = [WitnessClient(url) for _, _, url in servers[1:]]
         t0 = time.perf_counter()
-        rec = Recorder.create(task, bundle_dir, key, r=trainer_r(None, key), checkpoint_every=50,
-                              beacon=WitnessedLink(witnesses, DrandClient(servers[0][2], local.chain)))
+        rec = Recorder.create(task, bundle_dir, key, r=trainer_r(None, key), commit=Commitments(checkpoint_every=50),
+                              online=Online(beacon=WitnessedLink(witnesses, DrandClient(servers[0][2], local.chain))))
         rec.train()
         train_s = time.perf_counter() - t0
     finally:

@@ -20,8 +20,8 @@ from .args import (
     trainer_r,
 )
 
-SELF_CHECK_SHARE = 0.01  # witness.record.background.DEFAULT_SHARE (imported here, it would import torch)
-ONLINE_CHUNKS = 2  # witness.record.online.DEFAULT_CHUNKS (the same: its help says the default)
+SELF_CHECK_SHARE = 0.01  # witness.record.options.DEFAULT_SHARE (imported here, it would import torch)
+ONLINE_CHUNKS = 2  # witness.record.link.DEFAULT_CHUNKS (the same: its help says the default)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -62,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.out:
         print("witness train: --out is required", file=sys.stderr)
         return 2
-    from ..record import Recorder
+    from ..record import Commitments, Online, Recorder, SelfChecking, Training
     from ..task import build_task
 
     if not Path(args.key).exists():
@@ -74,8 +74,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return train_with_leaderboard(args, key)
     beacon = _beacon(args)
     if args.resume:
-        rec = Recorder.resume(args.out, key, threads=args.threads, beacon=beacon, self_check=not args.no_self_check,
-                              self_check_share=args.self_check_share)
+        rec = Recorder.resume(args.out, key, threads=args.threads, online=Online(beacon=beacon),
+                              self_check=SelfChecking(enabled=not args.no_self_check, share=args.self_check_share))
         print(f"resuming {args.out} at step {rec.start_step}", file=sys.stderr)
     else:
         config = dict(args.config or [])
@@ -88,10 +88,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.steps is not None:
             config["steps"] = args.steps
         task = build_task(args.task, config)
-        rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed, key), checkpoint_every=args.checkpoint_every,
-                              state_every=args.state_every, threads=args.threads, device=args.device, beacon=beacon,
-                              online=_online_spec(args, task.config.steps, beacon) if beacon else None,
-                              self_check=not args.no_self_check, self_check_share=args.self_check_share)
+        rec = Recorder.create(task, args.out, key, r=trainer_r(args.seed, key),
+                              commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=args.state_every),
+                              training=Training(threads=args.threads, device=args.device),
+                              online=Online(beacon=beacon,
+                                            spec=_online_spec(args, task.config.steps, beacon) if beacon else None),
+                              self_check=SelfChecking(enabled=not args.no_self_check, share=args.self_check_share))
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
     hint = rec.cost()["hint"]
@@ -138,7 +140,7 @@ def _witnessed(args: argparse.Namespace):  # noqa: ANN202 - a WitnessedLink
 
 
 def _online_spec(args: argparse.Namespace, steps: int, beacon=None):  # noqa: ANN001 - a BeaconLink
-    from ..record.online import OnlineSpec
+    from ..record.link import OnlineSpec
 
     chain = getattr(beacon, "chain", None)
     return OnlineSpec.for_steps(steps, **({"every": args.online_every} if args.online_every else {}), p=args.online_p,

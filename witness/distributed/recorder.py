@@ -2,7 +2,7 @@
 
 Usage, inside a script started by ``torchrun`` after ``dist.init_process_group``::
 
-    rec = DistRecorder(task, "run/", key, r=r, checkpoint_every=50, parallelism="fsdp")
+    rec = DistRecorder(task, "run/", key, r=r, commit=Commitments(checkpoint_every=50), parallelism="fsdp")
     for t in range(task.config.steps):
         batch = rec.batch(t)                 # this rank's share of the committed global batch
         out = rec.train_step(t, batch)       # forward, backward (the wrapper averages), clip, step
@@ -27,8 +27,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ..bundle.layout import due
 from ..bundle.state import default_digest, root_from_shards, shard_digests
 from ..data.order import derive_run_seed
+from ..record.options import Commitments, HeadCallback, Online, Training
 from ..record.overlap import StateSnapshots
-from ..record.recorder import HeadCallback, Recorder
+from ..record.recorder import Recorder
 from ..task.base import StepOutput, Task
 from .session import DistSession
 
@@ -37,19 +38,21 @@ class DistRecorder:
     """Witnesses a DDP or FSDP2 run: the global batch is the ranks' micro-batches in rank order."""
 
     def __init__(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, r: bytes,
-                 checkpoint_every: int = 50, state_every: int | None = None, parallelism: str = "ddp",
-                 on_head: HeadCallback | None = None):
-        """``state_every`` defaults to every step. Under DDP rank 0 holds the whole state; under
+                 commit: Commitments | None = None, parallelism: str = "ddp", on_head: HeadCallback | None = None):
+        """``commit``: what the run commits and how often, as for ``Recorder.create`` (by default a
+        state every step, a checkpoint every 50). Under DDP rank 0 holds the whole state; under
         FSDP2 every rank hashes the rows it holds and sends rank 0 their digests (no gather), and
-        only a checkpoint gathers the whole state."""
+        only a checkpoint gathers the whole state. ``on_head``: rank 0 calls it with every signed
+        tree head (``Online.on_head``)."""
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
+        commit = commit or Commitments()
         self.task = task
         dataset = task.dataset()
         self.session = DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism)
         self.rank = self.session.rank
-        self.checkpoint_every = checkpoint_every
-        self.state_every = state_every or 1
+        self.checkpoint_every = commit.checkpoint_every
+        self.state_every = commit.state_every
         self.sharded = parallelism == "fsdp" and self.session.world_size > 1
         shards = self.session.world_size if self.sharded else 1
         # every rank names the same digest: the same code and packages run on all of them
@@ -58,10 +61,10 @@ class DistRecorder:
         if self.rank == 0:
             if key is None:
                 raise ValueError("rank 0 signs the log: it needs the key")
-            self.inner = Recorder.create(task, out, key, r=r, checkpoint_every=checkpoint_every,
-                                         state_every=self.state_every, session=self.session,
-                                         init_state=self.session.init_state, parallelism=parallelism,
-                                         on_head=on_head, shards=shards)
+            training = Training(session=self.session, init_state=self.session.init_state, parallelism=parallelism,
+                                shards=shards)
+            self.inner = Recorder.create(task, out, key, r=r, commit=commit, training=training,
+                                         online=Online(on_head=on_head))
         # Off the training stream on a GPU (a side-stream copy, hashed in a background thread)
         self._overlap = self.session.device.type == "cuda"
         self._snapshots: StateSnapshots | None = None

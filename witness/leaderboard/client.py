@@ -96,7 +96,7 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
     """
     import dataclasses
 
-    from ..record import Recorder
+    from ..record import Commitments, Online, Recorder, SelfChecking, Training
     from ..task import build_task
 
     tk = ticket(client, track, info)
@@ -109,10 +109,12 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
         spec = OnlineSpec.for_steps(task.config.steps)
         if tk.get("online_p") is not None and spec.p < tk["online_p"]:
             spec = OnlineSpec.for_steps(task.config.steps, p=float(tk["online_p"]))
-    rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]), r_source="ticket",
-                          checkpoint_every=checkpoint_every, threads=threads,
-                          on_head=HeadStreamer(client, tk["run_id"]) if stream and not link else None, beacon=link,
-                          online=spec, self_check=lr_factor is None)  # a cheat would stop at its own self-check
+    rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]),
+                          commit=Commitments(checkpoint_every=checkpoint_every, r_source="ticket"),
+                          training=Training(threads=threads),
+                          online=Online(beacon=link, spec=spec,
+                                        on_head=HeadStreamer(client, tk["run_id"]) if stream and not link else None),
+                          self_check=SelfChecking(enabled=lr_factor is None))  # a cheat would stop at its own self-check
     if lr_factor is None:
         return tk["run_id"], rec.train(progress)
     n = task.config.steps

@@ -42,8 +42,9 @@ import torch
 from ..bundle.checkpoint import write_state
 from ..bundle.state import state_tensors
 from ..task.base import StepOutput
+from .mismatch import SelfCheckFailed, rng_states, same_rng
+from .options import DEFAULT_SHARE  # noqa: F401 - the budget's default, importable from here as before
 
-DEFAULT_SHARE = 0.01  # of the loop's step time: what the background check may cost
 START_ESTIMATE = 4.0  # seconds a checker takes to start, until one has said (importing torch, building the task)
 READY_WAIT = 120.0  # seconds a head waits at least for the checker's answer before it gives the checker up
 MAX_SAMPLES_FILE = 1 << 31  # the recorder writes one batch's samples; nothing bigger is one
@@ -139,9 +140,7 @@ class BackgroundCheck:
         """The loop asks for ``step``'s batch: the global generators' states (a sampled step's
         draws outside the step's randomness are named), and any answer the checker has sent."""
         if self.pending is not None and self.pending[0] == step:
-            from .selfcheck import _rng_states
-
-            self.pending[1] = _rng_states()
+            self.pending[1] = rng_states()
         self.poll()
 
     def finish(self, step: int, out: StepOutput) -> None:
@@ -149,13 +148,11 @@ class BackgroundCheck:
         ``SelfCheckFailed`` for a step that did not replay)."""
         if self.pending is not None and self.pending[0] == step and self.unavailable is None:
             began = time.perf_counter()
-            from .selfcheck import _rng_states, _same
-
             rng = self.pending[1]
             self.pending = None
             drew = [] if rng is None else [
                 name for name, a, b in zip(("torch's global", "Python's random", "NumPy's global"), rng,
-                                           _rng_states(), strict=True) if not _same(a, b)]
+                                           rng_states(), strict=True) if not same_rng(a, b)]
             after, samples = self.folder / f"after-{step}.safetensors", self.folder / f"samples-{step}.bin"
             try:
                 write_state(after, state_tensors(self.rec.model, self.rec.optimizer), step + 1, sync=False)
@@ -303,8 +300,6 @@ class BackgroundCheck:
 
     def poll(self, block: bool = False) -> None:
         """Read what the checker has said (``block``: until it answers the step it replays)."""
-        from .selfcheck import SelfCheckFailed
-
         try:
             self._read(block)
         except SelfCheckFailed:
@@ -313,8 +308,6 @@ class BackgroundCheck:
             self._give_up(f"{type(e).__name__}: {e}")
 
     def _read(self, block: bool) -> None:
-        from .selfcheck import SelfCheckFailed
-
         deadline = time.monotonic() + self._wait()
         while self.proc is not None:
             wait = max(deadline - time.monotonic(), 0.0) if block else 0.0
@@ -347,7 +340,7 @@ class BackgroundCheck:
                         raise SelfCheckFailed(
                             message["problem"] + f" (the background self-check replayed sampled step {step} as "
                             "`witness verify` will, in a process of its own, and the bits differ: the run stopped "
-                            "before its next tree head; Recorder.create(self_check=False) or --no-self-check skips "
+                            "before its next tree head; SelfChecking(enabled=False) or --no-self-check skips "
                             "the check)")
                     self.checked.append(step)
             if not block or self.in_flight is None:

@@ -1,8 +1,9 @@
 """Witnessing a training loop as it is written: the user's own model, optimizer and batches.
 
-``Recorder.create(..., model=model, optimizer=optimizer)`` adopts the loop's own objects: the
-model's weights are set, in place, to the initial state the task's plugin builds from the run seed
-(what a verifier rebuilds), and the optimizer is checked against the recipe's. Then
+``Recorder.create(..., training=Training(model=model, optimizer=optimizer))`` (or ``start_run``)
+adopts the loop's own objects: the model's weights are set, in place, to the initial state the
+task's plugin builds from the run seed (what a verifier rebuilds), and the optimizer is checked
+against the recipe's. Then
 ``get_batch = rec.batches(get_batch)`` (or ``loader = rec.batches(loader)``) hands the loop the
 committed batches, and the loop needs nothing else: hooks on the model and the optimizer record
 each step when ``optimizer.step()`` returns.
@@ -30,21 +31,17 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..task.base import mean_of_ranks, micro_seed, model_device, to_device
 
-if TYPE_CHECKING:
-    from .recorder import Recorder
-
 # the optimizer settings a loop's own optimizer may leave at torch's default where the recipe's sets
 # them: ``None`` is "torch chooses", which on the CPU is the single-tensor kernel the recipe names
 KERNEL_FLAGS = ("foreach", "fused")
-BEACON_ENV = "WITNESS_BEACON"
 # the hooks on a model or optimizer (by the object): at most one recorder's at a time
-HOOKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # start_run's beacon where the script names none
+HOOKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def off_by_one_hint(steps: int) -> str:
@@ -85,15 +82,21 @@ def adopt_model(model: torch.nn.Module, built: torch.nn.Module) -> None:
             mine[k].copy_(v)
 
 
+def unhook(*objs: Any) -> None:  # noqa: ANN401 - a model or an optimizer (or None)
+    """Take down any recorder's hooks still on these objects: a run that failed before (a notebook's
+    second start) gives its hooks up, and the global generators their own state."""
+    for obj in objs:
+        old = HOOKED.get(obj) if obj is not None else None
+        if old is not None:
+            old.close()
+
+
 def adopt(session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:  # noqa: ANN401
     """Make the loop's own model (and optimizer) the session's: the model takes the initial state
     the session built, and the optimizer (the recipe's, built on the loop's model, where the loop
     has none) must step as the recipe's does."""
     task = session.task
-    for obj in (model, optimizer):
-        old = HOOKED.get(obj) if obj is not None else None
-        if old is not None:
-            old.close()  # a run that failed before (a notebook's second start): its hooks and generators go
+    unhook(model, optimizer)
     adopt_model(model, session.model)
     if optimizer is None:
         optimizer = task.build_optimizer(model)
@@ -143,7 +146,8 @@ def _norm(v: Any) -> Any:  # noqa: ANN401 - an optimizer setting
 class Hooked:
     """The hooks that record a loop's steps from its own model and optimizer (see the module)."""
 
-    def __init__(self, rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, rec: Any, model: torch.nn.Module,  # noqa: ANN401 - the Recorder
+                 optimizer: torch.optim.Optimizer):
         task = rec.task
         if task.precision == "fp16":
             raise ValueError("an fp16 loop scales its gradients: take the batches with rec.batch(t) and record each "
@@ -163,9 +167,7 @@ class Hooked:
         self.step = rec.start_step  # the step the optimizer takes next
         self.ready = -1  # the last step whose committed batch the recorder was told of
         self.queued = False  # the gradient norm's callback, queued by the step's last backward
-        for old in (HOOKED.get(model), HOOKED.get(optimizer)):
-            if old is not None:
-                old.close()  # a run that failed before (a notebook's second start): its hooks go first
+        unhook(model, optimizer)
         HOOKED[model] = HOOKED[optimizer] = self
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -368,29 +370,3 @@ class Batches:
         h = self.hooked
         return h.steps * h.accum - h.handed
 
-
-def start_run(task: str, settings: dict, out: str, *, model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer | None = None, key: str = "witness-key.pem",
-              beacon: str | None = None, **kwargs: Any) -> Recorder:  # noqa: ANN401
-    """Witness a loop in one line: the task ``task`` (an installed plugin's) with the recipe its
-    ``recipe_from`` reads off the loop's ``settings`` and ``model``, the loop's own model and
-    optimizer adopted, a key at ``key`` (created there if missing), a fresh random ``r``, and online
-    challenges from the beacon at ``beacon`` if one is named (by default the ``WITNESS_BEACON``
-    environment variable's URL where it is None or empty, so that any witnessed script goes online without a change).
-    ``kwargs`` go to ``Recorder.create``."""
-    import os
-    from pathlib import Path
-
-    from ..commit.signing import load_or_create_key
-    from ..task.registry import build_task, task_class
-    from .recorder import Recorder
-
-    built = build_task(task, task_class(task).recipe_from(settings, model))
-    link = None
-    beacon = beacon or os.environ.get(BEACON_ENV)  # an empty setting (nanoGPT's default) is none given
-    if beacon:
-        from ..beacon.client import BeaconClient
-
-        link = BeaconClient(beacon)
-    return Recorder.create(built, out, load_or_create_key(Path(key)), r=os.urandom(32), model=model,
-                           optimizer=optimizer, beacon=link, **kwargs)

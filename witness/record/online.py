@@ -21,14 +21,11 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from ..bundle.checkpoint import write_state
 from ..bundle.layout import (
     COSIGNED,
     STATEMENTS,
@@ -36,147 +33,32 @@ from ..bundle.layout import (
     online_samples_name,
     online_state_name,
 )
-from ..bundle.openings import WindowOpenings, write_openings
 from ..bundle.writer import read_lines
-from ..commit.beacon import BeaconStatement, p_needed, selected_steps
+from ..commit.beacon import BeaconStatement, selected_steps
 from ..commit.chunks import ChunkTree, chunk_indices
 from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
 from ..data.dataset import Dataset
-from ..fingerprint.chunks import DEFAULT_CHUNK_BYTES, ChunkLayout
+from ..fingerprint.chunks import ChunkLayout
+from .kept import KeptFiles, StatePool
+from .link import (
+    DEFAULT_BAD_FRACTION,
+    DEFAULT_CHUNKS,
+    DEFAULT_CONFIDENCE,
+    DEFAULT_EVERY,
+    DRAND_EVERY,
+    DRAND_RING,
+    BeaconLink,
+    OnlineSpec,
+)
 
-DEFAULT_EVERY = 10
-# chunks each window opens of every state (0: the run commits no chunks). Two of 1 KiB: what k chunks
-# catch depends on the bytes opened (k x chunk), and each chunk also costs its path (32 bytes a level),
-# so two of 1 KiB open as much as four of 512 bytes in fewer bytes; a swap moves every chunk past the
-# bound (bench/swap_detection.py), so one would catch it; and the openings stay within a fifth of an
-# online bundle's bytes (docs/benchmarks.md)
-DEFAULT_CHUNKS = 2
-DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION = 0.99, 0.05
-DRAND_EVERY = 100  # a witnessed run's default head cadence (see OnlineSpec.for_steps)
-DRAND_RING = 256  # states a witnessed run holds while its rounds come (see OnlineSpec.for_steps)
-
-
-class BeaconLink(Protocol):
-    """What the recorder needs of a beacon (``witness.beacon.client.BeaconClient`` is one)."""
-
-    public_key: str
-
-    def body(self, head: SignedTreeHead, log: RunLog) -> dict:
-        """The request for a head (built on the training thread, sent later in order)."""
-
-    def post(self, body: dict, head: SignedTreeHead, log: RunLog) -> BeaconStatement:
-        """Send a request; the beacon's checked statement for its head."""
-
-    def statements(self, log: RunLog) -> list[BeaconStatement]:
-        """Every statement the beacon holds for the run."""
-
-    def check(self, obj: object, log: RunLog) -> BeaconStatement:
-        """A statement of this beacon for the run, parsed and its signature checked."""
-
-    # A link may also have ``publish(kind, step, path)``: each file kept for a selected step is
-    # passed to it once written (a leaderboard replays the step while the run trains).
+# the settings and the buffers, importable from here as before
+__all__ = ["DEFAULT_BAD_FRACTION", "DEFAULT_CHUNKS", "DEFAULT_CONFIDENCE", "DEFAULT_EVERY", "DRAND_EVERY", "DRAND_RING",
+           "BeaconLink", "OnlineChallenges", "OnlineSpec", "StatePool"]
 
 
-@dataclass(frozen=True)
-class OnlineSpec:
-    """The manifest's online settings: selection probability, head cadence, ring size."""
-
-    p: float
-    every: int = DEFAULT_EVERY
-    ring: int = 2 * DEFAULT_EVERY + 1
-    drand: str | None = None  # the drand chain's hash (hex) of a run whose windows witnesses cosign
-    # the parameter chunks each window opens of every state, and their size (chunks 0: none committed)
-    chunks: int = DEFAULT_CHUNKS
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-
-    @classmethod
-    def for_steps(cls, steps: int, every: int | None = None, p: float | None = None,
-                  ring: int | None = None, drand: str | None = None, chunks: int | None = None) -> OnlineSpec:
-        """Settings whose bound reaches 99 % against 5 % bad steps over ``steps`` steps (unless p is given).
-
-        A head every ``DEFAULT_EVERY`` steps by default; a witnessed run's (``drand``) every
-        ``DRAND_EVERY``: each head costs two witnesses' requests and checks, and a window's round
-        comes seconds after it closes however short it is, so short windows buy nothing there
-        (bench/online_cost.py: at 10 steps a window, the heads cost the trainer more than the ring)."""
-        if every is None:
-            every = DRAND_EVERY if drand else DEFAULT_EVERY
-        every = max(1, min(every, steps))
-        if p is None:
-            p = min(1.0, p_needed(DEFAULT_CONFIDENCE, DEFAULT_BAD_FRACTION, steps) * (1 + 1e-9))
-        if ring is None:
-            # a drand round comes 4 to 8 s after its window closed: the ring holds the states trained
-            # meanwhile (DRAND_RING of them unless told; a slower step needs fewer)
-            ring = max(2 * every + 1, DRAND_RING) if drand else 2 * every + 1
-        return cls(float(p), every, ring, drand, DEFAULT_CHUNKS if chunks is None else chunks)
-
-    def to_json(self) -> dict:
-        """The manifest's ``online`` field."""
-        return {"p": self.p, "every": self.every, "ring": self.ring} | ({"drand": self.drand} if self.drand else {}) \
-            | ({"chunks": self.chunks, "chunk_bytes": self.chunk_bytes} if self.chunks else {})
-
-
-class StatePool:
-    """Host buffers for states, reused: a copy into one is one ``_foreach_copy_`` with no allocation.
-
-    A state's names and shapes are fixed within a run once the optimizer has stepped (the initial
-    state has no moments yet), so a buffer is reused for any state with its names; what costs is
-    the per-tensor work, so nothing else is done per tensor on a copy."""
-
-    def __init__(self, layout: ChunkLayout | None = None) -> None:
-        self.free: list[dict[str, torch.Tensor]] = []
-        self._targets: dict[int, list[torch.Tensor]] = {}  # id(slot) -> its tensors, in its order
-        # a chunked run's slots hold their parameters in one chunk-aligned buffer (hashed in place)
-        self.layout = layout
-        self._flat: dict[int, torch.Tensor] = {}  # id(slot) -> that buffer
-
-    def take(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A free buffer shaped like ``state`` (pinned host memory for a GPU state), not filled."""
-        slot = self.free.pop() if self.free else None
-        if slot is None or slot.keys() != state.keys():
-            if slot is not None:
-                self._targets.pop(id(slot), None)
-                self._flat.pop(id(slot), None)
-            pinned = any(v.is_cuda for v in state.values())
-            views: dict[str, torch.Tensor] = {}
-            flat = None
-            if self.layout is not None and all(n in state for n in self.layout.names):
-                flat = self.layout.empty(pinned)
-                views = self.layout.views(flat)
-            slot = {k: views[k] if k in views else torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pinned)
-                    for k, v in state.items()}
-            self._targets[id(slot)] = list(slot.values())
-            if flat is not None:
-                self._flat[id(slot)] = flat
-        return slot
-
-    def flat(self, slot: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The chunk-aligned buffer that holds a slot's parameters (None: not one of this pool's)."""
-        return self._flat.get(id(slot))
-
-    def copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A host copy of ``state`` that training cannot change."""
-        slot = self.take(state)
-        dst = self._targets[id(slot)]
-        with torch.no_grad():  # copying from parameters: nothing to record for autograd
-            foreach = getattr(torch, "_foreach_copy_", None)
-            src = [state[k] for k in slot]
-            if foreach is not None:
-                foreach(dst, src, non_blocking=True)
-            else:  # pragma: no cover - older torch
-                for d, t in zip(dst, src, strict=True):
-                    d.copy_(t, non_blocking=True)
-            if any(t.is_cuda for t in src[:1]):
-                torch.cuda.current_stream().synchronize()  # the copy must be whole before training goes on
-        return slot
-
-    def release(self, slot: dict[str, torch.Tensor]) -> None:
-        """Give a buffer back once nothing reads it."""
-        self.free.append(slot)
-
-
-class OnlineChallenges:
+class OnlineChallenges(KeptFiles):
     """The ring, the beacon's statements and the selected states of one run (in its bundle folder).
 
     The training thread copies states into the ring and builds each head's request; one background
@@ -186,11 +68,10 @@ class OnlineChallenges:
 
     def __init__(self, out: Path, spec: OnlineSpec, link: BeaconLink, log: RunLog, steps: int, dataset: Dataset,
                  checkpoint_every: int, layout: ChunkLayout | None = None):
-        self.out, self.spec, self.link, self.log, self.steps, self.dataset = out, spec, link, log, steps, dataset
-        self.checkpoint_every = checkpoint_every
         if (layout is not None) != bool(spec.chunks) or layout is not None and layout.chunk_bytes != spec.chunk_bytes:
             raise ValueError("a chunked run's ring needs the layout of its parameters' chunks, and only such a run's")
-        self.layout = layout
+        super().__init__(out, link, log, dataset, layout)
+        self.spec, self.steps, self.checkpoint_every = spec, steps, checkpoint_every
         self.ring: dict[int, dict[str, torch.Tensor]] = {}  # state after n updates, for steps not yet covered
         self.trees: dict[int, ChunkTree] = {}  # the chunk tree of each state in the ring (a chunked run)
         # windows stamped before a crash whose openings were lost: head size -> (first state, chunks, pieces
@@ -201,21 +82,18 @@ class OnlineChallenges:
         self._reopen_lock = threading.Lock()
         self.statements: dict[int, BeaconStatement] = {}  # by head size
         self.wanted: set[int] = set()  # states of selected steps still to come (after a resume)
-        self.selected: set[int] = set()  # every step a statement selected
         self.covered = 0  # steps 0 .. covered - 1 are in a statement's window
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="witness-beacon")  # one: heads go out in order
         self._settler: ThreadPoolExecutor | None = None  # witnessed windows: waits for drand rounds
         self._pending: deque[Future] = deque()
         self._lock = threading.Lock()
         self._buffers = StatePool(layout)
-        self.waits, self.wait_seconds, self.written, self.bytes_written, self.rebuilt = 0, 0.0, 0, 0, 0
-        # a chunked run: chunk trees hashed (and their time, wherever the hash ran), windows opened and
-        # their files' bytes (also in bytes_written)
-        self.trees_built, self.tree_seconds, self.tree_cpu_seconds, self.opened, self.opened_bytes = 0, 0.0, 0.0, 0, 0
+        self.waits, self.wait_seconds, self.rebuilt = 0, 0.0, 0
+        # a chunked run: chunk trees hashed (and their time, wherever the hash ran)
+        self.trees_built, self.tree_seconds, self.tree_cpu_seconds = 0, 0.0, 0.0
         self.peak_ring = 0
         self.copies = self.shared = 0  # states copied into the ring, and states the overlapped hash copied there
-        # copies on the training thread; writes and uploads (to a leaderboard) in the background
-        self.copy_seconds = self.write_seconds = self.write_cpu_seconds = self.publish_seconds = 0.0
+        self.copy_seconds = 0.0  # copies on the training thread
         # the link's own cost: building each head's request (training thread), sending it (the sending
         # thread's CPU) and, witnessed, fetching and checking the window's round (the settling thread's CPU)
         self.heads, self.body_seconds, self.post_cpu_seconds, self.settle_cpu_seconds = 0, 0.0, 0.0, 0.0
@@ -349,27 +227,6 @@ class OnlineChallenges:
 
     def _window_at(self, size: int) -> range:
         return self.statements[size].window(self.steps)
-
-    def _pieces(self, flat: torch.Tensor, tree: ChunkTree, chunks: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """One state's opened chunks ([k, chunk bytes], a copy) and their paths ([nodes, 32])."""
-        assert self.layout is not None
-        raw = flat.numpy().reshape(self.layout.size, self.layout.chunk_bytes)
-        return raw[chunks].copy(), tree.paths(chunks)
-
-    def _write_openings(self, size: int, first: int, chunks: list[int],
-                        pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Write a window's openings (and pass the file to the link, as the kept states are)."""
-        started, cpu = time.perf_counter(), time.thread_time()
-        path = self.out / online_chunks_name(size)
-        opened = WindowOpenings(size, first, tuple(chunks), np.stack([c for c, _ in pieces]),
-                                np.stack([p for _, p in pieces]))
-        written = write_openings(path, opened)
-        self.opened += 1
-        self.opened_bytes += written
-        self.bytes_written += written
-        self.write_seconds += time.perf_counter() - started
-        self.write_cpu_seconds += time.thread_time() - cpu
-        self._publish("chunks", size, path)
 
     def reserve(self, n: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """A ring buffer for the state after ``n`` updates that the caller fills (the overlapped state
@@ -515,40 +372,6 @@ class OnlineChallenges:
         with self._lock:
             for slot in free:
                 self._buffers.release(slot)
-
-    def _write_samples(self, t: int) -> None:
-        """The samples of selected step ``t``, from its record's batch (written already) and the dataset."""
-        started, cpu = time.perf_counter(), time.thread_time()
-        idx = parse_canonical_json(self.log.lines[t + 1])["batch"]
-        doc = {"step": t, "indices": idx, "samples": [self.dataset.sample_bytes(i).hex() for i in idx]}
-        path = self.out / online_samples_name(t)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(canonical_json(doc))
-        tmp.replace(path)
-        self.bytes_written += path.stat().st_size
-        self.write_seconds += time.perf_counter() - started
-        self.write_cpu_seconds += time.thread_time() - cpu
-        self._publish("samples", t, path)
-
-    def _publish(self, kind: str, step: int, path: Path) -> None:
-        """Pass a kept file to the link, if it takes them (what it costs is the upload's time)."""
-        publish = getattr(self.link, "publish", None)
-        if publish is not None:
-            started = time.perf_counter()
-            publish(kind, step, path)
-            self.publish_seconds += time.perf_counter() - started
-
-    def _write(self, n: int, state: dict[str, torch.Tensor]) -> None:
-        """The state after ``n`` updates."""
-        started, cpu = time.perf_counter(), time.thread_time()
-        write_state(self.out / online_state_name(n), state, n)
-        self.written += 1
-        self.bytes_written += (self.out / online_state_name(n)).stat().st_size
-        self.write_seconds += time.perf_counter() - started
-        self.write_cpu_seconds += time.thread_time() - cpu  # the write's own work, not its wait on the disk
-        if n in self.selected:  # the state before a selected step (the one after it serves tolerance mode)
-            self._publish("states", n, self.out / online_state_name(n))
 
     def wait(self) -> None:
         """Wait until every head sent so far is answered and what it selected is written (and passed

@@ -13,26 +13,22 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import struct
 import sys
 import time
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 
 from ..bundle.state import load_state, state_tensors
 from ..errors import MalformedInput
 from ..session import TrainingSession
 from ..task.base import StepOutput
-from .background import DEFAULT_SHARE, BackgroundCheck
+from .background import BackgroundCheck
+from .mismatch import SelfCheckFailed, rng_states, same_rng
+from .options import DEFAULT_SHARE
 
 LATER_STEPS = 50  # the later step is drawn from steps 1 .. 50; the background samples steps after them
-
-
-class SelfCheckFailed(ValueError):
-    """A recorded step does not replay: the verifier would reject the run."""
 
 
 def check_steps(steps: int) -> list[int]:
@@ -103,7 +99,7 @@ class SelfCheck:
         compiled so far; and any answer the checker has sent."""
         self._go_on()
         if step in self.steps and self.prepared == step:
-            self.rng = _rng_states()
+            self.rng = rng_states()
             self.compiled = _compiled_so_far()
             return
         try:
@@ -122,7 +118,7 @@ class SelfCheck:
             self._fail(SelfCheckFailed(
                 f"step {step} ran at {torch.get_num_threads()} thread(s), but the run recorded {recorded}: replay runs "
                 f"at {recorded}, and a sum over threads rounds otherwise at another count, so the verifier would "
-                "reject the run; leave torch's thread count as Recorder.create(threads=…) set it"))
+                "reject the run; leave torch's thread count as Training(threads=…) set it"))
         want = rec.lr(step)
         if not _same_float(out.lr, want):  # (the optimizer's own groups may already hold the next step's rate)
             self._fail(SelfCheckFailed(
@@ -137,9 +133,9 @@ class SelfCheck:
                 self._fail(e)
             return
         started = time.perf_counter()
-        rng = self.rng or _rng_states()
+        rng = self.rng or rng_states()
         drew = [name for name, (a, b) in zip(("torch's global", "Python's random", "NumPy's global"),
-                                             zip(rng, _rng_states(), strict=True), strict=True) if not _same(a, b)]
+                                             zip(rng, rng_states(), strict=True), strict=True) if not same_rng(a, b)]
         if _compiled_so_far() != self.compiled and not rec.task.compiles:
             self._fail(SelfCheckFailed(
                 f"step {step} ran code that torch.compile compiled, but the recipe does not compile: replay runs the "
@@ -170,7 +166,7 @@ class SelfCheck:
         self.seconds += time.perf_counter() - started
         if problem:
             self._fail(SelfCheckFailed(problem + " (the record-time self-check replayed the step as `witness verify` "
-                                                 "will; Recorder.create(self_check=False) or --no-self-check skips it)"))
+                                                 "will; SelfChecking(enabled=False) or --no-self-check skips it)"))
         self.checked.append(step)
 
     def settle(self) -> None:
@@ -198,7 +194,7 @@ class SelfCheck:
         """What the check replayed and what it cost, in a line (a run says it when it finishes)."""
         steps = " and ".join(str(t) for t in sorted(self.checked)) or "none"
         return (f"self-check: step(s) {steps} replayed as a verifier will, bit for bit ({self.seconds:.2f} s); "
-                f"{self.background.summary()}; --no-self-check or Recorder.create(self_check=False) skips it")
+                f"{self.background.summary()}; --no-self-check or SelfChecking(enabled=False) skips it")
 
 
 def _compiled_so_far() -> int:
@@ -213,18 +209,6 @@ def _compiled_so_far() -> int:
 def _same_float(a: float, b: float) -> bool:
     """Equal, or both NaN (an fp16 step whose gradients overflowed has a NaN norm, in replay too)."""
     return a == b or (math.isnan(a) and math.isnan(b))
-
-
-def _rng_states() -> tuple:
-    return torch.random.get_rng_state(), random.getstate(), np.random.get_state()
-
-
-def _same(a: Any, b: Any) -> bool:  # noqa: ANN401 - generator states of three kinds
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, tuple) and a and isinstance(a[0], str):  # NumPy's (name, keys, pos, ...)
-        return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
-    return a == b
 
 
 def _compare(step: int, out: StepOutput, got: StepOutput, after: dict[str, torch.Tensor],
