@@ -144,8 +144,8 @@ def train_and_certify(client, trainer: Trainer, out: Path, track: str = "quick",
     """
     key = key or trainer.key
     factor = (lambda t, n: lr_cheat.get(t, 1.0)) if lr_cheat else None
-    run_id, _ = C.train_ticketed(Authed(client, trainer.token), track, key, out, checkpoint_every=checkpoint_every,
-                                 stream=stream, lr_factor=factor)
+    run_id, _ = C.train_ticketed(Authed(client, trainer.token), track, key, out,
+                                 C.TicketedRun(checkpoint_every=checkpoint_every, stream=stream, lr_factor=factor))
     return run_id, out, C.write_evaluation(out, key, out.with_suffix(".eval.json"))
 
 

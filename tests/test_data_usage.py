@@ -163,7 +163,8 @@ def test_a_document_rule_swap_is_rejected_by_the_leaderboard(tmp_path, monkeypat
             return usage_json("self", (tree.root, tree.size), (tree.root, tree.size))
 
         monkeypatch.setattr(recorder, "used_roots", self_rule)
-        run_id, _ = C.train_ticketed(Authed(tc, alice.token), "gpt", alice.key, tmp_path / "run", checkpoint_every=2)
+        run_id, _ = C.train_ticketed(Authed(tc, alice.token), "gpt", alice.key, tmp_path / "run",
+                                     C.TicketedRun(checkpoint_every=2))
         monkeypatch.undo()
         (tmp_path / "eval.json").write_text("{}")
         C.submit(Authed(tc, alice.token), tmp_path / "run", tmp_path / "eval.json")

@@ -52,8 +52,8 @@ def site(tmp_path_factory):
         work(lb, once=True)
         C.challenge(Authed(c, people["bob"].token), ids["alice"], 4)  # bob doubts alice's run
         dave = register(c, "dave")
-        ids["dave"] = C.train_ticketed(Authed(c, dave.token), "all", dave.key, tmp / "dave", checkpoint_every=5,
-                                       online=True)[0]
+        ids["dave"] = C.train_ticketed(Authed(c, dave.token), "all", dave.key, tmp / "dave",
+                                       C.TicketedRun(checkpoint_every=5, online=True))[0]
         work(lb, once=True)  # bob's round, and dave's selected steps while his run is still open
         submit(c, dave, tmp / "dave", C.write_evaluation(tmp / "dave", dave.key, tmp / "dave.eval.json"))
         work(lb, once=True)

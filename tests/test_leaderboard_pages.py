@@ -56,8 +56,8 @@ def board(tmp_path_factory):
                     "title": "warmup <b>x</b>", "description": "linear warm-up", "code_url": "https://example.org/a"})
         work(lb, once=True)
         dave = register(tc, "dave")
-        ids["dave"] = C.train_ticketed(Authed(tc, dave.token), "all", dave.key, tmp / "dave", checkpoint_every=5,
-                                       online=True)[0]
+        ids["dave"] = C.train_ticketed(Authed(tc, dave.token), "all", dave.key, tmp / "dave",
+                                       C.TicketedRun(checkpoint_every=5, online=True))[0]
         work(lb, once=True)  # the selected steps replayed while the run is still open, before its submission
         submit(tc, dave, tmp / "dave", C.write_evaluation(tmp / "dave", dave.key, tmp / "dave.eval.json"))
         work(lb, once=True)
@@ -369,8 +369,8 @@ def test_two_online_rounds_never_replay_one_step_into_the_history_twice(board, t
     from witness.leaderboard.worker import process
 
     frank = register(tc, "frank")
-    run_id = C.train_ticketed(Authed(tc, frank.token), "all", frank.key, tmp_path / "run", checkpoint_every=5,
-                              online=True)[0]
+    run_id = C.train_ticketed(Authed(tc, frank.token), "all", frank.key, tmp_path / "run",
+                              C.TicketedRun(checkpoint_every=5, online=True))[0]
     with lb.Session() as s:  # a second online job, as when a step came ready while another job ran
         queue.enqueue(s, run_id, "online", 1)
         s.commit()

@@ -191,7 +191,8 @@ def test_a_worker_elsewhere_audits_an_online_run_on_the_servers_statements_not_t
     with TestClient(create_app(lb=lb)) as tc:
         alice = register(tc, "alice")
         api = Authed(tc, alice.token)
-        run_id, _ = C.train_ticketed(api, "all", alice.key, tmp_path / "run", checkpoint_every=5, online=True)
+        run_id, _ = C.train_ticketed(api, "all", alice.key, tmp_path / "run",
+                                     C.TicketedRun(checkpoint_every=5, online=True))
         assert work(elsewhere, once=True) >= 1  # the selected steps, replayed while the run was open
         # the trainer keeps only its first statement: in its copy, no step after the first window was selected
         kept = tmp_path / "run" / STATEMENTS

@@ -721,7 +721,7 @@ def test_the_leaderboard_answers_each_streamed_head_with_its_beacons_statement(t
     client = TestClient(leaderboard_app(make_settings("sqlite", tmp_path)))
     trainer = register(client, "alice")
     run_id, _ = C.train_ticketed(Authed(client, trainer.token), "quick", trainer.key, tmp_path / "run",
-                                 checkpoint_every=5, online=True)
+                                 C.TicketedRun(checkpoint_every=5, online=True))
     bundle = tmp_path / "run"
     server_key = client.get("/api/server-key").json()["public_key"]
     assert client.get("/api/beacon/key").json()["public_key"] == server_key  # one key for both

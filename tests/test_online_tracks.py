@@ -38,8 +38,8 @@ def server(request, tmp_path):
 
 
 def _train(tc, trainer, track, out, lr_factor=None, checkpoint_every=5):
-    return C.train_ticketed(Authed(tc, trainer.token), track, trainer.key, out, checkpoint_every=checkpoint_every,
-                            online=True, lr_factor=lr_factor)[0]
+    return C.train_ticketed(Authed(tc, trainer.token), track, trainer.key, out,
+                            C.TicketedRun(checkpoint_every=checkpoint_every, online=True, lr_factor=lr_factor))[0]
 
 
 def _steps(lb, run_id) -> dict[int, str]:
@@ -222,7 +222,7 @@ def test_a_track_requires_online_challenges_with_its_least_p(server, tmp_path):
     bob = register(tc, "bob")
     # without online challenges: the first head is refused
     with pytest.raises(C.LeaderboardError, match="requires online challenges with p >= 0.5"):
-        C.train_ticketed(Authed(tc, bob.token), "live", bob.key, tmp_path / "a", checkpoint_every=5)
+        C.train_ticketed(Authed(tc, bob.token), "live", bob.key, tmp_path / "a", C.TicketedRun(checkpoint_every=5))
     # with a lower p than the track's
     from witness.record import Commitments, Online, Recorder
     from witness.record.online import OnlineSpec

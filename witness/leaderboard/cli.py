@@ -223,14 +223,14 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 def train_with_leaderboard(args: argparse.Namespace, key) -> int:  # noqa: ANN001 - Ed25519 private key
     """``witness train --leaderboard URL --track NAME``: ticket, train while streaming heads."""
-    from .client import train_ticketed
+    from .client import TicketedRun, train_ticketed
 
     if args.resume:
         raise ValueError("--resume with --leaderboard is not supported: the streamed heads pin the first try")
     with _client(args) as c:
-        run_id, head = train_ticketed(c, args.track, key, args.out, checkpoint_every=args.checkpoint_every,
-                                      threads=args.threads, progress=not args.quiet, info=run_info(args),
-                                      online=True)  # the leaderboard's beacon selects steps while it trains
+        # online: the leaderboard's beacon selects steps while it trains
+        how = TicketedRun(checkpoint_every=args.checkpoint_every, threads=args.threads, online=True)
+        run_id, head = train_ticketed(c, args.track, key, args.out, how, progress=not args.quiet, info=run_info(args))
     print(f"wrote {args.out}: {head.size - 2} steps, run {run_id}; submit it with "
           f"`witness submit {args.out} --leaderboard {args.leaderboard}`")
     return 0

@@ -7,6 +7,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -79,31 +80,42 @@ def describe(client: httpx.Client, run_id: int, info: dict) -> dict:
     return _ok(client.patch(f"/api/runs/{run_id}", json=info))
 
 
-def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike, *,  # noqa: ANN001 - key
-                   checkpoint_every: int = 50, threads: int | None = None, stream: bool = True,
-                   lr_factor: Callable[[int, int], float] | None = None,
-                   progress: bool = False, info: dict | None = None,
-                   online: bool = False) -> tuple[int, SignedTreeHead]:
-    """Take a ticket for ``track`` and train its recipe with the recorder, streaming every head.
+@dataclass(frozen=True)
+class TicketedRun:
+    """How a ticketed run trains: its checkpoints, threads, what it sends the server while it trains.
 
-    ``online`` takes online challenges from the leaderboard's beacon: every head streamed (every
-    10 steps, and at checkpoints) is answered with the server's signed statement, and the states
-    it selects are kept in the bundle.
-
-    Returns (run id, final head). ``lr_factor(step, steps)`` makes a dishonest trainer, for
-    demonstrations and tests: it scales the learning rate in secret while the schedule's rate
-    is logged, which the server's replay must catch.
+    ``stream``: send every signed head as it is signed (the server's record that the log was not
+    rewritten since). ``online``: take online challenges from the leaderboard's beacon: every head
+    streamed (every 10 steps, and at checkpoints) is answered with the server's signed statement,
+    and the states it selects are kept in the bundle. ``lr_factor(step, steps)`` makes a dishonest
+    trainer, for demonstrations and tests: it scales the learning rate in secret while the
+    schedule's rate is logged, which the server's replay must catch.
     """
+
+    checkpoint_every: int = 50
+    threads: int | None = None
+    stream: bool = True
+    online: bool = False
+    lr_factor: Callable[[int, int], float] | None = None
+
+
+def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike,  # noqa: ANN001 - key
+                   how: TicketedRun | None = None, *, info: dict | None = None,
+                   progress: bool = False) -> tuple[int, SignedTreeHead]:
+    """Take a ticket for ``track`` and train its recipe with the recorder (``how``), streaming every
+    head; ``info`` is the run's title, description and code link. Returns (run id, final head)."""
     import dataclasses
 
     from ..record import Commitments, Online, Recorder, SelfChecking, Training
     from ..task import build_task
 
+    how = TicketedRun() if how is None else how
+    checkpoint_every, threads, stream, lr_factor = how.checkpoint_every, how.threads, how.stream, how.lr_factor
     tk = ticket(client, track, info)
     task = build_task(tk["task"], tk["config"])
     from ..record.online import OnlineSpec
 
-    link = LeaderboardBeacon(client, tk["run_id"]) if online and stream else None
+    link = LeaderboardBeacon(client, tk["run_id"]) if how.online and stream else None
     spec = None
     if link is not None:  # the track's least p, where it asks for more than the default's 99 % bound
         spec = OnlineSpec.for_steps(task.config.steps)

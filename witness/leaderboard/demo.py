@@ -66,8 +66,9 @@ def train_run(url: str, token: str, key, out: Path, track: str, lr_cheat: float 
     online = track == ONLINE_TRACK
     with C.connect(url, token) as c:
         try:
-            run_id, _ = C.train_ticketed(c, track, key, out, checkpoint_every=checkpoint_every, lr_factor=factor,
-                                         info=info, online=online)
+            run_id, _ = C.train_ticketed(c, track, key, out,
+                                         C.TicketedRun(checkpoint_every=checkpoint_every, lr_factor=factor,
+                                                       online=online), info=info)
         except C.BeaconError as e:  # rejected while it trained: the server refused its next head
             print(f"  the server stopped a run on {track} while it trained: {e}", file=sys.stderr)
             mine = C._ok(c.get(f"/api/tracks/{track}/runs", params={"sort": "id", "status": "rejected"}))["runs"]
