@@ -112,6 +112,8 @@ def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_compari
     report = rec.online.report()
     # (training may wait for a slow beacon, under load, but never holds more than the ring)
     assert report["selected"] == len(want) and report["peak_ring"] <= SPEC.ring
+    # the ring's host buffers are reused: the pool holds no more than the ring (and the initial state's)
+    assert len(rec.online._buffers._targets) <= SPEC.ring + 1
     for exact in (True, False):
         v = online(tmp_path / "b", beacon.public_key, exact=exact)
         assert v.accepted and v.mode == "online" and v.replayed_steps == len(want)
@@ -137,6 +139,16 @@ def test_an_honest_online_run_replays_exactly_the_selected_steps_in_both_compari
     # the beacon lists the run, ended with its final head
     runs = beacon.http.get("/api/beacon/runs").json()
     assert runs[0]["run"] == sts[0].run.hex() and runs[0]["final"] and runs[0]["last_size"] == STEPS + 2
+
+
+def test_a_released_ring_buffer_is_reused_and_not_held_twice():
+    from witness.record.kept import StatePool
+
+    pool, state = StatePool(), {"a": torch.zeros(4), "b": torch.ones(2)}
+    slot = pool.copy(state)
+    pool.release(slot)
+    assert pool.take(state) is slot  # one _foreach_copy_ into a buffer the ring already has
+    assert len(pool._targets) == 1
 
 
 def test_with_the_overlapped_state_hash_the_ring_keeps_its_copy(tmp_path, beacon):

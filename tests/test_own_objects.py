@@ -125,3 +125,16 @@ def test_an_evaluation_inside_the_loop_is_the_loops_own(data):
     train(rec, model, optimizer, RECIPE["steps"], get)
     rec.finish()
     assert Verifier(policy=Policy(mode="offline")).verify(data / "run").accepted
+
+
+def test_an_option_given_in_its_old_form_is_refused_not_read_as_its_default(tmp_path):
+    # self_check=False once turned the self-check off; read as "no options" it would turn it on
+    from witness.commit.signing import generate_key
+    from witness.record import Recorder
+    from witness.task import build_task
+
+    task = build_task("tiny", {"steps": 2})
+    for name, value in (("self_check", False), ("commit", 5), ("training", {"threads": 1}), ("online", True)):
+        with pytest.raises(TypeError, match=f"{name}= takes a witness.record"):
+            Recorder.create(task, tmp_path / name, generate_key(), r=b"\x01" * 32, **{name: value})
+        assert not (tmp_path / name).exists()  # refused before anything is written

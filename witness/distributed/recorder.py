@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ..bundle.layout import due
 from ..bundle.state import default_digest, root_from_shards, shard_digests
 from ..data.order import derive_run_seed
-from ..record.options import Commitments, HeadCallback, Online, Training
+from ..record.options import Commitments, HeadCallback, Online, Training, option
 from ..record.overlap import StateSnapshots
 from ..record.recorder import Recorder
 from ..task.base import StepOutput, Task
@@ -46,7 +46,7 @@ class DistRecorder:
         tree head (``Online.on_head``)."""
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
-        commit = commit or Commitments()
+        commit = option(commit, Commitments, "commit")
         self.task = task
         dataset = task.dataset()
         self.session = DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism)

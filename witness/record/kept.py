@@ -83,6 +83,8 @@ class StatePool:
 
     def release(self, slot: dict[str, torch.Tensor]) -> None:
         """Give a buffer back once nothing reads it."""
+        self.free.append(slot)
+
 
 class KeptFiles:
     """Writes an online run's kept files into its bundle folder and counts their cost."""

@@ -142,3 +142,13 @@ class SelfChecking:
         if not 0 <= self.share <= 1:
             raise ValueError(f"the self-check's share of training is a fraction in [0, 1], not {self.share!r}")
 
+
+def option(value: object, kind: type, name: str) -> object:
+    """``value`` if it is a ``kind``, the defaults if it is None; anything else (the boolean or the
+    numbers the recorder took before its options were objects) is refused, never read as a default."""
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        raise TypeError(f"{name}= takes a witness.record.{kind.__name__} (e.g. {kind.__name__}(...)), not "
+                        f"{type(value).__name__} {value!r}")
+    return value

@@ -38,7 +38,7 @@ from ..commit.signing import SignedTreeHead
 from ..data.usage import used_roots
 from ..task.base import Task, micro_seed, model_device, scaler_of, step_randomness, to_device
 from .loop import Batches, Hooked
-from .options import Commitments, HeadCallback, Online, SelfChecking, Training
+from .options import Commitments, HeadCallback, Online, SelfChecking, Training, option
 from .records import Records
 from .selfcheck import SelfCheck, check_steps
 from .start import begin, challenges, reopen
@@ -75,8 +75,8 @@ class Recorder(Records):
         (a mismatch stops the run before its next tree head is signed). Each left out is at its
         defaults (``witness.record.options``).
         """
-        commit, training = commit or Commitments(), training or Training()
-        online, self_check = online or Online(), self_check or SelfChecking()
+        commit, training = option(commit, Commitments, "commit"), option(training, Training, "training")
+        online, self_check = option(online, Online, "online"), option(self_check, SelfChecking, "self_check")
         opened, init_state, spec = begin(task, out, key, r, commit, training, online)
         ring = None
         if online.beacon is not None:
@@ -98,7 +98,7 @@ class Recorder(Records):
         (``witness.record.start.reopen``), at the run's own thread count unless ``threads`` is
         given. An online run resumes with its beacon (``Online(beacon=...)``; its settings are the
         manifest's); a resumed run is self-checked as a new one is."""
-        online, self_check = online or Online(), self_check or SelfChecking()
+        online, self_check = option(online, Online, "online"), option(self_check, SelfChecking, "self_check")
         if online.spec is not None:
             raise ValueError("a resumed run takes online challenges with the settings its manifest names: give "
                              "Online(beacon=...) without a spec")
@@ -299,8 +299,9 @@ def start_run(task: str, settings: dict, out: str, *, model: torch.nn.Module,
     from ..task.registry import build_task, task_class
 
     built = build_task(task, task_class(task).recipe_from(settings, model))
-    training = dataclasses.replace(kwargs.pop("training", None) or Training(), model=model, optimizer=optimizer)
-    online = kwargs.pop("online", None) or Online()
+    training = dataclasses.replace(option(kwargs.pop("training", None), Training, "training"), model=model,
+                                   optimizer=optimizer)
+    online = option(kwargs.pop("online", None), Online, "online")
     if online.beacon is None:
         beacon = beacon or os.environ.get(BEACON_ENV)  # an empty setting (nanoGPT's default) is none given
     elif beacon:
