@@ -796,3 +796,73 @@ def test_garbage_statements_are_refused_offline_and_by_respond_too(tmp_path, bea
     # a last line torn by a crash is no garbage: offline verification reads what is whole
     (out / STATEMENTS).write_bytes(kept + kept.splitlines(keepends=True)[0][:30])
     assert main(["verify", "--allow-weak", str(out), "--challenges", "2"]) == 0, capsys.readouterr().err
+
+
+# --- the ring, sized by memory ------------------------------------------------------------------
+
+def test_a_kept_state_is_as_large_as_estimated_before_the_first_step():
+    # the ring is sized before step 0, when the optimizer holds no moments yet
+    from witness.bundle.state import state_tensors
+    from witness.record.start import kept_bytes
+    from witness.session import TrainingSession
+
+    for name in ("tiny", "tinycnn", "tinygpt"):
+        task = build_task(name, {"steps": 2})
+        s = TrainingSession(task, b"\x01" * 32, len(task.dataset()))
+        before = kept_bytes(s.model, s.optimizer)
+        batch = task.collate([task.dataset().sample_bytes(i) for i in range(2)])
+        task.train_step(s.model, s.optimizer, batch, 0.01, 1)
+        after = sum(t.numel() * t.element_size() for t in state_tensors(s.model, s.optimizer).values())
+        assert s.optimizer.state and abs(before - after) <= 8 * len(s.optimizer.state), (name, before, after)
+
+
+def test_the_ring_holds_what_its_budget_fits_and_the_run_verifies(tmp_path, beacon):
+    from witness.record.start import kept_bytes
+    from witness.session import TrainingSession
+
+    task = build_task("tiny", {"steps": STEPS})
+    s = TrainingSession(task, b"\x01" * 32, len(task.dataset()))
+    size = kept_bytes(s.model, s.optimizer)
+    rec = Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32, commit=Commitments(checkpoint_every=8),
+                          online=Online(beacon=beacon.link(), spec=SPEC, ring_bytes=(EVERY + 2) * size + size // 2))
+    assert rec.online.spec.ring == EVERY + 2 < SPEC.ring  # cut to the budget, and so in the manifest
+    rec.train(progress=False)
+    assert rec.online.report()["peak_ring"] <= EVERY + 2
+    v = online(tmp_path / "b", beacon.public_key)
+    assert v.accepted and v.replayed_steps == rec.online.report()["selected"]
+
+
+def test_a_ring_budget_that_cannot_hold_a_window_is_refused_before_anything_is_written(tmp_path, beacon):
+    from witness.record.start import kept_bytes
+    from witness.session import TrainingSession
+
+    task = build_task("tiny", {"steps": STEPS})
+    s = TrainingSession(task, b"\x01" * 32, len(task.dataset()))
+    size = kept_bytes(s.model, s.optimizer)
+    with pytest.raises(ValueError, match=r"cannot hold one window.*shorter window.*more ranks.*larger budget.*offline"):
+        Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32,
+                        online=Online(beacon=beacon.link(), spec=SPEC, ring_bytes=EVERY * size))
+    assert not (tmp_path / "b").exists()
+    # one state more (a window's first to its last) is enough
+    rec = Recorder.create(task, tmp_path / "c", generate_key(), r=b"\x05" * 32,
+                          online=Online(beacon=beacon.link(), spec=SPEC, ring_bytes=(EVERY + 1) * size))
+    assert rec.online.spec.ring == EVERY + 1
+    rec.train(progress=False)
+    assert online(tmp_path / "c", beacon.public_key).accepted
+
+
+def test_the_ring_budget_flag_reads_amounts_of_memory_and_goes_with_a_beacon(tmp_path, capsys):
+    import argparse
+
+    from witness.cli import main
+    from witness.cli.args import memory
+
+    assert memory("8GiB") == 8 << 30 and memory("512 MiB") == 512 << 20 and memory("1.5GB") == 1_500_000_000
+    assert memory("4096") == 4096
+    for bad in ("8XB", "-1GiB", "0", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            memory(bad)
+    args = ["train", "--task", "tiny", "--steps", "2", "--key", str(tmp_path / "k.pem"), "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "a"), "--online-ring-memory", "1GiB"]) == 2
+    assert "--online-ring-memory go with --beacon" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()

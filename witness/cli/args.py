@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from ..errors import MalformedInput, VerificationError
@@ -51,6 +52,21 @@ def seconds(value: str) -> float:
     v = parsed(value, float, "a number of seconds")
     if not 0 < v <= 86400:
         raise argparse.ArgumentTypeError("must lie in (0, 86400] seconds")
+    return v
+
+
+UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+         "gb": 10**9, "tb": 10**12}
+
+
+def memory(value: str) -> int:
+    """An amount of memory: bytes, or a number with a unit (512MiB, 8GiB, 1.5GB)."""
+    found = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?)([a-z]*)", value.strip().lower().replace(" ", ""))
+    if found is None or found.group(2) not in UNITS:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not an amount of memory (say 8GiB or 512MiB)")
+    v = int(float(found.group(1)) * UNITS[found.group(2)])
+    if v < 1:
+        raise argparse.ArgumentTypeError("must be at least one byte")
     return v
 
 

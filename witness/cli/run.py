@@ -13,6 +13,7 @@ from .args import (
     chunk_count,
     config_value,
     data_arg,
+    memory,
     positive,
     probability,
     seconds,
@@ -92,7 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                               commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=args.state_every),
                               training=Training(threads=args.threads, device=args.device),
                               online=Online(beacon=beacon,
-                                            spec=_online_spec(args, task.config.steps, beacon) if beacon else None),
+                                            spec=_online_spec(args, task.config.steps, beacon) if beacon else None,
+                                            ring_bytes=args.online_ring_memory),
                               self_check=SelfChecking(enabled=not args.no_self_check, share=args.self_check_share))
     head = rec.train(progress=not args.quiet)
     print(f"wrote {args.out}: {head.size - 2} steps, final tree head {head.root.hex()}")
@@ -112,9 +114,10 @@ def _beacon(args: argparse.Namespace):
                              "(--witness URL --drand URL), not both")
         return _witnessed(args)
     if args.beacon is None:
-        if args.beacon_key or args.online_p or args.online_every or args.online_chunks is not None:
-            raise ValueError("--beacon-key, --online-p, --online-every and --online-chunks go with --beacon URL (or "
-                             "--witness URL)")
+        if args.beacon_key or args.online_p or args.online_every or args.online_chunks is not None \
+                or args.online_ring_memory is not None:
+            raise ValueError("--beacon-key, --online-p, --online-every, --online-chunks and --online-ring-memory go "
+                             "with --beacon URL (or --witness URL)")
         return None
     if not args.beacon.strip():
         raise ValueError("--beacon names no beacon (an empty URL): give its URL, or leave --beacon out")
@@ -328,6 +331,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--online-chunks", type=chunk_count, metavar="K",
                    help="parameter chunks each window opens of every state, for the bounded-move check of every step "
                         f"(default {ONLINE_CHUNKS}; 0 commits none)")
+    t.add_argument("--online-ring-memory", type=memory, metavar="SIZE",
+                   help="the most host memory the ring of kept states may take (bytes, or 8GiB, 512MiB; default a "
+                        "quarter of this host's, shared by its ranks): a run whose window does not fit is refused "
+                        "before step 0")
     t.add_argument("--leaderboard", metavar="URL", help="take the run ticket from this leaderboard and stream heads to it")
     t.add_argument("--track", help="the leaderboard track (its recipe replaces --task, --steps and --config)")
     t.add_argument("--token", help="leaderboard API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")

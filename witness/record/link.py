@@ -9,7 +9,8 @@ answers the beacon's statements as the run trains.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..commit.beacon import BeaconStatement, p_needed
@@ -86,3 +87,29 @@ class OnlineSpec:
         """The manifest's ``online`` field."""
         return {"p": self.p, "every": self.every, "ring": self.ring} | ({"drand": self.drand} if self.drand else {}) \
             | ({"chunks": self.chunks, "chunk_bytes": self.chunk_bytes} if self.chunks else {})
+
+
+def host_budget() -> int:
+    """The default budget of one rank's ring, in bytes: a quarter of the host's memory, shared by the
+    ranks on the host (torchrun's ``LOCAL_WORLD_SIZE``). The whole of it is taken only while the
+    beacon is slower than training; a state the ring has no room for waits for the beacon."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return total // 4 // max(1, ranks)
+
+
+def ring_within(spec: OnlineSpec, state_bytes: int, budget: int) -> OnlineSpec:
+    """``spec`` with its ring cut to the states that fit ``budget`` bytes (a state is ``state_bytes``).
+
+    A window needs ``every + 1`` states held at once (its first to its last), so a budget that
+    cannot hold that many is refused here, before step 0, with the figures and the ways out."""
+    fits = budget // max(1, state_bytes)
+    if fits <= spec.every:
+        need = (spec.every + 1) * state_bytes
+        raise ValueError(
+            f"the online ring cannot hold one window: a state is {state_bytes / 2**20:,.1f} MiB, a window of "
+            f"{spec.every} step(s) holds {spec.every + 1} states ({need / 2**30:,.2f} GiB), and the ring's budget is "
+            f"{budget / 2**30:,.2f} GiB ({fits} state(s)). Give a shorter window (--online-every, OnlineSpec(every="
+            f"...); at most {max(fits - 1, 0)} step(s) fit), more ranks (each holds its share), a larger budget "
+            "(Online(ring_bytes=...)), or train without online challenges and take the offline or cheap audit")
+    return replace(spec, ring=min(spec.ring, fits))

@@ -111,16 +111,22 @@ class Online:
     witnesses and drand through ``witness.beacon.windows.WitnessedLink``) turns on online
     challenges: a head goes to it every ``spec.every`` steps, and the states its statements select
     are kept (docs/online.md). ``spec``: their settings; by default ``OnlineSpec.for_steps`` over
-    the recipe's steps (a resumed run's are its manifest's).
+    the recipe's steps (a resumed run's are its manifest's). ``ring_bytes``: the most host memory
+    the ring of kept states may take (by default a quarter of the host's, shared by its ranks,
+    ``link.host_budget``): the ring holds as many states as fit, at most ``spec.ring``, and a budget
+    that cannot hold one window's states is refused before step 0.
     """
 
     beacon: BeaconLink | None = None
     spec: OnlineSpec | None = None
     on_head: HeadCallback | None = None
+    ring_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.spec is not None and self.beacon is None:
             raise ValueError("online challenges need a beacon")
+        if self.ring_bytes is not None and self.ring_bytes < 1:
+            raise ValueError(f"the ring's budget is a number of bytes, not {self.ring_bytes!r}")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from ..session import (
 )
 from ..task.base import Task, model_device
 from ..task.registry import build_task, check_task_source, task_class, task_source
-from .link import BeaconLink, OnlineSpec
+from .link import BeaconLink, OnlineSpec, host_budget, ring_within
 from .loop import adopt
 from .online import OnlineChallenges
 from .options import Commitments, Online, Training
@@ -126,6 +126,9 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
         raise ValueError("the session was built from another run seed")
     if model is not None:
         adopt(session, model, training.optimizer)
+    if spec is not None:  # before anything is written: a ring that cannot hold a window is refused here
+        budget = host_budget() if online.ring_bytes is None else online.ring_bytes
+        spec = ring_within(spec, kept_bytes(session.model, session.optimizer), budget)
     if spec is not None and spec.chunks:
         rules = move_rules(getattr(session, "module", session.model), session.optimizer)
         if isinstance(rules, str):  # no bound to check a step's move against: the chunks would prove nothing
@@ -179,6 +182,21 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
     log = RunLog()
     writer.append_record(log.append(manifest))
     return Opened(task, Path(out), session, writer, log, manifest, 0), init_state, spec
+
+
+def kept_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of one state the ring keeps: every tensor of the state, with the optimizer's moments
+    counted before the first step creates them (two a parameter for Adam's kind, three with amsgrad,
+    one for SGD with momentum, none for plain SGD; two for an optimizer not known here)."""
+    size = sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer).values())
+    if not optimizer.state:
+        d = optimizer.defaults
+        moments = 3 if d.get("amsgrad") else 1 if "momentum" in d and "betas" not in d else 2
+        if "momentum" in d and "betas" not in d and not d["momentum"]:
+            moments = 0
+        size += moments * sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"]
+                              if p.requires_grad)
+    return size
 
 
 def challenges(out: Path, session: Any, manifest: dict, spec: OnlineSpec, beacon: BeaconLink,  # noqa: ANN401
