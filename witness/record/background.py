@@ -42,7 +42,7 @@ import torch
 from ..bundle.checkpoint import write_state
 from ..bundle.state import state_tensors
 from ..task.base import StepOutput
-from .mismatch import SelfCheckFailed, rng_states, same_rng
+from .mismatch import SelfCheckFailed, drawn_generators, rng_states
 from .options import DEFAULT_SHARE  # noqa: F401 - the budget's default, importable from here as before
 
 START_ESTIMATE = 4.0  # seconds a checker takes to start, until one has said (importing torch, building the task)
@@ -150,9 +150,7 @@ class BackgroundCheck:
             began = time.perf_counter()
             rng = self.pending[1]
             self.pending = None
-            drew = [] if rng is None else [
-                name for name, a, b in zip(("torch's global", "Python's random", "NumPy's global"), rng,
-                                           rng_states(), strict=True) if not same_rng(a, b)]
+            drew = drawn_generators(rng)
             after, samples = self.folder / f"after-{step}.safetensors", self.folder / f"samples-{step}.bin"
             try:
                 write_state(after, state_tensors(self.rec.model, self.rec.optimizer), step + 1, sync=False)

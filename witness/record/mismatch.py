@@ -26,3 +26,12 @@ def same_rng(a: Any, b: Any) -> bool:  # noqa: ANN401 - generator states of thre
     if isinstance(a, tuple) and a and isinstance(a[0], str):  # NumPy's (name, keys, pos, ...)
         return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
     return a == b
+
+
+def drawn_generators(before: tuple | None) -> list[str]:
+    """The global generators a step drew from since ``before`` (``rng_states()`` then; None: not
+    taken), by name: a step whose draws fall outside its randomness replays otherwise."""
+    if before is None:
+        return []
+    return [name for name, a, b in zip(("torch's global", "Python's random", "NumPy's global"), before,
+                                        rng_states(), strict=True) if not same_rng(a, b)]

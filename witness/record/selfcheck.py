@@ -25,7 +25,7 @@ from ..errors import MalformedInput
 from ..session import TrainingSession
 from ..task.base import StepOutput
 from .background import BackgroundCheck
-from .mismatch import SelfCheckFailed, rng_states, same_rng
+from .mismatch import SelfCheckFailed, drawn_generators, rng_states
 from .options import DEFAULT_SHARE
 
 LATER_STEPS = 50  # the later step is drawn from steps 1 .. 50; the background samples steps after them
@@ -133,9 +133,7 @@ class SelfCheck:
                 self._fail(e)
             return
         started = time.perf_counter()
-        rng = self.rng or rng_states()
-        drew = [name for name, (a, b) in zip(("torch's global", "Python's random", "NumPy's global"),
-                                             zip(rng, rng_states(), strict=True), strict=True) if not same_rng(a, b)]
+        drew = drawn_generators(self.rng)
         if _compiled_so_far() != self.compiled and not rec.task.compiles:
             self._fail(SelfCheckFailed(
                 f"step {step} ran code that torch.compile compiled, but the recipe does not compile: replay runs the "
