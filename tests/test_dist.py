@@ -50,7 +50,7 @@ def runs(tmp_path_factory):
         "ddp": torchrun(d / "ddp", key, "ddp"),
         "fsdp": torchrun(d / "fsdp", key, "fsdp"),
         # these two hash their states off the training stream, as on a GPU (forced on here, on the
-        # CPU): DDP's rank 0 its whole state, FSDP2's ranks their rows, in background threads
+        # CPU): every rank its own rows, in a background thread
         "ddp_noclip": torchrun(d / "ddp_noclip", key, "ddp", "--grad-clip", "0", "--overlap"),
         "fsdp_noclip": torchrun(d / "fsdp_noclip", key, "fsdp", "--grad-clip", "0", "--overlap"),
         "key": key,
@@ -79,8 +79,9 @@ def test_fsdp_run_replays_bit_exactly_on_one_process(runs):
 
 def test_state_hash_and_sketch_agree_across_single_process_ddp_and_fsdp(runs):
     ddp, fsdp = open_bundle(runs["ddp_noclip"]), open_bundle(runs["fsdp_noclip"])
-    # FSDP2's ranks hash the rows they hold: its digest names the row shards, one per rank
-    assert (ddp.manifest.state_digest, fsdp.manifest.state_digest) == (default_digest(), f"{default_digest()}/2")
+    # each rank hashes its own rows (FSDP2's the shards it holds, DDP's a share of its replica):
+    # the digest names the row shards, one per rank, and no rank hashes the whole state
+    assert ddp.manifest.state_digest == fsdp.manifest.state_digest == f"{default_digest()}/2"
     assert [r.sketch for r in ddp.steps] == [r.sketch for r in fsdp.steps]
     assert [r.digest for r in ddp.steps] == [r.digest for r in fsdp.steps]
     assert all(r.state_hash for r in ddp.steps) and all(r.state_hash for r in fsdp.steps)  # every step, both
@@ -134,7 +135,7 @@ def test_many_ranks_replay_bit_exactly_on_one_process(runs, parallelism, ranks):
                    "--checkpoint-every", "4", ranks=ranks)
     m = open_bundle(out).manifest
     assert (m.world_size, m.parallelism) == (ranks, parallelism)
-    # every step's state is committed: FSDP2's ranks hash their own rows, one shard each
-    assert m.state_every == 1 and m.state_digest == default_digest() + (f"/{ranks}" if parallelism == "fsdp" else "")
+    # every step's state is committed: each rank hashes its own rows, one shard each
+    assert m.state_every == 1 and m.state_digest == f"{default_digest()}/{ranks}"
     v = Verifier(policy=Policy(challenges=100)).verify(out)
     assert v.accepted and v.exact and v.replayed_steps == 8 and not v.thresholds, v.failures

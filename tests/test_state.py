@@ -207,7 +207,7 @@ def test_a_manifest_names_row_shards_only_for_its_own_fsdp_ranks(honest_bundle, 
     shutil.copytree(honest_bundle, bundle)
     for fields in ({"state_digest": "blake3/2"},  # one process
                    {"state_digest": "blake3/2", "parallelism": "fsdp", "world_size": 4},
-                   {"state_digest": "sha256/4", "parallelism": "ddp", "world_size": 4},
+                   {"state_digest": "sha256/4", "parallelism": "ddp", "world_size": 2},
                    {"state_digest": "blake3/9999"}):
         edit_manifest(bundle, signing_key, **fields)
         with pytest.raises(MalformedInput, match="state_digest"):

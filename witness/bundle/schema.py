@@ -154,8 +154,8 @@ class Manifest:
             _, shards = parse_digest(obj["state_digest"])
         except MalformedInput as e:
             raise _fail(w, f"state_digest: {e}") from None
-        if shards > 1 and (obj["parallelism"] != "fsdp" or shards != obj["world_size"]):
-            raise _fail(w, "state_digest: row shards are an FSDP2 run's, one shard per rank")
+        if shards > 1 and (obj["parallelism"] not in ("ddp", "fsdp") or shards != obj["world_size"]):
+            raise _fail(w, "state_digest: row shards are a distributed run's, one shard per rank")
         state_every = _int(obj["state_every"], f"{w}.state_every", 1)
         checkpoint_every = _int(obj["checkpoint_every"], f"{w}.checkpoint_every", 1)
         if checkpoint_every % state_every:

@@ -40,9 +40,9 @@ class DistRecorder:
     def __init__(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, r: bytes,
                  commit: Commitments | None = None, parallelism: str = "ddp", on_head: HeadCallback | None = None):
         """``commit``: what the run commits and how often, as for ``Recorder.create`` (by default a
-        state every step, a checkpoint every 50). Under DDP rank 0 holds the whole state; under
-        FSDP2 every rank hashes the rows it holds and sends rank 0 their digests (no gather), and
-        only a checkpoint gathers the whole state. ``on_head``: rank 0 calls it with every signed
+        state every step, a checkpoint every 50). Under DDP and FSDP2 every rank hashes its share of the rows (DDP's of its replica, FSDP2's the shards it
+        holds) and sends rank 0 their digests (no gather); only a checkpoint gathers the whole state
+        (DDP's rank 0 holds it already). ``on_head``: rank 0 calls it with every signed
         tree head (``Online.on_head``)."""
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
@@ -53,7 +53,8 @@ class DistRecorder:
         self.rank = self.session.rank
         self.checkpoint_every = commit.checkpoint_every
         self.state_every = commit.state_every
-        self.sharded = parallelism == "fsdp" and self.session.world_size > 1
+        # over several ranks each hashes its own rows of the state (DDP's replica as FSDP2's shards)
+        self.sharded = self.session.world_size > 1
         shards = self.session.world_size if self.sharded else 1
         # every rank names the same digest: the same code and packages run on all of them
         self.digest = default_digest(shards)

@@ -167,14 +167,15 @@ class DistSession(TrainingSession):
         return self.parallelism == "ddp" or self.world_size == 1
 
     def shard_pieces(self) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
-        """FSDP2 over several ranks: this rank's rows of every state tensor, where they lie (its
-        shards of the parameters and moments, its share of the rows of a replicated tensor, and
-        0-dimensional tensors whole), checked against the row split of the sharded state digest;
-        and every tensor's dtype and full shape (a sharded tensor's shape is the whole one's)."""
+        """This rank's rows of every state tensor, where they lie (under FSDP2 its shards of the
+        parameters and moments, checked against the row split of the sharded state digest; under
+        DDP its share of the rows of its replica; 0-dimensional tensors whole), and every tensor's
+        dtype and full shape (a sharded tensor's shape is the whole one's). Each rank hashes and
+        keeps only these: about 1/world of the state, under DDP as under FSDP2."""
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         pieces = {}
-        state = state_tensors(self.model, self.optimizer)
+        state = state_tensors(self.module if self.parallelism == "ddp" else self.model, self.optimizer)
         for name, t in state.items():
             if t.dim() == 0:
                 pieces[name] = t.to_local() if isinstance(t, DTensor) else t
