@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.distributed as dist
 
 from witness.commit.signing import load_key
 from witness.distributed import DistRecorder, exit_now
-from witness.record import Commitments
+from witness.record import Commitments, Online, OnlineSpec
 from witness.task import build_task
+
+
+def online(args: argparse.Namespace, steps: int) -> Online | None:
+    """Rank 0's online challenges: a beacon, or witnesses and drand (None: by WITNESS_BEACON, or none)."""
+    if dist.get_rank() != 0 or not (args.beacon or args.witness):
+        return Online(ring_bytes=args.ring_bytes) if args.ring_bytes else None
+    if args.witness:
+        from witness.beacon.drand import DrandClient
+        from witness.beacon.windows import WitnessedLink
+        from witness.beacon.witness_client import WitnessClient
+        from witness.commit.drand import chain_info
+
+        link = WitnessedLink([WitnessClient(u) for u in args.witness], DrandClient(args.drand, chain_info(args.drand_chain)))
+        chain = link.chain.hash.hex()
+    else:
+        from witness.beacon.client import BeaconClient
+
+        link, chain = BeaconClient(args.beacon), None
+    spec = OnlineSpec.for_steps(steps, every=args.online_every, p=args.online_p, drand=chain)
+    return Online(beacon=link, spec=spec, ring_bytes=args.ring_bytes)
 
 
 def main() -> None:
@@ -25,6 +46,15 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=4)
     ap.add_argument("--state-every", type=int, default=1)
     ap.add_argument("--overlap", action="store_true", help="hash the state off the training stream, as on a GPU")
+    ap.add_argument("--beacon", help="online challenges from this beacon (else WITNESS_BEACON's, if set)")
+    ap.add_argument("--witness", action="append", default=[], help="online challenges from these witnesses ...")
+    ap.add_argument("--drand", help="... and this drand endpoint, whose chain info is --drand-chain")
+    ap.add_argument("--drand-chain")
+    ap.add_argument("--online-p", type=float, default=0.25)
+    ap.add_argument("--online-every", type=int, default=4)
+    ap.add_argument("--ring-bytes", type=int, help="each rank's ring budget")
+    ap.add_argument("--seed-hex", default="2a" * 32, help="the run's r (hex)")
+    ap.add_argument("--report", help="write this rank's online cost here (JSON), with the rank appended")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -35,9 +65,9 @@ def main() -> None:
     else:
         task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})  # 16 splits over 1, 2, 4 ranks
     key = load_key(args.key) if dist.get_rank() == 0 else None
-    rec = DistRecorder(task, args.out, key, r=b"\x2a" * 32,
+    rec = DistRecorder(task, args.out, key, r=bytes.fromhex(args.seed_hex),
                        commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=args.state_every),
-                       parallelism=args.parallelism)
+                       parallelism=args.parallelism, online=online(args, task.config.steps))
     rec.overlap = args.overlap
     if args.parallelism == "fsdp":  # the root, and a unit of its own for each block the task names
         from torch.distributed.fsdp import FSDPModule
@@ -54,6 +84,9 @@ def main() -> None:
             assert rec.inner._deferred is not None, "the state hash did not go off the training stream"
             assert rec.sharded == (rec._unsettled is not None)
     rec.finish()
+    if args.report:
+        with open(f"{args.report}.{dist.get_rank()}", "w") as f:
+            json.dump(rec.report(), f)
     left = rec.close()
     if args.parallelism == "ddp":  # nothing else holds the group: its threads were joined here
         assert not left, left

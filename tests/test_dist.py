@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -28,12 +29,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(out: Path, key: Path, parallelism: str, *extra: str, ranks: int = 2) -> Path:
+def torchrun(out: Path, key: Path, parallelism: str, *extra: str, ranks: int = 2, env: dict | None = None) -> Path:
     for attempt in range(2):  # a free port can be taken between choosing and binding it: retry once
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), "--parallelism",
                parallelism, "--out", str(out), "--key", str(key), *extra]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                             env=os.environ | env if env else None)
         if res.returncode == 0 or "address already in use" not in res.stderr.lower() or attempt:
             break
         shutil.rmtree(out, ignore_errors=True)

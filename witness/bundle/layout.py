@@ -60,7 +60,8 @@ def partial_write(rel: str) -> bool:
     if name.startswith(".tmp") and len(name) <= 16 and name[4:].isalnum():
         return True
     whole = f"{folder}/{name.removesuffix('.tmp')}"
-    return name.endswith(".tmp") and (checkpoint_step(whole) is not None or online_file(whole) is not None)
+    return name.endswith(".tmp") and (checkpoint_step(whole) is not None or online_file(whole) is not None
+                                      or online_shard(whole) is not None)
 
 
 def due(step: int, every: int, steps: int) -> bool:
@@ -85,11 +86,27 @@ ONLINE_SAMPLES = f"{ONLINE}/samples"
 ONLINE_CHUNKS = f"{ONLINE}/chunks"
 MAX_STATEMENTS_BYTES = 64 * 1024 * 1024
 ONLINE_RE = re.compile(r"^online/(states|samples|chunks)/([0-9]{8,12})\.(safetensors|json)$")
+ONLINE_SHARD_RE = re.compile(r"^online/states/([0-9]{8,12})\.rank([0-9]{4})\.safetensors$")
 
 
 def online_state_name(step: int) -> str:
     """Relative path of the state before ``step`` (after ``step`` updates), kept because a beacon selected it."""
     return f"{ONLINE_STATES}/{step:08d}.safetensors"
+
+
+def online_shard_name(step: int, rank: int) -> str:
+    """Relative path of rank ``rank``'s share of the rows of the state after ``step`` updates, in a
+    run over several ranks (each rank keeps and writes its own share; docs/format.md)."""
+    return f"{ONLINE_STATES}/{step:08d}.rank{rank:04d}.safetensors"
+
+
+def online_shard(rel: str) -> tuple[int, int] | None:
+    """(step, rank) for a name ``online_shard_name`` writes (that one spelling only), else None."""
+    m = ONLINE_SHARD_RE.match(rel)
+    if m is None:
+        return None
+    step, rank = int(m.group(1)), int(m.group(2))
+    return (step, rank) if rel == online_shard_name(step, rank) else None
 
 
 def online_samples_name(step: int) -> str:

@@ -36,6 +36,7 @@ from .layout import (
     due,
     marker_bytes,
     online_file,
+    online_shard,
     partial_write,
 )
 from .schema import HEAD_EXTENSION_FIELDS, EndRecord, Manifest, StepRecord
@@ -66,13 +67,15 @@ class Bundle:
     # committed checkpoints an online run left out (it is audited from its selected states)
     missing_checkpoints: list[int] = field(default_factory=list)
     probes: Path | None = None  # the probe inputs (read when checked)
+    # a run over several ranks keeps each state as its ranks' shares of the rows: by step, by rank
+    online_shards: dict[int, dict[int, Path]] = field(default_factory=dict)
     # leaves files already checked against the manifest's data root, by (path, document rule): the
     # check hashes every sample's leaf, and several steps of one audit need the leaves
     checked_leaves: dict = field(default_factory=dict, repr=False, compare=False)
 
     def held_states(self) -> list[int]:
         """Steps whose state the bundle holds as tensors (checkpoints and online states), ascending."""
-        return sorted(set(self.checkpoints) | set(self.online_states))
+        return sorted(set(self.checkpoints) | set(self.online_states) | set(self.online_shards))
 
     def read_probes(self) -> list[bytes] | None:
         """The probe inputs the bundle carries, checked against the manifest's ``probe_hash`` (None for
@@ -172,7 +175,7 @@ def _scan(root: Path) -> tuple[set[str], list[str]]:
                 temps.append(rel)
                 continue
             if rel not in (MARKER, LOG, HEADS, LEAVES, PROBES, STATEMENTS, COSIGNED) and checkpoint_step(rel) is None \
-                    and online_file(rel) is None:
+                    and online_file(rel) is None and online_shard(rel) is None:
                 raise MalformedInput(f"unexpected file {rel} in the bundle")
             files.add(rel)
             if len(files) > MAX_FILES:
@@ -369,11 +372,16 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     if leaves is not None and manifest.data_commitment < 2:
         raise MalformedInput(f"{LEAVES} belongs to a run that commits its dataset's leaves (data_commitment 2)")
     online: dict[str, dict[int, Path]] = {"states": {}, "samples": {}, "chunks": {}}
+    shards: dict[int, dict[int, Path]] = {}
     for rel in files:
         found = online_file(rel)
         if found is not None:
             online[found[0]][found[1]] = root / rel
-    if manifest.online is None and (STATEMENTS in files or any(online.values())):
+        share = online_shard(rel)
+        if share is not None:
+            shards.setdefault(share[0], {})[share[1]] = root / rel
+    _check_shards(shards, online["states"], manifest)
+    if manifest.online is None and (STATEMENTS in files or any(online.values()) or shards):
         raise MalformedInput(f"the bundle holds {ONLINE}/ files, but its manifest takes no online challenges")
     if online["chunks"] and not manifest.chunked:
         raise MalformedInput(f"the bundle holds {ONLINE_CHUNKS}/ files, but its manifest commits no parameter chunks")
@@ -382,7 +390,24 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
     return Bundle(root, manifest, steps, end, log, heads, checkpoints, notes, leaves,
                   root / STATEMENTS if STATEMENTS in files else None, online["states"], online["samples"],
                   online["chunks"], missing if manifest.online is not None else [],
-                  root / PROBES if PROBES in files else None)
+                  root / PROBES if PROBES in files else None, online_shards=shards)
+
+
+def _check_shards(shards: dict[int, dict[int, Path]], whole: dict[int, Path], manifest: Manifest) -> None:
+    """Kept shares of states belong to a run over several ranks, one per rank, never beside a whole
+    copy of the same state (two files for one state: which would replay?). A share left out is not
+    refused here: the state is then not kept, which the audit reports where it needs the state."""
+    for step, ranks in sorted(shards.items()):
+        if manifest.world_size < 2:
+            raise MalformedInput(f"{ONLINE_STATES}/ holds ranks' shares of the state after {step} update(s), but the "
+                                 "run trained in one process")
+        beyond = [r for r in ranks if r >= manifest.world_size]
+        if beyond:
+            raise MalformedInput(f"{ONLINE_STATES}/ holds a share of rank {beyond[0]} of the state after {step} "
+                                 f"update(s); the run had {manifest.world_size} ranks")
+        if step in whole:
+            raise MalformedInput(f"{ONLINE_STATES}/ holds the state after {step} update(s) both whole and as ranks' "
+                                 "shares")
 
 
 def _check_statement_lines(path: Path) -> None:

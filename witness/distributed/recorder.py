@@ -14,6 +14,7 @@ Usage, inside a script started by ``torchrun`` after ``dist.init_process_group``
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -29,8 +30,9 @@ from ..bundle.state import default_digest, root_from_shards, shard_digests
 from ..data.order import derive_run_seed
 from ..record.options import Commitments, HeadCallback, Online, Training, option
 from ..record.overlap import StateSnapshots
-from ..record.recorder import Recorder
+from ..record.recorder import BEACON_ENV, Recorder
 from ..task.base import StepOutput, Task
+from .online import Answers, ShareRing, exchange
 from .session import DistSession
 
 
@@ -38,12 +40,17 @@ class DistRecorder:
     """Witnesses a DDP or FSDP2 run: the global batch is the ranks' micro-batches in rank order."""
 
     def __init__(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, r: bytes,
-                 commit: Commitments | None = None, parallelism: str = "ddp", on_head: HeadCallback | None = None):
+                 commit: Commitments | None = None, parallelism: str = "ddp", on_head: HeadCallback | None = None,
+                 online: Online | None = None):
         """``commit``: what the run commits and how often, as for ``Recorder.create`` (by default a
         state every step, a checkpoint every 50). Under DDP and FSDP2 every rank hashes its share of the rows (DDP's of its replica, FSDP2's the shards it
         holds) and sends rank 0 their digests (no gather); only a checkpoint gathers the whole state
         (DDP's rank 0 holds it already). ``on_head``: rank 0 calls it with every signed
-        tree head (``Online.on_head``)."""
+        tree head (``Online.on_head``). ``online``: rank 0's online challenges (its beacon, spec
+        and ring budget, as for ``Recorder.create``; the other ranks' is not read), by default from
+        the beacon at ``WITNESS_BEACON``: every rank keeps its own share of each state in a ring of
+        that budget and writes its share of each state a statement selects
+        (``witness.distributed.online``)."""
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
         commit = option(commit, Commitments, "commit")
@@ -59,18 +66,61 @@ class DistRecorder:
         # every rank names the same digest: the same code and packages run on all of them
         self.digest = default_digest(shards)
         self.inner: Recorder | None = None
+        self._answers: Answers | None = None  # rank 0's notes of answered statements (an online run)
+        self._ring: ShareRing | None = None  # another rank's ring of its shares (an online run)
+        started: dict = {}
         if self.rank == 0:
-            if key is None:
-                raise ValueError("rank 0 signs the log: it needs the key")
-            training = Training(session=self.session, init_state=self.session.init_state, parallelism=parallelism,
-                                shards=shards)
-            self.inner = Recorder.create(task, out, key, r=r, commit=commit, training=training,
-                                         online=Online(on_head=on_head))
+            try:
+                self.inner = self._create(task, out, key, r, commit, parallelism, shards, on_head, online)
+                spec = self.inner.online.spec if self.inner.online is not None else None
+                started = {"ring": spec.ring if spec is not None else None}
+            except Exception as e:
+                started = {"error": f"{type(e).__name__}: {e}"}
+                dist.broadcast_object_list([started], src=0)  # the other ranks stop with it, not at a barrier
+                raise
+        shared = [started]
+        dist.broadcast_object_list(shared, src=0)
+        if "error" in shared[0]:
+            raise RuntimeError(f"rank 0 could not start the run: {shared[0]['error']}")
+        if shared[0]["ring"] is not None and self.sharded:
+            if self.rank == 0:
+                self._answers = Answers()
+                self.inner.online.on_answer = self._answers.note  # type: ignore[union-attr]
+            else:
+                self._ring = ShareRing(out, self.rank, shared[0]["ring"], task.config.steps)
+            self._keep(0, self.session.shard_pieces()[0])  # the initial state: its share on every rank
         # Off the training stream on a GPU (a side-stream copy, hashed in a background thread)
         self._overlap = self.session.device.type == "cuda"
         self._snapshots: StateSnapshots | None = None
         self._unsettled: tuple[Future, Future | None, dict | None] | None = None
         dist.barrier()
+
+    def _create(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, r: bytes,
+                commit: Commitments, parallelism: str, shards: int, on_head: HeadCallback | None,
+                online: Online | None) -> Recorder:
+        """Rank 0's recorder, which signs the one log (and holds the beacon's link)."""
+        if key is None:
+            raise ValueError("rank 0 signs the log: it needs the key")
+        online = option(online, Online, "online")
+        if online.beacon is None and os.environ.get(BEACON_ENV):  # as start_run: a script goes online unchanged
+            from ..beacon.client import BeaconClient
+
+            online = dataclasses.replace(online, beacon=BeaconClient(os.environ[BEACON_ENV]))
+        training = Training(session=self.session, init_state=self.session.init_state, parallelism=parallelism,
+                            shards=shards)
+        return Recorder.create(task, out, key, r=r, commit=commit, training=training,
+                               online=dataclasses.replace(online, on_head=on_head or online.on_head))
+
+    def _keep(self, n: int, pieces: dict[str, torch.Tensor]) -> None:
+        """Collective (an online run): this rank's share of the state after ``n`` updates into its ring.
+        Rank 0 keeps its share first (waiting for the beacon where its ring is full), then tells the
+        other ranks what the statements answered since asked for; they write and free, then keep."""
+        if self._answers is not None:
+            self.inner.online.keep(n, pieces)  # type: ignore[union-attr]
+            exchange(self._answers.take(), self.session.device)
+        elif self._ring is not None:
+            self._ring.answer(exchange(None, self.session.device))
+            self._ring.keep(n, pieces)
 
     @property
     def overlap(self) -> bool:
@@ -114,6 +164,9 @@ class DistRecorder:
         fp = self.session.fingerprint()
         sketch = self.session.sketch()
         state = root = None
+        pieces = self.session.shard_pieces()[0] if self.sharded and committed else None
+        if pieces is not None and (self._answers is not None or self._ring is not None):
+            self._keep(step + 1, pieces)  # a host copy, before training changes it
         if committed and self.sharded and not due(step, self.checkpoint_every, steps):
             root = self._hash_shards()
         elif committed:
@@ -162,13 +215,25 @@ class DistRecorder:
         return root_from_shards(layout, ranks, self.digest)
 
     def finish(self) -> None:
-        """Rank 0 signs the end; everyone waits for it."""
+        """Rank 0 signs the end (an online run: once every statement is answered, and every rank has
+        written its shares of the states they ask for); everyone waits for it."""
         self._settle()
         if self._snapshots is not None:
             self._snapshots.close()
         if self.inner is not None:
             self.inner.finish()
+        if self._answers is not None:
+            exchange(self._answers.take(), self.session.device)  # the last statements' notes
+        elif self._ring is not None:
+            self._ring.answer(exchange(None, self.session.device))
+            self._ring.finish()
         dist.barrier()
+
+    def report(self) -> dict | None:
+        """What keeping and writing this rank's shares cost (an online run; rank 0's is its link's too)."""
+        if self.inner is not None and self.inner.online is not None:
+            return self.inner.online.report()
+        return self._ring.report() if self._ring is not None else None
 
     def close(self) -> list[str]:
         """After ``finish``: tear the run down in order, and say which backend threads outlive it.

@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from ..bundle.checkpoint import write_state
-from ..bundle.layout import online_chunks_name, online_samples_name, online_state_name
+from ..bundle.layout import (
+    online_chunks_name,
+    online_samples_name,
+    online_shard_name,
+    online_state_name,
+)
 from ..bundle.openings import WindowOpenings, write_openings
 from ..commit.chunks import ChunkTree
 from ..commit.hashing import canonical_json, parse_canonical_json
@@ -91,6 +96,7 @@ class KeptFiles:
 
     def __init__(self, out: Path, link: BeaconLink, log: RunLog, dataset: Dataset, layout: ChunkLayout | None):
         self.out, self.link, self.log, self.dataset, self.layout = out, link, log, dataset, layout
+        self.shard: int | None = None  # the rank whose share of each state is kept (None: whole states)
         self.selected: set[int] = set()  # every step a statement selected (the states before them are passed on)
         self.written = self.bytes_written = 0  # states written, and every kept file's bytes
         # a chunked run: windows opened and their files' bytes (also in bytes_written)
@@ -146,11 +152,16 @@ class KeptFiles:
             publish(kind, step, path)
             self.publish_seconds += time.perf_counter() - started
 
+    def state_path(self, n: int) -> Path:
+        """Where the state after ``n`` updates is kept (a rank's share of it, in a run over several)."""
+        return self.out / (online_state_name(n) if self.shard is None else online_shard_name(n, self.shard))
+
     def _write(self, n: int, state: dict[str, torch.Tensor]) -> None:
-        """The state after ``n`` updates."""
+        """The state after ``n`` updates (this rank's share of it, in a run over several)."""
+        path = self.state_path(n)
         with self._writing():
-            write_state(self.out / online_state_name(n), state, n)
+            write_state(path, state, n)
             self.written += 1
-            self.bytes_written += (self.out / online_state_name(n)).stat().st_size
-        if n in self.selected:  # the state before a selected step (the one after it serves tolerance mode)
-            self._publish("states", n, self.out / online_state_name(n))
+            self.bytes_written += path.stat().st_size
+        if n in self.selected and self.shard is None:  # the state before a selected step (the one after it
+            self._publish("states", n, path)            # serves tolerance mode); a share is not a state

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,7 +32,6 @@ from ..bundle.layout import (
     STATEMENTS,
     online_chunks_name,
     online_samples_name,
-    online_state_name,
 )
 from ..bundle.writer import read_lines
 from ..commit.beacon import BeaconStatement, selected_steps
@@ -98,6 +98,9 @@ class OnlineChallenges(KeptFiles):
         # thread's CPU) and, witnessed, fetching and checking the window's round (the settling thread's CPU)
         self.heads, self.body_seconds, self.post_cpu_seconds, self.settle_cpu_seconds = 0, 0.0, 0.0, 0.0
         self.settle_latency = 0.0  # seconds from each head's send to its settled window, summed (witnessed)
+        # a run over several ranks: told, once a statement is answered here, what the window covers and
+        # which states it asks for (the other ranks write their shares of those and free the rest)
+        self.on_answer: Callable[[int, list[int]], None] | None = None
 
     # --- statements -----------------------------------------------------------------------
     def load(self) -> None:
@@ -121,7 +124,7 @@ class OnlineChallenges(KeptFiles):
         self._settle_journal()
         for st in sorted(self.statements.values(), key=lambda s: s.size):
             self.covered = max(self.covered, st.window(self.steps).stop)
-            self.wanted |= {n for n in self._needed(st) if not (self.out / online_state_name(n)).exists()}
+            self.wanted |= {n for n in self._needed(st) if not self.state_path(n).exists()}
             win = st.window(self.steps)
             if self.layout is not None and len(win) and not (self.out / online_chunks_name(st.size)).exists():
                 self.reopen[st.size] = (win.start, self._chunks_of(st), {})  # its states are passed again
@@ -355,9 +358,11 @@ class OnlineChallenges(KeptFiles):
             for n in sorted(needed):
                 if n in self.ring:
                     write.append((n, self.ring[n]))
-                elif not (self.out / online_state_name(n)).exists():
+                elif not self.state_path(n).exists():
                     self.wanted.add(n)
             self.covered = covered
+            if self.on_answer is not None:
+                self.on_answer(covered, sorted(needed))
             for n in [n for n in self.ring if n < covered]:
                 free.append(self.ring.pop(n))
                 self.trees.pop(n, None)

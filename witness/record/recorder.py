@@ -81,10 +81,12 @@ class Recorder(Records):
         ring = None
         if online.beacon is not None:
             ring = challenges(opened.out, opened.session, opened.manifest, spec, online.beacon, key, opened.log)
+            if training.shards > 1:
+                ring.shard = 0  # rank 0's share of each state; the other ranks keep theirs (witness.distributed)
         rec = cls(key, opened, online.on_head, ring)
         if self_check.enabled and opened.session.world_size == 1 and training.parallelism == "none":
             rec.self_check = SelfCheck(rec, check_steps(task.config.steps), self_check.share)
-        if ring is not None:
+        if ring is not None and training.shards == 1:  # over several ranks, each keeps its share of it
             ring.keep(0, init_state)
         rec._publish_head()  # the manifest is signed before step 0
         if rec.self_check is not None:

@@ -171,8 +171,9 @@ class Records:
         checkpoint = self.checkpoint_due(step)
         self.flush()  # the previous record first: the log keeps step order
         if state_root is not None:
-            if self.online is not None:
-                raise ValueError("online challenges need the whole state at every step, not a root of shards")
+            if self.online is not None and self.online.shard is None:
+                raise ValueError("online challenges need the whole state at every step, or each rank keeping its "
+                                 "share (witness.distributed)")
             if not self.state_due(step) or checkpoint:
                 raise ValueError("a state root comes with a committed state between checkpoints")
             if isinstance(state_root, Future):
@@ -184,7 +185,8 @@ class Records:
             if state is None:
                 state, live = state_tensors(self.model, self.optimizer), True
             later = live and self.overlap and not checkpoint and step >= self._signed
-            if self.online is not None and not later:
+            if self.online is not None and self.online.shard is None and not later:
+                # (a run over several ranks keeps each rank's share itself: witness.distributed)
                 tree = self.online.keep(done, state)  # a host copy, before training changes it
                 if tree is not None:  # the parameters' chunks, which the window's beta will open
                     record["param_root"] = tree.root.hex()
