@@ -4,7 +4,12 @@
     torchrun --nproc_per_node=2 examples/torchrun_train.py --parallelism fsdp --out runs/fsdp
     witness verify runs/ddp --challenges 20            # one process replays it bit for bit, any rank count
 
-It runs on CPU with gloo (GPU recording with nccl is not built yet; see docs/distributed.md).
+Online challenges need no change to the script: with ``WITNESS_BEACON=URL`` in the environment,
+rank 0 streams the run's heads to that beacon and every rank keeps and writes its share of each
+state the beacon selects (docs/distributed.md); ``witness verify runs/ddp --mode online
+--beacon-key KEY`` then audits it.
+
+It runs on the CPU with gloo (the nccl path for GPUs: docs/distributed.md).
 """
 
 from __future__ import annotations

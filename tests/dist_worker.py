@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,8 @@ def main() -> None:
     ap.add_argument("--online-every", type=int, default=4)
     ap.add_argument("--ring-bytes", type=int, help="each rank's ring budget")
     ap.add_argument("--seed-hex", default="2a" * 32, help="the run's r (hex)")
+    ap.add_argument("--die-after", type=int, default=-1, help="rank 0 is killed (SIGKILL) after this step's record")
+    ap.add_argument("--resume", action="store_true", help="continue the killed run in --out")
     ap.add_argument("--report", help="write this rank's online cost here (JSON), with the rank appended")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -65,9 +69,12 @@ def main() -> None:
     else:
         task = build_task("tiny", {"steps": args.steps, "batch_size": 16, "grad_clip": args.grad_clip})  # 16 splits over 1, 2, 4 ranks
     key = load_key(args.key) if dist.get_rank() == 0 else None
-    rec = DistRecorder(task, args.out, key, r=bytes.fromhex(args.seed_hex),
-                       commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=args.state_every),
-                       parallelism=args.parallelism, online=online(args, task.config.steps))
+    if args.resume:
+        rec = DistRecorder.resume(args.out, key)
+    else:
+        rec = DistRecorder(task, args.out, key, r=bytes.fromhex(args.seed_hex),
+                           commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=args.state_every),
+                           parallelism=args.parallelism, online=online(args, task.config.steps))
     rec.overlap = args.overlap
     if args.parallelism == "fsdp":  # the root, and a unit of its own for each block the task names
         from torch.distributed.fsdp import FSDPModule
@@ -75,11 +82,13 @@ def main() -> None:
         units = sum(isinstance(m, FSDPModule) for m in rec.model.modules())
         assert units == 1 + len(task.fsdp_units(rec.session.module)), units
     ds = task.dataset()
-    for t in range(args.steps):
+    for t in range(rec.start_step, args.steps):
         batch = rec.batch(t)
         if t == args.cheat_step and dist.get_rank() == 1:
             batch = task.collate([ds.sample_bytes(i) for i in range(100, 108)])
         rec.log_step(t, rec.train_step(t, batch))
+        if t == args.die_after and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing is flushed or closed
         if args.overlap and rec.inner is not None and rec.inner.state_due(t) and not rec.inner.checkpoint_due(t):
             assert rec.inner._deferred is not None, "the state hash did not go off the training stream"
             assert rec.sharded == (rec._unsettled is not None)

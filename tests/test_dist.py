@@ -141,3 +141,22 @@ def test_many_ranks_replay_bit_exactly_on_one_process(runs, parallelism, ranks):
     assert m.state_every == 1 and m.state_digest == f"{default_digest()}/{ranks}"
     v = Verifier(policy=Policy(challenges=100)).verify(out)
     assert v.accepted and v.exact and v.replayed_steps == 8 and not v.thresholds, v.failures
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_run_killed_mid_way_resumes_under_torchrun_and_verifies(runs, parallelism):
+    out = runs["dir"] / f"killed_{parallelism}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(WORKER), "--parallelism", parallelism, "--out", str(out), "--key",
+           str(runs["key"]), "--die-after", "6"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0  # rank 0 was killed (SIGKILL) after step 6's record
+    before = open_bundle(out)
+    assert not before.complete and before.final_head.size <= 8
+    # every rank reopens at the checkpoint after step 3 and loads it (FSDP2: its rows, its moments placed
+    # as their parameters); steps 4..6, signed or not, are trained again and come out as recorded
+    torchrun(out, runs["key"], parallelism, "--resume")
+    after = open_bundle(out)
+    assert after.complete and [h.root for h in after.heads[:len(before.heads)]] == [h.root for h in before.heads]
+    v = Verifier(policy=Policy(challenges=100)).verify(out)
+    assert v.accepted and v.exact and v.replayed_steps == 12, v.failures

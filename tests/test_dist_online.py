@@ -21,10 +21,11 @@ from test_witnessed import Loopback
 from witness.beacon.app import create_app
 from witness.bundle.layout import LOG, online_shard_name, online_state_name
 from witness.bundle.reader import open_bundle
+from witness.bundle.state import state_hash
 from witness.cli import main
 from witness.commit.beacon import selected
 from witness.commit.signing import generate_key, public_hex, save_key
-from witness.errors import MalformedInput, RunRejected
+from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.verify import Policy, Trust, Verifier
 from witness.verify.kept import join_shares
 from witness.web import start_uvicorn, stop_uvicorn
@@ -66,7 +67,7 @@ def runs(tmp_path_factory):
             "ddp": torchrun(d / "ddp", key, "ddp", "--beacon", url, "--report", str(d / "ddp.cost")),
             "fsdp": torchrun(d / "fsdp", key, "fsdp", "--beacon", url),
             # WITNESS_BEACON puts a torchrun script online as it does one process, at the default settings
-            "env": torchrun(d / "env", key, "ddp", "--steps", "4", env={"WITNESS_BEACON": url}),
+            "env": example(d / "env", key, url),
             "ddp_witnessed": torchrun(d / "ddp_w", key, "ddp", *witnessed),
             "fsdp_witnessed": torchrun(d / "fsdp_w", key, "fsdp", *witnessed),
             "beacon": public_hex(bkey.public_key()), "loop": loop, "dir": d, "key": key, "url": url,
@@ -74,6 +75,17 @@ def runs(tmp_path_factory):
     finally:
         loop.close()
         stop_uvicorn(server, thread)
+
+
+def example(out: Path, key: Path, url: str) -> Path:
+    """``examples/torchrun_train.py``, unchanged, on 2 ranks with ``WITNESS_BEACON`` set."""
+    script = Path(__file__).parents[1] / "examples" / "torchrun_train.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(script), "--parallelism", "fsdp", "--out", str(out), "--key",
+           str(key), "--steps", "4", "--batch-size", "4", "--checkpoint-every", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"WITNESS_BEACON": url})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
 
 
 def online(bundle: Path, beacon: str):
@@ -223,3 +235,57 @@ def test_a_ring_whose_budget_cannot_hold_a_window_is_refused_on_every_rank_befor
     assert res.returncode != 0
     assert "cannot hold one window" in res.stderr and "rank 0 could not start the run" in res.stderr
     assert not (out / LOG).exists()  # refused before anything was signed
+
+
+def _with_shape(path: Path, name: str, shape: list[int]) -> None:
+    """Rewrite a state file so that tensor ``name`` holds no bytes under ``shape`` (a header edit)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header, body = json.loads(raw[8:8 + n]), raw[8 + n:]
+    a, b = header[name]["data_offsets"]
+    body = body[:a] + body[b:]
+    for k, v in header.items():
+        if k != "__metadata__" and v["data_offsets"][0] >= b:
+            v["data_offsets"] = [v["data_offsets"][0] - (b - a), v["data_offsets"][1] - (b - a)]
+    header[name].update(shape=shape, data_offsets=[a, a])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + body)
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62], [0, 2**63 + 5]])
+def test_a_share_with_an_empty_tensor_of_an_absurd_shape_is_malformed_not_a_crash(tmp_path, shape):
+    meta = {"format": "witness-state/v1", "step": "3"}
+    paths = {}
+    for r in (0, 1):
+        paths[r] = tmp_path / f"{r}.safetensors"
+        save_file({"model.w": torch.ones(2, 2), "model.zz": torch.zeros(1, 1)}, paths[r], meta)
+        _with_shape(paths[r], "model.zz", shape)
+    with pytest.raises(MalformedInput, match="shape"):
+        join_shares(paths, 2, 3)
+
+
+def test_a_nan_every_rank_holds_is_the_same_value_not_a_disagreement(tmp_path):
+    meta = {"format": "witness-state/v1", "step": "5"}
+    whole = {"model.scale": torch.tensor(float("nan")), "model.w": torch.arange(6.0).reshape(3, 2)}
+    paths = {}
+    for r, (a, b) in enumerate([(0, 2), (2, 3)]):
+        paths[r] = tmp_path / f"{r}.safetensors"
+        save_file({"model.scale": whole["model.scale"].clone(), "model.w": whole["model.w"][a:b].clone()}, paths[r],
+                  meta)
+    joined = join_shares(paths, 2, 5)
+    assert state_hash(joined, "blake3/2") == state_hash(whole, "blake3/2")
+    save_file({"model.scale": torch.tensor(float("inf")), "model.w": whole["model.w"][2:].clone()}, paths[1], meta)
+    with pytest.raises(VerificationError, match="different values of model.scale"):
+        join_shares(paths, 2, 5)
+
+
+def test_the_ring_is_sized_by_the_largest_ranks_share():
+    from witness.record.start import kept_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))  # [3, 4], [3], [1, 3], [1]
+    opt = torch.optim.AdamW(model.parameters())
+    whole = kept_bytes(model, opt)
+    assert whole == 3 * 4 * (12 + 3 + 3 + 1)  # weights and biases, and two moments of each
+    # rank 0 holds ceil(rows / 2) rows of every tensor: 2 of 3 (8 and 2 elements), 1 of 1 (3 and 1)
+    assert kept_bytes(model, opt, 2) == 3 * 4 * (8 + 2 + 3 + 1)

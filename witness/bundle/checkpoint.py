@@ -100,6 +100,13 @@ def safetensors_header(path: Path, limit: int = MAX_CHECKPOINT_BYTES, data: byte
         raise MalformedInput(f"{path.name} is not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
         raise MalformedInput(f"{path.name} is not a safetensors file (bad header)")
+    for name, entry in header.items():
+        shape = entry.get("shape") if isinstance(entry, dict) and name != "__metadata__" else []
+        # a dimension larger than any file holds can only come with another of 0 (no bytes): numpy and
+        # torch then overflow on the element count, so such a shape is refused here
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d <= MAX_CHECKPOINT_BYTES for d in shape):
+            raise MalformedInput(f"{path.name}: tensor {str(name)[:80]!r} has the shape {str(shape)[:80]}, which no "
+                                 "state tensor has")
     return header
 
 
@@ -116,5 +123,5 @@ def read_checkpoint(path: Path, names: list[str] | None = None) -> dict[str, tor
             return load_file(str(path))
         with safe_open(str(path), "pt") as f:
             return {n: f.get_tensor(n) for n in names if n in header}
-    except (SafetensorError, ValueError, OSError) as e:
+    except (SafetensorError, ValueError, OSError, TypeError, OverflowError, RuntimeError) as e:
         raise MalformedInput(f"{path.name} is not a valid safetensors file: {e}") from None

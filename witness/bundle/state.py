@@ -59,6 +59,8 @@ def default_digest(shards: int = 1) -> str:
 
 def _raw(t: torch.Tensor):
     """The tensor's bytes as a buffer, without copying a contiguous CPU tensor."""
+    if t.numel() == 0:  # no bytes, whatever its shape says (numpy refuses a huge shape of 0 elements)
+        return np.empty(0, dtype=np.uint8)
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.detach().cpu().contiguous()
     if t.requires_grad:

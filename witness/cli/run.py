@@ -245,10 +245,10 @@ def _online_info(b) -> dict | None:  # noqa: ANN001 - a Bundle
     sts = sorted(parse_statements(b), key=lambda s: s.size)
     n = len(b.steps)
     selected = selected_by(sts, m.online["p"], n)
-    missing = [t for t in selected if t not in b.online_states and t not in b.online_shards
-               or t not in b.online_samples]
+    whole = {t for t, shares in b.online_shards.items() if len(shares) == m.world_size}  # every rank's share kept
+    missing = [t for t in selected if t not in b.online_states and t not in whole or t not in b.online_samples]
     return dict(m.online, statements=len(sts), covered=sts[-1].window(n).stop if sts else 0, selected=selected,
-                states_kept=len(b.online_states) + len(b.online_shards), missing=missing, chunks_kept=len(b.online_chunks),
+                states_kept=len(b.online_states) + len(whole), missing=missing, chunks_kept=len(b.online_chunks),
                 beacons=sorted({getattr(st, "beacon", "witnesses") for st in sts}), final=bool(sts) and sts[-1].final,
                 witnessed=any(isinstance(st, WitnessedWindow) for st in sts))
 

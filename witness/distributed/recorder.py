@@ -18,20 +18,27 @@ import dataclasses
 import gc
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ..bundle.layout import due
-from ..bundle.state import default_digest, root_from_shards, shard_digests
+from ..bundle.checkpoint import read_checkpoint
+from ..bundle.layout import LOG, checkpoint_name, due, online_shard_name
+from ..bundle.state import default_digest, parse_digest, root_from_shards, shard_digests
+from ..bundle.writer import read_lines
+from ..commit.hashing import parse_canonical_json
 from ..data.order import derive_run_seed
 from ..record.options import Commitments, HeadCallback, Online, Training, option
 from ..record.overlap import StateSnapshots
 from ..record.recorder import BEACON_ENV, Recorder
+from ..record.start import reopen
 from ..task.base import StepOutput, Task
+from ..task.registry import build_task
 from .online import Answers, ShareRing, exchange
 from .session import DistSession
 
@@ -54,51 +61,93 @@ class DistRecorder:
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
         commit = option(commit, Commitments, "commit")
-        self.task = task
         dataset = task.dataset()
-        self.session = DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism)
-        self.rank = self.session.rank
-        self.checkpoint_every = commit.checkpoint_every
-        self.state_every = commit.state_every
-        # over several ranks each hashes its own rows of the state (DDP's replica as FSDP2's shards)
-        self.sharded = self.session.world_size > 1
-        shards = self.session.world_size if self.sharded else 1
+        world = dist.get_world_size()
+        # over several ranks each hashes its own rows of the state (DDP's replica as FSDP2's shards);
         # every rank names the same digest: the same code and packages run on all of them
-        self.digest = default_digest(shards)
-        self.inner: Recorder | None = None
-        self._answers: Answers | None = None  # rank 0's notes of answered statements (an online run)
-        self._ring: ShareRing | None = None  # another rank's ring of its shares (an online run)
-        started: dict = {}
-        if self.rank == 0:
-            try:
-                self.inner = self._create(task, out, key, r, commit, parallelism, shards, on_head, online)
-                spec = self.inner.online.spec if self.inner.online is not None else None
-                started = {"ring": spec.ring if spec is not None else None}
-            except Exception as e:
-                started = {"error": f"{type(e).__name__}: {e}"}
-                dist.broadcast_object_list([started], src=0)  # the other ranks stop with it, not at a barrier
-                raise
-        shared = [started]
-        dist.broadcast_object_list(shared, src=0)
-        if "error" in shared[0]:
-            raise RuntimeError(f"rank 0 could not start the run: {shared[0]['error']}")
-        if shared[0]["ring"] is not None and self.sharded:
+        self._setup(task, DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism),
+                    commit.checkpoint_every, commit.state_every, default_digest(world))
+        shards = parse_digest(self.digest)[1]
+        started = self._on_rank0(lambda: self._create(task, out, key, r, commit, parallelism, shards, on_head, online))
+        if started["ring"] is not None and self.sharded:
             if self.rank == 0:
                 self._answers = Answers()
                 self.inner.online.on_answer = self._answers.note  # type: ignore[union-attr]
             else:
-                self._ring = ShareRing(out, self.rank, shared[0]["ring"], task.config.steps)
+                self._ring = ShareRing(out, self.rank, started["ring"], task.config.steps)
             self._keep(0, self.session.shard_pieces()[0])  # the initial state: its share on every rank
+        dist.barrier()
+
+    @classmethod
+    def resume(cls, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, threads: int | None = None
+               ) -> DistRecorder:
+        """Continue a killed torchrun run on as many ranks as it started on (every rank calls this; rank
+        0 with the key). Rank 0 reopens the bundle at an intact checkpoint, keeping every signed head
+        valid (``witness.record.start.reopen``: records signed before the kill are trained again and
+        must come out bit for bit the same); every rank then loads that checkpoint (DDP the whole
+        replica, FSDP2 its rows). Train from ``rec.start_step``. The bundle must be on storage every
+        rank reads."""
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
+        out = Path(out)
+        lines = read_lines(out / LOG)
+        if not lines:
+            raise ValueError(f"{out} holds no run to resume")
+        m = parse_canonical_json(lines[0])  # every rank reads the recipe (the first line never changes)
+        if m.get("world_size") != dist.get_world_size() or m.get("parallelism") not in ("ddp", "fsdp"):
+            raise ValueError(f"the run in {out} trained on {m.get('world_size')} rank(s) with {m.get('parallelism')}: "
+                             f"resume it so, not on {dist.get_world_size()}")
+        task = build_task(m["task"], m["task_config"])
+        self = cls.__new__(cls)
+        self._setup(task, DistSession(task, bytes.fromhex(m["run_seed"]), m["dataset_size"], m["parallelism"]),
+                    m["checkpoint_every"], m["state_every"], m["state_digest"])
+
+        def reopened() -> dict:
+            opened, _, heads = reopen(out, key, threads, None, session=self.session)
+            self.inner = Recorder(key, opened)
+            self.inner._old_heads = heads
+            return {"at": opened.start_step}
+
+        self.start_step = self._on_rank0(reopened)["at"]
+        self.session.load_full_state(read_checkpoint(out / checkpoint_name(self.start_step)))
+        dist.barrier()
+        return self
+
+    def _setup(self, task: Task, session: DistSession, checkpoint_every: int, state_every: int, digest: str) -> None:
+        """What a new and a resumed run share."""
+        self.task, self.session, self.rank = task, session, session.rank
+        self.checkpoint_every, self.state_every, self.digest = checkpoint_every, state_every, digest
+        self.sharded = parse_digest(digest)[1] > 1  # (a DDP run recorded before issue 48: rank 0 hashed it whole)
+        self.start_step = 0
+        self.inner: Recorder | None = None
+        self._answers: Answers | None = None  # rank 0's notes of answered statements (an online run)
+        self._ring: ShareRing | None = None  # another rank's ring of its shares (an online run)
+        self._asked: set[int] = set()  # rank 0: the states statements asked every rank for
         # Off the training stream on a GPU (a side-stream copy, hashed in a background thread)
         self._overlap = self.session.device.type == "cuda"
         self._snapshots: StateSnapshots | None = None
         self._unsettled: tuple[Future, Future | None, dict | None] | None = None
-        dist.barrier()
+
+    def _on_rank0(self, start: Callable[[], dict]) -> dict:
+        """Collective: rank 0 starts (or reopens) the run; every rank gets what it says, or stops with
+        its error (rather than wait at the next collective for a rank that is gone)."""
+        said: dict = {}
+        if self.rank == 0:
+            try:
+                said = start()
+            except Exception as e:
+                dist.broadcast_object_list([{"error": f"{type(e).__name__}: {e}"}], src=0)
+                raise
+        shared = [said]
+        dist.broadcast_object_list(shared, src=0)
+        if "error" in shared[0]:
+            raise RuntimeError(f"rank 0 could not start the run: {shared[0]['error']}")
+        return shared[0]
 
     def _create(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, r: bytes,
                 commit: Commitments, parallelism: str, shards: int, on_head: HeadCallback | None,
-                online: Online | None) -> Recorder:
-        """Rank 0's recorder, which signs the one log (and holds the beacon's link)."""
+                online: Online | None) -> dict:
+        """Rank 0's recorder, which signs the one log (and holds the beacon's link); says the ring's size."""
         if key is None:
             raise ValueError("rank 0 signs the log: it needs the key")
         online = option(online, Online, "online")
@@ -108,8 +157,10 @@ class DistRecorder:
             online = dataclasses.replace(online, beacon=BeaconClient(os.environ[BEACON_ENV]))
         training = Training(session=self.session, init_state=self.session.init_state, parallelism=parallelism,
                             shards=shards)
-        return Recorder.create(task, out, key, r=r, commit=commit, training=training,
-                               online=dataclasses.replace(online, on_head=on_head or online.on_head))
+        self.inner = Recorder.create(task, out, key, r=r, commit=commit, training=training,
+                                     online=dataclasses.replace(online, on_head=on_head or online.on_head))
+        spec = self.inner.online.spec if self.inner.online is not None else None
+        return {"ring": spec.ring if spec is not None else None}
 
     def _keep(self, n: int, pieces: dict[str, torch.Tensor]) -> None:
         """Collective (an online run): this rank's share of the state after ``n`` updates into its ring.
@@ -117,7 +168,7 @@ class DistRecorder:
         other ranks what the statements answered since asked for; they write and free, then keep."""
         if self._answers is not None:
             self.inner.online.keep(n, pieces)  # type: ignore[union-attr]
-            exchange(self._answers.take(), self.session.device)
+            self._tell(self._answers.take())
         elif self._ring is not None:
             self._ring.answer(exchange(None, self.session.device))
             self._ring.keep(n, pieces)
@@ -223,11 +274,25 @@ class DistRecorder:
         if self.inner is not None:
             self.inner.finish()
         if self._answers is not None:
-            exchange(self._answers.take(), self.session.device)  # the last statements' notes
+            self._tell(self._answers.take())  # the last statements' notes
         elif self._ring is not None:
             self._ring.answer(exchange(None, self.session.device))
             self._ring.finish()
         dist.barrier()
+        if self._answers is not None:  # every rank's share where rank 0 reads the bundle (storage they all write)
+            world = self.session.world_size
+            lost = [(n, r) for n in sorted(self._asked) for r in range(world)
+                    if not (self.inner.out / online_shard_name(n, r)).exists()]  # type: ignore[union-attr]
+            if lost:
+                raise RuntimeError(f"rank {lost[0][1]}'s share of the state after {lost[0][0]} update(s) is not in "
+                                   f"{self.inner.out} ({len(lost)} share(s) missing): the ranks must write the bundle "  # type: ignore[union-attr]
+                                   "to storage they share (one host, or a shared file system)")
+
+    def _tell(self, notes: list[tuple[int, list[int]]]) -> None:
+        """Rank 0: the other ranks get the notes (and rank 0 remembers the states they asked for)."""
+        for _, needed in notes:
+            self._asked.update(needed)
+        exchange(notes, self.session.device)
 
     def report(self) -> dict | None:
         """What keeping and writing this rank's shares cost (an online run; rank 0's is its link's too)."""

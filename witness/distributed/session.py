@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
-from ..bundle.state import shard_rows, state_tensors
+from ..bundle.state import load_state, shard_rows, state_tensors
 from ..fingerprint.probes import Fingerprint
 from ..fingerprint.sketch import ParameterSketch
 from ..session import TrainingSession, deterministic_device
@@ -193,6 +193,51 @@ class DistSession(TrainingSession):
                 self._rows_checked.add(name)
             pieces[name] = local
         return pieces, {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+
+    def load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Every rank: put a whole state (a checkpoint every rank read) into this rank's model and
+        optimizer: under DDP the whole replica, under FSDP2 this rank's rows of every sharded
+        tensor (the moments as DTensors placed like their parameters), the rest whole."""
+        if self.parallelism == "ddp" or self.world_size == 1 and not any(
+                isinstance(p, DTensor) for p in self.model.parameters()):
+            load_state(self.module, self.optimizer, tensors)
+            return
+        params = dict(self.model.named_parameters())
+        names = set(state_tensors(self.model, None))
+        if {k for k in tensors if k.startswith("model.")} != names:
+            raise ValueError("the checkpoint does not hold this model's tensors")
+        with torch.no_grad():
+            for key in names:
+                name = key.removeprefix("model.")
+                whole = tensors[key]
+                p = params.get(name)
+                if p is None:  # a buffer: FSDP2 leaves it whole on every rank
+                    self.model.get_buffer(name).copy_(whole)
+                    continue
+                p.to_local().copy_(self._rows(whole, p))
+            self.optimizer.state.clear()
+            for key, value in tensors.items():
+                if not key.startswith("optim."):
+                    continue
+                pname, _, field = key[6:].rpartition(".")
+                p = params.get(pname)
+                if p is None:
+                    raise ValueError(f"the checkpoint has optimizer state for unknown parameter {pname}")
+                if value.shape == p.shape and value.dim():  # a moment: this rank's rows, placed as its parameter
+                    local = self._rows(value, p).to(self.device, copy=True)
+                    value = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                else:  # a counter (AdamW's step) stays on the host, whole
+                    value = value.clone()
+                self.optimizer.state[p][field] = value
+
+    def _rows(self, whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole tensor shaped like parameter ``p`` (FSDP2's split of dim 0)."""
+        if whole.shape != p.shape or whole.dtype != p.dtype:
+            raise ValueError(f"a checkpoint tensor of shape {list(whole.shape)} does not fit {list(p.shape)}")
+        if whole.dim() == 0:
+            return whole
+        start, end = shard_rows(whole.shape[0], self.world_size)[self.rank]
+        return whole[start:end]
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full (unsharded) model and optimizer state, on rank 0."""

@@ -137,8 +137,7 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
     if spec is not None:  # before anything is written: a ring that cannot hold a window is refused here
         budget = host_budget() if online.ring_bytes is None else online.ring_bytes
         # over several ranks each keeps its share of the rows: about 1/ranks of a state
-        share = -(-kept_bytes(session.model, session.optimizer) // training.shards)
-        spec = ring_within(spec, share, budget)
+        spec = ring_within(spec, kept_bytes(session.model, session.optimizer, training.shards), budget)
     if spec is not None and spec.chunks:
         rules = move_rules(getattr(session, "module", session.model), session.optimizer)
         if isinstance(rules, str):  # no bound to check a step's move against: the chunks would prove nothing
@@ -194,18 +193,25 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
     return Opened(task, Path(out), session, writer, log, manifest, 0), init_state, spec
 
 
-def kept_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def kept_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shards: int = 1) -> int:
     """The bytes of one state the ring keeps: every tensor of the state, with the optimizer's moments
     counted before the first step creates them (two a parameter for Adam's kind, three with amsgrad,
-    one for SGD with momentum, none for plain SGD; two for an optimizer not known here)."""
-    size = sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer).values())
+    one for SGD with momentum, none for plain SGD; two for an optimizer not known here). Over
+    ``shards`` ranks, the largest rank's share: rank 0's ceil(rows / shards) rows of every tensor,
+    and every 0-dimensional tensor whole."""
+    def share(t: torch.Tensor) -> int:
+        size = t.numel() * t.element_size()
+        if shards == 1 or t.dim() == 0 or not t.shape[0]:
+            return size
+        return -(-t.shape[0] // shards) * (size // t.shape[0])
+
+    size = sum(share(t) for t in state_tensors(model, optimizer).values())
     if not optimizer.state:
         d = optimizer.defaults
         moments = 3 if d.get("amsgrad") else 1 if "momentum" in d and "betas" not in d else 2
         if "momentum" in d and "betas" not in d and not d["momentum"]:
             moments = 0
-        size += moments * sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"]
-                              if p.requires_grad)
+        size += moments * sum(share(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
     return size
 
 
@@ -222,8 +228,8 @@ def challenges(out: Path, session: Any, manifest: dict, spec: OnlineSpec, beacon
                             manifest["checkpoint_every"], layout)
 
 
-def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None,
-           beacon: BeaconLink | None) -> tuple[Opened, OnlineChallenges | None, dict[int, SignedTreeHead]]:
+def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None, beacon: BeaconLink | None,
+           session: TrainingSession | None = None) -> tuple[Opened, OnlineChallenges | None, dict[int, SignedTreeHead]]:
     """Reopen a killed run at the intact checkpoint it continues from, with every signed head kept
     valid. Returns the open bundle (its state loaded), its online challenges (None: none), and its
     signed heads by size.
@@ -232,6 +238,9 @@ def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None,
     must come out bit for bit the same. An online run resumes from the checkpoint before the
     first state it may still be asked for (a selected state the crash lost, or the first step no
     statement covers), with every statement the beacon gave kept or fetched again.
+
+    ``session``: a torchrun run's (``witness.distributed``), built by every rank from the manifest;
+    its ranks then load the checkpoint ``Opened.start_step`` names themselves.
     """
     out = Path(out)
     lines = read_lines(out / LOG)
@@ -240,8 +249,12 @@ def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None,
     manifest = parse_canonical_json(lines[0])
     if manifest["public_key"] != public_hex(key.public_key()):
         raise ValueError("the run was signed with another key")
-    if manifest["world_size"] != 1:
-        raise ValueError("resuming a distributed run is not supported yet")
+    if session is None and manifest["world_size"] != 1:
+        raise ValueError("a torchrun run is resumed under torchrun, on as many ranks as it started on, with "
+                         "witness.distributed.DistRecorder.resume")
+    if session is not None and manifest.get("online") is not None:
+        raise ValueError("resuming a torchrun run that takes online challenges is not built yet: its ranks' rings "
+                         "would have to be filled again (docs/distributed.md)")
     started = Manifest.parse(manifest)
     # the rest of the run must be trained by the same code as its start (a plugin may have changed)
     if not replays(started.code_version):
@@ -281,7 +294,9 @@ def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None,
     signed = max((h.size for h in heads), default=1)  # records a head signed stay, whatever happens
     if signed > steps + 1 + ended:
         raise ValueError("a signed head covers records that are not in the log; cannot resume")
-    session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"], device=kind)
+    distributed = session is not None
+    if session is None:
+        session = TrainingSession(task, bytes.fromhex(manifest["run_seed"]), manifest["dataset_size"], device=kind)
     online = None
     if started.online is None and beacon is not None:
         raise ValueError("the run was started without online challenges; it cannot take them from the middle")
@@ -303,9 +318,10 @@ def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None,
     for f in (out / ONLINE).glob("*/*"):  # a selected state or samples file the crash cut short
         if partial_write(f.relative_to(out).as_posix()):
             f.unlink()
-    load_state(session.model, session.optimizer, read_checkpoint(out / checkpoint_name(resume_at)))
+    if not distributed:  # (every rank of a torchrun run loads its own share)
+        load_state(session.model, session.optimizer, read_checkpoint(out / checkpoint_name(resume_at)))
     log = RunLog(lines[:keep])
-    opened = Opened(task, out, session, BundleWriter(out, create=False), log, manifest, resume_at)
+    opened = Opened(session.task, out, session, BundleWriter(out, create=False), log, manifest, resume_at)
     if online is not None:
         online.log = log
         online.keep(resume_at, state_tensors(session.model, session.optimizer))

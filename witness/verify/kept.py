@@ -62,7 +62,9 @@ def join_shares(shares: dict[int, Path], world: int, step: int) -> dict[str, tor
             raise VerificationError(f"the ranks' shares of {name} in the state after {step} update(s) do not fit "
                                     "together (dtype or shape)", step=step, check="online")
         if first.dim() == 0:
-            if any(not torch.equal(t, first) for t in pieces[1:]):
+            # the same bytes on every rank (a NaN every rank holds is the same value, though NaN != NaN)
+            if any(t.reshape(1).view(torch.uint8).tolist() != first.reshape(1).view(torch.uint8).tolist()
+                   for t in pieces[1:]):
                 raise VerificationError(f"the ranks hold different values of {name} in the state after {step} "
                                         "update(s)", step=step, check="online")
             out[name] = first
