@@ -36,6 +36,23 @@ def online(args: argparse.Namespace, steps: int) -> Online | None:
     return Online(beacon=link, spec=spec, ring_bytes=args.ring_bytes)
 
 
+def swap_rank1_rows(rec: DistRecorder, parallelism: str) -> None:
+    """Other weights (a fixed draw) in rank 1's rows of every parameter: under FSDP2 the shards rank 1
+    holds, under DDP the same rows of every rank's replica (the replicas stay equal)."""
+    from witness.bundle.state import shard_rows
+
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for _, p in rec.session.module.named_parameters():
+            if parallelism == "fsdp":
+                if dist.get_rank() == 1:
+                    local = p.to_local()
+                    local.copy_(torch.randn(local.shape, generator=g))
+            elif p.dim():
+                a, b = shard_rows(p.shape[0], dist.get_world_size())[1]
+                p[a:b].copy_(torch.randn((b - a, *p.shape[1:]), generator=g))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parallelism", required=True)
@@ -56,6 +73,8 @@ def main() -> None:
     ap.add_argument("--online-every", type=int, default=4)
     ap.add_argument("--ring-bytes", type=int, help="each rank's ring budget")
     ap.add_argument("--seed-hex", default="2a" * 32, help="the run's r (hex)")
+    ap.add_argument("--swap-step", type=int, default=-1,
+                    help="after this step's update rank 1 swaps other weights into its rows of the parameters")
     ap.add_argument("--die-after", type=int, default=-1, help="rank 0 is killed (SIGKILL) after this step's record")
     ap.add_argument("--resume", action="store_true", help="continue the killed run in --out")
     ap.add_argument("--report", help="write this rank's online cost here (JSON), with the rank appended")
@@ -86,7 +105,10 @@ def main() -> None:
         batch = rec.batch(t)
         if t == args.cheat_step and dist.get_rank() == 1:
             batch = task.collate([ds.sample_bytes(i) for i in range(100, 108)])
-        rec.log_step(t, rec.train_step(t, batch))
+        out = rec.train_step(t, batch)
+        if t == args.swap_step:  # other weights in rank 1's rows of every parameter (DDP: in every replica)
+            swap_rank1_rows(rec, args.parallelism)
+        rec.log_step(t, out)
         if t == args.die_after and dist.get_rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing is flushed or closed
         if args.overlap and rec.inner is not None and rec.inner.state_due(t) and not rec.inner.checkpoint_due(t):

@@ -24,8 +24,11 @@ from witness.bundle.reader import open_bundle
 from witness.bundle.state import state_hash
 from witness.cli import main
 from witness.commit.beacon import selected
+from witness.commit.chunks import chunk_indices
 from witness.commit.signing import generate_key, public_hex, save_key
 from witness.errors import MalformedInput, RunRejected, VerificationError
+from witness.fingerprint.chunks import ChunkLayout
+from witness.task import build_task
 from witness.verify import Policy, Trust, Verifier
 from witness.verify.kept import join_shares
 from witness.web import start_uvicorn, stop_uvicorn
@@ -37,6 +40,9 @@ STEPS, P = 12, 0.25  # the worker's steps and selection probability
 # selected steps whose kept states the online audit loads from the ranks' shares (none is a checkpoint's, at
 # 4 and 8, and the step before each is not selected: replay would go on from it without loading the state)
 SELECTED = {2, 6, 10}
+# a step after whose update rank 1 swaps other weights into its rows (not selected: replay never sees it), and
+# the first of rank 1's chunks: tiny's parameters over 2 ranks are 2 subtrees of 4 chunks (1 KiB each)
+SWAP, RANK1 = 4, 4
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +53,12 @@ def runs(tmp_path_factory):
     bkey = generate_key()
     app = create_app(f"sqlite:///{d / 'beacon.db'}", bkey)
 
-    def draw(prev_size: int, size: int) -> bytes:  # betas that select exactly the steps in SELECTED
-        window = range(max(prev_size - 1, 0), max(min(size - 1, STEPS), 0))
-        while True:
+    def draw(prev_size: int, size: int) -> bytes:  # betas that select exactly the steps in SELECTED, and
+        window = range(max(prev_size - 1, 0), max(min(size - 1, STEPS), 0))  # open one of rank 1's chunks
+        while True:                                                           # where a step's weights are swapped
             beta = os.urandom(32)
-            if all(selected(beta, t, P) == (t in SELECTED) for t in window):
+            if all(selected(beta, t, P) == (t in SELECTED) for t in window) and \
+                    (SWAP not in window or any(c >= RANK1 for c in chunk_indices(beta, 2, 2 * RANK1))):
                 return beta
 
     app.state.beacon.draw = draw
@@ -62,10 +69,14 @@ def runs(tmp_path_factory):
     for u in loop.urls:
         witnessed += ["--witness", u]
     witnessed += ["--drand", loop.drand_url, "--drand-chain", str(loop.info), "--seed-hex", "17" * 32]
+    swap = ["--seed-hex", "5a" * 32]
     try:
         yield {
             "ddp": torchrun(d / "ddp", key, "ddp", "--beacon", url, "--report", str(d / "ddp.cost")),
             "fsdp": torchrun(d / "fsdp", key, "fsdp", "--beacon", url),
+            # (another seed: the same manifest again would be the same run to the beacon, its heads a fork)
+            "ddp_swap": torchrun(d / "ddp_swap", key, "ddp", "--beacon", url, "--swap-step", str(SWAP), *swap),
+            "fsdp_swap": torchrun(d / "fsdp_swap", key, "fsdp", "--beacon", url, "--swap-step", str(SWAP), *swap),
             # WITNESS_BEACON puts a torchrun script online as it does one process, at the default settings
             "env": example(d / "env", key, url),
             "ddp_witnessed": torchrun(d / "ddp_w", key, "ddp", *witnessed),
@@ -106,6 +117,20 @@ def test_an_online_run_over_two_ranks_keeps_each_ranks_share_and_verifies_in_one
     assert selected == SELECTED and all(t in b.online_shards and t + 1 in b.online_shards for t in selected)
     v = Verifier(policy=Policy(challenges=100)).verify(out)  # and offline, every step replayed
     assert v.accepted and v.replayed_steps == 12
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_the_every_step_check_catches_weights_swapped_on_one_ranks_rows(runs, parallelism):
+    # each rank's rows of the parameters are a subtree of the chunk tree, which that rank hashed in its own
+    # ring; the window's openings hold the chunks of every rank and the paths to the one param_root
+    good = online(runs[parallelism], runs["beacon"])
+    assert good.accepted and good.moves["checked"] == STEPS and good.moves["of"] == 2 * RANK1, good.moves
+    assert good.moves["holding"] == 2 * RANK1 and "8 of which hold parameters" in good.moves["summary"]
+    # the swapped step is not selected, so no replay sees it; its move is out of every bound
+    with pytest.raises(RunRejected, match=f"step {SWAP}: moves"):
+        online(runs[f"{parallelism}_swap"], runs["beacon"])
+    assert ChunkLayout.of_model(build_task("tiny", {"steps": STEPS, "batch_size": 16}).build_model(b"\0" * 32), 1024,
+                                2).shard_size == RANK1
 
 
 def test_witness_beacon_puts_a_torchrun_script_online(runs):

@@ -106,6 +106,11 @@ class Manifest:
         """Whether every step record commits its parameters' chunks (a ``param_root``)."""
         return self.online is not None and "chunks" in self.online
 
+    @property
+    def state_shards(self) -> int:
+        """The ranks whose rows the state digest (and a chunked run's chunk layout) splits the state over."""
+        return parse_digest(self.state_digest)[1]
+
     FIELDS = {
         "type", "format_version", "task", "task_config", "code_version", "r", "r_source", "run_seed",
         "data_root", "dataset_size", "probe_hash", "fingerprint_spec", "checkpoint_every", "state_every",

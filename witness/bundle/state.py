@@ -31,7 +31,7 @@ from torch import nn
 from ..commit.hashing import canonical_json, leaf_hash
 from ..commit.merkle import merkle_root
 from ..errors import MalformedInput, VerificationError
-from ..fingerprint.chunks import alias_groups
+from ..fingerprint.chunks import alias_groups, shard_rows
 
 try:
     import blake3 as _blake3
@@ -81,12 +81,6 @@ def parse_digest(spec: str) -> tuple[str, int]:
     if not (shards.isdigit() and shards[0] != "0" and 2 <= int(shards) <= MAX_SHARDS):
         raise MalformedInput(f"state digest {spec!r}: the shard count must be 2 to {MAX_SHARDS}")
     return name, int(shards)
-
-
-def shard_rows(rows: int, shards: int) -> list[tuple[int, int]]:
-    """The rows ``[start, end)`` of each shard: FSDP2's chunks of ceil(rows / shards) rows."""
-    size = -(-rows // shards)
-    return [(min(r * size, rows), min((r + 1) * size, rows)) for r in range(shards)]
 
 
 def bytes_digest(raw, name: str) -> str:

@@ -20,14 +20,21 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..bundle.checkpoint import write_state
 from ..bundle.layout import online_shard_name
+from ..commit.chunks import ChunkTree
+from ..fingerprint.chunks import ChunkLayout
 from ..record.kept import StatePool
 
-Notes = list[tuple[int, list[int]]]  # (steps covered so far, the states a window asks for), in answer order
+# what a window opens of a chunked run's states: (the head size it closes at, its first state, its last
+# state, the chunks its beta opens), None where nothing
+Window = tuple[int, int, int, list[int]] | None
+# (steps covered so far, the states a window asks for, what it opens), in answer order
+Notes = list[tuple[int, list[int], Window]]
 
 
 class Answers:
@@ -37,10 +44,11 @@ class Answers:
         self._lock = threading.Lock()
         self._notes: Notes = []
 
-    def note(self, covered: int, needed: list[int]) -> None:
-        """A statement answered: its window covers the steps before ``covered`` and asks for ``needed``."""
+    def note(self, covered: int, needed: list[int], window: Window = None) -> None:
+        """A statement answered: its window covers the steps before ``covered``, asks for ``needed``, and
+        opens ``window``'s chunks."""
         with self._lock:
-            self._notes.append((covered, list(needed)))
+            self._notes.append((covered, list(needed), window))
 
     def take(self) -> Notes:
         """Every note since the last call."""
@@ -53,8 +61,9 @@ def exchange(notes: Notes | None, device: torch.device) -> Notes:
     """Collective: rank 0's notes (``notes``; None on the other ranks) to every rank. One 8-byte
     broadcast a record, and a second only when there is something to say."""
     flat: list[int] = []
-    for covered, needed in notes or []:
+    for covered, needed, window in notes or []:
         flat += [covered, len(needed), *needed]
+        flat += [0] if window is None else [1, window[0], window[1], window[2], len(window[3]), *window[3]]
     size = torch.tensor([len(flat)], dtype=torch.int64, device=device)  # nccl sends device tensors
     dist.broadcast(size, src=0)
     length = int(size.item())
@@ -64,11 +73,37 @@ def exchange(notes: Notes | None, device: torch.device) -> Notes:
         else torch.empty(length, dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
     values = payload.cpu().tolist()
-    out, i = [], 0
+    out: Notes = []
+    i = 0
     while i < len(values):
         covered, k = values[i], values[i + 1]
-        out.append((covered, values[i + 2:i + 2 + k]))
+        needed = values[i + 2:i + 2 + k]
         i += 2 + k
+        window = None
+        if values[i]:
+            size, first, last, c = values[i + 1:i + 5]
+            window = (size, first, last, values[i + 5:i + 5 + c])
+            i += 5 + c
+        else:
+            i += 1
+        out.append((covered, needed, window))
+    return out
+
+
+Pieces = list[tuple[np.ndarray, np.ndarray]]  # per state of a window: a rank's opened chunks [k_r, c], their local paths
+
+
+def own_openings(chunks: list[int], rank: int, layout: ChunkLayout, states: list[tuple[torch.Tensor, ChunkTree]]
+                 ) -> Pieces:
+    """A rank's part of a window's openings: of each state (its chunk-aligned buffer and its subtree), the
+    opened chunks that fall among the rank's own (``layout`` is its own, of ``layout.size`` chunks), with
+    their paths within its subtree. Rank 0 puts the ranks' parts together (``witness.distributed``)."""
+    lo = rank * layout.size
+    local = [c - lo for c in chunks if lo <= c < lo + layout.size]
+    out = []
+    for flat, tree in states:
+        raw = flat.numpy().reshape(layout.size, layout.chunk_bytes)
+        out.append((raw[local].copy(), tree.paths(local)))
     return out
 
 
@@ -79,21 +114,33 @@ class ShareRing:
     statement covers it, written to the bundle where a statement asks for the state. Writes run on
     a thread of their own; a state being written counts against the ring until it is written."""
 
-    def __init__(self, out: str | Path, rank: int, capacity: int, steps: int):
-        self.out, self.rank, self.capacity, self.steps = Path(out), rank, capacity, steps
+    def __init__(self, out: str | Path, rank: int, capacity: int, steps: int, layout: ChunkLayout | None = None):
+        """``layout``: a chunked run's layout of this rank's rows of the parameters (``ChunkLayout.shard``)."""
+        self.out, self.rank, self.capacity, self.steps, self.layout = Path(out), rank, capacity, steps, layout
         self.ring: dict[int, dict[str, torch.Tensor]] = {}
+        self.trees: dict[int, ChunkTree] = {}  # a chunked run: each kept state's subtree
         self.covered = 0
         self.missing: set[int] = set()  # states asked for that this rank did not hold
         self._done: set[int] = set()  # states written
-        self._pool = StatePool()
+        self._pool = StatePool(layout)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="witness-share")
         self._writes: deque[tuple[Future, dict[str, torch.Tensor] | None]] = deque()  # (write, slot to free after)
         self.copies = self.written = self.bytes_written = self.peak_ring = 0
         self.copy_seconds = self.write_seconds = self.wait_seconds = 0.0
 
-    def answer(self, notes: Notes) -> None:
-        """Rank 0's notes: write this rank's share of each state asked for, free each covered one."""
-        for covered, needed in notes:
+    def answer(self, notes: Notes) -> dict[int, Pieces]:
+        """Rank 0's notes: write this rank's share of each state asked for, free each covered one; and
+        this rank's part of each window's openings, by the head size the window closes at."""
+        opened: dict[int, Pieces] = {}
+        for covered, needed, window in notes:
+            if window is not None and self.layout is not None:
+                size, first, last, chunks = window
+                lost = [n for n in range(first, last + 1) if n not in self.ring]
+                if lost:
+                    raise RuntimeError(f"rank {self.rank} no longer holds the state after {lost[0]} update(s), whose "
+                                       "chunks a window opens")
+                opened[size] = own_openings(chunks, self.rank, self.layout, [
+                    (self._pool.flat(self.ring[n]), self.trees[n]) for n in range(first, last + 1)])
             for n in needed:
                 if n in self._done:
                     continue
@@ -105,7 +152,9 @@ class ShareRing:
                 self._writes.append((self._writer.submit(self._write, n, slot), None))
             for n in [n for n in self.ring if n < covered]:
                 self._release_after_writes(self.ring.pop(n))
+                self.trees.pop(n, None)
             self.covered = max(self.covered, covered)
+        return opened
 
     def _release_after_writes(self, slot: dict[str, torch.Tensor]) -> None:
         """Free a slot once every write queued so far is done (one of them may read it)."""
@@ -130,22 +179,32 @@ class ShareRing:
             if slot is not None:
                 self._pool.release(slot)
 
-    def keep(self, n: int, pieces: dict[str, torch.Tensor]) -> None:
+    def keep(self, n: int, pieces: dict[str, torch.Tensor]) -> ChunkTree | None:
         """This rank's share of the state after ``n`` updates, copied into the ring (unless a
-        statement covers it already, or no step starts from it)."""
+        statement covers it already, or no step starts from it and no window opens it); in a
+        chunked run, the subtree of its chunks (hashed in the ring's buffer)."""
         self._drain()
-        if n < self.covered or n >= self.steps:
-            return
+        if n < self.covered or n > self.steps or n == self.steps and self.layout is None:
+            return self._tree(pieces) if self.layout is not None else None
         while self._writes and len(self.ring) + len(self._writes) >= self.capacity:
             started = time.perf_counter()
             self._writes[0][0].result()
             self.wait_seconds += time.perf_counter() - started
             self._drain()
         started = time.perf_counter()
-        self.ring[n] = self._pool.copy(pieces)
+        self.ring[n] = slot = self._pool.copy(pieces)
         self.copy_seconds += time.perf_counter() - started
         self.copies += 1
         self.peak_ring = max(self.peak_ring, len(self.ring))
+        if self.layout is None:
+            return None
+        self.trees[n] = tree = self.layout.tree(self._pool.flat(slot))  # type: ignore[arg-type]
+        return tree
+
+    def _tree(self, pieces: dict[str, torch.Tensor]) -> ChunkTree:
+        """The subtree of a state the ring does not keep."""
+        assert self.layout is not None
+        return self.layout.tree(self.layout.flatten(pieces))
 
     def finish(self) -> None:
         """After the last notes: every write done, every state asked for written."""
@@ -164,3 +223,80 @@ class ShareRing:
         return {"copies": self.copies, "copy_seconds": self.copy_seconds, "written": self.written,
                 "bytes_written": self.bytes_written, "write_seconds": self.write_seconds,
                 "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring}
+
+
+class ShardChunks:
+    """A chunked run over several ranks: each rank's rows of the parameters are a whole subtree of the
+    chunk tree (``ChunkLayout.of_shards``), which that rank hashes in its ring's buffer. Every record,
+    the ranks' subtree roots (32 bytes each) meet on rank 0, which makes the ``param_root``; and for each
+    window, each rank's opened chunks and their paths within its subtree meet on rank 0, which adds the
+    path above the subtree (from the subtree roots it kept) and writes the window's openings in the
+    format one process writes (``docs/format.md``). Methods that say "collective" run on every rank."""
+
+    def __init__(self, layout: ChunkLayout, rank: int, world: int, device: torch.device, k: int):
+        self.layout, self.rank, self.world, self.device, self.k = layout, rank, world, device, k
+        self.mine = layout.shard(rank)
+        self.subroots: dict[int, list[bytes]] = {}  # rank 0: every rank's subtree root of each state
+        self.own: dict[int, Pieces] = {}  # rank 0: its part of each window's openings, by head size
+        self._lock = threading.Lock()
+
+    def opened_here(self, statement, first: int, states: list[tuple[torch.Tensor, ChunkTree]]) -> Window:  # noqa: ANN001
+        """Rank 0 (its beacon thread): a window's statement answered; keep rank 0's part of its openings,
+        and say what it opens (for the notes the other ranks get)."""
+        from ..commit.chunks import chunk_indices
+
+        chunks = chunk_indices(statement.beta, self.k, self.layout.size)
+        with self._lock:
+            self.own[statement.size] = own_openings(chunks, 0, self.mine, states)
+        return statement.size, first, first + len(states) - 1, chunks
+
+    def param_root(self, n: int, tree: ChunkTree) -> bytes | None:
+        """Collective: the ``param_root`` of the state after ``n`` updates, on rank 0, from every rank's subtree."""
+        from ..commit.chunks import wrap_root
+
+        mine = torch.frombuffer(bytearray(tree.levels[-1].tobytes()), dtype=torch.uint8).to(self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine)
+        if self.rank != 0:
+            return None
+        subroots = [bytes(r.cpu().numpy()) for r in rows]
+        self.subroots[n] = subroots
+        return wrap_root(self.layout.id, self.layout.size, self._above(subroots).levels[-1].tobytes())
+
+    @staticmethod
+    def _above(subroots: list[bytes]) -> ChunkTree:
+        """The tree over the ranks' subtree roots (the top of the chunk tree; its own root is not wrapped)."""
+        return ChunkTree(b"".join(subroots), b"")
+
+    def gather(self, notes: Notes, opened: dict[int, Pieces], write) -> None:  # noqa: ANN001 - write(size, first, chunks, pieces)
+        """Collective, where a note opens a window: the ranks' parts of its openings to rank 0, which
+        writes them with their whole paths (``write``: ``KeptFiles._write_openings``)."""
+        if not any(window is not None for _, _, window in notes):
+            return
+        parts: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(opened, parts, dst=0)
+        if parts is None:
+            return
+        depth = self.mine.size.bit_length() - 1  # every local path: one node a level of the rank's subtree
+        for covered, _, window in notes:
+            if window is None:
+                continue
+            size, first, last, chunks = window
+            with self._lock:
+                parts[0] = {size: self.own.pop(size)}
+            ranks = [c // self.mine.size for c in chunks]
+            pieces = []
+            for i, n in enumerate(range(first, last + 1)):
+                above = self._above(self.subroots[n])
+                seen = [0] * self.world  # each rank's chunks come in ascending order, as ``chunks`` lists them
+                data, paths = [], []
+                for r in ranks:
+                    part_data, part_paths = parts[r][size][i]
+                    j = seen[r]
+                    seen[r] += 1
+                    data.append(part_data[j])
+                    paths += [part_paths[j * depth:(j + 1) * depth], above.paths([r])]
+                pieces.append((np.stack(data), np.concatenate(paths)))
+            write(size, first, chunks, pieces)
+            for n in [n for n in self.subroots if n < covered]:
+                del self.subroots[n]

@@ -33,13 +33,14 @@ from ..bundle.state import default_digest, parse_digest, root_from_shards, shard
 from ..bundle.writer import read_lines
 from ..commit.hashing import parse_canonical_json
 from ..data.order import derive_run_seed
+from ..fingerprint.chunks import ChunkLayout
 from ..record.options import Commitments, HeadCallback, Online, Training, option
 from ..record.overlap import StateSnapshots
 from ..record.recorder import BEACON_ENV, Recorder
 from ..record.start import reopen
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task
-from .online import Answers, ShareRing, exchange
+from .online import Answers, Notes, ShardChunks, ShareRing, exchange
 from .session import DistSession
 
 
@@ -70,11 +71,17 @@ class DistRecorder:
         shards = parse_digest(self.digest)[1]
         started = self._on_rank0(lambda: self._create(task, out, key, r, commit, parallelism, shards, on_head, online))
         if started["ring"] is not None and self.sharded:
+            if started["chunks"]:  # each rank's rows of the parameters a subtree of the chunk tree
+                layout = ChunkLayout.of_model(self.session.module, started["chunk_bytes"], shards)
+                self._chunks = ShardChunks(layout, self.rank, shards, self.session.device, started["chunks"])
             if self.rank == 0:
                 self._answers = Answers()
                 self.inner.online.on_answer = self._answers.note  # type: ignore[union-attr]
+                if self._chunks is not None:
+                    self.inner.online.on_opening = self._chunks.opened_here  # type: ignore[union-attr]
             else:
-                self._ring = ShareRing(out, self.rank, started["ring"], task.config.steps)
+                self._ring = ShareRing(out, self.rank, started["ring"], task.config.steps,
+                                       self._chunks.mine if self._chunks is not None else None)
             self._keep(0, self.session.shard_pieces()[0])  # the initial state: its share on every rank
         dist.barrier()
 
@@ -123,6 +130,7 @@ class DistRecorder:
         self._answers: Answers | None = None  # rank 0's notes of answered statements (an online run)
         self._ring: ShareRing | None = None  # another rank's ring of its shares (an online run)
         self._asked: set[int] = set()  # rank 0: the states statements asked every rank for
+        self._chunks: ShardChunks | None = None  # a chunked online run: the ranks' subtrees and openings
         # Off the training stream on a GPU (a side-stream copy, hashed in a background thread)
         self._overlap = self.session.device.type == "cuda"
         self._snapshots: StateSnapshots | None = None
@@ -160,18 +168,31 @@ class DistRecorder:
         self.inner = Recorder.create(task, out, key, r=r, commit=commit, training=training,
                                      online=dataclasses.replace(online, on_head=on_head or online.on_head))
         spec = self.inner.online.spec if self.inner.online is not None else None
-        return {"ring": spec.ring if spec is not None else None}
+        return {"ring": spec.ring if spec is not None else None, "chunks": spec.chunks if spec is not None else 0,
+                "chunk_bytes": spec.chunk_bytes if spec is not None else 0}
 
-    def _keep(self, n: int, pieces: dict[str, torch.Tensor]) -> None:
+    def _keep(self, n: int, pieces: dict[str, torch.Tensor]) -> bytes | None:
         """Collective (an online run): this rank's share of the state after ``n`` updates into its ring.
         Rank 0 keeps its share first (waiting for the beacon where its ring is full), then tells the
-        other ranks what the statements answered since asked for; they write and free, then keep."""
+        other ranks what the statements answered since asked for; they write and free, then keep. A
+        chunked run then puts the windows' openings together, and rank 0 gets the state's ``param_root``."""
         if self._answers is not None:
-            self.inner.online.keep(n, pieces)  # type: ignore[union-attr]
-            self._tell(self._answers.take())
+            tree = self.inner.online.keep(n, pieces)  # type: ignore[union-attr]
+            notes, opened = self._tell(self._answers.take()), {}
         elif self._ring is not None:
-            self._ring.answer(exchange(None, self.session.device))
-            self._ring.keep(n, pieces)
+            notes = exchange(None, self.session.device)
+            opened = self._ring.answer(notes)
+            tree = self._ring.keep(n, pieces)
+        else:
+            return None
+        if self._chunks is None or tree is None:
+            return None
+        self._chunks.gather(notes, opened, self._write_openings)
+        return self._chunks.param_root(n, tree)
+
+    def _write_openings(self, size: int, first: int, chunks: list[int], pieces: list) -> None:
+        """Rank 0: a window's openings, put together from every rank's part."""
+        self.inner.online._write_openings(size, first, chunks, pieces)  # type: ignore[union-attr]
 
     @property
     def overlap(self) -> bool:
@@ -216,15 +237,16 @@ class DistRecorder:
         sketch = self.session.sketch()
         state = root = None
         pieces = self.session.shard_pieces()[0] if self.sharded and committed else None
+        param_root = None
         if pieces is not None and (self._answers is not None or self._ring is not None):
-            self._keep(step + 1, pieces)  # a host copy, before training changes it
+            param_root = self._keep(step + 1, pieces)  # a host copy, before training changes it
         if committed and self.sharded and not due(step, self.checkpoint_every, steps):
             root = self._hash_shards()
         elif committed:
             state = self.session.full_state()  # a checkpoint's state is written whole: gathered
         if self.inner is not None:
             self.inner.log_step(step, total, fingerprint=fp, sketch=sketch, state=state,
-                                live=self.session.holds_whole_state(), state_root=root)
+                                live=self.session.holds_whole_state(), state_root=root, param_root=param_root)
 
     def _hash_shards(self) -> bytes | Future | None:
         """Every rank hashes the rows it holds; rank 0 gets the root (or a future of it, when the
@@ -274,9 +296,13 @@ class DistRecorder:
         if self.inner is not None:
             self.inner.finish()
         if self._answers is not None:
-            self._tell(self._answers.take())  # the last statements' notes
+            notes, opened = self._tell(self._answers.take()), {}  # the last statements' notes
         elif self._ring is not None:
-            self._ring.answer(exchange(None, self.session.device))
+            notes = exchange(None, self.session.device)
+            opened = self._ring.answer(notes)
+        if self._chunks is not None:
+            self._chunks.gather(notes, opened, self._write_openings)
+        if self._ring is not None:
             self._ring.finish()
         dist.barrier()
         if self._answers is not None:  # every rank's share where rank 0 reads the bundle (storage they all write)
@@ -288,11 +314,12 @@ class DistRecorder:
                                    f"{self.inner.out} ({len(lost)} share(s) missing): the ranks must write the bundle "  # type: ignore[union-attr]
                                    "to storage they share (one host, or a shared file system)")
 
-    def _tell(self, notes: list[tuple[int, list[int]]]) -> None:
+    def _tell(self, notes: Notes) -> Notes:
         """Rank 0: the other ranks get the notes (and rank 0 remembers the states they asked for)."""
-        for _, needed in notes:
+        for _, needed, _ in notes:
             self._asked.update(needed)
         exchange(notes, self.session.device)
+        return notes
 
     def report(self) -> dict | None:
         """What keeping and writing this rank's shares cost (an online run; rank 0's is its link's too)."""

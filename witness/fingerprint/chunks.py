@@ -53,15 +53,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def shard_rows(rows: int, shards: int) -> list[tuple[int, int]]:
+    """The rows ``[start, end)`` of each shard: FSDP2's chunks of ceil(rows / shards) rows."""
+    size = -(-rows // shards)
+    return [(min(r * size, rows), min((r + 1) * size, rows)) for r in range(shards)]
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """Where each parameter lies among the chunks: ``tensors`` (name, dtype, shape), sorted by name,
-    and ``starts``, the first chunk of each."""
+    and ``starts``, the first chunk of each.
+
+    A run over W ranks lays out each rank's rows of the parameters (``of_shards``): rank r's pieces,
+    sorted by name, fill chunks ``r·P .. (r + 1)·P``, P the same power of two for every rank (the
+    last ones zero), so that each rank's chunks are a whole subtree of the chunk tree, which that
+    rank hashes on its own; ``rows`` then names each piece's rows of its parameter."""
 
     chunk_bytes: int
     tensors: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
     starts: tuple[int, ...]
     size: int  # chunks in all
+    rows: tuple[tuple[int, int] | None, ...] | None = None  # each piece's rows of its parameter (over ranks)
+    shards: int = 1
+    shard_size: int = 0  # P: chunks per rank (over ranks)
 
     @classmethod
     def of(cls, params: dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkLayout:
@@ -79,7 +93,44 @@ class ChunkLayout:
         return cls(chunk_bytes, tuple(tensors), tuple(starts), at)
 
     @classmethod
-    def of_model(cls, model: torch.nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkLayout:
+    def of_shards(cls, params: dict[str, torch.Tensor], shards: int,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkLayout:
+        """The layout of named parameters held over ``shards`` ranks, each rank's rows (the sharded
+        state digest's split; a 0-dimensional parameter on rank 0) in a subtree of its own."""
+        whole = cls.of(params, chunk_bytes)  # checks the chunk size, and that there is something to lay out
+        pieces: list[list[tuple[str, torch.dtype, tuple[int, ...], tuple[int, int] | None, int]]] = []
+        for r in range(shards):
+            mine, at = [], 0
+            for name, dtype, shape in whole.tensors:
+                if not shape:
+                    if r == 0:
+                        mine.append((name, dtype, shape, None, at))
+                        at += -(-torch.empty((), dtype=dtype).element_size() // chunk_bytes)
+                    continue
+                a, b = shard_rows(shape[0], shards)[r]
+                if a == b:  # no rows on this rank: no bytes
+                    continue
+                piece = (b - a, *shape[1:])
+                mine.append((name, dtype, piece, (a, b), at))
+                at += -(-int(np.prod(piece, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+                        // chunk_bytes)
+            pieces.append(mine)
+            pieces[-1].append(("", torch.uint8, (), None, at))  # (its chunks in all)
+        top = max(p[-1][-1] for p in pieces)
+        size = 1 << max(top - 1, 0).bit_length()  # the same power of two for every rank
+        entries = [(e, r * size + e[4]) for r, p in enumerate(pieces) for e in p[:-1]]
+        return cls(chunk_bytes, tuple((n, d, s) for (n, d, s, _, _), _ in entries), tuple(at for _, at in entries),
+                   shards * size, tuple(e[3] for e, _ in entries), shards, size)
+
+    def shard(self, rank: int) -> ChunkLayout:
+        """Rank ``rank``'s own layout of its pieces (its ``shard_size`` chunks), as it holds them."""
+        lo = rank * self.shard_size
+        keep = [i for i, at in enumerate(self.starts) if lo <= at < lo + self.shard_size]
+        return ChunkLayout(self.chunk_bytes, tuple(self.tensors[i] for i in keep),
+                           tuple(self.starts[i] - lo for i in keep), self.shard_size)
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES, shards: int = 1) -> ChunkLayout:
         """The layout of a model's parameters: each alias group (``alias_groups``: tied weights) once,
         under the first of its parameter names in ``state_dict`` order.
 
@@ -94,14 +145,16 @@ class ChunkLayout:
             if key not in seen:
                 seen.add(key)
                 params[f"model.{n}"] = p
-        return cls.of(params, chunk_bytes)
+        return cls.of(params, chunk_bytes) if shards == 1 else cls.of_shards(params, shards, chunk_bytes)
 
     @cached_property
     def id(self) -> bytes:
         """The layout's hash: the chunk size and every tensor's name, dtype and shape, in order."""
+        over = {"shards": self.shards, "shard_size": self.shard_size,
+                "rows": [list(r) if r else None for r in self.rows or ()]} if self.shards > 1 else {}
         return tagged_hash("witness/chunk-layout/v1", canonical_json(
             {"chunk_bytes": self.chunk_bytes,
-             "tensors": [[n, dtype_name(d), list(s)] for n, d, s in self.tensors]}))
+             "tensors": [[n, dtype_name(d), list(s)] for n, d, s in self.tensors]} | over))
 
     @property
     def names(self) -> list[str]:
@@ -144,6 +197,9 @@ class ChunkLayout:
         flat = self.empty() if flat is None else flat
         for i, (name, dtype, shape) in enumerate(self.tensors):
             t = state.get(name)
+            rows = self.rows[i] if self.rows is not None else None
+            if t is not None and rows is not None:  # a rank's rows of a whole tensor
+                t = t[rows[0]:rows[1]] if t.dim() and t.shape[0] >= rows[1] else None
             if t is None or t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"the state's {name} is not the layout's ({dtype_name(dtype)}, {list(shape)})")
             lo = self.starts[i] * self.chunk_bytes

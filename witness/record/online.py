@@ -98,9 +98,12 @@ class OnlineChallenges(KeptFiles):
         # thread's CPU) and, witnessed, fetching and checking the window's round (the settling thread's CPU)
         self.heads, self.body_seconds, self.post_cpu_seconds, self.settle_cpu_seconds = 0, 0.0, 0.0, 0.0
         self.settle_latency = 0.0  # seconds from each head's send to its settled window, summed (witnessed)
-        # a run over several ranks: told, once a statement is answered here, what the window covers and
-        # which states it asks for (the other ranks write their shares of those and free the rest)
-        self.on_answer: Callable[[int, list[int]], None] | None = None
+        # a run over several ranks: told, once a statement is answered here, what the window covers, which
+        # states it asks for (the other ranks write their shares of those and free the rest) and, chunked,
+        # what ``on_opening`` said of the window's states (rank 0's pieces of its openings: the ranks'
+        # pieces meet on rank 0, which writes the window's openings; witness.distributed)
+        self.on_answer: Callable[[int, list[int], object], None] | None = None
+        self.on_opening: Callable[[BeaconStatement, int, list[tuple[torch.Tensor, ChunkTree]]], object] | None = None
 
     # --- statements -----------------------------------------------------------------------
     def load(self) -> None:
@@ -361,15 +364,18 @@ class OnlineChallenges(KeptFiles):
                 elif not self.state_path(n).exists():
                     self.wanted.add(n)
             self.covered = covered
-            if self.on_answer is not None:
-                self.on_answer(covered, sorted(needed))
             for n in [n for n in self.ring if n < covered]:
                 free.append(self.ring.pop(n))
                 self.trees.pop(n, None)
-        if opening is not None:
+        window = None
+        if opening is not None and self.on_opening is not None:
+            window = self.on_opening(st, win.start, opening)  # type: ignore[arg-type]
+        elif opening is not None:
             chunks = self._chunks_of(st)
             self._write_openings(st.size, win.start, chunks, [self._pieces(flat, tree, chunks)  # type: ignore[arg-type]
                                                               for flat, tree in opening])
+        if self.on_answer is not None:
+            self.on_answer(covered, sorted(needed), window)
         for t in fresh:  # the samples need no state: written outside the lock, like the states
             self._write_samples(t)
         for n, slot in write:

@@ -117,7 +117,8 @@ class Records:
             raise ValueError(f"step {step} is beyond the recipe: {off_by_one_hint(self.task.config.steps)}")
 
     def log_step(self, step: int, out: StepOutput, *, fingerprint: Any = None, sketch: list[float] | None = None,
-                 state: dict | None = None, live: bool = False, state_root: bytes | Future | None = None) -> None:
+                 state: dict | None = None, live: bool = False, state_root: bytes | Future | None = None,
+                 param_root: bytes | None = None) -> None:
         """Append the record of ``step`` (call right after the optimizer stepped).
 
         A distributed run computes the fingerprint, sketch and (where a state is committed) the
@@ -125,8 +126,9 @@ class Records:
         recorder do it. ``live`` says the handed-in state is the training's own tensors (which
         stay put until the optimizer steps again), not a copy: it may then be hashed off the
         training stream, like the state the recorder takes itself. An FSDP2 run over several ranks
-        hands in the ``state_root`` its ranks computed from their shards instead (or a future of
-        it, which it settles before the next record), never at a checkpoint.
+        hands in the ``state_root`` its ranks computed from their shares instead (or a future of
+        it, which it settles before the next record), never at a checkpoint; and a chunked online
+        run over several ranks the ``param_root`` its ranks' chunk subtrees make.
         """
         self._within_recipe(step)
         entered = time.perf_counter()
@@ -135,7 +137,7 @@ class Records:
             self.record_seconds += self._aside
         self._aside = 0.0
         try:
-            self._log_step(step, out, fingerprint, sketch, state, live, state_root)
+            self._log_step(step, out, fingerprint, sketch, state, live, state_root, param_root)
             if self.self_check is not None:  # the state just committed: the next step is replayed from it
                 self.self_check.prepare(step + 1)
         finally:
@@ -143,7 +145,7 @@ class Records:
             self.record_seconds += self._left - entered
 
     def _log_step(self, step: int, out: StepOutput, fingerprint: Any, sketch: list[float] | None,
-                  state: dict | None, live: bool, state_root: bytes | Future | None) -> None:
+                  state: dict | None, live: bool, state_root: bytes | Future | None, param_root: bytes | None) -> None:
         if self._pending is None or self._pending[0] != step:
             raise ValueError(f"log_step({step}) without batch({step}) first")
         _, idx, root = self._pending
@@ -167,6 +169,8 @@ class Records:
             "fingerprint": fp.to_json(),
             "sketch": sketch if sketch is not None else self.session.sketch(),
         }
+        if param_root is not None:
+            record["param_root"] = param_root.hex()
         done = step + 1
         checkpoint = self.checkpoint_due(step)
         self.flush()  # the previous record first: the log keeps step order

@@ -27,7 +27,7 @@ from ..bundle.layout import (
     partial_write,
 )
 from ..bundle.schema import CHUNKED_MANIFEST_VERSION, MANIFEST_VERSION, Manifest
-from ..bundle.state import default_digest, load_state, state_tensors
+from ..bundle.state import default_digest, load_state, parse_digest, state_tensors
 from ..bundle.writer import BundleWriter, read_lines, truncate_lines
 from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
@@ -90,11 +90,6 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
             raise ValueError("a leaderboard replays an online run's kept states as it trains; a run over several "
                              "ranks keeps each state as its ranks' shares, which it does not take yet: stream "
                              "it without online challenges")
-        if training.shards > 1 and spec.chunks:
-            # the chunk tree is over the whole parameters, which no rank holds: not built over shares yet
-            print("witness: the bounded-move check is off for this run: its chunk openings are not built for a "
-                  "run over several ranks yet", file=sys.stderr)
-            spec = dataclasses.replace(spec, chunks=0)
     if training.threads:
         torch.set_num_threads(bounded_threads(training.threads))
     warn_mkl()
@@ -223,7 +218,11 @@ def challenges(out: Path, session: Any, manifest: dict, spec: OnlineSpec, beacon
         beacon.use_key(key)  # type: ignore[attr-defined]
     # named as in the state: a distributed session's unwrapped module, not its DDP wrapper
     module = getattr(session, "module", session.model)
-    layout = ChunkLayout.of_model(module, spec.chunk_bytes) if spec.chunks else None
+    layout = None
+    if spec.chunks:  # over W ranks, rank 0's own rows (witness.distributed keeps the other ranks')
+        shards = parse_digest(manifest["state_digest"])[1]
+        layout = ChunkLayout.of_model(module, spec.chunk_bytes, shards)
+        layout = layout.shard(0) if shards > 1 else layout
     return OnlineChallenges(out, spec, beacon, log, manifest["steps_planned"], session.task.dataset(),
                             manifest["checkpoint_every"], layout)
 

@@ -85,6 +85,9 @@ class MoveCheck:
     ignored: list[int] = field(default_factory=list)  # head sizes of openings no statement in the bundle opens
     sizes: list[int] = field(default_factory=list)  # head sizes of the windows checked
     seconds: float = 0.0  # what the check took
+    # a layout over ranks: the chunks that hold parameter bytes (the others are each rank's zero padding,
+    # which an opening checks to be zero but which holds no move); 0: every chunk holds bytes
+    holding: int = 0
 
     def to_json(self) -> dict:
         """The verdict's ``moves`` field."""
@@ -94,8 +97,9 @@ class MoveCheck:
         """One line for the verdict."""
         if self.refused:
             return f"every step: bounded move not checked ({self.optimizer})"
+        padded = f", {self.holding} of which hold parameters" if self.holding else ""
         out = (f"every step: bounded move checked at {self.chunks} chunk(s) of {self.of} ({self.chunk_bytes} bytes "
-               f"each) per step, {self.checked} of the run's {self.steps} step(s) in {self.windows} window(s); "
+               f"each{padded}) per step, {self.checked} of the run's {self.steps} step(s) in {self.windows} window(s); "
                f"{self.optimizer}; the parameters' moves (buffers, such as BatchNorm's running statistics, are left "
                "to replay)")
         if self.steps and self.scale_tensor:
@@ -133,12 +137,14 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
     m = bundle.manifest
     assert m.online is not None and m.chunked
     k, cb = m.online["chunks"], m.online["chunk_bytes"]
-    layout = ChunkLayout.of_model(model, cb)
+    layout = ChunkLayout.of_model(model, cb, m.state_shards)  # over W ranks: each rank's rows a subtree
     rules = move_rules(model, optimizer)
     if isinstance(rules, str):
         return MoveCheck(k, layout.size, cb, rules, refused=True)
     n, offset = len(bundle.steps), step_offset(init)
     out = MoveCheck(min(k, layout.size), layout.size, cb, rules.describe(n, offset), steps=n)
+    if layout.shards > 1:  # each rank's chunks padded to a power of two: some open nothing
+        out.holding = sum(-(-layout.nbytes(i) // cb) for i in range(len(layout.tensors)))
     roots, init = _roots(bundle, layout, init)
     _discrimination(out, bundle, rules, init, offset)
     reads: list = []

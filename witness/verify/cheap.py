@@ -159,7 +159,7 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
             raise VerificationError("the initial state is not the one the run seed generates", step=0, check="init")
         init_check = None  # tolerance mode: judged against the initial checkpoint below
     # a chunked run's records commit their parameters' chunk root too: each checkpoint is held to it
-    layout = ChunkLayout.of_model(session.model, m.online["chunk_bytes"]) if m.chunked else None  # type: ignore[index]
+    layout = ChunkLayout.of_model(session.model, m.online["chunk_bytes"], m.state_shards) if m.chunked else None  # type: ignore[index]
     aliases = alias_groups(session.model)  # tied weights, from the task's own model
     for step in bundle.checkpoint_steps():
         sh, fh = bundle.committed_checkpoint(step)  # type: ignore[misc]
