@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--seed-hex", default="2a" * 32, help="the run's r (hex)")
     ap.add_argument("--swap-step", type=int, default=-1,
                     help="after this step's update rank 1 swaps other weights into its rows of the parameters")
+    ap.add_argument("--nudge-step", type=int, default=-1, help="before this step rank 1 nudges its weights")
+    ap.add_argument("--check-steps", help="rank 0's self-check replays these steps (comma-separated) in process")
+    ap.add_argument("--sampled", help="... and these in the background")
     ap.add_argument("--die-after", type=int, default=-1, help="rank 0 is killed (SIGKILL) after this step's record")
     ap.add_argument("--resume", action="store_true", help="continue the killed run in --out")
     ap.add_argument("--report", help="write this rank's online cost here (JSON), with the rank appended")
@@ -95,6 +98,12 @@ def main() -> None:
                            commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=args.state_every),
                            parallelism=args.parallelism, online=online(args, task.config.steps))
     rec.overlap = args.overlap
+    if rec.inner is not None and (args.check_steps or args.sampled):  # the self-check's steps, fixed
+        from witness.record.selfcheck import SelfCheck
+
+        steps = [int(x) for x in (args.check_steps or "").split(",") if x]
+        rec.inner.self_check = SelfCheck(rec.inner, steps, sampled={int(x) for x in (args.sampled or "").split(",") if x})
+        rec.inner.self_check.prepare(rec.start_step)
     if args.parallelism == "fsdp":  # the root, and a unit of its own for each block the task names
         from torch.distributed.fsdp import FSDPModule
 
@@ -102,6 +111,10 @@ def main() -> None:
         assert units == 1 + len(task.fsdp_units(rec.session.module)), units
     ds = task.dataset()
     for t in range(rec.start_step, args.steps):
+        if t == args.nudge_step and dist.get_rank() == 1:  # its replica (or its shards) no longer the committed state
+            with torch.no_grad():
+                for p in rec.model.parameters():
+                    p.add_(0.01)
         batch = rec.batch(t)
         if t == args.cheat_step and dist.get_rank() == 1:
             batch = task.collate([ds.sample_bytes(i) for i in range(100, 108)])

@@ -160,3 +160,18 @@ def test_a_run_killed_mid_way_resumes_under_torchrun_and_verifies(runs, parallel
     assert after.complete and [h.root for h in after.heads[:len(before.heads)]] == [h.root for h in before.heads]
     v = Verifier(policy=Policy(challenges=100)).verify(out)
     assert v.accepted and v.exact and v.replayed_steps == 12, v.failures
+
+
+@pytest.mark.parametrize("how", ["in process", "in the background"])
+def test_the_self_check_stops_a_ddp_run_whose_rank_1_nudged_its_weights(runs, how):
+    # rank 0 replays the step as the verifier will (both ranks' micro-batches, in rank order, from its own
+    # replica); rank 1 trained its micro-batch on nudged weights, so the averaged update is not the replayed one
+    out = runs["dir"] / f"nudged_{how.replace(' ', '_')}"
+    steps = ["--check-steps", "0,5"] if how == "in process" else ["--check-steps", "0", "--sampled", "5"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(WORKER), "--parallelism", "ddp", "--out", str(out), "--key",
+           str(runs["key"]), "--nudge-step", "5", *steps]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "step 5 does not replay" in res.stderr, res.stderr[-3000:]
+    b = open_bundle(out)
+    assert len(b.steps) <= 5  # nothing signed or kept from the step that did not replay on

@@ -34,9 +34,10 @@ from ..bundle.writer import read_lines
 from ..commit.hashing import parse_canonical_json
 from ..data.order import derive_run_seed
 from ..fingerprint.chunks import ChunkLayout
-from ..record.options import Commitments, HeadCallback, Online, Training, option
+from ..record.options import Commitments, HeadCallback, Online, SelfChecking, Training, option
 from ..record.overlap import StateSnapshots
 from ..record.recorder import BEACON_ENV, Recorder
+from ..record.selfcheck import SelfCheck, check_steps
 from ..record.start import reopen
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task
@@ -49,7 +50,7 @@ class DistRecorder:
 
     def __init__(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, r: bytes,
                  commit: Commitments | None = None, parallelism: str = "ddp", on_head: HeadCallback | None = None,
-                 online: Online | None = None):
+                 online: Online | None = None, self_check: SelfChecking | None = None):
         """``commit``: what the run commits and how often, as for ``Recorder.create`` (by default a
         state every step, a checkpoint every 50). Under DDP and FSDP2 every rank hashes its share of the rows (DDP's of its replica, FSDP2's the shards it
         holds) and sends rank 0 their digests (no gather); only a checkpoint gathers the whole state
@@ -58,7 +59,11 @@ class DistRecorder:
         and ring budget, as for ``Recorder.create``; the other ranks' is not read), by default from
         the beacon at ``WITNESS_BEACON``: every rank keeps its own share of each state in a ring of
         that budget and writes its share of each state a statement selects
-        (``witness.distributed.online``)."""
+        (``witness.distributed.online``). ``self_check``: under DDP, rank 0 replays step 0 and a
+        later step as the verifier does (the ranks' micro-batches in rank order, in one process,
+        from its own replica of the state), and samples later steps for its background checker
+        (``witness.record.selfcheck``); under FSDP2 no rank holds the state a step starts from, so
+        the run is not self-checked (the verifier's replay is the check)."""
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (torchrun) before the recorder")
         commit = option(commit, Commitments, "commit")
@@ -69,7 +74,9 @@ class DistRecorder:
         self._setup(task, DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism),
                     commit.checkpoint_every, commit.state_every, default_digest(world))
         shards = parse_digest(self.digest)[1]
-        started = self._on_rank0(lambda: self._create(task, out, key, r, commit, parallelism, shards, on_head, online))
+        check = option(self_check, SelfChecking, "self_check")
+        started = self._on_rank0(lambda: self._create(task, out, key, r, commit, parallelism, shards, on_head, online,
+                                                      check))
         if started["ring"] is not None and self.sharded:
             if started["chunks"]:  # each rank's rows of the parameters a subtree of the chunk tree
                 layout = ChunkLayout.of_model(self.session.module, started["chunk_bytes"], shards)
@@ -86,8 +93,8 @@ class DistRecorder:
         dist.barrier()
 
     @classmethod
-    def resume(cls, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, threads: int | None = None
-               ) -> DistRecorder:
+    def resume(cls, out: str | os.PathLike, key: Ed25519PrivateKey | None, *, threads: int | None = None,
+               self_check: SelfChecking | None = None) -> DistRecorder:
         """Continue a killed torchrun run on as many ranks as it started on (every rank calls this; rank
         0 with the key). Rank 0 reopens the bundle at an intact checkpoint, keeping every signed head
         valid (``witness.record.start.reopen``: records signed before the kill are trained again and
@@ -117,6 +124,8 @@ class DistRecorder:
 
         self.start_step = self._on_rank0(reopened)["at"]
         self.session.load_full_state(read_checkpoint(out / checkpoint_name(self.start_step)))
+        # a resumed run is checked as a new one is: its first step here, and sampled later ones
+        self._self_check(option(self_check, SelfChecking, "self_check"), [self.start_step])
         dist.barrier()
         return self
 
@@ -154,7 +163,7 @@ class DistRecorder:
 
     def _create(self, task: Task, out: str | os.PathLike, key: Ed25519PrivateKey | None, r: bytes,
                 commit: Commitments, parallelism: str, shards: int, on_head: HeadCallback | None,
-                online: Online | None) -> dict:
+                online: Online | None, check: SelfChecking) -> dict:
         """Rank 0's recorder, which signs the one log (and holds the beacon's link); says the ring's size."""
         if key is None:
             raise ValueError("rank 0 signs the log: it needs the key")
@@ -167,9 +176,17 @@ class DistRecorder:
                             shards=shards)
         self.inner = Recorder.create(task, out, key, r=r, commit=commit, training=training,
                                      online=dataclasses.replace(online, on_head=on_head or online.on_head))
+        self._self_check(check, check_steps(task.config.steps))
         spec = self.inner.online.spec if self.inner.online is not None else None
         return {"ring": spec.ring if spec is not None else None, "chunks": spec.chunks if spec is not None else 0,
                 "chunk_bytes": spec.chunk_bytes if spec is not None else 0}
+
+    def _self_check(self, check: SelfChecking, steps: list[int]) -> None:
+        """Rank 0 of a DDP run: replay ``steps`` and sampled later ones from its replica, as a verifier will."""
+        if not check.enabled or self.session.parallelism != "ddp" or self.inner is None:
+            return
+        self.inner.self_check = SelfCheck(self.inner, steps, check.share)
+        self.inner.self_check.prepare(self.inner.next_step)  # the committed state the first step starts from
 
     def _keep(self, n: int, pieces: dict[str, torch.Tensor]) -> bytes | None:
         """Collective (an online run): this rank's share of the state after ``n`` updates into its ring.
@@ -220,7 +237,7 @@ class DistRecorder:
         ds = self.task.dataset()
         idx = self.session.batch_indices(step)
         if self.inner is not None:
-            self.inner.expect(step, idx, ds.batch_root(idx))
+            self.inner.ready_for(step)  # the batch its record names, and the self-check's start of the step
         return self.task.collate([ds.sample_bytes(i) for i in self.session.my_share(idx)])
 
     def train_step(self, step: int, batch: Any) -> StepOutput:

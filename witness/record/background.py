@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from ..bundle.checkpoint import write_state
-from ..bundle.state import state_tensors
 from ..task.base import StepOutput
 from .mismatch import SelfCheckFailed, drawn_generators, rng_states
 from .options import DEFAULT_SHARE  # noqa: F401 - the budget's default, importable from here as before
@@ -128,7 +127,7 @@ class BackgroundCheck:
         try:
             self._launch()
             write_state(self.folder / f"before-{step}.safetensors",
-                        state_tensors(self.rec.model, self.rec.optimizer), step, sync=False)
+                        self.rec.whole_state(), step, sync=False)
         except OSError as e:  # no interpreter to start, a full scratch disk, ...
             self._give_up(f"{type(e).__name__}: {e}")
             return
@@ -153,7 +152,7 @@ class BackgroundCheck:
             drew = drawn_generators(rng)
             after, samples = self.folder / f"after-{step}.safetensors", self.folder / f"samples-{step}.bin"
             try:
-                write_state(after, state_tensors(self.rec.model, self.rec.optimizer), step + 1, sync=False)
+                write_state(after, self.rec.whole_state(), step + 1, sync=False)
                 ds = self.rec.task.dataset()
                 write_samples(samples, [ds.sample_bytes(i) for i in self.rec.batch_indices(step)])
             except OSError as e:
@@ -265,6 +264,7 @@ class BackgroundCheck:
         rec, s = self.rec, self.rec.session
         spec = {"task": rec.task.name, "config": rec.task.config_json(), "run_seed": s.run_seed.hex(),
                 "dataset_size": s.dataset_size, "threads": rec.manifest.get("threads", torch.get_num_threads()),
+                "world_size": rec.manifest.get("world_size", 1), "parallelism": rec.manifest.get("parallelism", "none"),
                 "witness": str(Path(witness.__file__).resolve()), "folder": str(self.folder)}
         # the checker imports what this process imports: this very witness and the task's plugin,
         # wherever they come from (a script's folder, a path a loop added); -P keeps the working

@@ -62,7 +62,9 @@ def _serve(spec: dict, say) -> int:  # noqa: ANN001 - a function that sends a re
         task = build_task(spec["task"], spec["config"])
         if task.config_json() != spec["config"]:
             raise ValueError(f"the task {spec['task']!r} does not build the run's recipe here")
-        session = TrainingSession(task, bytes.fromhex(spec["run_seed"]), int(spec["dataset_size"]))
+        # a DDP run's step is replayed as the verifier replays it: its ranks' micro-batches in rank order
+        session = TrainingSession(task, bytes.fromhex(spec["run_seed"]), int(spec["dataset_size"]),
+                                  int(spec.get("world_size", 1)), str(spec.get("parallelism", "none")))
     except Exception as e:  # noqa: BLE001 - whatever stops it, the recorder reports it and trains on
         say({"error": f"{type(e).__name__}: {e}"})
         return 1

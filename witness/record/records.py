@@ -98,6 +98,11 @@ class Records:
         """Its optimizer."""
         return self.session.optimizer
 
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """The training state as the run commits it, from this process's own tensors (a DDP rank's
+        replica: its wrapper's module)."""
+        return state_tensors(getattr(self.session, "module", self.model), self.optimizer)
+
     def expect(self, step: int, indices: list[int], root: bytes) -> None:
         """Note the committed batch that the next ``log_step`` records."""
         if step != self.next_step:

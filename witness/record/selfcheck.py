@@ -85,7 +85,7 @@ class SelfCheck:
             return
         if step in self.steps:
             started = time.perf_counter()
-            self.before = {k: v.detach().clone() for k, v in state_tensors(self.rec.model, self.rec.optimizer).items()}
+            self.before = {k: v.detach().clone() for k, v in self.rec.whole_state().items()}
             self.prepared = step
             self.seconds += time.perf_counter() - started
             return
@@ -141,7 +141,9 @@ class SelfCheck:
                 "compile=True in the recipe (replay then compiles the step the same way) and train rec.step_model, "
                 "or train rec.model without torch.compile"))
         s = rec.session
-        replay = TrainingSession(rec.task, s.run_seed, s.dataset_size, 1, "none", s.device)
+        # as the verifier replays it: a DDP run's micro-batches in rank order, in one process
+        replay = TrainingSession(rec.task, s.run_seed, s.dataset_size, rec.manifest.get("world_size", 1),
+                                 rec.manifest.get("parallelism", "none"), s.device)
         try:
             load_state(replay.model, replay.optimizer, self.before)
         except MalformedInput as e:  # the loop's state is not the task's: the verifier could not load it either
@@ -149,7 +151,7 @@ class SelfCheck:
                                        f"model and optimizer ({e}): your model or optimizer is not the task's"))
         ds = rec.task.dataset()
         got = replay.step(step, [ds.sample_bytes(i) for i in rec.batch_indices(step)])
-        after = state_tensors(rec.model, rec.optimizer)
+        after = rec.whole_state()
         replayed = state_tensors(replay.model, replay.optimizer)
         self.before = None
         problem = _compare(step, out, got, after, replayed, drew, rec.task.grad_accum)
