@@ -123,12 +123,20 @@ def worker(args: list[str]) -> None:
                            parallelism=parallelism, online=online)
         split: dict = {}
         Timed(rec, "_hash_shards", split, "hash")
-        Timed(rec, "_keep", split, "copies")
+        Timed(rec, "_keep", split, "copies")  # (its chunk tree and the openings' gather are taken out below)
+        if rec._chunks is not None:
+            Timed(rec._chunks, "param_root", split, "chunk_tree")
+            Timed(rec._chunks, "gather", split, "openings")
         Timed(rec.session, "fingerprint", split, "fingerprint")
         Timed(rec.session, "sketch", split, "fingerprint")
         Timed(rec.session, "full_state", split, "checkpoint")
         if rec.inner is not None:
-            Timed(rec.inner, "log_step", split, "records")
+            Timed(rec.inner, "log_step", split, "records")  # (its self-check is taken out below)
+            if rec.inner.self_check is not None:
+                for name in ("prepare", "finish", "settle"):  # (all within log_step)
+                    Timed(rec.inner.self_check, name, split, "self_check")
+        ring = rec.inner.online if rec.inner is not None else rec._ring
+        trees = [0.0]
         for t in range(steps):
             t0 = time.perf_counter()
             batch = rec.batch(t)
@@ -139,6 +147,14 @@ def worker(args: list[str]) -> None:
             t2 = time.perf_counter()
             step_t.append(t1 - t0)
             record_t.append(t2 - t1)
+            tree = ring.report()["tree_seconds"] if ring is not None else 0.0  # the ring's subtrees, this step
+            # _keep's time holds the ring's copy, its subtree (T), the openings' gather and the param_root's
+            gathered, root, subtree = split.get("openings", 0.0), split.get("chunk_tree", 0.0), tree - trees[0]
+            split["copies"] = split.get("copies", 0.0) - gathered - root - subtree
+            split["chunk_tree"] = root + subtree
+            trees[0] = tree
+            if "self_check" in split:
+                split["records"] = split.get("records", 0.0) - split["self_check"]
             parts.append(dict(split))
         t0 = time.perf_counter()
         rec.finish()
@@ -259,14 +275,16 @@ def project(runs: dict) -> dict:
     run = runs.get("fsdp") or next(iter(runs.values()))
     share = run["state_bytes"] / RANKS
     split = run["recorder_split_s"]
-    hash_rate = share / split["hash"] if split.get("hash") else None
-    copy_rate = share / split["copies"] if split.get("copies") else None
-    out = {"note": "PROJECTION from this machine's measured per-rank rates, not a measurement", "tokens_per_step": 2**19}
+    # bytes a second one rank (one core here) hashes, copies into its ring, and lays out and hashes as chunks
+    # (the chunk tree covers the parameters: a third of the state's 12 bytes a parameter)
+    rates = {k: (share / 3 if k == "chunk_tree" else share) / split[k] for k in ("hash", "copies", "chunk_tree")
+             if split.get(k)}
+    out = {"note": "PROJECTION from this machine's measured per-rank rates (one CPU core a rank), not a measurement",
+           "rates_bytes_per_s": rates, "tokens_per_step": 2**19}
     for name, n in (("1.2B", 1.2e9), ("2B", 2.0e9)):
         per_rank = 12 * n / 8
         out[name] = {"state_bytes_per_rank": per_rank,
-                     "hash_s_per_step": per_rank / hash_rate if hash_rate else None,
-                     "copy_s_per_selected_window_state": per_rank / copy_rate if copy_rate else None,
+                     **{f"{k}_s_per_step": (per_rank / 3 if k == "chunk_tree" else per_rank) / r for k, r in rates.items()},
                      "train_flops_per_step": 6 * n * 2**19}
     return out
 

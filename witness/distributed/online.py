@@ -126,7 +126,7 @@ class ShareRing:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="witness-share")
         self._writes: deque[tuple[Future, dict[str, torch.Tensor] | None]] = deque()  # (write, slot to free after)
         self.copies = self.written = self.bytes_written = self.peak_ring = 0
-        self.copy_seconds = self.write_seconds = self.wait_seconds = 0.0
+        self.copy_seconds = self.write_seconds = self.wait_seconds = self.tree_seconds = 0.0
 
     def answer(self, notes: Notes) -> dict[int, Pieces]:
         """Rank 0's notes: write this rank's share of each state asked for, free each covered one; and
@@ -198,7 +198,9 @@ class ShareRing:
         self.peak_ring = max(self.peak_ring, len(self.ring))
         if self.layout is None:
             return None
+        started = time.perf_counter()
         self.trees[n] = tree = self.layout.tree(self._pool.flat(slot))  # type: ignore[arg-type]
+        self.tree_seconds += time.perf_counter() - started
         return tree
 
     def _tree(self, pieces: dict[str, torch.Tensor]) -> ChunkTree:
@@ -222,7 +224,7 @@ class ShareRing:
         """What keeping this rank's shares cost it."""
         return {"copies": self.copies, "copy_seconds": self.copy_seconds, "written": self.written,
                 "bytes_written": self.bytes_written, "write_seconds": self.write_seconds,
-                "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring}
+                "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring, "tree_seconds": self.tree_seconds}
 
 
 class ShardChunks:
