@@ -4,6 +4,8 @@
     torchrun --nproc_per_node=2 examples/torchrun_train.py --parallelism fsdp --out runs/fsdp
     witness verify runs/ddp --challenges 20            # one process replays it bit for bit, any rank count
 
+After a kill, the same command with ``--resume`` continues the run from its last intact checkpoint.
+
 Online challenges need no change to the script: with ``WITNESS_BEACON=URL`` in the environment,
 rank 0 streams the run's heads to that beacon and every rank keeps and writes its share of each
 state the beacon selects (docs/distributed.md); ``witness verify runs/ddp --mode online
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--key", default=os.path.expanduser("~/.witness/signing_key.pem"))
     ap.add_argument("--seed", default="example")
     ap.add_argument("--checkpoint-every", type=int, default=25)
+    ap.add_argument("--resume", action="store_true", help="continue the killed run in --out")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -47,10 +50,13 @@ def main() -> None:
     shared = [secret_r(args.seed, key) if key is not None else None]
     dist.broadcast_object_list(shared, src=0)
     r = shared[0]
-    rec = DistRecorder(task, args.out, key, r=r, commit=Commitments(checkpoint_every=args.checkpoint_every),  # witness
-                       parallelism=args.parallelism)
+    if args.resume:  # witness: every rank reloads the last intact checkpoint; signed steps come out again
+        rec = DistRecorder.resume(args.out, key)
+    else:
+        rec = DistRecorder(task, args.out, key, r=r, commit=Commitments(checkpoint_every=args.checkpoint_every),  # witness
+                           parallelism=args.parallelism)
 
-    for step in range(args.steps):
+    for step in range(rec.start_step, args.steps):
         batch = rec.batch(step)  # witness: this rank's share of the committed batch
         out = rec.train_step(step, batch)
         rec.log_step(step, out)  # witness

@@ -3,7 +3,8 @@
 Usage, inside a script started by ``torchrun`` after ``dist.init_process_group``::
 
     rec = DistRecorder(task, "run/", key, r=r, commit=Commitments(checkpoint_every=50), parallelism="fsdp")
-    for t in range(task.config.steps):
+    # (or rec = DistRecorder.resume("run/", key) after a kill; online with Online(beacon=...) or WITNESS_BEACON)
+    for t in range(rec.start_step, task.config.steps):
         batch = rec.batch(t)                 # this rank's share of the committed global batch
         out = rec.train_step(t, batch)       # forward, backward (the wrapper averages), clip, step
         rec.log_step(t, out)                 # collectives, then rank 0 appends the record
@@ -52,10 +53,10 @@ class DistRecorder:
                  commit: Commitments | None = None, parallelism: str = "ddp", on_head: HeadCallback | None = None,
                  online: Online | None = None, self_check: SelfChecking | None = None):
         """``commit``: what the run commits and how often, as for ``Recorder.create`` (by default a
-        state every step, a checkpoint every 50). Under DDP and FSDP2 every rank hashes its share of the rows (DDP's of its replica, FSDP2's the shards it
-        holds) and sends rank 0 their digests (no gather); only a checkpoint gathers the whole state
-        (DDP's rank 0 holds it already). ``on_head``: rank 0 calls it with every signed
-        tree head (``Online.on_head``). ``online``: rank 0's online challenges (its beacon, spec
+        state every step, a checkpoint every 50). Under DDP and FSDP2 every rank hashes its share of
+        the rows (DDP's of its replica, FSDP2's the shards it holds) and sends rank 0 their digests
+        (no gather); only a checkpoint gathers the whole state (DDP's rank 0 holds it already).
+        ``on_head``: rank 0 calls it with every signed tree head (``Online.on_head``). ``online``: rank 0's online challenges (its beacon, spec
         and ring budget, as for ``Recorder.create``; the other ranks' is not read), by default from
         the beacon at ``WITNESS_BEACON``: every rank keeps its own share of each state in a ring of
         that budget and writes its share of each state a statement selects
