@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,10 +126,14 @@ def test_the_every_step_check_catches_weights_swapped_on_one_ranks_rows(runs, pa
     # ring; the window's openings hold the chunks of every rank and the paths to the one param_root
     good = online(runs[parallelism], runs["beacon"])
     assert good.accepted and good.moves["checked"] == STEPS and good.moves["of"] == 2 * RANK1, good.moves
-    assert good.moves["holding"] == 2 * RANK1 and "8 of which hold parameters" in good.moves["summary"]
+    assert good.moves["holding"] == 2 * RANK1 and "drawn among the 8 that hold parameters" in good.moves["summary"]
     # the swapped step is not selected, so no replay sees it; its move is out of every bound
-    with pytest.raises(RunRejected, match=f"step {SWAP}: moves"):
+    with pytest.raises(RunRejected, match=f"step {SWAP}: moves") as caught:
         online(runs[f"{parallelism}_swap"], runs["beacon"])
+    # the coordinate named is the parameter's own: one of rank 1's rows (the second half of each tensor's rows)
+    name, row = re.search(r"(model\.[\w.]+)\[(\d+)", str(caught.value)).groups()
+    rows = dict(build_task("tiny", {"steps": STEPS, "batch_size": 16}).build_model(b"\0" * 32).named_parameters())
+    assert int(row) >= -(-rows[name.removeprefix("model.")].shape[0] // 2), str(caught.value)
     assert ChunkLayout.of_model(build_task("tiny", {"steps": STEPS, "batch_size": 16}).build_model(b"\0" * 32), 1024,
                                 2).shard_size == RANK1
 
@@ -314,3 +319,22 @@ def test_the_ring_is_sized_by_the_largest_ranks_share():
     assert whole == 3 * 4 * (12 + 3 + 3 + 1)  # weights and biases, and two moments of each
     # rank 0 holds ceil(rows / 2) rows of every tensor: 2 of 3 (8 and 2 elements), 1 of 1 (3 and 1)
     assert kept_bytes(model, opt, 2) == 3 * 4 * (8 + 2 + 3 + 1)
+
+
+@pytest.mark.parametrize("ranks", [2, 8, 64])
+def test_a_window_opens_only_chunks_that_hold_parameters_however_many_ranks_the_run_claims(ranks):
+    # each rank's chunks are padded with zero chunks to the same power of two; a draw that could land on
+    # them would open nothing, and a trainer claiming many ranks would make most chunks padding (a whole
+    # swapped model then passed a window whose k draws all fell on padding). Only chunks with bytes are drawn
+    model = build_task("tinygpt", {"steps": 2, "n_layer": 2, "d_model": 16, "n_head": 2, "block": 16}).build_model(
+        b"\0" * 32)
+    layout = ChunkLayout.of_model(model, 1024, ranks)
+    held = set(layout.holding)
+    assert len(held) < layout.size  # (this layout has padding)
+    for _ in range(300):
+        chunks = layout.select(os.urandom(32), 2)
+        assert len(set(chunks)) == 2 and set(chunks) <= held and chunks == sorted(chunks)
+    # in one process every chunk holds bytes, and the draw is the one runs recorded before draw
+    whole = ChunkLayout.of_model(model, 1024)
+    beta = os.urandom(32)
+    assert len(whole.holding) == whole.size and whole.select(beta, 2) == chunk_indices(beta, 2, whole.size)

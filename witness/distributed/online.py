@@ -245,9 +245,7 @@ class ShardChunks:
     def opened_here(self, statement, first: int, states: list[tuple[torch.Tensor, ChunkTree]]) -> Window:  # noqa: ANN001
         """Rank 0 (its beacon thread): a window's statement answered; keep rank 0's part of its openings,
         and say what it opens (for the notes the other ranks get)."""
-        from ..commit.chunks import chunk_indices
-
-        chunks = chunk_indices(statement.beta, self.k, self.layout.size)
+        chunks = self.layout.select(statement.beta, self.k)
         with self._lock:
             self.own[statement.size] = own_openings(chunks, 0, self.mine, states)
         return statement.size, first, first + len(states) - 1, chunks

@@ -21,7 +21,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..commit.chunks import ChunkTree, chunk_leaves
+from ..commit.chunks import ChunkTree, chunk_indices, chunk_leaves
 from ..commit.hashing import canonical_json, tagged_hash
 
 DEFAULT_CHUNK_BYTES = 1024
@@ -121,6 +121,20 @@ class ChunkLayout:
         entries = [(e, r * size + e[4]) for r, p in enumerate(pieces) for e in p[:-1]]
         return cls(chunk_bytes, tuple((n, d, s) for (n, d, s, _, _), _ in entries), tuple(at for _, at in entries),
                    shards * size, tuple(e[3] for e, _ in entries), shards, size)
+
+    @cached_property
+    def holding(self) -> tuple[int, ...]:
+        """The chunks that hold parameter bytes, ascending: every chunk of a layout in one process;
+        over ranks, not the zero chunks that pad each rank's to ``shard_size``."""
+        if self.shards == 1:
+            return tuple(range(self.size))
+        return tuple(c for i, at in enumerate(self.starts) for c in range(at, at + -(-self.nbytes(i) // self.chunk_bytes)))
+
+    def select(self, beta: bytes, k: int) -> list[int]:
+        """The chunks a window's ``beta`` opens: ``k`` of those that hold bytes (over ranks, the zero
+        chunks open nothing, so they are never drawn: a swap moves every chunk that holds bytes)."""
+        held = self.holding
+        return [held[j] for j in chunk_indices(beta, k, len(held))]
 
     def shard(self, rank: int) -> ChunkLayout:
         """Rank ``rank``'s own layout of its pieces (its ``shard_size`` chunks), as it holds them."""

@@ -35,7 +35,7 @@ from ..bundle.layout import (
 )
 from ..bundle.writer import read_lines
 from ..commit.beacon import BeaconStatement, selected_steps
-from ..commit.chunks import ChunkTree, chunk_indices
+from ..commit.chunks import ChunkTree
 from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
@@ -179,7 +179,7 @@ class OnlineChallenges(KeptFiles):
     def _chunks_of(self, st: BeaconStatement) -> list[int]:
         """The chunks a statement's beta opens."""
         assert self.layout is not None
-        return chunk_indices(st.beta, self.spec.chunks, self.layout.size)
+        return self.layout.select(st.beta, self.spec.chunks)
 
     # --- the ring (training thread) ---------------------------------------------------------
     def keep(self, n: int, state: dict[str, torch.Tensor]) -> ChunkTree | None:

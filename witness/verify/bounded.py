@@ -20,7 +20,7 @@ import torch
 from ..bundle.openings import read_openings
 from ..bundle.reader import Bundle
 from ..bundle.state import state_hash
-from ..commit.chunks import chunk_indices, chunk_leaves, path_nodes, verify_paths, wrap_roots
+from ..commit.chunks import chunk_leaves, path_nodes, verify_paths, wrap_roots
 from ..commit.hashing import same
 from ..errors import MalformedInput, VerificationError
 from ..fingerprint.chunks import ChunkLayout
@@ -97,7 +97,7 @@ class MoveCheck:
         """One line for the verdict."""
         if self.refused:
             return f"every step: bounded move not checked ({self.optimizer})"
-        padded = f", {self.holding} of which hold parameters" if self.holding else ""
+        padded = f", drawn among the {self.holding} that hold parameters" if self.holding else ""
         out = (f"every step: bounded move checked at {self.chunks} chunk(s) of {self.of} ({self.chunk_bytes} bytes "
                f"each{padded}) per step, {self.checked} of the run's {self.steps} step(s) in {self.windows} window(s); "
                f"{self.optimizer}; the parameters' moves (buffers, such as BatchNorm's running statistics, are left "
@@ -142,9 +142,9 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
     if isinstance(rules, str):
         return MoveCheck(k, layout.size, cb, rules, refused=True)
     n, offset = len(bundle.steps), step_offset(init)
-    out = MoveCheck(min(k, layout.size), layout.size, cb, rules.describe(n, offset), steps=n)
-    if layout.shards > 1:  # each rank's chunks padded to a power of two: some open nothing
-        out.holding = sum(-(-layout.nbytes(i) // cb) for i in range(len(layout.tensors)))
+    out = MoveCheck(min(k, len(layout.holding)), layout.size, cb, rules.describe(n, offset), steps=n)
+    if layout.shards > 1:  # each rank's chunks padded to a power of two: only those that hold bytes are drawn
+        out.holding = len(layout.holding)
     roots, init = _roots(bundle, layout, init)
     _discrimination(out, bundle, rules, init, offset)
     reads: list = []
@@ -177,7 +177,7 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
             raise MoveFailure(f"the trainer kept no chunk openings for the window closing at size {d.size} "
                               f"(steps {d.steps.start}..{d.steps.stop - 1}): a chunked run opens chunks of every state "
                               "of every window", step=d.steps.start, window=d.size)
-        chunks = chunk_indices(d.beta, k, layout.size)
+        chunks = layout.select(d.beta, k)  # (over ranks: among the chunks that hold bytes)
         nodes = sum(len(path_nodes(c, layout.size)) for c in chunks)
         try:
             opened = read_openings(path, d.size, d.steps.start, len(d.steps) + 1, tuple(chunks), cb, nodes)
@@ -427,6 +427,8 @@ def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: B
             hits = np.argwhere(bad)
             r, c = (int(x) for x in hits[np.argmin(t[hits[:, 0]])])  # this tensor's earliest step
             coord = tuple(int(x) for x in np.unravel_index(int(first[r]) + c, shape)) if shape else ()
+            if coord and layout.rows is not None and layout.rows[i] is not None:  # a rank's rows: its place in the whole
+                coord = (coord[0] + layout.rows[i][0], *coord[1:])
             limit = "may not move at all (no optimizer group holds it)" if rule.betas is None else \
                 f"may move {allowed[r, c]:.3g} (lr {lrs[t[r]]:.3g} x B {float(bound[r, 0]):.4g}" + \
                 (f", after the decay by lr x {rule.decay:g}" if rule.decay else "") + ")"
