@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from witness.commit.signing import load_key
 from witness.distributed import DistRecorder, exit_now
-from witness.record import Commitments, Online, OnlineSpec
+from witness.record import Commitments, Online, OnlineSpec, SelfChecking
 from witness.task import build_task
 
 
@@ -96,7 +96,9 @@ def main() -> None:
     else:
         rec = DistRecorder(task, args.out, key, r=bytes.fromhex(args.seed_hex),
                            commit=Commitments(checkpoint_every=args.checkpoint_every, state_every=args.state_every),
-                           parallelism=args.parallelism, online=online(args, task.config.steps))
+                           parallelism=args.parallelism, online=online(args, task.config.steps),
+                           # a dishonest run turns its own aid off: its self-check would stop it at the cheating step
+                           self_check=SelfChecking(enabled=args.cheat_step < 0 and args.swap_step < 0))
     rec.overlap = args.overlap
     if rec.inner is not None and (args.check_steps or args.sampled):  # the self-check's steps, fixed
         from witness.record.selfcheck import SelfCheck
