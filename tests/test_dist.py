@@ -29,13 +29,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch(out: Path, key: Path, parallelism: str, *extra: str, ranks: int = 2, env: dict | None = None,
+           script: Path = WORKER) -> subprocess.CompletedProcess:
+    """``script`` (the worker by default) under torchrun on ``ranks`` ranks, whatever it exits with."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(script), "--parallelism", parallelism, "--out", str(out), "--key",
+           str(key), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ | env if env else None)
+
+
 def torchrun(out: Path, key: Path, parallelism: str, *extra: str, ranks: int = 2, env: dict | None = None) -> Path:
     for attempt in range(2):  # a free port can be taken between choosing and binding it: retry once
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), "--parallelism",
-               parallelism, "--out", str(out), "--key", str(key), *extra]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                             env=os.environ | env if env else None)
+        res = launch(out, key, parallelism, *extra, ranks=ranks, env=env)
         if res.returncode == 0 or "address already in use" not in res.stderr.lower() or attempt:
             break
         shutil.rmtree(out, ignore_errors=True)
@@ -146,10 +151,7 @@ def test_many_ranks_replay_bit_exactly_on_one_process(runs, parallelism, ranks):
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_a_run_killed_mid_way_resumes_under_torchrun_and_verifies(runs, parallelism):
     out = runs["dir"] / f"killed_{parallelism}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(WORKER), "--parallelism", parallelism, "--out", str(out), "--key",
-           str(runs["key"]), "--die-after", "6"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res = launch(out, runs["key"], parallelism, "--die-after", "6")
     assert res.returncode != 0  # rank 0 was killed (SIGKILL) after step 6's record
     before = open_bundle(out)
     assert not before.complete and before.final_head.size <= 8
@@ -168,10 +170,7 @@ def test_the_self_check_stops_a_ddp_run_whose_rank_1_nudged_its_weights(runs, ho
     # replica); rank 1 trained its micro-batch on nudged weights, so the averaged update is not the replayed one
     out = runs["dir"] / f"nudged_{how.replace(' ', '_')}"
     steps = ["--check-steps", "0,5"] if how == "in process" else ["--check-steps", "0", "--sampled", "5"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(WORKER), "--parallelism", "ddp", "--out", str(out), "--key",
-           str(runs["key"]), "--nudge-step", "5", *steps]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res = launch(out, runs["key"], "ddp", "--nudge-step", "5", *steps)
     assert res.returncode != 0 and "step 5 does not replay" in res.stderr, res.stderr[-3000:]
     b = open_bundle(out)
     assert len(b.steps) <= 5  # nothing signed or kept from the step that did not replay on

@@ -9,14 +9,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_dist import WORKER, _free_port, torchrun
+from test_dist import launch, torchrun
 from test_witnessed import Loopback
 
 from witness.beacon.app import create_app
@@ -91,11 +89,8 @@ def runs(tmp_path_factory):
 
 def example(out: Path, key: Path, url: str) -> Path:
     """``examples/torchrun_train.py``, unchanged, on 2 ranks with ``WITNESS_BEACON`` set."""
-    script = Path(__file__).parents[1] / "examples" / "torchrun_train.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(script), "--parallelism", "fsdp", "--out", str(out), "--key",
-           str(key), "--steps", "4", "--batch-size", "4", "--checkpoint-every", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"WITNESS_BEACON": url})
+    res = launch(out, key, "fsdp", "--steps", "4", "--batch-size", "4", "--checkpoint-every", "2",
+                 env={"WITNESS_BEACON": url}, script=Path(__file__).parents[1] / "examples" / "torchrun_train.py")
     assert res.returncode == 0, res.stderr[-3000:]
     return out
 
@@ -258,10 +253,7 @@ def test_shares_duplicated_beside_a_whole_state_or_of_a_rank_the_run_lacks_are_r
 
 def test_a_ring_whose_budget_cannot_hold_a_window_is_refused_on_every_rank_before_step_0(runs):
     out = runs["dir"] / "tight"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(WORKER), "--parallelism", "fsdp", "--out", str(out), "--key",
-           str(runs["key"]), "--beacon", runs["url"], "--ring-bytes", "2000"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    res = launch(out, runs["key"], "fsdp", "--beacon", runs["url"], "--ring-bytes", "2000", env={"OMP_NUM_THREADS": "1"})
     assert res.returncode != 0
     assert "cannot hold one window" in res.stderr and "rank 0 could not start the run" in res.stderr
     assert not (out / LOG).exists()  # refused before anything was signed
