@@ -16,6 +16,7 @@ from .data.order import batch_indices, step_seed
 from .fingerprint.probes import Fingerprint
 from .fingerprint.sketch import ParameterSketch
 from .task.base import StepOutput, Task
+from .task.ranks import ranks_accumulated_step
 
 T = TypeVar("T")
 
@@ -99,9 +100,11 @@ class TrainingSession:
         # initialised on the host (the same bits everywhere), then moved; the optimizer follows
         if world_size > 1 and task.compiles:
             raise ValueError("compile=True is for one process (a data-parallel step is replayed eagerly)")
-        if world_size > 1 and task.grad_accum > 1:
-            raise ValueError("gradient accumulation (grad_accum) is for one process: a data-parallel run's ranks "
-                             "already split each step's batch")
+        # a loop of its own under torchrun (DDP): each rank accumulates its grad_accum / world_size
+        # micro-batches (witness.task.ranks)
+        if world_size > 1 and task.grad_accum > 1 and (parallelism != "ddp" or task.grad_accum % world_size):
+            raise ValueError(f"gradient accumulation over ranks is replayed for DDP with grad_accum a multiple of "
+                             f"the world size (here {parallelism}, grad_accum {task.grad_accum}, {world_size} ranks)")
         if world_size > 1 and task.precision == "fp16":
             raise ValueError("fp16 with a GradScaler is for one process")
         self.model = task.build_model(run_seed).to(self.device)
@@ -134,6 +137,9 @@ class TrainingSession:
         if self.world_size == 1 and self.parallelism != "fsdp":
             batch = self.task.collate(samples)
             return self.task.train_step(self.step_model, self.optimizer, batch, self.lr(step), self.step_seed(step))
+        if self.task.grad_accum > 1:  # each rank accumulated its share of the micro-batches (a loop's own, DDP)
+            return ranks_accumulated_step(self.task, self.step_model, self.optimizer, self.task.collate(samples),
+                                          self.lr(step), self.step_seed(step), self.world_size)
         micro = [self.task.collate(m) for m in self.micro_batches(samples)]
         seeds = [self.step_seed(step, r) for r in range(self.world_size)]
         return self.task.accumulated_step(self.step_model, self.optimizer, micro, self.lr(step), seeds,

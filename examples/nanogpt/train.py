@@ -87,8 +87,8 @@ if ddp:
     ddp_rank = int(os.environ['RANK'])
     ddp_local_rank = int(os.environ['LOCAL_RANK'])
     ddp_world_size = int(os.environ['WORLD_SIZE'])
-    device = f'cuda:{ddp_local_rank}'
-    torch.cuda.set_device(device)
+    device = f'cuda:{ddp_local_rank}' if 'cuda' in device else device # (CPU ranks, gloo)
+    if 'cuda' in device: torch.cuda.set_device(device) # (CPU ranks, gloo)
     master_process = ddp_rank == 0 # this process will do logging, checkpointing etc.
     seed_offset = ddp_rank # each process gets a different seed
     # world_size number of processes will be training simultaneously, so we can scale
@@ -213,7 +213,7 @@ if compile:
 
 # wrap model into DDP container
 if ddp:
-    model = DDP(model, device_ids=[ddp_local_rank])
+    model = DDP(model, device_ids=[ddp_local_rank] if 'cuda' in device else None) # (CPU ranks, gloo)
 
 # helps estimate an arbitrarily accurate loss over either split using many batches
 @torch.no_grad()

@@ -72,7 +72,8 @@ class DistRecorder:
         world = dist.get_world_size()
         # over several ranks each hashes its own rows of the state (DDP's replica as FSDP2's shards);
         # every rank names the same digest: the same code and packages run on all of them
-        self._setup(task, DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism),
+        own = getattr(self, "_own", None)  # a loop's own model and optimizer (witness.distributed.loop)
+        self._setup(task, DistSession(task, derive_run_seed(dataset.root, r), len(dataset), parallelism, own),
                     commit.checkpoint_every, commit.state_every, default_digest(world))
         shards = parse_digest(self.digest)[1]
         check = option(self_check, SelfChecking, "self_check")

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from ..bundle.state import load_state, shard_rows, state_tensors
 from ..fingerprint.probes import Fingerprint
 from ..fingerprint.sketch import ParameterSketch
+from ..record.loop import adopt
 from ..session import TrainingSession, deterministic_device
 from ..task.base import StepOutput, Task, clip_by_shard_norms, mean_of_ranks
 
@@ -68,9 +69,20 @@ class OrderedReduceScatter(ReduceScatter):
 class DistSession(TrainingSession):
     """This rank's share of a data-parallel run. Methods that say "collective" run on every rank."""
 
-    def __init__(self, task: Task, run_seed: bytes, dataset_size: int, parallelism: str):
+    def __init__(self, task: Task, run_seed: bytes, dataset_size: int, parallelism: str,
+                 own: tuple[nn.Module, torch.optim.Optimizer | None] | None = None):
+        """``own``: the loop's own model and optimizer (``start_run`` under torchrun), adopted as in one
+        process; the loop wraps the model in DDP itself (``witness.distributed.loop``)."""
         if parallelism not in PARALLELISMS:
             raise ValueError(f"parallelism is one of {PARALLELISMS}")
+        if own is not None and parallelism != "ddp":
+            raise ValueError("a loop of its own is recorded under torchrun with DDP; FSDP2 with "
+                             "witness.distributed.DistRecorder's loop (docs/distributed.md)")
+        if own is None and task.grad_accum > 1:  # (a loop of its own accumulates: witness.task.ranks)
+            raise ValueError("DistRecorder's loop trains one micro-batch a rank: give the recipe grad_accum 1 and "
+                             "a global batch of batch_size samples")
+        if own is not None and task.compiles:
+            raise ValueError("compile=True is for one process: a data-parallel step is replayed eagerly (compile=False)")
         self.task, self.run_seed, self.dataset_size = task, run_seed, dataset_size
         self.parallelism = parallelism
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
@@ -91,6 +103,14 @@ class DistSession(TrainingSession):
         self.init_state = state_tensors(base, None)
         base.to(self.device)  # initialised on the host (the same bits everywhere), then moved
         self.module: nn.Module = base
+        self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
+        self._shard_offsets: dict[str, int] | None = None
+        self._rows_checked: set[str] = set()
+        if own is not None:  # the loop's own objects take the initial state; the loop wraps them in DDP
+            self.model, self.optimizer = base, task.build_optimizer(base)
+            adopt(self, *own)
+            self.module = self.model
+            return
         if parallelism == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -105,9 +125,6 @@ class DistSession(TrainingSession):
             for unit in (*units, self.model):  # each unit reduce-scatters its own gradients
                 unit.set_custom_reduce_scatter(OrderedReduceScatter())
         self.optimizer = task.build_optimizer(self.model)
-        self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
-        self._shard_offsets: dict[str, int] | None = None
-        self._rows_checked: set[str] = set()
 
     def my_share(self, indices: list[int]) -> list[int]:
         """This rank's micro-batch of the global batch (rank order)."""

@@ -147,13 +147,21 @@ class Hooked:
     """The hooks that record a loop's steps from its own model and optimizer (see the module)."""
 
     def __init__(self, rec: Any, model: torch.nn.Module,  # noqa: ANN401 - the Recorder
-                 optimizer: torch.optim.Optimizer):
+                 optimizer: torch.optim.Optimizer, ranks: tuple[int, int] = (0, 1)):
+        """``ranks``: this process's rank and the world size, under torchrun (DDP): each rank trains
+        its own ``grad_accum / world`` of each step's micro-batches (``witness.task.ranks``)."""
         task = rec.task
         if task.precision == "fp16":
             raise ValueError("an fp16 loop scales its gradients: take the batches with rec.batch(t) and record each "
                              "step with rec.log_step (the hooks cannot see the unscaled gradient norm)")
         self.rec, self.model, self.optimizer = rec, model, optimizer
-        self.accum = task.grad_accum
+        rank, self.world = ranks
+        self.parts_of_step = task.grad_accum  # the step's batch, split as one process splits it
+        if self.parts_of_step % self.world:
+            raise ValueError(f"gradient_accumulation_steps ({self.parts_of_step}) must be a multiple of the "
+                             f"{self.world} ranks: each rank trains an equal share of every step's micro-batches")
+        self.accum = self.parts_of_step // self.world  # this rank's micro-batches of a step
+        self.first = rank * self.accum  # the first of them, in the step's order
         self.steps = task.config.steps
         self.device = model_device(model)
         self.handed = rec.start_step * self.accum  # micro-batches handed out so far, counting from step 0
@@ -193,7 +201,9 @@ class Hooked:
             return None
         if step not in self.parts:
             batch = self.rec.committed_batch(step)
-            self.parts[step] = self.rec.task.split_batch(batch, self.accum) if self.accum > 1 else [batch]
+            whole = self.parts_of_step
+            self.parts[step] = self.rec.task.split_batch(batch, whole)[self.first:self.first + self.accum] \
+                if whole > 1 else [batch]
         part = to_device(self.parts[step][k], self.device)
         if k == self.accum - 1:
             del self.parts[step]
@@ -233,7 +243,7 @@ class Hooked:
         if self.saved is None:
             self.saved = _generators()
         seed = self.rec.step_seed(step)
-        _seed_generators(seed if self.accum == 1 else micro_seed(seed, k), self.device)
+        _seed_generators(seed if self.parts_of_step == 1 else micro_seed(seed, self.first + k), self.device)
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:  # noqa: ANN401
         if not torch.is_grad_enabled():
@@ -255,7 +265,10 @@ class Hooked:
         # that whole backward is done, with every gradient in place and before the loop clips them
         if not self.queued:
             self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._take_norm)
+            queue = torch.autograd.Variable._execution_engine.queue_callback
+            # under DDP the gradients are the ranks' mean only once the reducer's own callback, queued
+            # later in this backward, has run: queued from a callback, the norm is taken after it
+            queue(self._take_norm if self.world == 1 else lambda: queue(self._take_norm))
 
     def _take_norm(self) -> None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -1,0 +1,98 @@
+"""nanoGPT's real train.py (examples/nanogpt) under `torchrun --standalone --nproc_per_node=2` on gloo:
+the same witness lines as in one process, the loop's own DDP, each rank accumulating its share of the
+micro-batches; one process verifies it offline and online. The attacks are a dishonest rank's: one that
+changes its replica's weights between steps, and a loop that never averages the ranks' gradients."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import with_beacon
+from test_nanogpt_real import EXAMPLE
+
+from witness.bundle.layout import LOG
+from witness.cli import main
+
+SETTINGS = ["--backend=gloo", "--device=cpu", "--compile=False", "--dtype=float32", "--dataset=stdlib_char",
+            "--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=4",
+            "--gradient_accumulation_steps=4", "--max_iters=7", "--dropout=0.2", "--eval_interval=4", "--eval_iters=2",
+            "--log_interval=2", "--warmup_iters=2", "--lr_decay_iters=7", "--learning_rate=1e-3", "--min_lr=1e-4"]
+START = "rec = start_run('nanogpt', config, os.path.join(out_dir, 'witness'), model=model, optimizer=optimizer, beacon=beacon)"
+
+
+def torchrun(work: Path, *extra: str, script: str = "train.py") -> subprocess.CompletedProcess:
+    """``script`` as nanoGPT's README starts it on one node, two ranks."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                           *SETTINGS, *extra], cwd=work, capture_output=True, text=True, timeout=600)
+
+
+def dishonest(work: Path, name: str, start: str = START, after_step: str = "", drop_ddp: bool = False) -> str:
+    """A copy of train.py changed as a dishonest trainer would change it."""
+    text = (work / "train.py").read_text()
+    assert START in text
+    text = text.replace(START, start)
+    if after_step:
+        text = text.replace("    scaler.update()\n", f"    scaler.update()\n{after_step}")
+    if drop_ddp:
+        text = text.replace("    model = DDP(", "    model = model if True else DDP(").replace("model.module if ddp", "model if ddp")
+    (work / name).write_text(text)
+    return name
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("nanogpt_torchrun") / "nanoGPT"
+    shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    p = subprocess.run([sys.executable, "prepare_stdlib.py", "--bytes", "60000"], cwd=work, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    p = torchrun(work, "--out_dir=out")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "iter 6" in p.stdout and "saving checkpoint to out" in p.stdout  # nanoGPT's own loop, evals and all
+    assert "bit for bit" in p.stderr  # rank 0's self-check replayed two steps as the verifier does
+    return work
+
+
+def test_the_run_is_two_ranks_accumulating_and_one_process_replays_every_step(work, capsys, monkeypatch):
+    manifest = json.loads((work / "out" / "witness" / LOG).read_text().splitlines()[0])
+    assert (manifest["world_size"], manifest["parallelism"]) == (2, "ddp")
+    assert manifest["task_config"]["grad_accum"] == 4  # nanoGPT's setting before train.py divides it by 2
+    monkeypatch.chdir(work)
+    assert main(["verify", "out/witness", "--mode", "offline"]) == 0
+    out = capsys.readouterr().out
+    assert "ACCEPTED: nanogpt run of 8 steps" in out and "8 step(s) replayed = 100.00%" in out
+
+
+def test_online_with_the_beacon(work, tmp_path, capsys):
+    def train(url: str) -> None:
+        p = torchrun(work, "--out_dir=online", f"--beacon={url}")
+        assert p.returncode == 0, p.stderr[-3000:]
+
+    key = with_beacon(tmp_path, train)
+    assert main(["verify", "--allow-weak", str(work / "online" / "witness"), "--mode", "online",
+                 "--beacon-key", key, "--data", str(work)]) == 0
+    assert "ACCEPTED" in capsys.readouterr().out
+
+
+def test_a_rank_that_changes_its_weights_between_steps_is_rejected(work, capsys):
+    # rank 1 adds to a row of the output layer that rank 1 hashes (the second half of the rows) after step 3
+    # is recorded; its self-check, which could have replayed that step, is off, as a cheat would have it
+    nudge = ("    if ddp_rank == 1 and iter_num == 3:\n        with torch.no_grad(): "
+             "raw_model.lm_head.weight[-1, 0] += 1e-3\n")
+    script = dishonest(work, "cheat.py", START.replace("beacon=beacon)", "beacon=beacon, self_check=SelfChecking(enabled=False))")
+                       .replace("rec =", "from witness.record import SelfChecking; rec ="), after_step=nudge)
+    p = torchrun(work, "--out_dir=cheat", script=script)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert main(["verify", str(work / "cheat" / "witness"), "--mode", "offline", "--data", str(work)]) == 1
+    assert "REJECTED: step 4" in capsys.readouterr().err  # replayed from the state committed after step 3
+
+
+def test_a_loop_that_does_not_wrap_its_model_in_ddp_is_stopped_at_its_first_step(work):
+    p = torchrun(work, "--out_dir=unwrapped", script=dishonest(work, "unwrapped.py", drop_ddp=True))
+    assert p.returncode != 0
+    assert "wrap the model start_run adopted in DistributedDataParallel" in p.stderr

@@ -1,0 +1,136 @@
+"""A training loop as it is written, under torchrun: ``start_run`` on every rank, the loop's own DDP.
+
+nanoGPT's ``train.py`` started by ``torchrun --nproc_per_node=W`` runs the same witness lines as
+in one process (``start_run(..., model=model, optimizer=optimizer)``, ``get_batch =
+rec.batches(get_batch)``, ``rec.finish()``), and wraps the model in ``DistributedDataParallel``
+itself, after ``start_run``. Then, on every rank:
+
+* the model and optimizer are adopted as in one process (``witness.record.loop.adopt``): every
+  rank's model takes the seed's initial state;
+* ``rec.batches`` hands rank ``r`` its share of each step's micro-batches: the recipe's
+  ``grad_accum`` G (nanoGPT's ``gradient_accumulation_steps`` before it divides it by W) splits
+  the committed batch as one process splits it, and rank ``r`` trains parts ``r·G/W …``, each
+  under the seed of its place in the step (``witness.task.ranks``);
+* at the first forward on a committed micro-batch, the DDP wrapper the forward runs in
+  (``DistributedDataParallel._active_ddp_module``) gets the rank-ordered all-reduce
+  (``ordered_allreduce_hook``), so that one process can add the ranks' gradients as they were
+  added; a loop that does not wrap its model in DDP, wraps another object, or brings a
+  communication hook of its own is stopped there;
+* the gradient norm is taken once DDP has averaged the gradients, and ``optimizer.step()``
+  returning records the step with the collectives of ``DistRecorder.log_step`` (the loss is the
+  ranks' mean losses in rank order; the state is hashed by rows, a share on every rank; online
+  challenges and the every-step check keep and write each rank's share).
+
+Rank 0 signs the one log, with the key file; ``r`` is drawn on rank 0 and broadcast. Under
+``WITNESS_BEACON`` (or ``beacon=URL``) the run goes online as in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..commit.signing import load_or_create_key
+from ..record.loop import Batches, Hooked
+from ..record.options import Online, option
+from ..record.recorder import BEACON_ENV, Recorder
+from ..record.recorder import start_run as start_one
+from ..task.registry import build_task, task_class
+from .recorder import DistRecorder
+from .session import ordered_allreduce_hook
+
+
+def torchrun_world() -> int:
+    """The world size of the process group this process is in (1 where there is none)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def start_run(task: str, settings: dict, out: str, *, model: nn.Module,
+              optimizer: torch.optim.Optimizer | None = None, key: str = "witness-key.pem",
+              beacon: str | None = None, **kwargs: Any) -> Recorder | LoopRecorder:  # noqa: ANN401
+    """Witness a loop in one line (``witness.record.recorder.start_run``), in one process or on every
+    rank of a torchrun job whose loop wraps its model in DDP (see the module). ``kwargs``:
+    ``commit=``, ``self_check=`` (and in one process the rest of ``Recorder.create``'s)."""
+    if torchrun_world() == 1:
+        return start_one(task, settings, out, model=model, optimizer=optimizer, key=key, beacon=beacon, **kwargs)
+    unknown = set(kwargs) - {"commit", "self_check", "online"}
+    if unknown:
+        raise ValueError(f"start_run under torchrun takes commit=, self_check= and online=, not {sorted(unknown)}")
+    built = build_task(task, task_class(task).recipe_from(settings, model))
+    rank = dist.get_rank()
+    online = option(kwargs.pop("online", None), Online, "online")
+    if rank == 0 and online.beacon is None and (beacon or os.environ.get(BEACON_ENV)):
+        from ..beacon.client import BeaconClient
+
+        online = dataclasses.replace(online, beacon=BeaconClient(beacon or os.environ[BEACON_ENV]))
+    r = [os.urandom(32) if rank == 0 else None]
+    dist.broadcast_object_list(r, src=0)  # the run seed is derived from it on every rank
+    signing = load_or_create_key(Path(key)) if rank == 0 else None
+    return LoopRecorder(built, out, signing, r=r[0], model=model, optimizer=optimizer, online=online, **kwargs)
+
+
+class LoopRecorder(DistRecorder):
+    """``DistRecorder`` for a loop of its own under torchrun (DDP): see the module."""
+
+    def __init__(self, task: Any, out: str | os.PathLike, key: Any, *, r: bytes, model: nn.Module,  # noqa: ANN401
+                 optimizer: torch.optim.Optimizer | None, **kwargs: Any) -> None:  # noqa: ANN401
+        """As ``DistRecorder``, with the loop's own ``model`` and ``optimizer`` adopted on every rank."""
+        self._own = (model, optimizer)
+        self._hooked: Hooked | None = None
+        self._wrapper_checked = False
+        super().__init__(task, out, key, r=r, parallelism="ddp", **kwargs)
+
+    def batches(self, source: Any = None) -> Batches:  # noqa: ANN401 - the loop's get_batch or loader
+        """This rank's committed micro-batches, as ``Recorder.batches`` hands one process its own."""
+        if self._hooked is None:
+            self._hooked = Hooked(self, self.session.module, self.session.optimizer,
+                                  ranks=(self.rank, self.session.world_size))
+        return Batches(self._hooked, source)
+
+    def step_seed(self, step: int) -> int:
+        """The committed seed of the randomness inside ``step``."""
+        return self.session.step_seed(step)
+
+    def committed_batch(self, step: int) -> Any:  # noqa: ANN401 - a collated batch
+        """The whole committed batch of ``step`` (each rank takes its share of its micro-batches)."""
+        ds = self.task.dataset()
+        return self.task.collate([ds.sample_bytes(i) for i in self.session.batch_indices(step)])
+
+    def ready_for(self, step: int) -> None:
+        """Before the first forward of ``step`` (inside DDP's forward): the wrapper's hook, rank 0's notes."""
+        if not self._wrapper_checked:
+            rank_ordered(self.session.module)
+            self._wrapper_checked = True
+        if self.inner is not None:
+            self.inner.ready_for(step)
+
+    def finish(self) -> None:
+        """The hooks come off, then ``DistRecorder.finish``."""
+        if self._hooked is not None:
+            self._hooked.close()
+        super().finish()
+
+
+def rank_ordered(module: nn.Module) -> None:
+    """Inside a DDP forward: give the wrapper running it the rank-ordered all-reduce, or refuse it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None:
+        raise ValueError("under torchrun, wrap the model start_run adopted in DistributedDataParallel (as nanoGPT's "
+                         "train.py does) before training it: each rank would otherwise step on its own gradients")
+    if ddp.module is not module:
+        raise ValueError(f"the DDP wrapper holds a {type(ddp.module).__name__}, not the model start_run adopted "
+                         "(compile=True wraps it: a data-parallel run is replayed eagerly, use compile=False)")
+    hooks = [h for h, _ in ddp._comm_hooks]
+    if not hooks:
+        ddp.register_comm_hook(dist.group.WORLD, ordered_allreduce_hook)
+    elif hooks != [ordered_allreduce_hook]:
+        raise ValueError(f"the DDP wrapper has a communication hook of its own ({hooks[0].__qualname__}): a verifier "
+                         "adds the ranks' gradients in rank order, as witness's hook does; remove it")
