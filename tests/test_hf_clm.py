@@ -154,3 +154,24 @@ def test_an_environment_that_makes_accelerate_compile_is_refused_before_a_step(w
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")  # as TrainingArguments(torch_compile=True) leaves it
     with pytest.raises(ValueError, match="ACCELERATE_DYNAMO_BACKEND=inductor in the environment"):
         attach(Trainer(model=model, args=args, train_dataset=data), rec)
+
+
+def test_under_torchrun_each_rank_accumulates_its_share_and_one_process_replays_it_offline_and_online(
+        work, tmp_path, capsys):
+    """The same script under `torchrun --standalone --nproc_per_node=2` (gloo): the Trainer's own DDP, each rank
+    two micro-batches of the step's four, WITNESS_BEACON for the online run."""
+    def torchrun(out: str, env: dict | None = None) -> None:
+        p = run(work, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "run_clm.py", "--max_steps",
+                "6", "--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2", "--output_dir", out,
+                env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+
+    torchrun("ranks")
+    manifest = json.loads((work / "ranks" / "witness" / "log.jsonl").read_text().splitlines()[0])
+    assert (manifest["world_size"], manifest["task_config"]["grad_accum"]) == (2, 4)
+    assert main(["verify", str(work / "ranks" / "witness"), "--mode", "offline", "--data", str(work)]) == 0
+    assert "6 step(s) replayed = 100.00%" in capsys.readouterr().out
+    key = with_beacon(tmp_path, lambda url: torchrun("ranks_online", {"WITNESS_BEACON": url}))
+    assert main(["verify", "--allow-weak", str(work / "ranks_online" / "witness"), "--mode", "online", "--beacon-key",
+                 key, "--data", str(work)]) == 0
+    assert "ACCEPTED" in capsys.readouterr().out

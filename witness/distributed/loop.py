@@ -85,6 +85,9 @@ class LoopRecorder(DistRecorder):
         self._hooked: Hooked | None = None
         self._wrapper_checked = False
         super().__init__(task, out, key, r=r, parallelism="ddp", **kwargs)
+        shared = [self.inner.manifest if self.inner is not None else None]
+        dist.broadcast_object_list(shared, src=0)
+        self.manifest: dict = shared[0]  # the run's manifest, on every rank (a framework's data is checked by it)
 
     def batches(self, source: Any = None) -> Batches:  # noqa: ANN401 - the loop's get_batch or loader
         """This rank's committed micro-batches, as ``Recorder.batches`` hands one process its own."""
@@ -93,22 +96,43 @@ class LoopRecorder(DistRecorder):
                                   ranks=(self.rank, self.session.world_size))
         return Batches(self._hooked, source)
 
+    @property
+    def ranks(self) -> tuple[int, int]:
+        """This rank, and the world size: each rank trains ``grad_accum / world`` micro-batches a step."""
+        return self.rank, self.session.world_size
+
     def step_seed(self, step: int) -> int:
         """The committed seed of the randomness inside ``step``."""
         return self.session.step_seed(step)
+
+    def lr(self, step: int) -> float:
+        """The schedule's learning rate at ``step``."""
+        return self.session.lr(step)
 
     def committed_batch(self, step: int) -> Any:  # noqa: ANN401 - a collated batch
         """The whole committed batch of ``step`` (each rank takes its share of its micro-batches)."""
         ds = self.task.dataset()
         return self.task.collate([ds.sample_bytes(i) for i in self.session.batch_indices(step)])
 
+    def batch(self, step: int) -> Any:  # noqa: ANN401 - a collated batch
+        """As ``Recorder.batch``: ``step`` is next (rank 0 notes it), and its whole committed batch."""
+        if self.inner is not None:
+            self.inner.ready_for(step)
+        return self.committed_batch(step)
+
     def ready_for(self, step: int) -> None:
         """Before the first forward of ``step`` (inside DDP's forward): the wrapper's hook, rank 0's notes."""
         if not self._wrapper_checked:
-            rank_ordered(self.session.module)
-            self._wrapper_checked = True
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.use_wrapper(DistributedDataParallel._get_active_ddp_module())
         if self.inner is not None:
             self.inner.ready_for(step)
+
+    def use_wrapper(self, ddp: nn.Module | None) -> None:
+        """Give the loop's DDP wrapper the rank-ordered all-reduce, or refuse it (see the module)."""
+        rank_ordered(ddp, self.session.module)
+        self._wrapper_checked = True
 
     def finish(self) -> None:
         """The hooks come off, then ``DistRecorder.finish``."""
@@ -117,12 +141,11 @@ class LoopRecorder(DistRecorder):
         super().finish()
 
 
-def rank_ordered(module: nn.Module) -> None:
-    """Inside a DDP forward: give the wrapper running it the rank-ordered all-reduce, or refuse it."""
+def rank_ordered(ddp: nn.Module | None, module: nn.Module) -> None:
+    """Give ``ddp``, the loop's wrapper of ``module``, the rank-ordered all-reduce, or refuse it."""
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel._get_active_ddp_module()
-    if ddp is None:
+    if not isinstance(ddp, DistributedDataParallel):
         raise ValueError("under torchrun, wrap the model start_run adopted in DistributedDataParallel (as nanoGPT's "
                          "train.py does) before training it: each rank would otherwise step on its own gradients")
     if ddp.module is not module:

@@ -95,11 +95,14 @@ class DistSession(TrainingSession):
         if task.config.batch_size % self.world_size:
             raise ValueError(f"the global batch of {task.config.batch_size} does not split over {self.world_size} ranks")
         base = task.build_model(run_seed)  # identical on every rank: a function of the seed
-        if any(b.is_floating_point() for b in base.buffers()):
-            # DDP broadcasts rank 0's buffers and FSDP2 leaves each rank its own: neither is what
-            # one process replaying the micro-batches in turn would hold.
-            raise NotImplementedError(f"task {task.name} has buffers (BatchNorm?): distributed recording "
-                                      "supports models without floating buffers")
+        from torch.nn.modules.batchnorm import _NormBase
+
+        if any(isinstance(m, _NormBase) and m.track_running_stats for m in base.modules()):
+            # running statistics: DDP broadcasts rank 0's and FSDP2 leaves each rank its own, and
+            # neither is what one process replaying the micro-batches in turn would hold. (Constant
+            # buffers, such as GPT-2's attention masks, are the same bits on every rank.)
+            raise NotImplementedError(f"task {task.name} keeps running statistics (BatchNorm): distributed "
+                                      "recording supports models whose buffers do not change")
         self.init_state = state_tensors(base, None)
         base.to(self.device)  # initialised on the host (the same bits everywhere), then moved
         self.module: nn.Module = base

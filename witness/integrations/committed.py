@@ -9,17 +9,31 @@ import torch
 
 
 class CommittedOrder(torch.utils.data.Sampler):
-    """The recorder's committed data order, step after step: what the sampler must yield."""
+    """The recorder's committed data order, step after step: what the sampler must yield.
 
-    def __init__(self, rec: Any):
-        self.rec = rec
+    Under torchrun (``rec.ranks``: rank, world) a framework's loader deals the sampler's batches of
+    ``part`` samples to the ranks in turn (accelerate's ``BatchSamplerShard``), while rank ``r``
+    trains parts ``r·G/W … (r+1)·G/W − 1`` of each step's G (``witness.task.ranks``): the parts are
+    yielded in the order that deals each rank its own, in order."""
+
+    def __init__(self, rec: Any, part: int = 0):  # noqa: ANN401 - a recorder
+        self.rec, self.part = rec, part
 
     def __len__(self) -> int:
         return self.rec.task.config.steps * self.rec.task.config.batch_size
 
     def __iter__(self):
+        world = getattr(self.rec, "ranks", (0, 1))[1]
         for t in range(self.rec.task.config.steps):
-            yield from self.rec.session.batch_indices(t)
+            idx = self.rec.session.batch_indices(t)
+            if world == 1:
+                yield from idx
+                continue
+            parts = [idx[i:i + self.part] for i in range(0, len(idx), self.part)]
+            local = len(parts) // world
+            for k in range(local):
+                for r in range(world):
+                    yield from parts[r * local + k]
 
 
 class CommittedDataset(torch.utils.data.Dataset):

@@ -140,7 +140,9 @@ def trainer_recipe(args: Any) -> dict:  # noqa: ANN401 - TrainingArguments, or v
     """The part of a recipe that a ``Trainer``'s ``TrainingArguments`` set (what ``attach`` checks):
     steps, the batch a step and its accumulation, the rate, warm-up, weight decay and clipping."""
     a = args if isinstance(args, dict) else vars(args)
-    accum = a["gradient_accumulation_steps"]
+    # under torchrun a step is every rank's accumulation: its batch and micro-batches are the world's
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    accum = a["gradient_accumulation_steps"] * world
     return dict(steps=a["max_steps"], batch_size=a["per_device_train_batch_size"] * accum, grad_accum=accum,
                 lr=a["learning_rate"], warmup=a["warmup_steps"], weight_decay=a["weight_decay"],
                 grad_clip=a["max_grad_norm"],
@@ -160,6 +162,8 @@ def attach(trainer: Any, rec: Any) -> None:
     t = _transformers()
     c, args = rec.task.config, trainer.args
     accum = rec.task.grad_accum
+    rank, world = getattr(rec, "ranks", (0, 1))  # under torchrun, each rank trains accum / world micro-batches
+    local = accum // world
     # refused before the first step: the self-check would stop the run at step 0 anyway, with advice
     # (train rec.step_model) that a Trainer cannot follow
     if getattr(args, "torch_compile", False):
@@ -175,9 +179,10 @@ def attach(trainer: Any, rec: Any) -> None:
     if rec.task.compiles:
         raise ValueError("a recipe with compile=True is for witness's own step and your own loop (rec.step_model); "
                          "under the Trainer, leave compile out of the recipe and torch_compile out of TrainingArguments")
-    if args.per_device_train_batch_size * accum != c.batch_size or args.gradient_accumulation_steps != accum:
+    if args.per_device_train_batch_size * accum != c.batch_size or args.gradient_accumulation_steps != local:
         raise ValueError(f"set per_device_train_batch_size={c.batch_size // accum} and gradient_accumulation_steps="
-                         f"{accum}: the task's {c.batch_size} samples a step, in its grad_accum micro-batches")
+                         f"{local}: the task's {c.batch_size} samples a step, in its grad_accum micro-batches "
+                         f"over {world} rank(s)")
     if args.max_steps != c.steps or args.lr_scheduler_type != "linear" or args.warmup_steps != c.warmup:
         raise ValueError(f"set max_steps={c.steps}, warmup_steps={c.warmup} and the linear schedule, as the task")
     if args.max_grad_norm != c.grad_clip or args.learning_rate != c.lr:
@@ -211,7 +216,8 @@ def attach(trainer: Any, rec: Any) -> None:
     task = rec.task
 
     # the committed data order, batches collated by the task (replay collates the same way)
-    trainer._get_train_sampler = types.MethodType(lambda self, *a, **k: CommittedOrder(rec), trainer)
+    part = c.batch_size // accum
+    trainer._get_train_sampler = types.MethodType(lambda self, *a, **k: CommittedOrder(rec, part), trainer)
     trainer.data_collator = task.collate
     # the task's loss: transformers' own would normalise by a token count replay would have to rebuild
     trainer.model_accepts_loss_kwargs = False
@@ -219,8 +225,11 @@ def attach(trainer: Any, rec: Any) -> None:
     # replay runs it; the Trainer divides the loss by gradient_accumulation_steps before the backward,
     # as replay does, and the record keeps the micro losses' mean (replay's)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if world > 1 and not seen.get("wrapped"):  # the Trainer's DDP wrapper: the rank-ordered all-reduce
+            rec.use_wrapper(model)
+            seen["wrapped"] = True
         seed = rec.step_seed(seen["step"])
-        loss = task.step_loss(model, inputs, seed if accum == 1 else micro_seed(seed, seen["micro"]))
+        loss = task.step_loss(model, inputs, seed if accum == 1 else micro_seed(seed, rank * local + seen["micro"]))
         seen["losses"].append(float(loss.detach()))
         return loss
 
@@ -251,8 +260,8 @@ def attach(trainer: Any, rec: Any) -> None:
         def on_step_begin(self, args, state, control, **kwargs):
             k = state.global_step
             whole = rec.batch(k)  # the committed batch, which the next record commits
-            seen.update(step=k, micro=0, losses=[],
-                        micro_batches=[whole] if accum == 1 else task.split_batch(whole, accum))
+            parts = [whole] if accum == 1 else task.split_batch(whole, accum)
+            seen.update(step=k, micro=0, losses=[], micro_batches=parts[rank * local:(rank + 1) * local])
             lrs = {g["lr"] for g in rec.optimizer.param_groups}
             if lrs != {rec.lr(k)}:
                 raise ValueError(f"step {k}: the Trainer's learning rate {lrs} is not the committed {rec.lr(k)}")
