@@ -96,3 +96,19 @@ def test_a_loop_that_does_not_wrap_its_model_in_ddp_is_stopped_at_its_first_step
     p = torchrun(work, "--out_dir=unwrapped", script=dishonest(work, "unwrapped.py", drop_ddp=True))
     assert p.returncode != 0
     assert "wrap the model start_run adopted in DistributedDataParallel" in p.stderr
+
+
+def test_recorder_create_is_refused_under_torchrun(tmp_path):
+    """Every rank would write the one bundle as a run of its own: the error names the two ways."""
+    script = tmp_path / "create.py"
+    script.write_text("import os, torch.distributed as dist\n"
+                      "from witness.commit.signing import generate_key\n"
+                      "from witness.record import Recorder\n"
+                      "from witness.task import build_task\n"
+                      "dist.init_process_group('gloo')\n"
+                      "Recorder.create(build_task('tiny', {'steps': 2}), f'run{dist.get_rank()}', generate_key(), "
+                      "r=bytes(32))\n")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "a torchrun process is recorded with start_run" in p.stderr

@@ -94,8 +94,8 @@ class Training:
 
     def __post_init__(self) -> None:
         if self.model is not None and (self.session is not None or self.parallelism != "none"):
-            raise ValueError("the loop's own model is adopted in a single-process run; a torchrun run is recorded "
-                             "with witness.distributed (docs/distributed.md)")
+            raise ValueError("the loop's own model is adopted by Recorder.create in one process, and under torchrun "
+                             "by start_run (witness.distributed.loop), which builds the session itself")
         if self.optimizer is not None and self.model is None:
             raise ValueError("the loop's own optimizer comes with the model it steps (Training(model=...))")
         if self.shards < 1:

@@ -116,9 +116,9 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
     multi = torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1
     model, device, session = training.model, training.device, training.session
-    if model is not None and multi:
-        raise ValueError("the loop's own model is adopted in a single-process run; a torchrun run is recorded "
-                         "with witness.distributed (docs/distributed.md)")
+    if multi and session is None:  # every rank would write the one bundle as a run of its own
+        raise ValueError("a torchrun process is recorded with start_run (a loop of its own, wrapped in DDP) or "
+                         "witness.distributed.DistRecorder (docs/distributed.md), not Recorder.create")
     if model is not None and str(device) == "cpu":
         device = model_device(model)  # where the loop put its model
     if session is None:
