@@ -52,14 +52,20 @@ def run_train(work: Path, *extra: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    """nanoGPT's folder as a user has it: the data prepared, then train.py run as nanoGPT runs it."""
-    work = tmp_path_factory.mktemp("nanogpt") / "nanoGPT"
+def prepared(tmp_path_factory, name: str) -> Path:
+    """nanoGPT's folder as a user has it, its data prepared."""
+    work = tmp_path_factory.mktemp(name) / "nanoGPT"
     shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     p = subprocess.run([sys.executable, "prepare_stdlib.py", "--bytes", "60000"], cwd=work, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+    return work
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """nanoGPT's folder as a user has it: the data prepared, then train.py run as nanoGPT runs it."""
+    work = prepared(tmp_path_factory, "nanogpt")
     p = run_train(work, "--out_dir=out")
     assert p.returncode == 0, p.stderr
     assert "iter 6" in p.stdout and "saving checkpoint to out" in p.stdout  # nanoGPT's own loop, evals and all

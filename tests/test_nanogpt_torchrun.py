@@ -6,14 +6,13 @@ changes its replica's weights between steps, and a loop that never averages the 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import with_beacon
-from test_nanogpt_real import EXAMPLE
+from test_nanogpt_real import prepared
 
 from witness.bundle.layout import LOG
 from witness.cli import main
@@ -46,11 +45,7 @@ def dishonest(work: Path, name: str, start: str = START, after_step: str = "", d
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    work = tmp_path_factory.mktemp("nanogpt_torchrun") / "nanoGPT"
-    shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    p = subprocess.run([sys.executable, "prepare_stdlib.py", "--bytes", "60000"], cwd=work, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    work = prepared(tmp_path_factory, "nanogpt_torchrun")
     p = torchrun(work, "--out_dir=out")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "iter 6" in p.stdout and "saving checkpoint to out" in p.stdout  # nanoGPT's own loop, evals and all
