@@ -174,3 +174,20 @@ def test_the_self_check_stops_a_ddp_run_whose_rank_1_nudged_its_weights(runs, ho
     assert res.returncode != 0 and "step 5 does not replay" in res.stderr, res.stderr[-3000:]
     b = open_bundle(out)
     assert len(b.steps) <= 5  # nothing signed or kept from the step that did not replay on
+
+
+def test_a_buffer_that_changes_while_training_is_refused_at_the_next_record():
+    """DDP broadcasts rank 0's buffers and FSDP2 keeps each rank's: no one-process replay holds either."""
+    import torch
+
+    from witness.distributed.session import DistSession
+
+    session = DistSession.__new__(DistSession)  # the check alone: a process group is not needed for it
+    session.module = torch.nn.Module()
+    session.module.register_buffer("ema", torch.zeros(3))
+    session.module.register_buffer("mask", torch.ones(2, dtype=torch.bool))  # not floating: never compared
+    session._buffers = {"ema": torch.zeros(3)}
+    session.check_buffers()
+    session.module.ema += 1
+    with pytest.raises(NotImplementedError, match="changed its buffer ema"):
+        session.check_buffers()

@@ -6,6 +6,7 @@ changes its replica's weights between steps, and a loop that never averages the 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +31,15 @@ def torchrun(work: Path, *extra: str, script: str = "train.py") -> subprocess.Co
                            *SETTINGS, *extra], cwd=work, capture_output=True, text=True, timeout=600)
 
 
-def dishonest(work: Path, name: str, start: str = START, after_step: str = "", drop_ddp: bool = False) -> str:
-    """A copy of train.py changed as a dishonest trainer would change it."""
+def dishonest(work: Path, name: str, start: str = START, after_step: str = "", drop_ddp: bool = False,
+              change: tuple[str, str] | None = None) -> str:
+    """A copy of train.py changed as a dishonest trainer (or a careless one) would change it."""
     text = (work / "train.py").read_text()
     assert START in text
     text = text.replace(START, start)
+    if change:
+        assert change[0] in text
+        text = text.replace(*change)
     if after_step:
         text = text.replace("    scaler.update()\n", f"    scaler.update()\n{after_step}")
     if drop_ddp:
@@ -107,3 +112,26 @@ def test_recorder_create_is_refused_under_torchrun(tmp_path):
                         str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert "a torchrun process is recorded with start_run" in p.stderr
+
+
+def test_a_loop_that_adds_the_gradients_at_every_micro_batch_is_stopped_before_its_first_backward(work):
+    """A sum of averages rounds differently from the one sum a verifier replays: the error says what to do."""
+    script = dishonest(work, "sync.py", change=("model.require_backward_grad_sync = (micro_step == "
+                                                "gradient_accumulation_steps - 1)", "pass"))
+    p = torchrun(work, "--out_dir=sync", script=script)
+    assert p.returncode != 0
+    assert "run the others under model.no_sync()" in p.stderr
+    assert not (work / "sync" / "witness" / "checkpoints" / "00000001.safetensors").exists()
+
+
+def test_a_manifest_that_claims_fsdp_for_an_accumulating_run_is_refused(work, tmp_path, capsys):
+    """Accumulation over ranks has one replay rule, DDP's: a re-signed manifest claiming FSDP2 has none."""
+    from helpers import edit_manifest
+
+    from witness.commit.signing import load_or_create_key
+
+    bundle = tmp_path / "forged"
+    shutil.copytree(work / "out" / "witness", bundle)
+    edit_manifest(bundle, load_or_create_key(work / "witness-key.pem"), parallelism="fsdp")
+    assert main(["verify", str(bundle), "--mode", "offline", "--data", str(work)]) != 0
+    assert "has no replay rule" in capsys.readouterr().err

@@ -129,6 +129,18 @@ class LoopRecorder(DistRecorder):
         if self.inner is not None:
             self.inner.ready_for(step)
 
+    def check_sync(self, ddp: nn.Module | None, last: bool) -> None:
+        """Before a forward on this rank's micro-batch (``last``: its last of the step): the DDP wrapper
+        must add the ranks' gradients at the last micro-batch only, as replay adds them."""
+        if ddp is None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ddp = DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None and ddp.require_backward_grad_sync != last:
+            raise ValueError("DDP must add the ranks' gradients once a step, after each rank's last micro-batch: run "
+                             "the others under model.no_sync() (or set model.require_backward_grad_sync = False, as "
+                             "nanoGPT does); a sum of averages rounds differently, and a verifier replays one sum")
+
     def use_wrapper(self, ddp: nn.Module | None) -> None:
         """Give the loop's DDP wrapper the rank-ordered all-reduce, or refuse it (see the module)."""
         rank_ordered(ddp, self.session.module)

@@ -114,6 +114,9 @@ class DistRecorder:
             raise ValueError(f"the run in {out} trained on {m.get('world_size')} rank(s) with {m.get('parallelism')}: "
                              f"resume it so, not on {dist.get_world_size()}")
         task = build_task(m["task"], m["task_config"])
+        if task.grad_accum > 1:
+            raise ValueError(f"the run in {out} is a loop of its own (start_run under torchrun): resuming one is not "
+                             "built (docs/distributed.md); start it again")
         self = cls.__new__(cls)
         self._setup(task, DistSession(task, bytes.fromhex(m["run_seed"]), m["dataset_size"], m["parallelism"]),
                     m["checkpoint_every"], m["state_every"], m["state_digest"])
@@ -249,6 +252,7 @@ class DistRecorder:
     def log_step(self, step: int, out: StepOutput) -> None:
         """Collectives (loss, fingerprint, sketch, the state where it is committed), then rank 0 records."""
         self._settle()  # the previous state's root, before its record is written
+        self.session.check_buffers()
         steps = self.task.config.steps
         committed = due(step, self.state_every, steps)
         total = self.session.global_output(out)

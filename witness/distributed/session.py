@@ -117,6 +117,8 @@ class DistSession(TrainingSession):
             raise NotImplementedError(f"task {task.name} keeps running statistics (BatchNorm): distributed "
                                       "recording supports models whose buffers do not change")
         self.init_state = state_tensors(base, None)
+        # constant buffers are allowed (above); one that changes is found at the next record
+        self._buffers = {n: b.clone() for n, b in base.named_buffers() if b.is_floating_point()}
         base.to(self.device)  # initialised on the host (the same bits everywhere), then moved
         self.module: nn.Module = base
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
@@ -141,6 +143,17 @@ class DistSession(TrainingSession):
             for unit in (*units, self.model):  # each unit reduce-scatters its own gradients
                 unit.set_custom_reduce_scatter(OrderedReduceScatter())
         self.optimizer = task.build_optimizer(self.model)
+
+    def check_buffers(self) -> None:
+        """Refuse a run whose model changed a floating buffer (an EMA, running statistics of its own):
+        DDP broadcasts rank 0's buffers at every forward, FSDP2 leaves each rank its own, and one
+        process replaying the micro-batches in turn would hold neither."""
+        for name, b in self.module.named_buffers():
+            first = self._buffers.get(name)
+            if first is not None and not torch.equal(b.detach().cpu(), first):
+                raise NotImplementedError(f"the model changed its buffer {name} while training: distributed "
+                                          "recording supports models whose buffers do not change (one process "
+                                          "replaying the ranks' micro-batches would hold other values)")
 
     def my_share(self, indices: list[int]) -> list[int]:
         """This rank's micro-batch of the global batch (rank order)."""

@@ -228,6 +228,8 @@ def attach(trainer: Any, rec: Any) -> None:
         if world > 1 and not seen.get("wrapped"):  # the Trainer's DDP wrapper: the rank-ordered all-reduce
             rec.use_wrapper(model)
             seen["wrapped"] = True
+        if world > 1:
+            rec.check_sync(model, seen["micro"] == local - 1)
         seed = rec.step_seed(seen["step"])
         loss = task.step_loss(model, inputs, seed if accum == 1 else micro_seed(seed, rank * local + seen["micro"]))
         seen["losses"].append(float(loss.detach()))

@@ -240,6 +240,8 @@ class Hooked:
         if self.ready != step:  # once a step, before its first forward: the state it starts from
             self.rec.ready_for(step)
             self.ready = step
+        if self.world > 1:  # DDP adds the ranks' gradients once a step, after each rank's last micro-batch
+            self.rec.check_sync(None, k == self.accum - 1)
         if self.saved is None:
             self.saved = _generators()
         seed = self.rec.step_seed(step)

@@ -66,6 +66,12 @@ def task_of(bundle: Bundle) -> Task:
     if m.world_size > 1 and (m.parallelism not in ("ddp", "fsdp") or task.config.batch_size % m.world_size):
         raise VerificationError(f"a {m.parallelism} run over {m.world_size} ranks cannot be replayed",
                                 check="manifest")
+    accum = task.grad_accum
+    if accum > 1 and (m.parallelism == "fsdp" or m.world_size > 1 and accum % m.world_size):
+        # (a loop of its own under DDP accumulates grad_accum / world_size micro-batches a rank: witness.task.ranks)
+        raise VerificationError(f"a {m.parallelism} run over {m.world_size} rank(s) with grad_accum {accum} has no "
+                                "replay rule: accumulation over ranks is DDP's, with grad_accum a multiple of the "
+                                "ranks", check="manifest")
     if not replays(m.code_version):
         # The registered tasks are code: another release may build or step them differently.
         raise MalformedInput(f"the run was recorded by witness {m.code_version}; this is witness {__version__}, "
