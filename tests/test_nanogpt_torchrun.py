@@ -135,3 +135,16 @@ def test_a_manifest_that_claims_fsdp_for_an_accumulating_run_is_refused(work, tm
     edit_manifest(bundle, load_or_create_key(work / "witness-key.pem"), parallelism="fsdp")
     assert main(["verify", str(bundle), "--mode", "offline", "--data", str(work)]) != 0
     assert "has no replay rule" in capsys.readouterr().err
+
+
+def test_resuming_a_loop_of_its_own_says_it_is_not_built(work, tmp_path):
+    script = tmp_path / "resume.py"
+    script.write_text("import sys, torch.distributed as dist\n"
+                      "from witness.distributed import DistRecorder\n"
+                      "dist.init_process_group('gloo')\n"
+                      "DistRecorder.resume(sys.argv[1], None)\n")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), str(work / "out" / "witness")], cwd=work, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode != 0
+    assert "is a loop of its own (start_run under torchrun): resuming one is not built" in p.stderr
