@@ -16,7 +16,7 @@ from .data.order import batch_indices, step_seed
 from .fingerprint.probes import Fingerprint
 from .fingerprint.sketch import ParameterSketch
 from .task.base import StepOutput, Task
-from .task.ranks import ranks_accumulated_step
+from .task.ranks import accumulation_replays, ranks_accumulated_step
 
 T = TypeVar("T")
 
@@ -102,8 +102,7 @@ class TrainingSession:
             raise ValueError("compile=True is for one process (a data-parallel step is replayed eagerly)")
         # a loop of its own under torchrun (DDP): each rank accumulates its grad_accum / world_size
         # micro-batches (witness.task.ranks)
-        if task.grad_accum > 1 and (parallelism == "fsdp" or world_size > 1 and (
-                parallelism != "ddp" or task.grad_accum % world_size)):
+        if not accumulation_replays(task.grad_accum, world_size, parallelism):
             raise ValueError(f"gradient accumulation over ranks is replayed for DDP with grad_accum a multiple of "
                              f"the world size (here {parallelism}, grad_accum {task.grad_accum}, {world_size} ranks)")
         if world_size > 1 and task.precision == "fp16":

@@ -22,6 +22,16 @@ from torch import nn
 from .base import StepOutput, Task, clip_whole, mean_of_ranks, micro_seed
 
 
+def accumulation_replays(grad_accum: int, world: int, parallelism: str) -> bool:
+    """Whether gradient accumulation over ``world`` ranks under ``parallelism`` has a replay rule: none
+    to apply (``grad_accum`` 1), one process, or DDP with ``grad_accum`` a multiple of the ranks."""
+    if grad_accum == 1:
+        return True
+    if parallelism == "fsdp":
+        return False
+    return world == 1 or parallelism == "ddp" and grad_accum % world == 0
+
+
 def ranks_accumulated_step(task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,  # noqa: ANN401
                            lr: float, seed: int, world: int) -> StepOutput:
     """One step of ``world`` ranks, each accumulating its ``grad_accum / world`` micro-batches (see

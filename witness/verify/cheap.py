@@ -27,6 +27,7 @@ from ..errors import MalformedInput, VerificationError
 from ..fingerprint.chunks import ChunkLayout, alias_groups
 from ..session import TrainingSession, bounded_threads, cpu_cores
 from ..task.base import Task
+from ..task.ranks import accumulation_replays
 from ..task.registry import build_task, check_task_source
 from .replay import check_state, limit_for
 from .usage import committed_leaves
@@ -67,7 +68,7 @@ def task_of(bundle: Bundle) -> Task:
         raise VerificationError(f"a {m.parallelism} run over {m.world_size} ranks cannot be replayed",
                                 check="manifest")
     accum = task.grad_accum
-    if accum > 1 and (m.parallelism == "fsdp" or m.world_size > 1 and accum % m.world_size):
+    if not accumulation_replays(accum, m.world_size, m.parallelism):
         # (a loop of its own under DDP accumulates grad_accum / world_size micro-batches a rank: witness.task.ranks)
         raise VerificationError(f"a {m.parallelism} run over {m.world_size} rank(s) with grad_accum {accum} has no "
                                 "replay rule: accumulation over ranks is DDP's, with grad_accum a multiple of the "
