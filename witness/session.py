@@ -118,6 +118,11 @@ class TrainingSession:
         """The committed batch of ``step``: a function of the run seed only."""
         return batch_indices(self.run_seed, step, self.task.config.batch_size, self.dataset_size)
 
+    def batch_samples(self, step: int) -> list[bytes]:
+        """The canonical bytes of the committed batch of ``step``, in order."""
+        ds = self.task.dataset()
+        return [ds.sample_bytes(i) for i in self.batch_indices(step)]
+
     def step_seed(self, step: int, micro: int = 0) -> int:
         """Seed of the randomness inside ``step`` (of micro-batch ``micro``)."""
         return step_seed(self.run_seed, step, micro)

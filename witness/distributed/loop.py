@@ -115,8 +115,7 @@ class LoopRecorder(DistRecorder):
 
     def committed_batch(self, step: int) -> Any:  # noqa: ANN401 - a collated batch
         """The whole committed batch of ``step`` (each rank takes its share of its micro-batches)."""
-        ds = self.task.dataset()
-        return self.task.collate([ds.sample_bytes(i) for i in self.session.batch_indices(step)])
+        return self.task.collate(self.session.batch_samples(step))
 
     def batch(self, step: int) -> Any:  # noqa: ANN401 - a collated batch
         """As ``Recorder.batch``: ``step`` is next (rank 0 notes it), and its whole committed batch."""

@@ -200,10 +200,9 @@ class DistRecorder:
         chunked run then puts the windows' openings together, and rank 0 gets the state's ``param_root``."""
         if self._answers is not None:
             tree = self.inner.online.keep(n, pieces)  # type: ignore[union-attr]
-            notes, opened = self._tell(self._answers.take()), {}
+            notes, opened = self._notes()
         elif self._ring is not None:
-            notes = exchange(None, self.session.device)
-            opened = self._ring.answer(notes)
+            notes, opened = self._notes()
             tree = self._ring.keep(n, pieces)
         else:
             return None
@@ -318,13 +317,10 @@ class DistRecorder:
             self._snapshots.close()
         if self.inner is not None:
             self.inner.finish()
-        if self._answers is not None:
-            notes, opened = self._tell(self._answers.take()), {}  # the last statements' notes
-        elif self._ring is not None:
-            notes = exchange(None, self.session.device)
-            opened = self._ring.answer(notes)
-        if self._chunks is not None:
-            self._chunks.gather(notes, opened, self._write_openings)
+        if self._answers is not None or self._ring is not None:
+            notes, opened = self._notes()  # the last statements' notes
+            if self._chunks is not None:
+                self._chunks.gather(notes, opened, self._write_openings)
         if self._ring is not None:
             self._ring.finish()
         dist.barrier()
@@ -337,12 +333,18 @@ class DistRecorder:
                                    f"{self.inner.out} ({len(lost)} share(s) missing): the ranks must write the bundle "  # type: ignore[union-attr]
                                    "to storage they share (one host, or a shared file system)")
 
-    def _tell(self, notes: Notes) -> Notes:
-        """Rank 0: the other ranks get the notes (and rank 0 remembers the states they asked for)."""
-        for _, needed, _ in notes:
-            self._asked.update(needed)
-        exchange(notes, self.session.device)
-        return notes
+    def _notes(self) -> tuple[Notes, dict]:
+        """Collective (an online run): rank 0's notes of the statements answered since the last call go to
+        every rank (rank 0 remembers the states they asked for); another rank writes its shares of those
+        and frees the rest, and returns its part of the windows' openings (rank 0's it keeps itself)."""
+        if self._answers is not None:
+            notes = self._answers.take()
+            for _, needed, _ in notes:
+                self._asked.update(needed)
+            exchange(notes, self.session.device)
+            return notes, {}
+        notes = exchange(None, self.session.device)
+        return notes, self._ring.answer(notes)  # type: ignore[union-attr]
 
     def report(self) -> dict | None:
         """What keeping and writing this rank's shares cost (an online run; rank 0's is its link's too)."""

@@ -148,9 +148,8 @@ class DistSession(TrainingSession):
         """Refuse a run whose model changed a floating buffer (an EMA, running statistics of its own):
         DDP broadcasts rank 0's buffers at every forward, FSDP2 leaves each rank its own, and one
         process replaying the micro-batches in turn would hold neither."""
-        for name, b in self.module.named_buffers():
-            first = self._buffers.get(name)
-            if first is not None and not torch.equal(b.detach().cpu(), first):
+        for name, first in self._buffers.items():
+            if not torch.equal(self.module.get_buffer(name).detach().cpu(), first):
                 raise NotImplementedError(f"the model changed its buffer {name} while training: distributed "
                                           "recording supports models whose buffers do not change (one process "
                                           "replaying the ranks' micro-batches would hold other values)")

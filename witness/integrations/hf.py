@@ -225,10 +225,10 @@ def attach(trainer: Any, rec: Any) -> None:
     # replay runs it; the Trainer divides the loss by gradient_accumulation_steps before the backward,
     # as replay does, and the record keeps the micro losses' mean (replay's)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if world > 1 and not seen.get("wrapped"):  # the Trainer's DDP wrapper: the rank-ordered all-reduce
-            rec.use_wrapper(model)
-            seen["wrapped"] = True
         if world > 1:
+            if not seen.get("wrapped"):  # the Trainer's DDP wrapper: the rank-ordered all-reduce
+                rec.use_wrapper(model)
+                seen["wrapped"] = True
             rec.check_sync(model, seen["micro"] == local - 1)
         seed = rec.step_seed(seen["step"])
         loss = task.step_loss(model, inputs, seed if accum == 1 else micro_seed(seed, rank * local + seen["micro"]))

@@ -153,8 +153,7 @@ class BackgroundCheck:
             after, samples = self.folder / f"after-{step}.safetensors", self.folder / f"samples-{step}.bin"
             try:
                 write_state(after, self.rec.whole_state(), step + 1, sync=False)
-                ds = self.rec.task.dataset()
-                write_samples(samples, [ds.sample_bytes(i) for i in self.rec.batch_indices(step)])
+                write_samples(samples, self.rec.session.batch_samples(step))
             except OSError as e:
                 self._give_up(f"{type(e).__name__}: {e}")
                 return

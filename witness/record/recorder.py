@@ -146,8 +146,7 @@ class Recorder(Records):
 
     def committed_batch(self, step: int) -> Any:
         """The committed batch of ``step`` (nothing else is noted: a loop may fetch it ahead)."""
-        ds = self.task.dataset()
-        return self.task.collate([ds.sample_bytes(i) for i in self.batch_indices(step)])
+        return self.task.collate(self.session.batch_samples(step))
 
     def ready_for(self, step: int) -> None:
         """Before the loop trains ``step``: note its committed batch (what ``log_step`` records) and

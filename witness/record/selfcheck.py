@@ -149,8 +149,7 @@ class SelfCheck:
         except MalformedInput as e:  # the loop's state is not the task's: the verifier could not load it either
             self._fail(SelfCheckFailed(f"step {step} does not replay: the state before it does not fit the task's "
                                        f"model and optimizer ({e}): your model or optimizer is not the task's"))
-        ds = rec.task.dataset()
-        got = replay.step(step, [ds.sample_bytes(i) for i in rec.batch_indices(step)])
+        got = replay.step(step, rec.session.batch_samples(step))
         after = rec.whole_state()
         replayed = state_tensors(replay.model, replay.optimizer)
         self.before = None
