@@ -13,7 +13,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 
 # The example task plugins are installed too: the tests train and verify them (a task plugin is an
 # installed package, never code inside a bundle).
-$(VENV)/.installed: pyproject.toml setup.py witness/commit/_native.c Makefile examples/cnn_plugin/pyproject.toml examples/nanogpt_style/pyproject.toml examples/nanogpt/pyproject.toml examples/hf_clm/pyproject.toml examples/lightning_module/pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py witness/commit/_native.c witness/commit/_blake3.c Makefile examples/cnn_plugin/pyproject.toml examples/nanogpt_style/pyproject.toml examples/nanogpt/pyproject.toml examples/hf_clm/pyproject.toml examples/lightning_module/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,hf,lightning,s3]"
