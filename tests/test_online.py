@@ -213,6 +213,11 @@ def test_a_step_that_moves_a_weight_too_far_is_caught_where_no_draw_selects_it(t
     assert 8 not in v.online["selected"] and 9 not in v.online["selected"] and len(v.failures) == 1
 
 
+def _manifest(out: Path) -> dict:
+    """The run's manifest (the log's first record)."""
+    return json.loads((out / "log.jsonl").read_text().splitlines()[0])
+
+
 def _chunked(out: Path) -> list[Path]:
     return sorted((out / "online" / "chunks").glob("*.safetensors"))
 
@@ -255,7 +260,9 @@ def test_a_coordinate_sent_to_infinity_is_out_of_bounds_but_an_honest_divergence
 def test_a_kept_state_of_other_dtypes_is_rejected_not_a_crash(tmp_path, beacon, monkeypatch):
     """The trainer commits (and keeps, for the selected step 10) a state whose fc1.bias is float64: its
     hash is the committed one, its parameters do not fit the task's model."""
+    import witness.record.online as online_mod
     import witness.record.records as records
+    from witness.bundle.opened import StateTree as RealTree
     from witness.bundle.state import state_hash as real_hash
     from witness.record.online import OnlineChallenges
 
@@ -265,6 +272,9 @@ def test_a_kept_state_of_other_dtypes_is_rejected_not_a_crash(tmp_path, beacon, 
     at = {"step": None}
     real_log, real_write = Recorder.log_step, OnlineChallenges._write
     monkeypatch.setattr(records, "state_hash", lambda st, d: real_hash(forged(st) if at["step"] == 9 else st, d))
+    # (where the chunks open into the state hash, the state tree is the record's hash)
+    monkeypatch.setattr(online_mod, "StateTree", lambda st, d, lay, flat=None: RealTree(forged(st), d, lay) if
+                        at["step"] == 9 else RealTree(st, d, lay, flat))
     monkeypatch.setattr(Recorder, "log_step", lambda self, t, out, *a, **k: (at.update(step=t),
                                                                             real_log(self, t, out, *a, **k))[1])
     monkeypatch.setattr(OnlineChallenges, "_write", lambda self, n, st: real_write(self, n, forged(st) if n == 10 else st))
@@ -352,7 +362,7 @@ def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon,
 
     with pytest.raises(MalformedInput, match="tensors are not where its header says"):
         online(tampered("floats", floats), beacon.public_key)
-    path = "does not lead to the param_root its record commits"
+    path = "does not lead to the state hash its record commits"
     # (each is the first state of files[1]'s window, which the window before ends on too: the failure names the
     # window whose openings failed, not the step alone, so a leaderboard's decision names that file)
     for name, at, why in (("chunks", 5, path), ("paths", 40, path),
@@ -386,18 +396,22 @@ def test_chunk_openings_left_out_moved_or_changed_are_rejected(tmp_path, beacon,
         online(tmp_path / "padded", beacon.public_key)
 
 
-def test_a_param_root_that_is_not_its_states_is_caught_where_that_state_is_loaded(tmp_path, beacon, monkeypatch):
+@pytest.mark.parametrize("tree", [None, "blake3"])
+def test_a_param_root_that_is_not_its_states_is_caught_where_that_state_is_loaded(tmp_path, beacon, monkeypatch, tree):
     """A trainer commits, for the state after 9 updates, the chunk root of other parameters (one
     coordinate an ulp away) and opens chunks of those: every opened move is within the bound. The
     state it keeps is the real one, whose hash the record commits: a verifier that loads it (the draw
     selects step 9) finds its chunk root is not the record's. Where no draw loads it, the divergence
-    is one step the audit did not see, as a bad step is: the verdict claims nothing more."""
+    is one step the audit did not see, as a bad step is: the verdict claims nothing more. Where the
+    chunks open into the state hash (version 4), the fake parameters' tree is the record's state hash,
+    and the real state kept does not hash to it."""
+    from witness.bundle.opened import StateTree
     from witness.record.online import OnlineChallenges, StatePool
 
     fakes: dict[int, torch.Tensor] = {}
     real_tree, real_flat = OnlineChallenges.tree, StatePool.flat
 
-    def tree(self, n, tensors):  # noqa: ANN001
+    def fake_tree(self, n, tensors):  # noqa: ANN001
         if n != 9:
             fakes.pop(id(tensors), None)  # the ring reuses its buffers: this one holds another state now
             return real_tree(self, n, tensors)
@@ -405,20 +419,22 @@ def test_a_param_root_that_is_not_its_states_is_caught_where_that_state_is_loade
         x = flat[:4].view(torch.float32)
         x[0] = torch.nextafter(x[0], torch.tensor(1.0))
         fakes[id(tensors)] = flat
-        t = self.layout.tree(flat)
+        t = StateTree(tensors, self.digest, self.layout, flat) if tree else self.layout.tree(flat)
         with self._lock:
             self.trees[n] = t
         return t
 
-    monkeypatch.setattr(OnlineChallenges, "tree", tree)
+    monkeypatch.setattr(OnlineChallenges, "tree", fake_tree)
     monkeypatch.setattr(StatePool, "flat", lambda self, slot: fakes.get(id(slot), real_flat(self, slot)))
+    caught = r"the state after 9 update\(s\) does not hash to the committed state" if tree else \
+        "step 8: moves: the record's param_root is not the chunk root of its committed state's parameters"
     for drawn in ("selected", "missed"):
         fakes.clear()  # (a buffer of the run before may have the id of one of this run's)
         beacon.steer(hit={9}) if drawn == "selected" else beacon.steer(avoid={8, 9})
-        train(tmp_path / drawn, beacon.link(), r=os.urandom(32))
+        train(tmp_path / drawn, beacon.link(), r=os.urandom(32), spec=dataclasses.replace(SPEC, tree=tree))
+        assert _manifest(tmp_path / drawn)["format_version"] == (4 if tree else 3)
         if drawn == "selected":
-            with pytest.raises(RunRejected, match="step 8: moves: the record's param_root is not the chunk root of its "
-                                                  "committed state's parameters"):
+            with pytest.raises(RunRejected, match=caught):
                 online(tmp_path / drawn, beacon.public_key)
         else:
             v = online(tmp_path / drawn, beacon.public_key)
@@ -429,21 +445,12 @@ def test_every_mode_holds_each_state_it_loads_or_reaches_to_its_records_param_ro
     """Re-signed logs (the trainer holds its key): a param_root that is not its state's is found by
     offline replay where it reaches that state, and at a checkpoint by the cheap checks; a record
     without one, or a run that names none, is refused as it is read."""
-    from helpers import log_lines, resign
+    from helpers import log_lines
 
     key = generate_key()
-    train(tmp_path / "b", beacon.link(), key=key)
+    train(tmp_path / "b", beacon.link(), key=key, spec=dataclasses.replace(SPEC, tree=None))  # as recorded before
     lines = log_lines(tmp_path / "b")
-
-    def forged(name: str, record: int, change) -> Path:  # noqa: ANN001
-        out = tmp_path / name
-        shutil.copytree(tmp_path / "b", out)
-        edited = list(lines)
-        obj = parse_canonical_json(edited[record])
-        change(obj)
-        edited[record] = canonical_json(obj)
-        resign(out, key, edited)
-        return out
+    forged = _forger(tmp_path, "b", key, lines)
 
     other = parse_canonical_json(lines[5])["param_root"]
     swapped = forged("swapped", 6, lambda o: o.update(param_root=other))  # step 5 names step 4's root
@@ -463,6 +470,61 @@ def test_every_mode_holds_each_state_it_loads_or_reaches_to_its_records_param_ro
                         ({"online": m["online"] | {"chunk_bytes": 1000}}, "power of two"),
                         ({"online": m["online"] | {"chunks": 0}}, "online.chunks"),
                         ({"online": m["online"] | {"chunks": 256, "chunk_bytes": 1 << 20}}, "may hold at most 256 MiB")):
+        with pytest.raises(MalformedInput, match=why):
+            Manifest.parse(m | change)
+
+
+def _forger(tmp_path: Path, name: str, key, lines: list[bytes]):  # noqa: ANN001
+    """``forged(name, record, change)``: a copy of the bundle ``name`` whose log record ``record`` is
+    changed in place and re-signed with the trainer's key."""
+    from helpers import resign
+
+    def forged(new: str, record: int, change) -> Path:  # noqa: ANN001
+        out = tmp_path / new
+        shutil.copytree(tmp_path / name, out)
+        edited = list(lines)
+        obj = parse_canonical_json(edited[record])
+        change(obj)
+        edited[record] = canonical_json(obj)
+        resign(out, key, edited)
+        return out
+
+    return forged
+
+
+def test_state_leaves_bind_where_each_opened_leaf_lies(tmp_path, beacon):
+    """Version 4 (the chunks open into the state hash): re-signed logs whose records name another count of
+    the state tree's leaves than the state replay reaches or loads are rejected there (their openings, in
+    tests/test_opened.py); a record without
+    state_leaves, or with a param_root, is refused as it is read, and so is a manifest that mixes the formats."""
+    from helpers import log_lines
+
+    from witness.bundle.schema import Manifest
+
+    key = generate_key()
+    train(tmp_path / "b", beacon.link(), key=key)
+    lines = log_lines(tmp_path / "b")
+    m = parse_canonical_json(lines[0])
+    assert m["format_version"] == 4 and m["online"]["tree"] == "blake3" and m["online"]["hashed_by"] == "host"
+    rec = parse_canonical_json(lines[6])
+    assert "param_root" not in rec and rec["state_leaves"] > 0
+    forged = _forger(tmp_path, "b", key, lines)
+    more = forged("more", 6, lambda o: o.update(state_leaves=o["state_leaves"] + 1))  # step 5
+    with pytest.raises(RunRejected, match="step 5: state: the record commits a state of 17 tensors, and its state "
+                                          "holds 16"):  # replay reaches the state after step 5
+        Verifier(policy=Policy(challenges=10_000, nonce=b"all")).verify(more)
+    with pytest.raises(VerificationError, match="its record commits a state of .* tensors, and it holds"):
+        Verifier(policy=Policy(challenges=1)).verify(forged("checkpoint", 8, lambda o: o.update(state_leaves=3)))
+    with pytest.raises(VerificationError, match="step 2: record: the record lacks state_leaves"):
+        Verifier(policy=Policy(challenges=1)).verify(forged("none", 3, lambda o: o.pop("state_leaves")))
+    with pytest.raises(VerificationError, match="step 2: record: the record adds a param_root"):
+        Verifier(policy=Policy(challenges=1)).verify(forged("root", 3, lambda o: o.update(param_root="00" * 32)))
+    for change, why in (({"format_version": 3}, "version 3 is an online run.s that commits its parameters. chunks .* in a param_root"),
+                        ({"online": m["online"] | {"chunk_bytes": 2048}}, "chunk_bytes must be 1024"),
+                        ({"online": {k: v for k, v in m["online"].items() if k != "hashed_by"}}, "come together"),
+                        ({"online": m["online"] | {"hashed_by": "tpu"}}, "hashed_by must be host or cuda"),
+                        ({"online": m["online"] | {"tree": "sha256"}}, "online.tree must be 'blake3'"),
+                        ({"state_digest": "sha256"}, "hashes its states with BLAKE3")):
         with pytest.raises(MalformedInput, match=why):
             Manifest.parse(m | change)
 
@@ -497,7 +559,7 @@ def test_a_plugin_run_commits_its_chunks_where_its_optimizer_bounds_a_move(tmp_p
     manifest = json.loads((tmp_path / "b" / "log.jsonl").read_text().splitlines()[0])
     v = online(tmp_path / "b", beacon.public_key)
     if optimizer == "AdamW":
-        assert manifest["format_version"] == 3 and manifest["online"]["chunks"] == SPEC.chunks
+        assert manifest["format_version"] == 4 and manifest["online"]["chunks"] == SPEC.chunks
         assert v.accepted and v.moves["checked"] == 8
     else:
         assert "the bounded-move check is off for this run: SGD: its momentum sums the gradients" in \

@@ -3,7 +3,9 @@ beta opens and their Merkle paths, as one safetensors file (``online/chunks/<hea
 
 The file holds two uint8 tensors, ``chunks`` [states, k, chunk bytes] and ``paths`` [states, nodes,
 32] (each state's paths one after the other, in the order of the chunks), and metadata naming the
-window (the head size it closes at), its first state and its chunks. The reader takes nothing on the
+window (the head size it closes at), its first state and its chunks. Version 2 (a run whose chunks
+open into its state hash, ``witness.bundle.opened``) holds ``paths`` [nodes, 32]: every state's paths
+one after the other, as a state's may be longer than another's. The reader takes nothing on the
 file's word: it is told the shape the window must have and refuses any other.
 """
 
@@ -19,23 +21,27 @@ from ..errors import MalformedInput, VerificationError
 from .checkpoint import safetensors_header, save_safetensors
 
 OPENINGS_FORMAT = "witness-chunk-openings/v1"
+TREE_OPENINGS_FORMAT = "witness-chunk-openings/v2"
 MAX_OPENINGS_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
 class WindowOpenings:
     """The openings of one window: ``chunks`` [states, k, chunk bytes] and ``paths`` [states, nodes, 32]
-    for the states ``first`` .. ``first + states - 1`` at the chunk indices ``indices``."""
+    (version 2: [nodes, 32]) for the states ``first`` .. ``first + states - 1`` at the chunk indices
+    ``indices``."""
 
     size: int
     first: int
     indices: tuple[int, ...]
     chunks: np.ndarray
     paths: np.ndarray
+    version: int = 1
 
     def metadata(self) -> dict[str, str]:
         """The file's metadata (strings, as safetensors keeps them)."""
-        return {"format": OPENINGS_FORMAT, "size": str(self.size), "first": str(self.first),
+        return {"format": TREE_OPENINGS_FORMAT if self.version == 2 else OPENINGS_FORMAT, "size": str(self.size),
+                "first": str(self.first),
                 "chunks": ",".join(map(str, self.indices))}
 
 
@@ -50,12 +56,14 @@ def write_openings(path: Path, openings: WindowOpenings) -> int:
 
 
 def read_openings(path: Path, size: int, first: int, states: int, indices: tuple[int, ...], chunk_bytes: int,
-                  nodes: int) -> WindowOpenings:
+                  nodes: int, version: int = 1) -> WindowOpenings:
     """The openings of the window closing at ``size``, which must be exactly of this shape: ``states``
-    states from ``first``, the chunks ``indices`` of ``chunk_bytes`` each, ``nodes`` path nodes a state."""
-    want = {"chunks": [states, len(indices), chunk_bytes], "paths": [states, nodes, 32]}
-    expected = WindowOpenings(size, first, indices, np.empty(0), np.empty(0)).metadata()
-    data_bytes = states * (len(indices) * chunk_bytes + nodes * 32)
+    states from ``first``, the chunks ``indices`` of ``chunk_bytes`` each, ``nodes`` path nodes a state
+    (version 2: in all)."""
+    want = {"chunks": [states, len(indices), chunk_bytes],
+            "paths": [nodes, 32] if version == 2 else [states, nodes, 32]}
+    expected = WindowOpenings(size, first, indices, np.empty(0), np.empty(0), version).metadata()
+    data_bytes = states * len(indices) * chunk_bytes + (nodes if version == 2 else states * nodes) * 32
     limit = min(MAX_OPENINGS_BYTES, data_bytes + (1 << 16))
     raw = _read(path, limit)
     header = safetensors_header(path, limit, raw)
@@ -78,7 +86,7 @@ def read_openings(path: Path, size: int, first: int, states: int, indices: tuple
                              "says, or bytes follow them")
     array = np.frombuffer(raw, dtype=np.uint8, offset=body)
     return WindowOpenings(size, first, indices, array[:split].reshape(want["chunks"]),
-                          array[split:].reshape(want["paths"]))
+                          array[split:].reshape(want["paths"]), version)
 
 
 def _ints(value: object, want: list[int]) -> bool:

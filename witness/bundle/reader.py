@@ -329,10 +329,16 @@ def open_bundle(path: str | os.PathLike, public_key: str | None = None) -> Bundl
                 raise VerificationError(
                     f"the record {'lacks' if wanted else 'adds'} a {what}: the manifest commits one "
                     f"every {every} steps and after the last", step=rec.step, check="record")
-        if (rec.param_root is not None) != manifest.chunked:
-            raise VerificationError(f"the record {'lacks' if manifest.chunked else 'adds'} a param_root: the "
-                                    "manifest commits one at every step of a run whose online windows open its "
-                                    "parameters' chunks, and none otherwise", step=rec.step, check="record")
+        rooted = manifest.chunked and not manifest.tree
+        if (rec.param_root is not None) != rooted:
+            raise VerificationError(f"the record {'lacks' if rooted else 'adds'} a param_root: the manifest commits "
+                                    "one at every step of a run whose online windows open its parameters' chunks in "
+                                    "a chunk tree of their own (version 3), and none otherwise", step=rec.step,
+                                    check="record")
+        if (rec.state_leaves is not None) != manifest.tree:
+            raise VerificationError(f"the record {'lacks' if manifest.tree else 'adds'} state_leaves: the manifest "
+                                    "commits them at every step of a run whose chunks open into its state hash "
+                                    "(version 4), and none otherwise", step=rec.step, check="record")
         if rec.checkpoint_sha256 is not None:
             committed.add(rec.step + 1)
     checkpoints: dict[int, Path] = {}

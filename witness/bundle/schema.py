@@ -8,6 +8,7 @@ from typing import Any
 from ..commit.hashing import parse_hex
 from ..errors import MalformedInput
 from ..fingerprint.chunks import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from .opened import check_tree_settings
 from .state import parse_digest
 
 MANIFEST_VERSION = 2
@@ -15,7 +16,12 @@ MANIFEST_VERSION = 2
 # a param_root in every step record; a run without them is written as version 2, which every
 # verifier since witness 0.2 reads
 CHUNKED_MANIFEST_VERSION = 3
-MANIFEST_VERSIONS = (MANIFEST_VERSION, CHUNKED_MANIFEST_VERSION)
+# version 4 (witness 0.8): the chunks open into the state hash itself (online.tree "blake3": each chunk a
+# chunk of its tensor's BLAKE3 tree, witness.bundle.opened); every step record commits its state's hash
+# and the leaves of its state tree (state_leaves), and no param_root. Versions 2 and 3 still verify
+TREE_MANIFEST_VERSION = 4
+MANIFEST_VERSIONS = (MANIFEST_VERSION, CHUNKED_MANIFEST_VERSION, TREE_MANIFEST_VERSION)
+MAX_STATE_LEAVES = 1 << 24  # tensors in a state (a 2B-parameter model has a few thousand)
 NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -107,6 +113,11 @@ class Manifest:
         return self.online is not None and "chunks" in self.online
 
     @property
+    def tree(self) -> bool:
+        """Whether the chunks open into the state hash's own BLAKE3 trees (version 4), not a param_root."""
+        return self.online is not None and "tree" in self.online
+
+    @property
     def state_shards(self) -> int:
         """The ranks whose rows the state digest (and a chunked run's chunk layout) splits the state over."""
         return parse_digest(self.state_digest)[1]
@@ -139,9 +150,15 @@ class Manifest:
         if type(obj["format_version"]) is not int or obj["format_version"] not in MANIFEST_VERSIONS:
             raise _fail(w, f"unsupported manifest version {obj['format_version']!r}")
         chunked = online is not None and "chunks" in online
-        if chunked != (obj["format_version"] == CHUNKED_MANIFEST_VERSION):
+        tree = online is not None and "tree" in online
+        if (chunked and not tree) != (obj["format_version"] == CHUNKED_MANIFEST_VERSION):
             raise _fail(w, f"a manifest of version {CHUNKED_MANIFEST_VERSION} is an online run's that commits its "
-                           "parameters' chunks (online.chunks), and only such a run's")
+                           "parameters' chunks (online.chunks) in a param_root, and only such a run's")
+        if tree != (obj["format_version"] == TREE_MANIFEST_VERSION):
+            raise _fail(w, f"a manifest of version {TREE_MANIFEST_VERSION} is an online run's whose chunks open into "
+                           "its state hash (online.tree), and only such a run's")
+        if tree:
+            check_tree_settings(online, obj["state_digest"])  # type: ignore[arg-type]
         _dict(obj["fingerprint_spec"], f"{w}.fingerprint_spec")
         versions = _keys(obj["versions"], {"torch"}, {"device"}, f"{w}.versions")
         device = versions.get("device", {"kind": "cpu"})  # recorded before devices were: the CPU
@@ -227,7 +244,9 @@ def parse_online(obj: Any, where: str) -> dict:
     # drand: the chain hash of the drand chain a witnessed run's rounds come from (informative: the
     # verifier pins its own chain); chunks and chunk_bytes: the parameter chunks each window opens of
     # every state (both or neither)
-    _keys(obj, {"p", "every", "ring"}, {"drand", "chunks", "chunk_bytes"}, where)
+    # tree: "blake3", the chunks open into the state hash's own trees (version 4); hashed_by: where the
+    # trainer hashed its states ("host" or "cuda": the same digests, informative)
+    _keys(obj, {"p", "every", "ring"}, {"drand", "chunks", "chunk_bytes", "tree", "hashed_by"}, where)
     p = obj["p"]
     if type(p) is not float or not 0.0 < p <= 1.0:
         raise _fail(where, "p must be a number in (0, 1]")
@@ -249,6 +268,13 @@ def parse_online(obj: Any, where: str) -> dict:
             raise _fail(where, f"a window's openings (every + 1 states of chunks x chunk_bytes) may hold at most "
                                f"{MAX_WINDOW_OPENED >> 20} MiB")
         out["chunk_bytes"] = size
+    if ("tree" in obj or "hashed_by" in obj) and ("chunks" not in obj or "tree" not in obj or "hashed_by" not in obj):
+        raise _fail(where, "tree and hashed_by come together, with chunks")
+    if "tree" in obj:
+        out["tree"] = _str(obj["tree"], f"{where}.tree", 16)
+        if obj["hashed_by"] not in ("host", "cuda"):
+            raise _fail(where, "hashed_by must be host or cuda")
+        out["hashed_by"] = obj["hashed_by"]
     return out
 
 
@@ -271,6 +297,7 @@ class StepRecord:
     checkpoint_sha256: bytes | None
     round: int | None = None  # the drand round of the witnessed window this record closes
     param_root: bytes | None = None  # the chunk tree root of the parameters after the step (version 3)
+    state_leaves: int | None = None  # the leaves of the state tree state_hash is the root of (version 4)
 
     @property
     def fingerprint_vector(self) -> list[float]:
@@ -283,7 +310,9 @@ class StepRecord:
         req = {"type", "step", "batch", "batch_root", "loss", "lr", "grad_norm", "fingerprint", "sketch"}
         # round: the drand round a witnessed window's closing record names (online challenges with witnesses)
         # param_root: the root of the parameters' chunk tree after the step (an online run's, version 3)
-        _keys(obj, req, {"state_hash", "checkpoint_sha256", "round", "param_root"}, where)
+        # state_leaves: how many leaves the tree of state_hash has (a version 4 run's: it fixes where an opened
+        # tensor's leaf lies, before the window's draw)
+        _keys(obj, req, {"state_hash", "checkpoint_sha256", "round", "param_root", "state_leaves"}, where)
         if obj["type"] != "step":
             raise _fail(where, f"expected a step record, found {obj['type']!r}")
         if "checkpoint_sha256" in obj and "state_hash" not in obj:
@@ -310,6 +339,8 @@ class StepRecord:
             else None,
             round=_int(obj["round"], f"{where}.round", 1) if "round" in obj else None,
             param_root=parse_hex(obj["param_root"], f"{where}.param_root") if "param_root" in obj else None,
+            state_leaves=_int(obj["state_leaves"], f"{where}.state_leaves", 1, MAX_STATE_LEAVES)
+            if "state_leaves" in obj else None,
         )
 
 

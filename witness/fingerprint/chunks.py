@@ -205,6 +205,15 @@ class ChunkLayout:
             out[name] = flat[lo:lo + self.nbytes(i)].view(dtype).view(shape)
         return out
 
+    def misfit(self, state: dict[str, torch.Tensor]) -> str | None:
+        """What keeps a whole state's parameters from this layout (one process's): a parameter missing,
+        or of another dtype or shape; None if nothing."""
+        for name, dtype, shape in self.tensors:
+            t = state.get(name)
+            if t is None or t.dtype != dtype or tuple(t.shape) != shape:
+                return f"the state's {name} is not the layout's ({dtype_name(dtype)}, {list(shape)})"
+        return None
+
     def flatten(self, state: dict[str, torch.Tensor], flat: torch.Tensor | None = None) -> torch.Tensor:
         """The state's parameters in a flat buffer (``flat``, zero-padded, or a new one); a state
         without one of them, or with another dtype or shape, is refused."""

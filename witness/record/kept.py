@@ -23,6 +23,7 @@ from ..bundle.layout import (
     online_shard_name,
     online_state_name,
 )
+from ..bundle.opened import StateTree
 from ..bundle.openings import WindowOpenings, write_openings
 from ..commit.chunks import ChunkTree
 from ..commit.hashing import canonical_json, parse_canonical_json
@@ -97,6 +98,7 @@ class KeptFiles:
     def __init__(self, out: Path, link: BeaconLink, log: RunLog, dataset: Dataset, layout: ChunkLayout | None):
         self.out, self.link, self.log, self.dataset, self.layout = out, link, log, dataset, layout
         self.shard: int | None = None  # the rank whose share of each state is kept (None: whole states)
+        self.tree_openings = False  # the chunks open into the state hash: openings of version 2
         self.selected: set[int] = set()  # every step a statement selected (the states before them are passed on)
         self.written = self.bytes_written = 0  # states written, and every kept file's bytes
         # a chunked run: windows opened and their files' bytes (also in bytes_written)
@@ -112,7 +114,8 @@ class KeptFiles:
         self.write_seconds += time.perf_counter() - started
         self.write_cpu_seconds += time.thread_time() - cpu
 
-    def _pieces(self, flat: torch.Tensor, tree: ChunkTree, chunks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _pieces(self, flat: torch.Tensor, tree: ChunkTree | StateTree,
+                chunks: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """One state's opened chunks ([k, chunk bytes], a copy) and their paths ([nodes, 32])."""
         assert self.layout is not None
         raw = flat.numpy().reshape(self.layout.size, self.layout.chunk_bytes)
@@ -123,8 +126,9 @@ class KeptFiles:
         """Write a window's openings (and pass the file to the link, as the kept states are)."""
         path = self.out / online_chunks_name(size)
         with self._writing():
+            tree = self.layout is not None and self.tree_openings
             opened = WindowOpenings(size, first, tuple(chunks), np.stack([c for c, _ in pieces]),
-                                    np.stack([p for _, p in pieces]))
+                                    (np.concatenate if tree else np.stack)([p for _, p in pieces]), 2 if tree else 1)
             written = write_openings(path, opened)
             self.opened += 1
             self.opened_bytes += written

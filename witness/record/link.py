@@ -62,6 +62,11 @@ class OnlineSpec:
     # the parameter chunks each window opens of every state, and their size (chunks 0: none committed)
     chunks: int = DEFAULT_CHUNKS
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # "blake3": the chunks open into the state hash's own BLAKE3 trees (manifest version 4, where the run
+    # can: one process, 1 KiB chunks, BLAKE3 digests; witness.bundle.opened); None: into a param_root of
+    # their own (version 3, as recorded before). And where the states were hashed ("host" or "cuda")
+    tree: str | None = "blake3"
+    hashed_by: str = "host"
 
     @classmethod
     def for_steps(cls, steps: int, every: int | None = None, p: float | None = None,
@@ -86,7 +91,8 @@ class OnlineSpec:
     def to_json(self) -> dict:
         """The manifest's ``online`` field."""
         return {"p": self.p, "every": self.every, "ring": self.ring} | ({"drand": self.drand} if self.drand else {}) \
-            | ({"chunks": self.chunks, "chunk_bytes": self.chunk_bytes} if self.chunks else {})
+            | ({"chunks": self.chunks, "chunk_bytes": self.chunk_bytes} if self.chunks else {}) \
+            | ({"tree": self.tree, "hashed_by": self.hashed_by} if self.chunks and self.tree else {})
 
 
 def host_budget() -> int:

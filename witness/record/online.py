@@ -33,6 +33,8 @@ from ..bundle.layout import (
     online_chunks_name,
     online_samples_name,
 )
+from ..bundle.opened import StateTree
+from ..bundle.state import default_digest
 from ..bundle.writer import read_lines
 from ..commit.beacon import BeaconStatement, selected_steps
 from ..commit.chunks import ChunkTree
@@ -67,13 +69,17 @@ class OnlineChallenges(KeptFiles):
     """
 
     def __init__(self, out: Path, spec: OnlineSpec, link: BeaconLink, log: RunLog, steps: int, dataset: Dataset,
-                 checkpoint_every: int, layout: ChunkLayout | None = None):
+                 checkpoint_every: int, layout: ChunkLayout | None = None, digest: str | None = None):
         if (layout is not None) != bool(spec.chunks) or layout is not None and layout.chunk_bytes != spec.chunk_bytes:
             raise ValueError("a chunked run's ring needs the layout of its parameters' chunks, and only such a run's")
         super().__init__(out, link, log, dataset, layout)
+        self.tree_openings = bool(spec.tree)
         self.spec, self.steps, self.checkpoint_every = spec, steps, checkpoint_every
+        self.digest = digest or default_digest()  # the run's state digest (a state tree hashes with it)
         self.ring: dict[int, dict[str, torch.Tensor]] = {}  # state after n updates, for steps not yet covered
-        self.trees: dict[int, ChunkTree] = {}  # the chunk tree of each state in the ring (a chunked run)
+        # the chunk tree of each state in the ring (a chunked run): its state tree, where the chunks open into
+        # the state hash (spec.tree), which the record then commits instead of hashing the state again
+        self.trees: dict[int, ChunkTree | StateTree] = {}
         # windows stamped before a crash whose openings were lost: head size -> (first state, chunks, pieces
         # of the states passed again so far)
         self.reopen: dict[int, tuple[int, list[int], dict[int, tuple[np.ndarray, np.ndarray]]]] = {}
@@ -182,9 +188,9 @@ class OnlineChallenges(KeptFiles):
         return self.layout.select(st.beta, self.spec.chunks)
 
     # --- the ring (training thread) ---------------------------------------------------------
-    def keep(self, n: int, state: dict[str, torch.Tensor]) -> ChunkTree | None:
+    def keep(self, n: int, state: dict[str, torch.Tensor]) -> ChunkTree | StateTree | None:
         """The committed state after ``n`` updates (the state before step ``n``): copied into the ring;
-        in a chunked run, its chunk tree (whose root the record commits)."""
+        in a chunked run, its chunk tree (whose root the record commits), or its state tree."""
         slot = None
         if self._admit(n, state):
             started = time.perf_counter()
@@ -195,9 +201,10 @@ class OnlineChallenges(KeptFiles):
             self.copies += 1
         return self.tree(n, slot if slot is not None else state)
 
-    def tree(self, n: int, tensors: dict[str, torch.Tensor]) -> ChunkTree | None:
+    def tree(self, n: int, tensors: dict[str, torch.Tensor]) -> ChunkTree | StateTree | None:
         """The chunk tree of the state after ``n`` updates (None: the run commits no chunks), hashed in
-        its ring buffer where the ring holds it (any thread: the overlapped hash calls it with the copy)."""
+        its ring buffer where the ring holds it (any thread: the overlapped hash calls it with the copy).
+        Where the chunks open into the state hash (``spec.tree``), the whole state's tree, in one pass."""
         if self.layout is None:
             return None
         started, cpu = time.perf_counter(), time.thread_time()
@@ -207,7 +214,7 @@ class OnlineChallenges(KeptFiles):
                 if self._scratch is None:
                     self._scratch = self.layout.empty()
                 flat = self.layout.flatten(tensors, self._scratch)
-            tree = self.layout.tree(flat)
+            tree = StateTree(tensors, self.digest, self.layout, flat) if self.spec.tree else self.layout.tree(flat)
             if self.reopen:
                 self._collect(n, flat, tree)
         with self._lock:

@@ -20,8 +20,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..bundle.checkpoint import save_checkpoint
 from ..bundle.layout import CHECKPOINTS, HEADS, LOG, checkpoint_name, checkpoint_step, due
+from ..bundle.opened import StateTree
 from ..bundle.state import state_hash, state_tensors
 from ..bundle.writer import BundleWriter, head_sizes, truncate_lines
+from ..commit.chunks import ChunkTree
 from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
@@ -47,6 +49,14 @@ class Opened:
     log: RunLog
     manifest: dict
     start_step: int  # the first step the loop trains here
+
+
+def tree_fields(tree: ChunkTree | StateTree) -> dict:
+    """What a chunked run's record commits of a state's tree: its ``param_root`` (version 3), or the
+    state hash and its leaves, where the chunks open into the state hash (version 4)."""
+    if isinstance(tree, StateTree):
+        return {"state_hash": tree.root.hex(), "state_leaves": tree.size}
+    return {"param_root": tree.root.hex()}
 
 
 class Records:
@@ -198,7 +208,7 @@ class Records:
                 # (a run over several ranks keeps each rank's share itself: witness.distributed)
                 tree = self.online.keep(done, state)  # a host copy, before training changes it
                 if tree is not None:  # the parameters' chunks, which the window's beta will open
-                    record["param_root"] = tree.root.hex()
+                    record |= tree_fields(tree)
             if later:
                 # the overlapped hash copies the state anyway: into the ring's buffer, when it keeps it
                 self._hash_later(record, state, self.online.reserve(done, state) if self.online is not None else None,
@@ -207,8 +217,10 @@ class Records:
                 return
             if checkpoint:
                 sh, fh = save_checkpoint(self.out / checkpoint_name(done), state, done, self.digest)
+                if record.get("state_hash", sh.hex()) != sh.hex():  # (the state tree hashed the same state)
+                    raise RuntimeError(f"the state after step {step} hashed two ways")
                 record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
-            else:
+            elif "state_hash" not in record:  # (a state tree that opens the chunks is the state's hash already)
                 record["state_hash"] = state_hash(state, self.digest).hex()
         self._append_step(record)
         self.next_step = done
@@ -250,9 +262,11 @@ class Records:
         reduce = None
         online = self.online
         if online is not None and online.layout is not None and n is not None:
-            def reduce(copies: dict) -> tuple[bytes, bytes]:
+            def reduce(copies: dict) -> dict:
                 tree = online.tree(n, into if into is not None else copies)
-                return state_hash(copies, self.digest), tree.root  # type: ignore[union-attr]
+                if isinstance(tree, StateTree):  # one pass: the state tree is the state's hash
+                    return tree_fields(tree)
+                return {"state_hash": state_hash(copies, self.digest).hex(), "param_root": tree.root.hex()}  # type: ignore[union-attr]
         self._deferred = (record, self._snapshots.submit(state, early=self._early, into=into, reduce=reduce))
 
     def flush(self) -> None:
@@ -261,8 +275,8 @@ class Records:
             record, pending = self._deferred
             self._deferred = None
             done = pending.result()
-            if isinstance(done, tuple):  # the state hash and the parameters' chunk root
-                record["state_hash"], record["param_root"] = done[0].hex(), done[1].hex()
+            if isinstance(done, dict):  # the state hash and what opens the parameters' chunks
+                record |= done
             else:
                 record["state_hash"] = done.hex()
             self._append_step(record)

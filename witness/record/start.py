@@ -26,9 +26,16 @@ from ..bundle.layout import (
     checkpoint_name,
     partial_write,
 )
-from ..bundle.schema import CHUNKED_MANIFEST_VERSION, MANIFEST_VERSION, Manifest
+from ..bundle.opened import TREE
+from ..bundle.schema import (
+    CHUNKED_MANIFEST_VERSION,
+    MANIFEST_VERSION,
+    TREE_MANIFEST_VERSION,
+    Manifest,
+)
 from ..bundle.state import default_digest, load_state, parse_digest, state_tensors
 from ..bundle.writer import BundleWriter, read_lines, truncate_lines
+from ..commit.blake3tree import CHUNK
 from ..commit.hashing import canonical_json, parse_canonical_json
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead, public_hex
@@ -138,6 +145,13 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
         if isinstance(rules, str):  # no bound to check a step's move against: the chunks would prove nothing
             print(f"witness: the bounded-move check is off for this run: {rules}", file=sys.stderr)
             spec = dataclasses.replace(spec, chunks=0)
+    if spec is not None and spec.tree and not (spec.chunks and training.shards == 1 and spec.chunk_bytes == CHUNK
+                                               and parse_digest(default_digest(1))[0] == TREE):
+        # one pass commits everything where it can: the chunks open into the state hash's own trees (version
+        # 4); over several ranks, or in chunks of another size, they open into a param_root (version 3)
+        spec = dataclasses.replace(spec, tree=None)
+    if spec is not None and spec.tree:
+        spec = dataclasses.replace(spec, hashed_by="host")  # where the ring keeps each state (witness.bundle.opened)
     writer = BundleWriter(Path(out), create=True)
     if commit.leaves and version >= 2:  # the per-sample commitments, which the cheap audit checks every step against
         dataset.leaves.write(Path(out) / LEAVES, data_root)
@@ -151,7 +165,8 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
     init_hash, init_file = save_checkpoint(Path(out) / checkpoint_name(0), init_state, 0, digest)
     manifest = {
         "type": "manifest",
-        "format_version": CHUNKED_MANIFEST_VERSION if spec is not None and spec.chunks else MANIFEST_VERSION,
+        "format_version": (TREE_MANIFEST_VERSION if spec.tree else CHUNKED_MANIFEST_VERSION)
+        if spec is not None and spec.chunks else MANIFEST_VERSION,
         "task": task.name,
         "task_config": task.config_json(),
         "code_version": __version__,
@@ -224,7 +239,7 @@ def challenges(out: Path, session: Any, manifest: dict, spec: OnlineSpec, beacon
         layout = ChunkLayout.of_model(module, spec.chunk_bytes, shards)
         layout = layout.shard(0) if shards > 1 else layout
     return OnlineChallenges(out, spec, beacon, log, manifest["steps_planned"], session.task.dataset(),
-                            manifest["checkpoint_every"], layout)
+                            manifest["checkpoint_every"], layout, manifest["state_digest"])
 
 
 def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None, beacon: BeaconLink | None,
@@ -302,7 +317,7 @@ def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None, 
     if started.online is not None:
         if beacon is None:
             raise ValueError("the run takes online challenges: resume it with its beacon")
-        spec = OnlineSpec(**{"chunks": 0} | started.online)  # (a run without chunks names none)
+        spec = OnlineSpec(**{"chunks": 0, "tree": None} | started.online)  # (a run without chunks names none)
         online = challenges(out, session, manifest, spec, beacon, key, RunLog(lines[:signed]))
         online.load()
     last = max(signed - 1, intact[-1])  # steps kept in the log

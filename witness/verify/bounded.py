@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..bundle.opened import ModelLeaves
 from ..bundle.openings import read_openings
 from ..bundle.reader import Bundle
 from ..bundle.state import state_hash
-from ..commit.chunks import chunk_leaves, path_nodes, verify_paths, wrap_roots
+from ..commit.chunks import path_nodes
 from ..commit.hashing import same
 from ..errors import MalformedInput, VerificationError
 from ..fingerprint.chunks import ChunkLayout
@@ -35,18 +36,10 @@ from ..fingerprint.moves import (
     unchanged,
 )
 from .online import OnlinePlan
+from .paths import Batch, MoveFailure, check_padding, check_paths, check_tree_paths
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
 BATCH_BYTES = 64 << 20  # openings checked together: a run's windows are read and checked this much at a time
-
-
-class MoveFailure(VerificationError):
-    """A window's openings that do not hold: ``window`` is the head size it closes at (so a leaderboard
-    names that file; a step alone is ambiguous where windows share the state between them)."""
-
-    def __init__(self, message: str, *, window: int, step: int | None = None, check: str | None = "moves"):
-        super().__init__(message, step=step, check=check)
-        self.window = window
 
 
 @dataclass
@@ -145,16 +138,31 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
     out = MoveCheck(min(k, len(layout.holding)), layout.size, cb, rules.describe(n, offset), steps=n)
     if layout.shards > 1:  # each rank's chunks padded to a power of two: only those that hold bytes are drawn
         out.holding = len(layout.holding)
-    roots, init = _roots(bundle, layout, init)
+    init = _initial(bundle, init)
+    if m.tree:  # version 4: each chunk opens into its state's hash, a tree of the record's state_leaves
+        leaves = ModelLeaves(model, layout)
+        hashes = [m.init_state_hash] + [r.state_hash for r in bundle.steps]
+        sizes = [len(init)] + [r.state_leaves for r in bundle.steps]
+
+        def lengths(t: int, ids: np.ndarray) -> np.ndarray:
+            return leaves.lengths(ids, np.full(len(ids), sizes[t] or 0))
+    else:  # version 3: into the param_root of its chunk tree (the initial one computed here)
+        roots = _roots(bundle, layout, init)
+
+        def lengths(t: int, ids: np.ndarray) -> np.ndarray:
+            return np.array([len(path_nodes(int(c), layout.size)) for c in ids], dtype=np.int64)
     _discrimination(out, bundle, rules, init, offset)
     reads: list = []
     held = 0
 
     def check(reads: list) -> None:
         """One batch of windows: padding, paths, moves (the batch bounds the memory a long run takes)."""
-        batch = _Batch.of(reads, layout.size, cb)
-        _check_padding(batch, layout)
-        _check_paths(batch, layout, roots)
+        batch = Batch.of(reads, cb, lengths)
+        check_padding(batch, layout)
+        if m.tree:
+            check_tree_paths(batch, leaves, m.state_digest, hashes, sizes)
+        else:
+            check_paths(batch, layout, roots)
         worst, slack = _check_steps(batch, layout, rules, bundle, offset, n)
         out.worst, out.slack_used = max(out.worst, worst), max(out.slack_used, slack)
         for d, _, _ in reads:
@@ -178,9 +186,14 @@ def check_moves(bundle: Bundle, plan: OnlinePlan, model: torch.nn.Module, optimi
                               f"(steps {d.steps.start}..{d.steps.stop - 1}): a chunked run opens chunks of every state "
                               "of every window", step=d.steps.start, window=d.size)
         chunks = layout.select(d.beta, k)  # (over ranks: among the chunks that hold bytes)
-        nodes = sum(len(path_nodes(c, layout.size)) for c in chunks)
+        ids = np.asarray(chunks, dtype=np.int64)
+        if m.tree:  # every state's nodes, one after the other (a state tree's size may change in a window)
+            nodes = sum(int(lengths(t, ids).sum()) for t in range(d.steps.start, d.steps.stop + 1))
+        else:
+            nodes = int(lengths(0, ids).sum())
         try:
-            opened = read_openings(path, d.size, d.steps.start, len(d.steps) + 1, tuple(chunks), cb, nodes)
+            opened = read_openings(path, d.size, d.steps.start, len(d.steps) + 1, tuple(chunks), cb, nodes,
+                                   2 if m.tree else 1)
         except MalformedInput:
             raise
         except VerificationError as e:  # another window's file, or another shape: this window's failure
@@ -256,116 +269,34 @@ def _discrimination(out: MoveCheck, bundle: Bundle, rules: MoveRules, init: dict
     out.blind_tensors.sort()
 
 
-def _roots(bundle: Bundle, layout: ChunkLayout,
-           init: dict[str, torch.Tensor]) -> tuple[list[bytes | None], dict[str, torch.Tensor]]:
-    """The param root of every state: the initial one computed here from a state that hashes to the
-    manifest's initial state, the others the records'; and that initial state."""
+def _initial(bundle: Bundle, init: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state that hashes to the manifest's initial state: the seed's, or else the initial checkpoint."""
     m = bundle.manifest
-    if not same(state_hash(init, m.state_digest), m.init_state_hash):
-        if 0 not in bundle.checkpoints:
-            raise MalformedInput("no initial state here hashes to the committed one (the seed's state differs on this "
-                                 "machine, and the bundle has no initial checkpoint) to open its chunks against")
-        from ..bundle.checkpoint import read_checkpoint
+    if same(state_hash(init, m.state_digest), m.init_state_hash):
+        return init
+    if 0 not in bundle.checkpoints:
+        raise MalformedInput("no initial state here hashes to the committed one (the seed's state differs on this "
+                             "machine, and the bundle has no initial checkpoint) to open its chunks against")
+    from ..bundle.checkpoint import read_checkpoint
 
-        init = read_checkpoint(bundle.checkpoints[0])
-        if not same(state_hash(init, m.state_digest), m.init_state_hash):
-            raise VerificationError("the initial checkpoint does not hash to the committed state", step=0,
-                                    check="checkpoint")
+    init = read_checkpoint(bundle.checkpoints[0])
+    if not same(state_hash(init, m.state_digest), m.init_state_hash):
+        raise VerificationError("the initial checkpoint does not hash to the committed state", step=0,
+                                check="checkpoint")
+    return init
+
+
+def _roots(bundle: Bundle, layout: ChunkLayout, init: dict[str, torch.Tensor]) -> list[bytes | None]:
+    """The param root of every state (version 3): the initial one computed here from the initial state,
+    the others the records'."""
     try:
         first = layout.root(init)
     except ValueError as e:  # the committed initial state does not fit the task's model
         raise VerificationError(f"the initial state: {e}", step=0, check="state") from None
-    return [first] + [r.param_root for r in bundle.steps], init
+    return [first] + [r.param_root for r in bundle.steps]
 
 
-@dataclass
-class _Batch:
-    """Some windows' openings as rows: one row a state's opened chunk, windows one after the other,
-    a window's rows state by state (``k`` chunks each, in the window's order)."""
-
-    reads: list
-    data: np.ndarray  # [rows, chunk bytes]
-    chunk: np.ndarray  # [rows] the chunk's index
-    state: np.ndarray  # [rows] the state (its update count)
-    nodes: np.ndarray  # [nodes, 32] every path's nodes
-    starts: np.ndarray  # [rows] where each row's path begins in nodes
-
-    @classmethod
-    def of(cls, reads: list, size: int, cb: int) -> _Batch:
-        """Lay the windows' openings out as rows (window by window, then state by state)."""
-        k = reads[0][2].chunks.shape[1]
-        lengths: dict[int, int] = {}  # a chunk's path length, by its index (the same in every state)
-        first = np.array([d.steps.start for d, _, _ in reads], dtype=np.int64)
-        states = np.array([op.chunks.shape[0] for _, _, op in reads], dtype=np.int64)
-        chunks = np.array([c for _, c, _ in reads], dtype=np.int64)  # [windows, k]
-        lens = np.array([[lengths.setdefault(c, len(path_nodes(c, size))) for c in cs] for _, cs, _ in reads],
-                        dtype=np.int64)
-        per_state = lens.sum(axis=1)
-        offsets = np.cumsum(lens, axis=1) - lens  # each chunk's path within its state's
-        base = np.cumsum(states * per_state) - states * per_state  # each window's first node
-        # a state index within the whole batch, then its window's figures, repeated for the state's k rows
-        window_of_state = np.repeat(np.arange(len(reads)), states)
-        within = np.arange(int(states.sum())) - np.repeat(np.cumsum(states) - states, states)
-        state = np.repeat(first[window_of_state] + within, k)
-        chunk = chunks[window_of_state].reshape(-1)
-        starts = (np.repeat(base[window_of_state] + within * per_state[window_of_state], k)
-                  + offsets[window_of_state].reshape(-1))
-        data = np.concatenate([op.chunks.reshape(-1, cb) for _, _, op in reads])
-        nodes = np.concatenate([op.paths.reshape(-1, 32) for _, _, op in reads])
-        return cls(reads, data, chunk, state, nodes, starts)
-
-    def where(self, row: int) -> tuple:
-        """(the window's draw, its chunks, the row's chunk position) of a row."""
-        for d, chunks, op in self.reads:
-            n = op.chunks.shape[0] * op.chunks.shape[1]
-            if row < n:
-                return d, chunks, row % op.chunks.shape[1]
-            row -= n
-        raise IndexError(row)
-
-
-def _check_padding(batch: _Batch, layout: ChunkLayout) -> None:
-    """Every opened chunk is zero past its tensor's end (the layout pads so): the bytes of a chunk are
-    then exactly its tensor's values, and a root committed over other padding is refused here."""
-    tensor = layout.tensor_of(batch.chunk)
-    used = np.clip(layout.ends[tensor] - batch.chunk * layout.chunk_bytes, 0, layout.chunk_bytes)  # its data bytes
-    rows = np.nonzero(used < layout.chunk_bytes)[0]  # a tensor's last chunk: the only ones with padding
-    pad = np.zeros(len(batch.chunk), dtype=bool)
-    pad[rows] = ((batch.data[rows] != 0) & (np.arange(layout.chunk_bytes)[None, :] >= used[rows, None])).any(axis=1)
-    if pad.any():
-        r = int(np.nonzero(pad)[0][0])
-        d, _, _ = batch.where(r)
-        state = int(batch.state[r])
-        raise MoveFailure(f"chunk {int(batch.chunk[r])} ({layout.tensors[tensor[r]][0]}) of the state after "
-                          f"{state} update(s), opened for the window closing at size {d.size}, holds bytes past the "
-                          "tensor's end, where the layout pads with zeros", step=max(state - 1, 0), window=d.size)
-
-
-def _check_paths(batch: _Batch, layout: ChunkLayout, roots: list[bytes | None]) -> None:
-    """Every opened chunk's path leads to its state's committed root (all the batch's rows at once)."""
-    size = layout.size
-    leaves = np.frombuffer(chunk_leaves(batch.data, layout.chunk_bytes), dtype=np.uint8).reshape(-1, 32)
-    tops = verify_paths(leaves, batch.chunk, size, batch.nodes, batch.starts)
-    # every row of a state must reach the same tree root, and that root (bound to the layout) the record's
-    k = batch.reads[0][2].chunks.shape[1]
-    per_state = tops.reshape(-1, k, 32)
-    state = batch.state[::k]
-    want = np.frombuffer(b"".join(roots[t] or bytes(32) for t in state), dtype=np.uint8).reshape(-1, 32)
-    wrapped = wrap_roots(layout.id, size, np.ascontiguousarray(per_state[:, 0]))
-    bad = (per_state != per_state[:, :1]).any(axis=2).any(axis=1) | (wrapped != want).any(axis=1) | \
-        np.array([roots[t] is None for t in state])
-    if bad.any():
-        i = int(np.nonzero(bad)[0][0])
-        split = np.nonzero((per_state[i] != per_state[i, :1]).any(axis=1))[0]
-        d, chunks, _ = batch.where(i * k)
-        t = int(state[i])
-        raise MoveFailure(f"chunk {chunks[int(split[0]) if split.size else 0]} of the state after {t} update(s), "
-                          f"opened for the window closing at size {d.size}, does not lead to the param_root its "
-                          "record commits (a chunk or a path was changed, or the root commits other parameters)",
-                          step=max(t - 1, 0), window=d.size)
-
-
-def _check_steps(batch: _Batch, layout: ChunkLayout, rules: MoveRules, bundle: Bundle, offset: int,
+def _check_steps(batch: Batch, layout: ChunkLayout, rules: MoveRules, bundle: Bundle, offset: int,
                  n: int) -> tuple[float, float]:
     """Every opened coordinate's move in every step of every window, against its bound (a failure
     names the earliest step that moved too far); the largest move as a fraction of what it was

@@ -166,7 +166,9 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
             raise VerificationError("the initial state is not the one the run seed generates", step=0, check="init")
         init_check = None  # tolerance mode: judged against the initial checkpoint below
     # a chunked run's records commit their parameters' chunk root too: each checkpoint is held to it
-    layout = ChunkLayout.of_model(session.model, m.online["chunk_bytes"], m.state_shards) if m.chunked else None  # type: ignore[index]
+    # (version 4's chunks open into the state hash itself)
+    layout = ChunkLayout.of_model(session.model, m.online["chunk_bytes"], m.state_shards) \
+        if m.chunked and not m.tree else None  # type: ignore[index]
     aliases = alias_groups(session.model)  # tied weights, from the task's own model
     for step in bundle.checkpoint_steps():
         sh, fh = bundle.committed_checkpoint(step)  # type: ignore[misc]
@@ -182,6 +184,10 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         if step > 0:
             load_state(session.model, session.optimizer, tensors)
             check_state(bundle, session, step, exact, thresholds)
+            leaves = bundle.steps[step - 1].state_leaves
+            if leaves is not None and leaves != len(tensors):  # version 4: where its openings put each leaf
+                raise VerificationError(f"{path.name}: its record commits a state of {leaves} tensors, and it holds "
+                                        f"{len(tensors)}", step=step, check="checkpoint")
             root = bundle.steps[step - 1].param_root
             if root is not None and not same(layout.root(tensors), root):  # type: ignore[union-attr]
                 raise VerificationError(f"{path.name}: its record's param_root is not the chunk root of its parameters",

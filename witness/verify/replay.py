@@ -237,8 +237,18 @@ class Replayer:
 
     def check_param_root(self, t: int, tensors: dict[str, torch.Tensor]) -> None:
         """The state after step ``t`` against the chunk root its record commits (a chunked run)."""
+        leaves = self.bundle.steps[t].state_leaves
+        if leaves is not None and leaves != len(tensors):  # version 4: where its openings put each leaf
+            raise VerificationError(f"the record commits a state of {leaves} tensors, and its state holds "
+                                    f"{len(tensors)}", step=t, check="state")
         root = self.bundle.steps[t].param_root
-        if self.layout is None or root is None:
+        if self.layout is None or (root is None and leaves is None):
+            return
+        if root is None:  # version 4: the chunks open into the state hash itself, which the state hashes to
+            misfit = self.layout.misfit(tensors)
+            if misfit:
+                raise VerificationError(f"the state after step {t} does not fit the task's model: {misfit}", step=t,
+                                        check="state")
             return
         started = time.perf_counter()
         try:
