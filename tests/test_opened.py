@@ -1,0 +1,139 @@
+"""One pass commits everything (``witness.bundle.opened``): a state tree hashed once is the state hash,
+and a chunk's opening leads to it only from its own tensor, state, position and run, with the state
+tree's size its record committed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from witness.bundle.opened import ModelLeaves, StateTree, tree_paths
+from witness.bundle.state import state_hash, state_tensors
+from witness.fingerprint.chunks import ChunkLayout
+
+
+class Tied(torch.nn.Module):
+    """Parameters of several sizes (one tensor of one chunk, others of many, not a power of two), a
+    buffer, and an output head tied to the embedding, as nanoGPT's."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(300, 24)
+        self.fc = torch.nn.Linear(24, 37)
+        self.norm = torch.nn.LayerNorm(37)
+        self.head = torch.nn.Linear(24, 300, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("mask", torch.ones(5))
+
+
+def _state(seed: int = 0, steps: int = 1) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    model = Tied(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        x = model.emb(torch.arange(7))
+        (model.head(x).sum() + model.norm(model.fc(x)).pow(2).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, state_tensors(model, opt)
+
+
+def _open(tree: StateTree, layout: ChunkLayout, tensors: dict, chunks: list[int]):
+    """Rows, chunk ids, nodes and starts of ``chunks`` of one state, as an openings file holds them."""
+    flat = layout.flatten(tensors)
+    data = flat.numpy().reshape(layout.size, 1024)[chunks].copy()
+    paths = [tree.paths([c]) for c in chunks]
+    starts = np.cumsum([0] + [len(p) for p in paths])[:-1]
+    return data, np.asarray(chunks), np.concatenate(paths), starts
+
+
+def test_the_state_tree_is_the_state_hash_and_opens_every_chunk():
+    model, tensors = _state()
+    layout = ChunkLayout.of_model(model)
+    assert "model.head.weight" not in layout.names  # tied: laid out once, under the embedding's name
+    flat = layout.flatten(tensors)
+    for with_flat in (flat, None):
+        tree = StateTree(tensors, "blake3", layout, with_flat)
+        assert tree.root == state_hash(tensors, "blake3") and tree.size == len(tensors)
+    leaves = ModelLeaves(model, layout)
+    chunks = list(range(layout.size))
+    data, ids, nodes, starts = _open(tree, layout, tensors, chunks)
+    sizes = np.full(len(chunks), tree.size)
+    assert np.array_equal(leaves.lengths(ids, sizes), np.diff(np.append(starts, len(nodes))))
+    assert tree_paths(leaves, "blake3", data, ids, sizes, nodes, starts) == [tree.root] * len(chunks)
+
+
+def test_an_opening_leads_to_the_root_only_from_its_own_chunk_state_and_size():
+    model, tensors = _state()
+    layout = ChunkLayout.of_model(model)
+    leaves = ModelLeaves(model, layout)
+    tree = StateTree(tensors, "blake3", layout)
+    big = layout.names.index("model.emb.weight")
+    c = layout.starts[big] + 5  # a chunk inside a tensor of many
+    data, ids, nodes, starts = _open(tree, layout, tensors, [c])
+
+    def top(data=data, ids=ids, nodes=nodes, size=tree.size):  # noqa: ANN001
+        need = int(leaves.lengths(ids, np.array([size]))[0])  # as the reader holds it: the length it derives
+        nodes = np.concatenate([nodes, np.zeros((max(0, need - len(nodes)), 32), np.uint8)])[:need]
+        return tree_paths(leaves, "blake3", data, ids, np.array([size]), nodes, starts)[0]
+
+    assert top() == tree.root
+    flipped = data.copy()
+    flipped[0, 100] ^= 0x01  # one bit of the chunk
+    assert top(data=flipped) != tree.root
+    assert top(ids=ids + 1) != tree.root  # its bytes and path claimed as the next chunk's
+    # the state tree's size: its committed leaves fix where the tensor's leaf lies (a size whose path has
+    # another shape; one of the same shape leads to the same leaf, test_two_sizes_could_hold_two_leaves)
+    for size in (2 * tree.size, leaves.count - 1):
+        assert top(size=size) != tree.root
+    assert tree_paths(leaves, "blake3", data, ids, np.array([0]), nodes, starts) == [None]  # no such leaf
+    # another state of the same run (one step on) and another run's state: their paths lead elsewhere
+    _, later = _state(steps=2)
+    _, other = _state(seed=1)
+    for t in (later, other):
+        _, _, theirs, _ = _open(StateTree(t, "blake3", layout), layout, t, [c])
+        assert top(nodes=theirs) != tree.root
+    # a chunk of another tensor opened with this one's path
+    fc = layout.names.index("model.fc.weight")
+    other_data, _, _, _ = _open(tree, layout, tensors, [layout.starts[fc]])
+    assert top(data=other_data) != tree.root
+
+
+def test_a_tensor_of_one_chunk_opens_into_its_root_flag():
+    """A one-chunk tensor's digest is its chunk compressed as the root: its opening holds only the state
+    tree's audit path (tests/test_blake3tree.py: the same chunk's chaining value is not the digest)."""
+    model, tensors = _state()
+    layout = ChunkLayout.of_model(model)
+    leaves = ModelLeaves(model, layout)
+    tree = StateTree(tensors, "blake3", layout)
+    small = layout.names.index("model.fc.bias")  # 37 float32: one chunk
+    c = layout.starts[small]
+    data, ids, nodes, starts = _open(tree, layout, tensors, [c])
+    assert len(nodes) == len(tree._tree.inclusion_proof(tree.names.index("model.fc.bias")))
+    assert tree_paths(leaves, "blake3", data, ids, np.array([tree.size]), nodes, starts) == [tree.root]
+
+
+def test_the_one_pass_refuses_what_it_cannot_open():
+    model, tensors = _state()
+    with pytest.raises(ValueError, match="BLAKE3 digests of whole tensors and 1 KiB chunks"):
+        StateTree(tensors, "sha256", ChunkLayout.of_model(model))
+    with pytest.raises(ValueError, match="1 KiB chunks"):
+        StateTree(tensors, "blake3", ChunkLayout.of_model(model, 2048))
+
+
+def test_two_sizes_could_hold_two_leaves_at_one_index_so_the_record_names_one():
+    """Why a record commits its state tree's size: a root the trainer builds can hold leaf 2 of a tree of
+    5 leaves and another leaf 2 of a tree of 3 (the left subtree of one is a node of the other). With the
+    size fixed before the draw, only one of them opens."""
+    from witness.commit.hashing import leaf_hash, node_hash
+    from witness.commit.merkle import MerkleTree, root_from_inclusion
+
+    honest = [leaf_hash(bytes([i])) for i in range(4)]
+    fake = leaf_hash(b"another version of tensor 2")
+    left = MerkleTree(honest).root()
+    root = node_hash(left, fake)  # honest leaves 0..3, then the fake as leaf 4 of 5
+    assert MerkleTree([*honest, fake]).root() == root
+    assert root_from_inclusion(honest[2], 2, 5, MerkleTree([*honest, fake]).inclusion_proof(2)) == root
+    assert root_from_inclusion(fake, 2, 3, [left]) == root  # read as 3 leaves, index 2 is the fake
+    assert root_from_inclusion(fake, 2, 5, MerkleTree([*honest, fake]).inclusion_proof(2)) != root
