@@ -277,6 +277,9 @@ def main() -> dict:
             # at the servers: the later ones are priced in as its other attempts, which lowers their bound)
             for k in reps[0]:
                 m[k] = statistics.median(x[k] for x in reps)
+            # the recorder's own time on the training thread (copies, hashes, records) and the writes' CPU: where
+            # the chunks open into the state hash, their tree is the state's hash, which the unchunked run takes too
+            m["record_s"] = statistics.median(r["rec"].record_seconds for r in rs)
             m["client_cpu_s"] = statistics.median(x["post_cpu_seconds"] + x["settle_cpu_seconds"]
                                                   + x["request_cpu_seconds"] for x in reps)
             # copies + the chunk trees' CPU + the writes' own CPU (the openings' among them)
@@ -293,6 +296,11 @@ def main() -> dict:
         b, u = figures["beacon"], figures["unchunked"]
         figures["chunks"] = {
             "extra_trainer_compute_pp": 100 * (b["online_compute_fraction"] - u["online_compute_fraction"]),
+            # the every-step check's whole cost to the trainer: its recorder's time and its writes' CPU against the
+            # unchunked run's (which hashes every state too), as a share of the plain run's training
+            "extra_trainer_cost_pp": 100 * ((b["record_s"] + b["write_cpu_seconds"]) - (u["record_s"]
+                                                                                        + u["write_cpu_seconds"])) / plain_wall,
+            "tree": b["spec"].get("tree"),
             "chunk_tree_fraction": b["chunk_tree_fraction"], "trees": b["trees"],
             "tree_ms_per_step": 1000 * b["tree_cpu_seconds"] / max(1, b["trees"]),
             "openings_bytes": b["opened_bytes"], "openings_bytes_per_step": b["opened_bytes"] / args.steps,

@@ -9,7 +9,12 @@ optimizer step waits for it). The ratios decide between committing every step an
 steps, and whether hashing off the training thread pays. Also what an FSDP2 run over 8 ranks
 pays for its sharded digest: one rank's rows, and the verifier's split of the whole tensors.
 
-    python bench/state_hash.py [--threads 2] [--repeat 20] [--json out.json]
+And the hashes' own speed over one buffer (``--mib``, 256 by default), on one core and on two: the
+project's BLAKE3 with its chaining values (``witness.commit.blake3tree``, the one pass that also keeps
+the levels an opening's path needs), the ``blake3`` package (the same digest, no chaining values out)
+and OpenSSL's SHA-256 (the chunk tree of version 3 runs), in GB/s.
+
+    python bench/state_hash.py [--threads 2] [--repeat 20] [--mib 256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from common import median_seconds, parser, report
 
 from witness.bundle.state import shard_digests, shard_rows, state_hash, state_tensors
+from witness.commit import blake3tree
 from witness.session import TrainingSession
 from witness.task import build_task
 
@@ -132,15 +138,42 @@ def inline_vs_thread(label: str, rounds: int) -> dict:
             "thread_overhead": med["thread"] / med["plain"] - 1}
 
 
+def throughput(mib: int, repeat: int) -> dict:
+    """GB/s of each hash over one buffer of ``mib`` MiB, on 1 and 2 threads (best of ``repeat``)."""
+    import hashlib
+
+    import blake3
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 256, mib << 20, dtype=np.uint8)
+    out: dict = {"mib": mib, "native": blake3tree.NATIVE}
+    for threads in (1, 2):
+        runs = {"witness_blake3_tree": lambda t=threads: blake3tree.tree(data, blake3tree.KEEP_FROM, t),
+                "blake3_package": lambda t=threads: blake3.blake3(data, max_threads=t).digest()}
+        if threads == 1:  # (hashlib's SHA-256 is one stream: one core)
+            runs["openssl_sha256"] = lambda: hashlib.sha256(data).digest()
+        for name, fn in runs.items():
+            best = min(median_seconds(fn, 1) for _ in range(max(1, repeat // 4)))
+            out[f"{name}_gbps_{threads}t"] = data.nbytes / best / 1e9
+    out["tree_to_package_1t"] = out["witness_blake3_tree_gbps_1t"] / out["blake3_package_gbps_1t"]
+    out["tree_to_sha256_1t"] = out["witness_blake3_tree_gbps_1t"] / out["openssl_sha256_gbps_1t"]
+    return out
+
+
 def main() -> dict:
     ap = parser(__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--only-throughput", action="store_true", help="the hashes' speed alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    speed = throughput(args.mib, args.repeat)
+    if args.only_throughput:
+        return report({"throughput": speed}, args.json)
     labels = list(CONFIGS)
-    return report({"threads": args.threads, "configs": per_config(args.repeat),
+    return report({"threads": args.threads, "throughput": speed, "configs": per_config(args.repeat),
                    "inline_vs_thread": [inline_vs_thread(labels[2], 5 * args.rounds),
                                         inline_vs_thread(labels[3], args.rounds)]}, args.json)
 

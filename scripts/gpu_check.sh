@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of witness in one go, on a machine with NVIDIA GPUs and PyTorch installed: the
-# CUDA tests (tests/test_device.py), then bench/gpu_witnessed.py. Logs and figures go to OUTDIR:
-# machine.txt, tests.log, bench.log and gpu_witnessed.json (written after every phase).
+# CUDA tests (tests/test_device.py), then bench/gpu_witnessed.py, then bench/gpu_tree.py (the Triton
+# BLAKE3 tree's GB/s and the whole-state commit at 124 M and 1.2 B parameters). Logs and figures go to
+# OUTDIR: machine.txt, tests.log, bench.log, gpu_witnessed.json (written after every phase), tree.log
+# and gpu_tree.json.
 #
 #   scripts/gpu_check.sh OUTDIR [bench options, e.g. --presets gpt2-small --steps 8]
 #
@@ -36,5 +38,7 @@ tests=${PIPESTATUS[0]}
 (cd bench && timeout "${BENCH_TIMEOUT:-420}" "$py" -m torch.distributed.run --standalone \
   --nproc_per_node="${GPUS:-1}" gpu_witnessed.py --json "$out/gpu_witnessed.json" "$@") 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
-echo "tests: exit $tests; benchmark: exit $bench"
-[ "$tests" = 0 ] && [ "$bench" = 0 ]
+(cd bench && timeout "${TREE_TIMEOUT:-150}" "$py" gpu_tree.py --json "$out/gpu_tree.json") 2>&1 | tee "$out/tree.log"
+tree=${PIPESTATUS[0]}
+echo "tests: exit $tests; benchmark: exit $bench; tree: exit $tree"
+[ "$tests" = 0 ] && [ "$bench" = 0 ] && [ "$tree" = 0 ]
