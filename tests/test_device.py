@@ -214,3 +214,36 @@ def test_a_cpu_that_picks_other_kernels_is_other_hardware(tmp_path, capsys):
                                                     device={"kind": "cpu", "machine": recorded["machine"]}))
     with pytest.raises(VerificationError, match="initial state is not the one the run seed generates"):
         Verifier(policy=Policy(challenges=4)).verify(run)
+
+
+def test_a_gpu_run_pins_its_collectives_and_tuning_and_refuses_fast_fp8(monkeypatch):
+    """What deterministic_device sets on a GPU, checked here without one: NCCL's algorithm and protocol,
+    NVLS and CollNet off, autotuning off (set where unset, recorded as in effect), and an FP8 product with
+    fast accumulation refused where it is called; a GPU run from other pins is other hardware."""
+    from witness import session as sess
+
+    for k in sess.COLLECTIVE_PINS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NCCL_PROTO", "LL128")  # a run's own choice stays, and is what the manifest names
+    sess.pin_collectives_and_tuning()
+    assert os.environ["NCCL_ALGO"] == "Ring" and os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert sess.collective_pins() == "algo=Ring proto=LL128 nvls=0 collnet=0 autotune=0 cd_tuning=0"
+    assert len(sess.collective_pins()) <= 128
+    from torch._inductor import config as inductor
+
+    assert not inductor.max_autotune and not inductor.coordinate_descent_tuning
+    monkeypatch.setattr(torch, "_scaled_mm", torch._scaled_mm)  # restored after the test
+    sess.refuse_fast_fp8()
+    sess.refuse_fast_fp8()  # once is enough: not wrapped twice
+    assert torch._scaled_mm._witness_guard
+    a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0)
+    with pytest.raises(RuntimeError, match="use_fast_accum=True does not replay exactly"):
+        torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.float32, use_fast_accum=True)
+    with pytest.raises(RuntimeError, match="use_fast_accum=True does not replay exactly"):
+        torch._scaled_mm(a, a.t(), one, one, None, None, torch.float32, True)
+    gpu = {"kind": "cuda", "name": "H100", "cuda": "12.8", "cudnn": "9", "kernels": "x", "nccl": "2.27.3",
+           "pins": sess.collective_pins()}
+    assert sess.same_hardware(gpu, gpu)
+    assert not sess.same_hardware(gpu, gpu | {"pins": "algo=Tree proto=Simple nvls=0 collnet=0 autotune=0 cd_tuning=0"})
+    assert not sess.same_hardware(gpu, gpu | {"nccl": "2.21.5"})

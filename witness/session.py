@@ -180,9 +180,57 @@ def deterministic_device(device: str | torch.device) -> torch.device:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
+        pin_collectives_and_tuning()
+        refuse_fast_fp8()
     elif device.type != "cpu":
         raise ValueError(f"device {device}: witness records and replays on cpu or cuda")
     return device
+
+
+# What exact replay needs of a GPU run beyond its kernels: NCCL's algorithm and protocol pinned (its
+# tuner picks them by message size and topology, and NVLS and CollNet reduce in the switch, whose order
+# differs between calls: NCCL issues #1497 and #2360), and no autotuning (inductor's and Triton's pick
+# kernels by timing, which differ between machines and runs). Set where unset; a run that set another
+# value keeps it, and the manifest records what was in effect.
+COLLECTIVE_PINS = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_NVLS_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0",
+                   "TORCHINDUCTOR_MAX_AUTOTUNE": "0", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "0"}
+
+
+def pin_collectives_and_tuning() -> None:
+    """Pin NCCL's algorithm and protocol, switch NVLS and CollNet off and autotuning off (before the
+    process group and the first compile read them)."""
+    for k, v in COLLECTIVE_PINS.items():
+        os.environ.setdefault(k, v)
+    try:
+        from torch._inductor import config as inductor
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return
+    inductor.max_autotune = inductor.max_autotune_pointwise = inductor.max_autotune_gemm = False
+    inductor.coordinate_descent_tuning = False
+
+
+def collective_pins() -> str:
+    """The pins in effect, as the manifest records them (``versions.device.pins``: ``algo=Ring proto=Simple
+    nvls=0 collnet=0 autotune=0 cd_tuning=0``)."""
+    short = ("algo", "proto", "nvls", "collnet", "autotune", "cd_tuning")
+    return " ".join(f"{n}={os.environ.get(k, '')[:16]}" for n, k in zip(short, COLLECTIVE_PINS, strict=True))
+
+
+def refuse_fast_fp8() -> None:
+    """FP8 matrix products with fast accumulation (``torch._scaled_mm(..., use_fast_accum=True)``) add in
+    an order the hardware chooses: a run that claims exact replay refuses them where they are called."""
+    scaled = getattr(torch, "_scaled_mm", None)
+    if scaled is None or getattr(scaled, "_witness_guard", False):
+        return
+
+    def guarded(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - torch's own signature
+        if kwargs.get("use_fast_accum") or (len(args) > 7 and args[7]):
+            raise RuntimeError("an FP8 matrix product with use_fast_accum=True does not replay exactly: witness "
+                               "records and replays without fast accumulation (use_fast_accum=False)")
+        return scaled(*args, **kwargs)
+
+    guarded._witness_guard = True  # type: ignore[attr-defined]
+    torch._scaled_mm = guarded
 
 
 # The CPU features that choose torch's CPU kernels: ATen's vectorised kernels follow its capability
@@ -266,7 +314,10 @@ def _device_info(device: str | torch.device = "cpu") -> dict[str, str]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     # the host's kernels too: the weights are drawn on the host (randn's kernels differ by CPU)
     info = {"kind": "cuda", "name": torch.cuda.get_device_name(index), "cuda": str(torch.version.cuda),
-            "cudnn": str(torch.backends.cudnn.version()), "kernels": cpu_kernels()}
+            "cudnn": str(torch.backends.cudnn.version()), "kernels": cpu_kernels(), "pins": collective_pins()}
+    nccl = getattr(torch.cuda, "nccl", None)
+    if nccl is not None and torch.distributed.is_nccl_available():
+        info["nccl"] = ".".join(map(str, nccl.version())) if isinstance(nccl.version(), tuple) else str(nccl.version())
     try:  # the driver version, where NVML can tell it
         import pynvml  # type: ignore[import-not-found]
 
@@ -283,7 +334,7 @@ def same_hardware(recorded: dict[str, str], here: dict[str, str]) -> bool:
     same model and CUDA and cuDNN releases (the driver does not choose kernels). A field the run
     did not record (an older release) is not compared. This decides only what to attempt: exact
     replay still has to match every bit."""
-    gpu = ("kind", "name", "cuda", "cudnn", "kernels", "compiler")
+    gpu = ("kind", "name", "cuda", "cudnn", "kernels", "compiler", "nccl", "pins")
     keys = ("kind", "machine", "kernels", "compiler") if recorded.get("kind") == "cpu" else gpu
     # a run of a release before 0.5 names a long kernel choice cut off where this one hashes its tail:
     # only a cut one (KERNELS_MAX characters) read on this machine (``here`` is its own) is read so

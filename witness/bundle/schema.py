@@ -162,7 +162,8 @@ class Manifest:
         _dict(obj["fingerprint_spec"], f"{w}.fingerprint_spec")
         versions = _keys(obj["versions"], {"torch"}, {"device"}, f"{w}.versions")
         device = versions.get("device", {"kind": "cpu"})  # recorded before devices were: the CPU
-        _keys(device, {"kind"}, {"machine", "kernels", "name", "cuda", "cudnn", "driver", "compiler"},
+        # nccl, pins: a GPU run's NCCL release and its collective and tuning pins (witness.session, version 4)
+        _keys(device, {"kind"}, {"machine", "kernels", "name", "cuda", "cudnn", "driver", "compiler", "nccl", "pins"},
               f"{w}.versions.device")
         for k, v in device.items():
             _str(v, f"{w}.versions.device.{k}", 128)
