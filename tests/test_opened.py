@@ -110,7 +110,7 @@ def test_a_tensor_of_one_chunk_opens_into_its_root_flag():
     small = layout.names.index("model.fc.bias")  # 37 float32: one chunk
     c = layout.starts[small]
     data, ids, nodes, starts = _open(tree, layout, tensors, [c])
-    assert len(nodes) == len(tree._tree.inclusion_proof(tree.names.index("model.fc.bias")))
+    assert len(nodes) == len(tree.audit("model.fc.bias"))
     assert tree_paths(leaves, "blake3", data, ids, np.array([tree.size]), nodes, starts) == [tree.root]
 
 
@@ -137,3 +137,31 @@ def test_two_sizes_could_hold_two_leaves_at_one_index_so_the_record_names_one():
     assert root_from_inclusion(honest[2], 2, 5, MerkleTree([*honest, fake]).inclusion_proof(2)) == root
     assert root_from_inclusion(fake, 2, 3, [left]) == root  # read as 3 leaves, index 2 is the fake
     assert root_from_inclusion(fake, 2, 5, MerkleTree([*honest, fake]).inclusion_proof(2)) != root
+
+
+def test_the_batched_audit_walk_is_rfc6962s_for_every_index_and_size():
+    """The verifier walks every opening's audit path at once: the roots are root_from_inclusion's (which
+    RFC 6962's vectors check), for every index of every tree size up to 70, right edges included."""
+    import os
+
+    from witness.bundle.opened import _inclusion_roots
+    from witness.commit.merkle import MerkleTree
+
+    leaves, index, size, nodes, starts, want = [], [], [], [], [], []
+    for n in range(1, 70):
+        t = MerkleTree([os.urandom(32) for _ in range(n)])
+        for i in range(n):
+            starts.append(len(nodes))
+            nodes += t.inclusion_proof(i)
+            leaves.append(t.levels[0][i])
+            index.append(i)
+            size.append(n)
+            want.append(t.root())
+    nodes.append(bytes(32))
+    arr = lambda xs: np.frombuffer(b"".join(xs), np.uint8).reshape(-1, 32)  # noqa: E731
+    got = _inclusion_roots(arr(leaves), np.array(index), np.array(size), arr(nodes), np.array(starts))
+    assert [g.tobytes() for g in got] == want
+    flipped = arr(nodes).copy()
+    flipped[starts[100]] ^= 1
+    assert _inclusion_roots(arr(leaves), np.array(index), np.array(size), flipped, np.array(starts))[100].tobytes() \
+        != want[100]

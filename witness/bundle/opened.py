@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from ..commit import blake3tree
-from ..commit.merkle import MerkleTree, root_from_inclusion
+from ..commit.batch import node_hashes
+from ..commit.merkle import MerkleTree
 from ..errors import MalformedInput
 from ..fingerprint.chunks import ChunkLayout
 from .state import _PARALLEL_BYTES, _raw, leaf, on_threads, parse_digest, tensor_digest
@@ -37,46 +38,109 @@ def _threads(nbytes: int) -> int:
     return torch.get_num_threads() if nbytes >= _PARALLEL_BYTES else 1
 
 
-class StateTree:
-    """A state's hash, with what opens its parameters' chunks: each parameter's BLAKE3 tree, and the
-    state tree's leaves. ``flat`` is the layout's buffer holding the parameters (the ring's copy), whose
-    bytes are hashed in place and read again for a path; without one, the tensors' own bytes are."""
+class TensorTrees:
+    """Tensors hashed once: every tensor's digest (``hex``), and the BLAKE3 tree of each of ``layout``'s
+    tensors (the parameters, or one rank's pieces of them), whose chunks it opens. ``flat`` is the
+    layout's buffer holding them (the ring's copy), hashed in place and read again for a path; without
+    one, the tensors' own bytes are."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], digest: str, layout: ChunkLayout,
-                 flat: torch.Tensor | None = None):
-        if parse_digest(digest) != (TREE, 1) or layout.shards != 1 or layout.chunk_bytes != blake3tree.CHUNK:
+    def __init__(self, tensors: dict[str, torch.Tensor], layout: ChunkLayout, flat: torch.Tensor | None = None):
+        if layout.shards != 1 or layout.chunk_bytes != blake3tree.CHUNK:
             raise ValueError("the one-pass state tree needs BLAKE3 digests of whole tensors and 1 KiB chunks")
-        self.layout, self.digest = layout, digest
-        views = layout.views(flat) if flat is not None else {}
-        self._bytes = {n: _raw(views[n] if n in views else tensors[n]) for n in layout.names}
+        self.layout = layout
+        if flat is not None:  # the buffer's bytes where each tensor lies (numpy slices: no tensor views a step)
+            raw = flat.numpy()
+            self._bytes = {n: raw[a:e] for n, a, e in zip(layout.names, np.asarray(layout.starts) * layout.chunk_bytes,
+                                                          layout.ends, strict=True)}
+        else:
+            self._bytes = {n: _raw(tensors[n]) for n in layout.names}
 
         def one(name: str, t: torch.Tensor) -> blake3tree.TensorTree | str:
             raw = self._bytes.get(name)
             if raw is None:
-                return tensor_digest(t, digest)  # not opened: the package's digest (the same bytes)
+                return tensor_digest(t, TREE)  # not opened: the package's digest (the same bytes)
             return blake3tree.TensorTree(raw, _threads(raw.nbytes))
 
         got = on_threads(tensors, one)
-        self.names = sorted(tensors)
         self.trees = {n: v for n, v in got.items() if isinstance(v, blake3tree.TensorTree)}
-        leaves = [leaf(n, tensors[n].dtype, tensors[n].shape, digest,
-                       got[n].digest.hex() if n in self.trees else got[n]) for n in self.names]
+        self.hex = {n: v.digest.hex() if isinstance(v, blake3tree.TensorTree) else v for n, v in got.items()}
+
+    def name(self, chunk: int) -> str:
+        """The tensor a layout chunk belongs to."""
+        return self.layout.tensors[int(self.layout.tensor_of(np.asarray(chunk)))][0]
+
+    def path(self, chunk: int) -> np.ndarray:
+        """Layout chunk ``chunk``'s BLAKE3 path, up to its tensor's digest ([nodes, 32])."""
+        i = int(self.layout.tensor_of(np.asarray(chunk)))
+        name = self.layout.tensors[i][0]
+        return self.trees[name].path(chunk - self.layout.starts[i], self._bytes[name])
+
+
+def _nodes(hashes: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(hashes), np.uint8).reshape(-1, 32)
+
+
+class _Leaves:
+    """A state tree over leaves sorted by name: its root, its size and each name's audit path."""
+
+    def __init__(self, names: list[str], leaves: list[bytes]):
         self._tree = MerkleTree(leaves)
         self.root = self._tree.root()
         self.size = len(leaves)
-        self._index = {n: i for i, n in enumerate(self.names)}
+        self._index = {n: i for i, n in enumerate(names)}
+
+    def audit(self, name: str) -> np.ndarray:
+        """The audit path of ``name``'s leaf ([nodes, 32])."""
+        return _nodes(self._tree.inclusion_proof(self._index[name]))
+
+
+class StateTree(_Leaves):
+    """A state's hash in one process, with what opens its parameters' chunks: each parameter's BLAKE3
+    tree (``TensorTrees``) and the state tree's leaves."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], digest: str, layout: ChunkLayout,
+                 flat: torch.Tensor | None = None):
+        if parse_digest(digest) != (TREE, 1):
+            raise ValueError("the one-pass state tree needs BLAKE3 digests of whole tensors and 1 KiB chunks")
+        self.layout, self.pieces = layout, TensorTrees(tensors, layout, flat)
+        names = sorted(tensors)
+        super().__init__(names, [leaf(n, tensors[n].dtype, tensors[n].shape, digest, self.pieces.hex[n])
+                                 for n in names])
+
+    def tail(self, name: str) -> np.ndarray:
+        """What follows a chunk's BLAKE3 path in its opening: its tensor's audit path."""
+        return self.audit(name)
 
     def paths(self, chunks: list[int]) -> np.ndarray:
         """The openings' nodes of chunks ``chunks`` (layout indices), one after the other: each
         chunk's BLAKE3 path, then its tensor's audit path in the state tree ([nodes, 32])."""
-        out = []
-        for c in chunks:
-            i = int(self.layout.tensor_of(np.asarray(c)))
-            name = self.layout.tensors[i][0]
-            out.append(self.trees[name].path(c - self.layout.starts[i], self._bytes[name]))
-            proof = self._tree.inclusion_proof(self._index[name])
-            out.append(np.frombuffer(b"".join(proof), np.uint8).reshape(-1, 32))
+        out = [x for c in chunks for x in (self.pieces.path(c), self.tail(self.pieces.name(c)))]
         return np.concatenate(out) if out else np.zeros((0, 32), np.uint8)
+
+
+class ShardedState(_Leaves):
+    """Rank 0's view of a state hashed over W ranks (a ``blake3/W`` digest): every rank's digests of its
+    row pieces (``ranks``, rank order), the state tree they make, and what follows a piece's BLAKE3 path
+    in an opening: the tensor's W shard digests (none for a 0-dimensional one), then its audit path."""
+
+    def __init__(self, meta: dict[str, tuple[torch.dtype, tuple[int, ...]]], ranks: list[dict[str, str]],
+                 digest: str):
+        name, shards = parse_digest(digest)
+        if name != TREE or len(ranks) != shards or any(set(r) != set(meta) for r in ranks):
+            raise ValueError("every rank hashes a piece of every tensor of the state, with BLAKE3")
+        names = sorted(meta)
+        self._shards = {n: _nodes([bytes.fromhex(r[n]) for r in ranks]) for n in names if meta[n][1]}
+        leaves = []
+        for n in names:
+            dtype, shape = meta[n]
+            d = blake3tree.digest(self._shards[n].tobytes()).hex() if shape else ranks[0][n]
+            leaves.append(leaf(n, dtype, shape, digest, d))
+        super().__init__(names, leaves)
+
+    def tail(self, name: str) -> np.ndarray:
+        """The tensor's shard digests (if it is split by rows), then its audit path."""
+        audit = self.audit(name)
+        return np.concatenate([self._shards[name], audit]) if name in self._shards else audit
 
 
 class ModelLeaves:
@@ -93,12 +157,26 @@ class ModelLeaves:
         self.meta = [(sd[n[6:]].dtype, tuple(sd[n[6:]].shape)) for n in layout.names]
         self.chunk_count = np.array([blake3tree.chunk_count(layout.nbytes(i)) for i in range(len(layout.names))],
                                     np.int64)
+        # over W ranks (a sharded digest): each piece's rank, and how many shard digests its opening holds
+        # (W for a tensor split by rows; none for a 0-dimensional one, hashed whole on rank 0)
+        self.rank = np.array([at // layout.shard_size if layout.shards > 1 else 0 for at in layout.starts], np.int64)
+        self.shards = np.array([layout.shards if layout.shards > 1 and shape else 0 for _, shape in self.meta],
+                               np.int64)
+        self._lengths: dict[tuple[bytes, bytes], np.ndarray] = {}
 
     def lengths(self, chunks: np.ndarray, leaves: np.ndarray) -> np.ndarray:
         """The nodes of each opening (chunk ``chunks[r]`` of a state tree of ``leaves[r]`` leaves)."""
+        key = (np.asarray(chunks).tobytes(), np.asarray(leaves).tobytes())
+        if key not in self._lengths:  # (a window's states open the same chunks in trees of one size, mostly)
+            if len(self._lengths) > 4096:
+                self._lengths.clear()
+            self._lengths[key] = self._count(chunks, leaves)
+        return self._lengths[key]
+
+    def _count(self, chunks: np.ndarray, leaves: np.ndarray) -> np.ndarray:
         tensor = self.layout.tensor_of(chunks)
         local = chunks - np.asarray(self.layout.starts)[tensor]
-        out = blake3tree.path_lengths(local, self.chunk_count[tensor])
+        out = blake3tree.path_lengths(local, self.chunk_count[tensor]) + self.shards[tensor]
         return out + np.array([_audit_length(int(i), int(n)) for i, n in zip(self.index[tensor], leaves, strict=True)],
                               np.int64)
 
@@ -117,37 +195,70 @@ def _audit_length(index: int, size: int) -> int:
     return n
 
 
+def _inclusion_roots(leaves: np.ndarray, index: np.ndarray, size: np.ndarray, nodes: np.ndarray,
+                     starts: np.ndarray) -> np.ndarray:
+    """``root_from_inclusion`` of R leaves at once ([R, 32]): leaf r at ``index[r]`` of a tree of
+    ``size[r]`` leaves, its audit path ``_audit_length`` nodes of ``nodes`` from ``starts[r]``; the walk
+    of RFC 9162 §2.1.3.2, one level for all rows at a time."""
+    cur = np.array(leaves, dtype=np.uint8, copy=True)
+    fn, sn = np.asarray(index, np.int64).copy(), np.asarray(size, np.int64) - 1
+    ptr = np.asarray(starts, np.int64).copy()
+    while (sn > 0).any():
+        rows = np.nonzero(sn > 0)[0]
+        sib = nodes[ptr[rows]]
+        left = ((fn[rows] & 1) == 1) | (fn[rows] == sn[rows])  # the sibling is on the left
+        pairs = np.concatenate([np.where(left[:, None], sib, cur[rows]), np.where(left[:, None], cur[rows], sib)], 1)
+        cur[rows] = np.frombuffer(node_hashes(np.ascontiguousarray(pairs)), np.uint8).reshape(-1, 32)
+        ptr[rows] += 1
+        edge = rows[left]
+        while True:  # a right edge's levels: shifted past until the node is a right child (or the root)
+            move = edge[((fn[edge] & 1) == 0) & (fn[edge] != 0)]
+            if not move.size:
+                break
+            fn[move] >>= 1
+            sn[move] >>= 1
+            edge = move
+        fn[rows] >>= 1
+        sn[rows] >>= 1
+    return cur
+
+
 def tree_paths(leaves: ModelLeaves, digest: str, data: np.ndarray, chunks: np.ndarray, sizes: np.ndarray,
                nodes: np.ndarray, starts: np.ndarray) -> list[bytes | None]:
-    """The state root each of R openings leads to (None: its leaf has no place in a tree of that size):
-    ``data`` [R, 1024] the chunks (zero past their tensor's end), ``chunks`` [R] their layout indices,
-    ``sizes`` [R] the leaves of the state tree each opens into (its record's), ``nodes`` every path's
-    nodes and ``starts`` where each opening's begin (its length is ``leaves.lengths``)."""
+    """The state root each of R openings leads to (None: its leaf has no place in a tree of that size,
+    or its piece is not the shard its rank's digest names): ``data`` [R, 1024] the chunks (zero past
+    their tensor's end), ``chunks`` [R] their layout indices, ``sizes`` [R] the leaves of the state tree
+    each opens into (its record's), ``nodes`` every path's nodes and ``starts`` where each opening's
+    begins (its length is ``leaves.lengths``). Every step for all rows at once but the leaves' JSON."""
     layout = leaves.layout
     tensor = layout.tensor_of(chunks)
     local = chunks - np.asarray(layout.starts)[tensor]
-    ends = np.array([layout.nbytes(int(i)) for i in tensor], np.int64)
+    ends = np.array([layout.nbytes(int(i)) for i in range(len(layout.names))], np.int64)[tensor]
     lengths = np.clip(ends - local * blake3tree.CHUNK, 0, blake3tree.CHUNK)
     count = leaves.chunk_count[tensor]
     digests = blake3tree.path_roots(data, lengths, local, count, nodes, starts)
-    below = blake3tree.path_lengths(local, count)
-    out: list[bytes | None] = []
-    for r in range(len(chunks)):
-        i, size = int(tensor[r]), int(sizes[r])
-        index = int(leaves.index[i])
-        if not index < size:
-            out.append(None)
-            continue
-        dtype, shape = leaves.meta[i]
-        at = int(starts[r] + below[r])
-        proof = [nodes[j].tobytes() for j in range(at, at + _audit_length(index, size))]
-        out.append(root_from_inclusion(leaf(layout.names[i], dtype, shape, digest, digests[r].tobytes().hex()),
-                                       index, size, proof))
+    at = np.asarray(starts, np.int64) + blake3tree.path_lengths(local, count)
+    index, sizes = leaves.index[tensor], np.asarray(sizes, np.int64)
+    ok = index < sizes
+    w = leaves.shards[tensor]
+    for r in np.nonzero(w)[0]:  # a piece of rank q: its digest is shard q of the W the tensor's is the hash of
+        shards = nodes[at[r]:at[r] + w[r]]
+        ok[r] &= shards[leaves.rank[tensor[r]]].tobytes() == digests[r].tobytes()
+        digests[r] = np.frombuffer(blake3tree.digest(shards.tobytes()), np.uint8)
+    at += w
+    hashes = np.frombuffer(b"".join(
+        leaf(layout.names[i], *leaves.meta[i], digest, d.tobytes().hex()) for i, d in zip(tensor, digests, strict=True)),
+        np.uint8).reshape(-1, 32)
+    good = np.nonzero(ok)[0]
+    tops = _inclusion_roots(hashes[good], index[good], sizes[good], nodes, at[good])
+    out: list[bytes | None] = [None] * len(chunks)
+    for j, r in enumerate(good):
+        out[r] = tops[j].tobytes()
     return out
 
 
 def check_tree_settings(online: dict, digest: str) -> None:
-    """A manifest's one-pass tree settings: BLAKE3 digests of whole tensors, 1 KiB chunks."""
+    """A manifest's one-pass tree settings: BLAKE3 digests (of whole tensors, or of row shards), 1 KiB chunks."""
     if online.get("tree") != TREE:
         raise MalformedInput(f"online.tree must be {TREE!r}")
     if online.get("chunk_bytes") != blake3tree.CHUNK:

@@ -187,14 +187,15 @@ class TensorTree:
     up; a path's lower nodes are hashed again from the buffer's bytes around the opened chunk."""
 
     def __init__(self, data, threads: int = 1, keep_from: int = KEEP_FROM):  # noqa: ANN001 - any buffer
-        self.nbytes = len(memoryview(data).cast("B"))
-        self.size = chunk_count(self.nbytes)
+        # (a tree is built for every parameter at every step, and opened for a few: the rest is lazy)
+        self.size = chunk_count(data.nbytes if isinstance(data, np.ndarray) else len(memoryview(data).cast("B")))
         self.keep_from = keep_from
-        self.digest, kept = tree(data, keep_from, threads)
-        self._kept = np.frombuffer(kept, np.uint8).reshape(-1, 32)
+        self.digest, self._raw_kept = tree(data, keep_from, threads)
+
+    def _level_starts(self) -> dict[int, int]:
         sizes = level_sizes(self.size)[:-1]
-        self._starts = {lv: int(s) for lv, s in zip(range(keep_from, len(sizes)),
-                                                      np.cumsum([0, *sizes[keep_from:]]), strict=False)}
+        return {lv: int(s) for lv, s in zip(range(self.keep_from, len(sizes)),
+                                            np.cumsum([0, *sizes[self.keep_from:]]), strict=False)}
 
     def path(self, index: int, data) -> np.ndarray:  # noqa: ANN001 - the same buffer's bytes
         """The sibling CVs of chunk ``index``, bottom up ([nodes, 32]); ``data`` the buffer hashed."""
@@ -209,11 +210,13 @@ class TensorTree:
             up = np.frombuffer(parents(lv[:len(lv) // 2 * 2].tobytes()), np.uint8).reshape(-1, 32)
             levels.append(np.concatenate([up, lv[len(lv) // 2 * 2:]]))
         out = []
+        kept = np.frombuffer(self._raw_kept, np.uint8).reshape(-1, 32)
+        starts = self._level_starts()
         for level, pos in path_nodes(index, self.size):
             if level < self.keep_from:
                 out.append(levels[level][pos - (lo >> level)])
             else:
-                out.append(self._kept[self._starts[level] + pos])
+                out.append(kept[starts[level] + pos])
         return np.stack(out) if out else np.zeros((0, 32), np.uint8)
 
 

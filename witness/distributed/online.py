@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..bundle.checkpoint import write_state
 from ..bundle.layout import online_shard_name
+from ..bundle.opened import ShardedState, TensorTrees
 from ..commit.chunks import ChunkTree
 from ..fingerprint.chunks import ChunkLayout
 from ..record.kept import StatePool
@@ -90,21 +91,40 @@ def exchange(notes: Notes | None, device: torch.device) -> Notes:
     return out
 
 
-Pieces = list[tuple[np.ndarray, np.ndarray]]  # per state of a window: a rank's opened chunks [k_r, c], their local paths
+# per state of a window: a rank's opened chunks [k_r, c], their local paths one after the other, and each one's length
+Pieces = list[tuple[np.ndarray, np.ndarray, list[int]]]
 
 
-def own_openings(chunks: list[int], rank: int, layout: ChunkLayout, states: list[tuple[torch.Tensor, ChunkTree]]
-                 ) -> Pieces:
-    """A rank's part of a window's openings: of each state (its chunk-aligned buffer and its subtree), the
-    opened chunks that fall among the rank's own (``layout`` is its own, of ``layout.size`` chunks), with
-    their paths within its subtree. Rank 0 puts the ranks' parts together (``witness.distributed``)."""
+def own_openings(chunks: list[int], rank: int, layout: ChunkLayout,
+                 states: list[tuple[torch.Tensor, ChunkTree | TensorTrees]]) -> Pieces:
+    """A rank's part of a window's openings: of each state (its chunk-aligned buffer and its subtree, or
+    its pieces' BLAKE3 trees), the opened chunks that fall among the rank's own (``layout`` is its own,
+    of ``layout.size`` chunks), with their paths within its subtree (or up to the piece's digest). Rank 0
+    puts the ranks' parts together (``witness.distributed``)."""
     lo = rank * layout.size
     local = [c - lo for c in chunks if lo <= c < lo + layout.size]
     out = []
     for flat, tree in states:
         raw = flat.numpy().reshape(layout.size, layout.chunk_bytes)
-        out.append((raw[local].copy(), tree.paths(local)))
+        paths = [tree.paths([c]) if isinstance(tree, ChunkTree) else tree.path(c) for c in local]
+        out.append((raw[local].copy(), np.concatenate(paths) if paths else np.zeros((0, 32), np.uint8),
+                    [len(p) for p in paths]))
     return out
+
+
+def all_digests(digests: dict[str, str], device: torch.device, world: int, rank: int) -> list[dict[str, str]] | None:
+    """Collective: every rank's digests of its pieces (the same names on every rank) to every rank in
+    fixed-size rows; rank 0 gets them all, in rank order (None on the other ranks)."""
+    names = sorted(digests)
+    mine = torch.frombuffer(bytearray(b"".join(bytes.fromhex(digests[n]) for n in names)), dtype=torch.uint8)
+    mine = mine.to(device)  # nccl sends device tensors
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    if rank != 0:
+        return None
+    size = len(mine) // len(names)
+    table = [bytes(r.cpu().numpy()) for r in rows]  # one copy to the host per rank, then slices
+    return [{n: t[i * size:(i + 1) * size].hex() for i, n in enumerate(names)} for t in table]
 
 
 class ShareRing:
@@ -114,11 +134,14 @@ class ShareRing:
     statement covers it, written to the bundle where a statement asks for the state. Writes run on
     a thread of their own; a state being written counts against the ring until it is written."""
 
-    def __init__(self, out: str | Path, rank: int, capacity: int, steps: int, layout: ChunkLayout | None = None):
-        """``layout``: a chunked run's layout of this rank's rows of the parameters (``ChunkLayout.shard``)."""
+    def __init__(self, out: str | Path, rank: int, capacity: int, steps: int, layout: ChunkLayout | None = None,
+                 tree: bool = False):
+        """``layout``: a chunked run's layout of this rank's rows of the parameters (``ChunkLayout.shard``);
+        ``tree``: its chunks open into the state hash (each piece's BLAKE3 tree), not a subtree of their own."""
         self.out, self.rank, self.capacity, self.steps, self.layout = Path(out), rank, capacity, steps, layout
+        self.tree = tree
         self.ring: dict[int, dict[str, torch.Tensor]] = {}
-        self.trees: dict[int, ChunkTree] = {}  # a chunked run: each kept state's subtree
+        self.trees: dict[int, ChunkTree | TensorTrees] = {}  # a chunked run: each kept state's subtree (or trees)
         self.covered = 0
         self.missing: set[int] = set()  # states asked for that this rank did not hold
         self._done: set[int] = set()  # states written
@@ -179,7 +202,7 @@ class ShareRing:
             if slot is not None:
                 self._pool.release(slot)
 
-    def keep(self, n: int, pieces: dict[str, torch.Tensor]) -> ChunkTree | None:
+    def keep(self, n: int, pieces: dict[str, torch.Tensor]) -> ChunkTree | TensorTrees | None:
         """This rank's share of the state after ``n`` updates, copied into the ring (unless a
         statement covers it already, or no step starts from it and no window opens it); in a
         chunked run, the subtree of its chunks (hashed in the ring's buffer)."""
@@ -199,14 +222,15 @@ class ShareRing:
         if self.layout is None:
             return None
         started = time.perf_counter()
-        self.trees[n] = tree = self.layout.tree(self._pool.flat(slot))  # type: ignore[arg-type]
+        flat = self._pool.flat(slot)
+        self.trees[n] = tree = TensorTrees(slot, self.layout, flat) if self.tree else self.layout.tree(flat)  # type: ignore[arg-type]
         self.tree_seconds += time.perf_counter() - started
         return tree
 
-    def _tree(self, pieces: dict[str, torch.Tensor]) -> ChunkTree:
-        """The subtree of a state the ring does not keep."""
+    def _tree(self, pieces: dict[str, torch.Tensor]) -> ChunkTree | TensorTrees:
+        """The subtree (or the pieces' trees) of a state the ring does not keep."""
         assert self.layout is not None
-        return self.layout.tree(self.layout.flatten(pieces))
+        return TensorTrees(pieces, self.layout) if self.tree else self.layout.tree(self.layout.flatten(pieces))
 
     def finish(self) -> None:
         """After the last notes: every write done, every state asked for written."""
@@ -235,10 +259,15 @@ class ShardChunks:
     path above the subtree (from the subtree roots it kept) and writes the window's openings in the
     format one process writes (``docs/format.md``). Methods that say "collective" run on every rank."""
 
-    def __init__(self, layout: ChunkLayout, rank: int, world: int, device: torch.device, k: int):
+    def __init__(self, layout: ChunkLayout, rank: int, world: int, device: torch.device, k: int,
+                 digest: str | None = None):
+        """``digest``: where the chunks open into the state hash (version 4), the run's state digest
+        (``blake3/W``); None: into a ``param_root`` of their own (version 3)."""
         self.layout, self.rank, self.world, self.device, self.k = layout, rank, world, device, k
+        self.digest = digest
         self.mine = layout.shard(rank)
         self.subroots: dict[int, list[bytes]] = {}  # rank 0: every rank's subtree root of each state
+        self.states: dict[int, ShardedState] = {}  # rank 0, version 4: each kept state's tree of the ranks' digests
         self.own: dict[int, Pieces] = {}  # rank 0: its part of each window's openings, by head size
         self._lock = threading.Lock()
 
@@ -263,6 +292,17 @@ class ShardChunks:
         self.subroots[n] = subroots
         return wrap_root(self.layout.id, self.layout.size, self._above(subroots).levels[-1].tobytes())
 
+    def state_tree(self, n: int, trees: TensorTrees, meta: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+                   ) -> ShardedState | None:
+        """Collective (version 4): the state tree of the state after ``n`` updates, on rank 0, from every
+        rank's digests of its pieces (``trees``: this rank's, hashed once in its ring's copy); ``meta``
+        each tensor's dtype and whole shape."""
+        ranks = all_digests(trees.hex, self.device, self.world, self.rank)
+        if ranks is None:
+            return None
+        self.states[n] = state = ShardedState(meta, ranks, self.digest)  # type: ignore[arg-type]
+        return state
+
     @staticmethod
     def _above(subroots: list[bytes]) -> ChunkTree:
         """The tree over the ranks' subtree roots (the top of the chunk tree; its own root is not wrapped)."""
@@ -277,7 +317,6 @@ class ShardChunks:
         dist.gather_object(opened, parts, dst=0)
         if parts is None:
             return
-        depth = self.mine.size.bit_length() - 1  # every local path: one node a level of the rank's subtree
         for covered, _, window in notes:
             if window is None:
                 continue
@@ -287,16 +326,23 @@ class ShardChunks:
             ranks = [c // self.mine.size for c in chunks]
             pieces = []
             for i, n in enumerate(range(first, last + 1)):
-                above = self._above(self.subroots[n])
+                # what follows each rank's local path: the path above its subtree (version 3), or the tensor's
+                # shard digests and audit path in the state tree (version 4)
+                state = self.states[n] if self.digest else None
+                above = self._above(self.subroots[n]) if state is None else None
                 seen = [0] * self.world  # each rank's chunks come in ascending order, as ``chunks`` lists them
                 data, paths = [], []
-                for r in ranks:
-                    part_data, part_paths = parts[r][size][i]
+                for c, r in zip(chunks, ranks, strict=True):
+                    part_data, part_paths, lengths = parts[r][size][i]
                     j = seen[r]
                     seen[r] += 1
                     data.append(part_data[j])
-                    paths += [part_paths[j * depth:(j + 1) * depth], above.paths([r])]
+                    at = sum(lengths[:j])
+                    tail = above.paths([r]) if above is not None else \
+                        state.tail(self.layout.tensors[int(self.layout.tensor_of(np.asarray(c)))][0])  # type: ignore[union-attr]
+                    paths += [part_paths[at:at + lengths[j]], tail]
                 pieces.append((np.stack(data), np.concatenate(paths)))
             write(size, first, chunks, pieces)
-            for n in [n for n in self.subroots if n < covered]:
-                del self.subroots[n]
+            for held in (self.subroots, self.states):
+                for n in [n for n in held if n < covered]:
+                    del held[n]

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..bundle.checkpoint import read_checkpoint
 from ..bundle.layout import LOG, checkpoint_name, due, online_shard_name
+from ..bundle.opened import ShardedState
 from ..bundle.state import default_digest, parse_digest, root_from_shards, shard_digests
 from ..bundle.writer import read_lines
 from ..commit.hashing import parse_canonical_json
@@ -42,7 +43,7 @@ from ..record.selfcheck import SelfCheck, check_steps
 from ..record.start import reopen
 from ..task.base import StepOutput, Task
 from ..task.registry import build_task
-from .online import Answers, Notes, ShardChunks, ShareRing, exchange
+from .online import Answers, Notes, ShardChunks, ShareRing, all_digests, exchange
 from .session import DistSession
 
 
@@ -82,7 +83,8 @@ class DistRecorder:
         if started["ring"] is not None and self.sharded:
             if started["chunks"]:  # each rank's rows of the parameters a subtree of the chunk tree
                 layout = ChunkLayout.of_model(self.session.module, started["chunk_bytes"], shards)
-                self._chunks = ShardChunks(layout, self.rank, shards, self.session.device, started["chunks"])
+                self._chunks = ShardChunks(layout, self.rank, shards, self.session.device, started["chunks"],
+                                           self.digest if started["tree"] else None)
             if self.rank == 0:
                 self._answers = Answers()
                 self.inner.online.on_answer = self._answers.note  # type: ignore[union-attr]
@@ -90,8 +92,8 @@ class DistRecorder:
                     self.inner.online.on_opening = self._chunks.opened_here  # type: ignore[union-attr]
             else:
                 self._ring = ShareRing(out, self.rank, started["ring"], task.config.steps,
-                                       self._chunks.mine if self._chunks is not None else None)
-            self._keep(0, self.session.shard_pieces()[0])  # the initial state: its share on every rank
+                                       self._chunks.mine if self._chunks is not None else None, bool(started["tree"]))
+            self._keep(0, *self.session.shard_pieces())  # the initial state: its share on every rank
         dist.barrier()
 
     @classmethod
@@ -184,7 +186,8 @@ class DistRecorder:
         self._self_check(check, check_steps(task.config.steps))
         spec = self.inner.online.spec if self.inner.online is not None else None
         return {"ring": spec.ring if spec is not None else None, "chunks": spec.chunks if spec is not None else 0,
-                "chunk_bytes": spec.chunk_bytes if spec is not None else 0}
+                "chunk_bytes": spec.chunk_bytes if spec is not None else 0,
+                "tree": spec.tree if spec is not None and spec.chunks else None}
 
     def _self_check(self, check: SelfChecking, steps: list[int]) -> None:
         """Rank 0 of a DDP run: replay ``steps`` and sampled later ones from its replica, as a verifier will."""
@@ -193,11 +196,13 @@ class DistRecorder:
         self.inner.self_check = SelfCheck(self.inner, steps, check.share)
         self.inner.self_check.prepare(self.inner.next_step)  # the committed state the first step starts from
 
-    def _keep(self, n: int, pieces: dict[str, torch.Tensor]) -> bytes | None:
+    def _keep(self, n: int, pieces: dict[str, torch.Tensor], meta: dict) -> bytes | ShardedState | None:
         """Collective (an online run): this rank's share of the state after ``n`` updates into its ring.
         Rank 0 keeps its share first (waiting for the beacon where its ring is full), then tells the
         other ranks what the statements answered since asked for; they write and free, then keep. A
-        chunked run then puts the windows' openings together, and rank 0 gets the state's ``param_root``."""
+        chunked run then puts the windows' openings together, and rank 0 gets the state's ``param_root``
+        (version 3), or its state tree, which is its hash (version 4: ``meta`` each tensor's dtype and
+        whole shape)."""
         if self._answers is not None:
             tree = self.inner.online.keep(n, pieces)  # type: ignore[union-attr]
             notes, opened = self._notes()
@@ -209,7 +214,9 @@ class DistRecorder:
         if self._chunks is None or tree is None:
             return None
         self._chunks.gather(notes, opened, self._write_openings)
-        return self._chunks.param_root(n, tree)
+        if self._chunks.digest:
+            return self._chunks.state_tree(n, tree, meta)  # type: ignore[arg-type]
+        return self._chunks.param_root(n, tree)  # type: ignore[arg-type]
 
     def _write_openings(self, size: int, first: int, chunks: list[int], pieces: list) -> None:
         """Rank 0: a window's openings, put together from every rank's part."""
@@ -258,17 +265,24 @@ class DistRecorder:
         fp = self.session.fingerprint()
         sketch = self.session.sketch()
         state = root = None
-        pieces = self.session.shard_pieces()[0] if self.sharded and committed else None
-        param_root = None
+        pieces, meta = self.session.shard_pieces() if self.sharded and committed else (None, None)
+        kept = tree = None
         if pieces is not None and (self._answers is not None or self._ring is not None):
-            param_root = self._keep(step + 1, pieces)  # a host copy, before training changes it
+            kept = self._keep(step + 1, pieces, meta)  # a host copy, before training changes it
+        one_pass = pieces is not None and self._chunks is not None and bool(self._chunks.digest)
+        if isinstance(kept, ShardedState):  # (rank 0) the ranks' trees are the state's hash: not hashed again
+            tree = {"state_leaves": kept.size}
+        elif kept is not None:
+            tree = {"param_root": kept.hex()}
         if committed and self.sharded and not due(step, self.checkpoint_every, steps):
-            root = self._hash_shards()
+            root = kept.root if isinstance(kept, ShardedState) else None if one_pass else self._hash_shards()
         elif committed:
             state = self.session.full_state()  # a checkpoint's state is written whole: gathered
+            if isinstance(kept, ShardedState):
+                tree["state_hash"] = kept.root.hex()  # type: ignore[index]  # (its checkpoint must hash to it)
         if self.inner is not None:
             self.inner.log_step(step, total, fingerprint=fp, sketch=sketch, state=state,
-                                live=self.session.holds_whole_state(), state_root=root, param_root=param_root)
+                                live=self.session.holds_whole_state(), state_root=root, tree=tree)
 
     def _hash_shards(self) -> bytes | Future | None:
         """Every rank hashes the rows it holds; rank 0 gets the root (or a future of it, when the
@@ -297,16 +311,9 @@ class DistRecorder:
 
     def _exchange(self, digests: dict[str, str], layout: dict | None) -> bytes | None:
         """Collective: every rank's digests to every rank (fixed-size rows); rank 0 composes the root."""
-        names = sorted(digests)
-        mine = torch.frombuffer(bytearray(b"".join(bytes.fromhex(digests[n]) for n in names)), dtype=torch.uint8)
-        mine = mine.to(self.session.device)  # nccl sends device tensors
-        rows = [torch.empty_like(mine) for _ in range(self.session.world_size)]
-        dist.all_gather(rows, mine)
-        if layout is None:
+        ranks = all_digests(digests, self.session.device, self.session.world_size, self.rank)
+        if layout is None or ranks is None:
             return None
-        size = len(mine) // len(names)
-        table = [bytes(r.cpu().numpy()) for r in rows]  # one copy to the host per rank, then slices
-        ranks = [{n: t[i * size:(i + 1) * size].hex() for i, n in enumerate(names)} for t in table]
         return root_from_shards(layout, ranks, self.digest)
 
     def finish(self) -> None:

@@ -33,7 +33,7 @@ from ..bundle.layout import (
     online_chunks_name,
     online_samples_name,
 )
-from ..bundle.opened import StateTree
+from ..bundle.opened import StateTree, TensorTrees
 from ..bundle.state import default_digest
 from ..bundle.writer import read_lines
 from ..commit.beacon import BeaconStatement, selected_steps
@@ -79,7 +79,7 @@ class OnlineChallenges(KeptFiles):
         self.ring: dict[int, dict[str, torch.Tensor]] = {}  # state after n updates, for steps not yet covered
         # the chunk tree of each state in the ring (a chunked run): its state tree, where the chunks open into
         # the state hash (spec.tree), which the record then commits instead of hashing the state again
-        self.trees: dict[int, ChunkTree | StateTree] = {}
+        self.trees: dict[int, ChunkTree | StateTree | TensorTrees] = {}
         # windows stamped before a crash whose openings were lost: head size -> (first state, chunks, pieces
         # of the states passed again so far)
         self.reopen: dict[int, tuple[int, list[int], dict[int, tuple[np.ndarray, np.ndarray]]]] = {}
@@ -188,7 +188,7 @@ class OnlineChallenges(KeptFiles):
         return self.layout.select(st.beta, self.spec.chunks)
 
     # --- the ring (training thread) ---------------------------------------------------------
-    def keep(self, n: int, state: dict[str, torch.Tensor]) -> ChunkTree | StateTree | None:
+    def keep(self, n: int, state: dict[str, torch.Tensor]) -> ChunkTree | StateTree | TensorTrees | None:
         """The committed state after ``n`` updates (the state before step ``n``): copied into the ring;
         in a chunked run, its chunk tree (whose root the record commits), or its state tree."""
         slot = None
@@ -201,7 +201,7 @@ class OnlineChallenges(KeptFiles):
             self.copies += 1
         return self.tree(n, slot if slot is not None else state)
 
-    def tree(self, n: int, tensors: dict[str, torch.Tensor]) -> ChunkTree | StateTree | None:
+    def tree(self, n: int, tensors: dict[str, torch.Tensor]) -> ChunkTree | StateTree | TensorTrees | None:
         """The chunk tree of the state after ``n`` updates (None: the run commits no chunks), hashed in
         its ring buffer where the ring holds it (any thread: the overlapped hash calls it with the copy).
         Where the chunks open into the state hash (``spec.tree``), the whole state's tree, in one pass."""
@@ -214,7 +214,12 @@ class OnlineChallenges(KeptFiles):
                 if self._scratch is None:
                     self._scratch = self.layout.empty()
                 flat = self.layout.flatten(tensors, self._scratch)
-            tree = StateTree(tensors, self.digest, self.layout, flat) if self.spec.tree else self.layout.tree(flat)
+            if not self.spec.tree:
+                tree = self.layout.tree(flat)
+            elif self.shard is None:
+                tree = StateTree(tensors, self.digest, self.layout, flat)
+            else:  # rank 0's share over several ranks: its pieces' trees (witness.distributed makes the state's)
+                tree = TensorTrees(tensors, self.layout, flat)
             if self.reopen:
                 self._collect(n, flat, tree)
         with self._lock:

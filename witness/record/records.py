@@ -133,7 +133,7 @@ class Records:
 
     def log_step(self, step: int, out: StepOutput, *, fingerprint: Any = None, sketch: list[float] | None = None,
                  state: dict | None = None, live: bool = False, state_root: bytes | Future | None = None,
-                 param_root: bytes | None = None) -> None:
+                 tree: dict | None = None) -> None:
         """Append the record of ``step`` (call right after the optimizer stepped).
 
         A distributed run computes the fingerprint, sketch and (where a state is committed) the
@@ -143,7 +143,8 @@ class Records:
         training stream, like the state the recorder takes itself. An FSDP2 run over several ranks
         hands in the ``state_root`` its ranks computed from their shares instead (or a future of
         it, which it settles before the next record), never at a checkpoint; and a chunked online
-        run over several ranks the ``param_root`` its ranks' chunk subtrees make.
+        run over several ranks what its ranks' trees make (``tree``: the ``param_root`` of their chunk
+        subtrees, or the state tree's ``state_leaves``, with its ``state_hash`` at a checkpoint).
         """
         self._within_recipe(step)
         entered = time.perf_counter()
@@ -152,7 +153,7 @@ class Records:
             self.record_seconds += self._aside
         self._aside = 0.0
         try:
-            self._log_step(step, out, fingerprint, sketch, state, live, state_root, param_root)
+            self._log_step(step, out, fingerprint, sketch, state, live, state_root, tree)
             if self.self_check is not None:  # the state just committed: the next step is replayed from it
                 self.self_check.prepare(step + 1)
         finally:
@@ -160,7 +161,7 @@ class Records:
             self.record_seconds += self._left - entered
 
     def _log_step(self, step: int, out: StepOutput, fingerprint: Any, sketch: list[float] | None,
-                  state: dict | None, live: bool, state_root: bytes | Future | None, param_root: bytes | None) -> None:
+                  state: dict | None, live: bool, state_root: bytes | Future | None, tree: dict | None) -> None:
         if self._pending is None or self._pending[0] != step:
             raise ValueError(f"log_step({step}) without batch({step}) first")
         _, idx, root = self._pending
@@ -184,8 +185,7 @@ class Records:
             "fingerprint": fp.to_json(),
             "sketch": sketch if sketch is not None else self.session.sketch(),
         }
-        if param_root is not None:
-            record["param_root"] = param_root.hex()
+        record |= tree or {}
         done = step + 1
         checkpoint = self.checkpoint_due(step)
         self.flush()  # the previous record first: the log keeps step order
@@ -199,6 +199,8 @@ class Records:
                 self._deferred = (record, state_root)
                 self.next_step = done
                 return
+            if record.get("state_hash", state_root.hex()) != state_root.hex():
+                raise RuntimeError(f"the state after step {step} hashed two ways")
             record["state_hash"] = state_root.hex()
         elif self.state_due(step):
             if state is None:

@@ -145,10 +145,10 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
         if isinstance(rules, str):  # no bound to check a step's move against: the chunks would prove nothing
             print(f"witness: the bounded-move check is off for this run: {rules}", file=sys.stderr)
             spec = dataclasses.replace(spec, chunks=0)
-    if spec is not None and spec.tree and not (spec.chunks and training.shards == 1 and spec.chunk_bytes == CHUNK
-                                               and parse_digest(default_digest(1))[0] == TREE):
+    if spec is not None and spec.tree and not (spec.chunks and spec.chunk_bytes == CHUNK
+                                               and parse_digest(default_digest(training.shards))[0] == TREE):
         # one pass commits everything where it can: the chunks open into the state hash's own trees (version
-        # 4); over several ranks, or in chunks of another size, they open into a param_root (version 3)
+        # 4); in chunks of another size, or without BLAKE3, they open into a param_root (version 3)
         spec = dataclasses.replace(spec, tree=None)
     if spec is not None and spec.tree:
         spec = dataclasses.replace(spec, hashed_by="host")  # where the ring keeps each state (witness.bundle.opened)
