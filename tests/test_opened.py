@@ -165,3 +165,59 @@ def test_the_batched_audit_walk_is_rfc6962s_for_every_index_and_size():
     flipped[starts[100]] ^= 1
     assert _inclusion_roots(arr(leaves), np.array(index), np.array(size), flipped, np.array(starts))[100].tobytes() \
         != want[100]
+
+
+def test_over_ranks_each_piece_opens_into_its_shard_digest_and_the_whole_state_hash():
+    """Over W ranks (a blake3/W digest) each rank hashes its rows once and keeps its pieces' trees; rank 0
+    builds the state tree from every rank's digests, and an opening (the piece's path, the tensor's W shard
+    digests, the leaf's audit path) leads to the state hash of the whole tensors. A shard digest that is not
+    the piece's, or a piece read as another rank's, leads nowhere."""
+    from witness.bundle.opened import ShardedState, TensorTrees
+    from witness.fingerprint.chunks import shard_rows
+
+    model, tensors = _state()
+    w = 2
+    layout = ChunkLayout.of_model(model, 1024, w)
+    meta = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+    ranks = []
+    for r in range(w):
+        pieces = {n: t if not t.dim() else t[slice(*shard_rows(t.shape[0], w)[r])] for n, t in tensors.items()}
+        mine = layout.shard(r)
+        ranks.append((mine, pieces, TensorTrees(pieces, mine, mine.flatten(pieces))))
+    state = ShardedState(meta, [t.hex for _, _, t in ranks], f"blake3/{w}")
+    assert state.root == state_hash(tensors, f"blake3/{w}") and state.size == len(tensors)
+    leaves = ModelLeaves(model, layout)
+    chunks = list(layout.holding)
+    data, nodes, starts = [], [], []
+    for c in chunks:
+        r = c // layout.shard_size
+        mine, pieces, trees = ranks[r]
+        local = c - r * layout.shard_size
+        data.append(mine.flatten(pieces).numpy().reshape(mine.size, 1024)[local])
+        starts.append(sum(len(x) for x in nodes))
+        nodes += [trees.path(local), state.tail(trees.name(local))]
+    data, nodes, ids = np.stack(data), np.concatenate(nodes), np.asarray(chunks)
+    sizes = np.full(len(chunks), state.size)
+    assert np.array_equal(leaves.lengths(ids, sizes), np.diff(np.append(starts, len(nodes))))
+    assert tree_paths(leaves, f"blake3/{w}", data, ids, sizes, nodes, np.array(starts)) == [state.root] * len(chunks)
+    # one opening of rank 1's rows of the embedding: its shard digest changed, or its own digest and rank 0's swapped
+    c = next(i for i, x in enumerate(chunks) if x >= layout.shard_size and layout.tensors[layout.tensor_of(x)][0]
+             == "model.emb.weight")
+    below = int(blake3tree_lengths(leaves, ids[c:c + 1])[0])
+    for change in ("flip", "swap"):
+        bad = nodes.copy()
+        at = starts[c] + below
+        if change == "flip":
+            bad[at + 1, 0] ^= 1
+        else:
+            bad[[at, at + 1]] = bad[[at + 1, at]]
+        got = tree_paths(leaves, f"blake3/{w}", data[c:c + 1], ids[c:c + 1], sizes[:1], bad, np.array(starts[c:c + 1]))
+        assert got[0] != state.root
+
+
+def blake3tree_lengths(leaves: ModelLeaves, ids: np.ndarray) -> np.ndarray:
+    """The BLAKE3 path's length of each opening (before its shard digests)."""
+    from witness.commit.blake3tree import path_lengths
+
+    tensor = leaves.layout.tensor_of(ids)
+    return path_lengths(ids - np.asarray(leaves.layout.starts)[tensor], leaves.chunk_count[tensor])

@@ -209,7 +209,8 @@ class Replayer:
         # a chunked run's records commit their parameters' chunk root too: every state loaded or reached
         # must have it (a root a window's openings were checked against that is not its state's own
         # would let the openings show a trajectory the run did not take)
-        self.layout = ChunkLayout.of_model(self.session.model, m.online["chunk_bytes"], m.state_shards) \
+        # (version 4 holds a loaded state to the model's whole tensors: its chunks open into its hash)
+        self.layout = ChunkLayout.of_model(self.session.model, m.online["chunk_bytes"], 1 if m.tree else m.state_shards) \
             if m.chunked else None
         self.root_seconds = 0.0
         self.position: int | None = None
