@@ -283,3 +283,27 @@ def test_kernels_compile_for_cuda():
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-4000:]
+
+
+def test_a_state_hashed_by_the_kernels_is_the_hosts_state_tree_and_opens_the_same():
+    """The recorder's GPU path (hashed_by "cuda"), run here by the interpreter on CPU tensors: the state
+    tree from the kernels' digests and kept levels has the host's root, and every chunk's opening is the
+    same bytes; the recorder picks the kernels for a CUDA device where Triton is installed."""
+    from witness.bundle.opened import StateTree, hasher_for
+    from witness.bundle.state import state_hash, state_tensors
+    from witness.fingerprint.chunks import ChunkLayout
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 160), torch.nn.Linear(160, 3))  # 80 chunks, and 1-chunk ones
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    tensors = state_tensors(model, opt)
+    layout = ChunkLayout.of_model(model)
+    flat = layout.flatten(tensors)
+    host = StateTree(tensors, "blake3", layout, flat)
+    device = StateTree(tensors, "blake3", layout, flat, hasher="cuda")
+    assert device.root == host.root == state_hash(tensors, "blake3")
+    chunks = list(range(layout.size))
+    assert np.array_equal(device.paths(chunks), host.paths(chunks))
+    assert hasher_for(torch.device("cpu")) == "host" and hasher_for(torch.device("cuda")) == "cuda"

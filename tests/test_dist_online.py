@@ -104,6 +104,8 @@ def test_an_online_run_over_two_ranks_keeps_each_ranks_share_and_verifies_in_one
     out = runs[parallelism]
     b = open_bundle(out)
     assert b.manifest.online is not None and b.manifest.state_digest.endswith("/2")
+    # one pass over ranks too: the chunks open into the state hash (version 4), no param_root
+    assert b.manifest.tree and all(r.state_leaves and r.param_root is None for r in b.steps)
     # every state a selected step starts from is kept as both ranks' shares, never whole
     assert b.online_shards and not b.online_states
     assert all(set(shares) == {0, 1} for shares in b.online_shards.values())

@@ -44,7 +44,10 @@ class TensorTrees:
     layout's buffer holding them (the ring's copy), hashed in place and read again for a path; without
     one, the tensors' own bytes are."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], layout: ChunkLayout, flat: torch.Tensor | None = None):
+    def __init__(self, tensors: dict[str, torch.Tensor], layout: ChunkLayout, flat: torch.Tensor | None = None,
+                 hasher: str = "host"):
+        """``hasher``: "host" (the native tree and the package, on the host's threads) or "cuda" (the Triton
+        kernels where ``tensors`` lie; ``flat``, the host copy, then gives the bytes a path reads)."""
         if layout.shards != 1 or layout.chunk_bytes != blake3tree.CHUNK:
             raise ValueError("the one-pass state tree needs BLAKE3 digests of whole tensors and 1 KiB chunks")
         self.layout = layout
@@ -61,7 +64,8 @@ class TensorTrees:
                 return tensor_digest(t, TREE)  # not opened: the package's digest (the same bytes)
             return blake3tree.TensorTree(raw, _threads(raw.nbytes))
 
-        got = on_threads(tensors, one)
+        got = on_threads(tensors, one) if hasher == "host" else {n: _on_device(n in self._bytes, t)
+                                                                 for n, t in tensors.items()}
         self.trees = {n: v for n, v in got.items() if isinstance(v, blake3tree.TensorTree)}
         self.hex = {n: v.digest.hex() if isinstance(v, blake3tree.TensorTree) else v for n, v in got.items()}
 
@@ -74,6 +78,26 @@ class TensorTrees:
         i = int(self.layout.tensor_of(np.asarray(chunk)))
         name = self.layout.tensors[i][0]
         return self.trees[name].path(chunk - self.layout.starts[i], self._bytes[name])
+
+
+def _on_device(opened: bool, t: torch.Tensor) -> blake3tree.TensorTree | str:
+    """A tensor hashed where it lies by the Triton kernels: its tree (only the kept levels cross to the
+    host) where its chunks are opened, else its digest."""
+    from ..fingerprint import b3gpu
+
+    digest, levels = b3gpu.tensor_tree(t)
+    if not opened:
+        return digest.hex()
+    kept = b"".join(b3gpu.cv_bytes(level) for level in levels[blake3tree.KEEP_FROM:])
+    return blake3tree.TensorTree.from_parts(blake3tree.chunk_count(t.numel() * t.element_size()), digest, kept)
+
+
+def hasher_for(device: torch.device) -> str:
+    """Where a state on ``device`` is hashed: on a CUDA device by the Triton kernels where Triton is
+    installed (the recorder records it as ``hashed_by``), else on the host."""
+    from ..fingerprint import b3gpu
+
+    return "cuda" if device.type == "cuda" and b3gpu.available() else "host"
 
 
 def _nodes(hashes: list[bytes]) -> np.ndarray:
@@ -99,10 +123,10 @@ class StateTree(_Leaves):
     tree (``TensorTrees``) and the state tree's leaves."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], digest: str, layout: ChunkLayout,
-                 flat: torch.Tensor | None = None):
+                 flat: torch.Tensor | None = None, hasher: str = "host"):
         if parse_digest(digest) != (TREE, 1):
             raise ValueError("the one-pass state tree needs BLAKE3 digests of whole tensors and 1 KiB chunks")
-        self.layout, self.pieces = layout, TensorTrees(tensors, layout, flat)
+        self.layout, self.pieces = layout, TensorTrees(tensors, layout, flat, hasher)
         names = sorted(tensors)
         super().__init__(names, [leaf(n, tensors[n].dtype, tensors[n].shape, digest, self.pieces.hex[n])
                                  for n in names])

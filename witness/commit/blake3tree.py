@@ -192,6 +192,14 @@ class TensorTree:
         self.keep_from = keep_from
         self.digest, self._raw_kept = tree(data, keep_from, threads)
 
+    @classmethod
+    def from_parts(cls, size: int, digest: bytes, kept: bytes, keep_from: int = KEEP_FROM) -> TensorTree:
+        """A tree hashed elsewhere (on a GPU: ``witness.fingerprint.b3gpu``): its chunks, its digest and its
+        levels from ``keep_from`` up, as ``tree`` gives them."""
+        out = cls.__new__(cls)
+        out.size, out.keep_from, out.digest, out._raw_kept = size, keep_from, digest, kept
+        return out
+
     def _level_starts(self) -> dict[int, int]:
         sizes = level_sizes(self.size)[:-1]
         return {lv: int(s) for lv, s in zip(range(self.keep_from, len(sizes)),

@@ -24,7 +24,7 @@ try:
 except ImportError:  # the GPU extra is not installed: the module imports, its functions raise
     triton = tl = None
 
-__all__ = ["chunk_cvs", "parents", "tree", "cv_bytes", "tensor_tree", "CHUNK_LEN"]
+__all__ = ["chunk_cvs", "parents", "tree", "cv_bytes", "tensor_tree", "available", "CHUNK_LEN"]
 
 CHUNK_LEN = 1024  # bytes per chunk: 16 blocks of 64 bytes
 CHUNK_START, CHUNK_END, PARENT, ROOT = 1, 2, 4, 8
@@ -293,6 +293,11 @@ def tree(data: torch.Tensor) -> tuple[bytes, list[torch.Tensor]]:
     while levels[-1].shape[0] > 2:
         levels.append(_parents(levels[-1], 0))
     return cv_bytes(_parents(levels[-1], ROOT)), levels
+
+
+def available() -> bool:
+    """Whether Triton is installed (the kernels then run on CUDA tensors, or under its interpreter)."""
+    return triton is not None
 
 
 def tensor_tree(t: torch.Tensor) -> tuple[bytes, list[torch.Tensor]]:

@@ -199,12 +199,16 @@ class OnlineChallenges(KeptFiles):
                 self._hold(n, slot)
             self.copy_seconds += time.perf_counter() - started
             self.copies += 1
-        return self.tree(n, slot if slot is not None else state)
+        # hashed on the GPU (hashed_by "cuda"): the live state where it lies, the ring's copy for the paths' bytes
+        on_device = bool(self.spec.tree) and self.spec.hashed_by == "cuda" and self.shard is None
+        return self.tree(n, slot if slot is not None else state, state if on_device else None)
 
-    def tree(self, n: int, tensors: dict[str, torch.Tensor]) -> ChunkTree | StateTree | TensorTrees | None:
+    def tree(self, n: int, tensors: dict[str, torch.Tensor],
+             source: dict[str, torch.Tensor] | None = None) -> ChunkTree | StateTree | TensorTrees | None:
         """The chunk tree of the state after ``n`` updates (None: the run commits no chunks), hashed in
         its ring buffer where the ring holds it (any thread: the overlapped hash calls it with the copy).
-        Where the chunks open into the state hash (``spec.tree``), the whole state's tree, in one pass."""
+        Where the chunks open into the state hash (``spec.tree``), the whole state's tree, in one pass
+        (``source``: the same state on the GPU, hashed there by the Triton kernels)."""
         if self.layout is None:
             return None
         started, cpu = time.perf_counter(), time.thread_time()
@@ -217,7 +221,8 @@ class OnlineChallenges(KeptFiles):
             if not self.spec.tree:
                 tree = self.layout.tree(flat)
             elif self.shard is None:
-                tree = StateTree(tensors, self.digest, self.layout, flat)
+                tree = StateTree(source if source is not None else tensors, self.digest, self.layout, flat,
+                                 "cuda" if source is not None else "host")
             else:  # rank 0's share over several ranks: its pieces' trees (witness.distributed makes the state's)
                 tree = TensorTrees(tensors, self.layout, flat)
             if self.reopen:

@@ -205,7 +205,9 @@ class Records:
         elif self.state_due(step):
             if state is None:
                 state, live = state_tensors(self.model, self.optimizer), True
-            later = live and self.overlap and not checkpoint and step >= self._signed
+            # (a state the GPU hashes is hashed where it lies, before training goes on: not later, off the stream)
+            later = live and self.overlap and not checkpoint and step >= self._signed and not (
+                self.online is not None and self.online.spec.tree and self.online.spec.hashed_by == "cuda")
             if self.online is not None and self.online.shard is None and not later:
                 # (a run over several ranks keeps each rank's share itself: witness.distributed)
                 tree = self.online.keep(done, state)  # a host copy, before training changes it

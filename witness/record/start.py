@@ -26,7 +26,7 @@ from ..bundle.layout import (
     checkpoint_name,
     partial_write,
 )
-from ..bundle.opened import TREE
+from ..bundle.opened import TREE, hasher_for
 from ..bundle.schema import (
     CHUNKED_MANIFEST_VERSION,
     MANIFEST_VERSION,
@@ -150,8 +150,8 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
         # one pass commits everything where it can: the chunks open into the state hash's own trees (version
         # 4); in chunks of another size, or without BLAKE3, they open into a param_root (version 3)
         spec = dataclasses.replace(spec, tree=None)
-    if spec is not None and spec.tree:
-        spec = dataclasses.replace(spec, hashed_by="host")  # where the ring keeps each state (witness.bundle.opened)
+    if spec is not None and spec.tree:  # on a GPU by the Triton kernels, in one process; else on the host
+        spec = dataclasses.replace(spec, hashed_by=hasher_for(session.device) if training.shards == 1 else "host")
     writer = BundleWriter(Path(out), create=True)
     if commit.leaves and version >= 2:  # the per-sample commitments, which the cheap audit checks every step against
         dataset.leaves.write(Path(out) / LEAVES, data_root)
