@@ -43,7 +43,12 @@ leaderboard-demo-scale: setup
 services:
 	scripts/services.sh
 
-test: setup
+# the GPU extra (Triton): its kernels' tests run here, on the CPU, under Triton's interpreter
+$(VENV)/.installed-gpu: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e ".[gpu]"
+	touch $@
+
+test: setup $(VENV)/.installed-gpu
 	$(VENV)/bin/ruff check witness tests bench examples
 	url="$$(scripts/services.sh)" && WITNESS_TEST_PG_URL="$$url" $(PY) -m pytest
 
