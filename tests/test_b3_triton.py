@@ -285,10 +285,12 @@ def test_kernels_compile_for_cuda():
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-4000:]
 
 
-def test_a_state_hashed_by_the_kernels_is_the_hosts_state_tree_and_opens_the_same():
+def test_a_state_hashed_by_the_kernels_is_the_hosts_state_tree_and_opens_the_same(monkeypatch):
     """The recorder's GPU path (hashed_by "cuda"), run here by the interpreter on CPU tensors: the state
     tree from the kernels' digests and kept levels has the host's root, and every chunk's opening is the
-    same bytes; the recorder picks the kernels for a CUDA device where Triton is installed."""
+    same bytes; what a GPU state keeps on the host (AdamW's step counters, here the 0-dimensional tensors)
+    is hashed on the host; the recorder picks the kernels for a CUDA device where Triton is installed."""
+    from witness.bundle import opened
     from witness.bundle.opened import StateTree, hasher_for
     from witness.bundle.state import state_hash, state_tensors
     from witness.fingerprint.chunks import ChunkLayout
@@ -302,7 +304,10 @@ def test_a_state_hashed_by_the_kernels_is_the_hosts_state_tree_and_opens_the_sam
     layout = ChunkLayout.of_model(model)
     flat = layout.flatten(tensors)
     host = StateTree(tensors, "blake3", layout, flat)
+    on_kernels = []
+    monkeypatch.setattr(opened, "on_gpu", lambda t: (on_kernels.append(t.dim()), t.dim() > 0)[1])
     device = StateTree(tensors, "blake3", layout, flat, hasher="cuda")
+    assert 0 in on_kernels and max(on_kernels) > 0  # the step counters on the host, the rest on the kernels
     assert device.root == host.root == state_hash(tensors, "blake3")
     chunks = list(range(layout.size))
     assert np.array_equal(device.paths(chunks), host.paths(chunks))

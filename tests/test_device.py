@@ -247,3 +247,30 @@ def test_a_gpu_run_pins_its_collectives_and_tuning_and_refuses_fast_fp8(monkeypa
     assert sess.same_hardware(gpu, gpu)
     assert not sess.same_hardware(gpu, gpu | {"pins": "algo=Tree proto=Simple nvls=0 collnet=0 autotune=0 cd_tuning=0"})
     assert not sess.same_hardware(gpu, gpu | {"nccl": "2.21.5"})
+
+
+@needs_cuda
+def test_a_gpu_state_hashed_by_the_kernels_is_the_hosts_state_tree():
+    """On a GPU (scripts/gpu_check.sh): a real training state after an AdamW step, its moments on the device
+    and its step counters on the host, hashed by the Triton kernels where each tensor lies, is the host's
+    state tree, and every chunk opens the same."""
+    import numpy as np
+
+    from witness.bundle.opened import StateTree, hasher_for
+    from witness.bundle.state import state_tensors
+    from witness.fingerprint.chunks import ChunkLayout
+
+    pytest.importorskip("triton")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 300), torch.nn.Linear(300, 7)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()
+    tensors = state_tensors(model, opt)
+    assert any(t.device.type == "cpu" for t in tensors.values())  # (AdamW's step counters)
+    layout = ChunkLayout.of_model(model)
+    flat = layout.flatten({k: v.cpu() for k, v in tensors.items()})
+    host = StateTree({k: v.cpu() for k, v in tensors.items()}, "blake3", layout, flat)
+    device = StateTree(tensors, "blake3", layout, flat, hasher_for(torch.device("cuda")))
+    assert device.root == host.root
+    chunks = list(range(layout.size))
+    assert np.array_equal(device.paths(chunks), host.paths(chunks))

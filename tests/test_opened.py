@@ -221,3 +221,16 @@ def blake3tree_lengths(leaves: ModelLeaves, ids: np.ndarray) -> np.ndarray:
 
     tensor = leaves.layout.tensor_of(ids)
     return path_lengths(ids - np.asarray(leaves.layout.starts)[tensor], leaves.chunk_count[tensor])
+
+
+def test_a_window_whose_openings_a_verifier_would_not_read_is_refused_up_front():
+    """Over W ranks each opening holds the tensor's W shard digests: the manifest bounds a window's file
+    with them (a verifier reads at most 1 GiB of one), so an honest run is never written that it refuses."""
+    from witness.bundle.opened import check_tree_settings
+    from witness.errors import MalformedInput
+
+    online = {"tree": "blake3", "chunk_bytes": 1024, "every": 10, "chunks": 2}
+    check_tree_settings(online, "blake3/8")
+    with pytest.raises(MalformedInput, match="may hold at most 1024 MiB"):
+        check_tree_settings(online | {"every": 3, "chunks": 65536}, "blake3/128")
+    check_tree_settings(online | {"every": 3, "chunks": 65536 // 8}, "blake3/128")

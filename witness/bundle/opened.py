@@ -28,6 +28,7 @@ from ..commit.batch import node_hashes
 from ..commit.merkle import MerkleTree
 from ..errors import MalformedInput
 from ..fingerprint.chunks import ChunkLayout
+from .openings import MAX_OPENINGS_BYTES
 from .state import _PARALLEL_BYTES, _raw, leaf, on_threads, parse_digest, tensor_digest
 
 TREE = "blake3"  # the manifest's online.tree: chunks open into the state hash's own BLAKE3 digests
@@ -64,8 +65,11 @@ class TensorTrees:
                 return tensor_digest(t, TREE)  # not opened: the package's digest (the same bytes)
             return blake3tree.TensorTree(raw, _threads(raw.nbytes))
 
-        got = on_threads(tensors, one) if hasher == "host" else {n: _on_device(n in self._bytes, t)
-                                                                 for n, t in tensors.items()}
+        # on a GPU the kernels hash what lies there; what a state keeps on the host (AdamW's step counters, a
+        # loss scale) is hashed on the host
+        host = tensors if hasher == "host" else {n: t for n, t in tensors.items() if not on_gpu(t)}
+        got = on_threads(host, one) | {n: _on_device(n in self._bytes, t) for n, t in tensors.items()
+                                       if n not in host}
         self.trees = {n: v for n, v in got.items() if isinstance(v, blake3tree.TensorTree)}
         self.hex = {n: v.digest.hex() if isinstance(v, blake3tree.TensorTree) else v for n, v in got.items()}
 
@@ -78,6 +82,12 @@ class TensorTrees:
         i = int(self.layout.tensor_of(np.asarray(chunk)))
         name = self.layout.tensors[i][0]
         return self.trees[name].path(chunk - self.layout.starts[i], self._bytes[name])
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether the kernels hash this tensor of a state hashed by "cuda" (a test under Triton's interpreter
+    puts CPU tensors there)."""
+    return t.device.type == "cuda"
 
 
 def _on_device(opened: bool, t: torch.Tensor) -> blake3tree.TensorTree | str:
@@ -281,11 +291,23 @@ def tree_paths(leaves: ModelLeaves, digest: str, data: np.ndarray, chunks: np.nd
     return out
 
 
+# the most nodes an opening holds besides its shard digests: a BLAKE3 path (a tensor of 2^40 chunks) and an
+# audit path (2^24 leaves), with room to spare
+_PATH_NODES = 64
+
+
 def check_tree_settings(online: dict, digest: str) -> None:
-    """A manifest's one-pass tree settings: BLAKE3 digests (of whole tensors, or of row shards), 1 KiB chunks."""
+    """A manifest's one-pass tree settings: BLAKE3 digests (of whole tensors, or of row shards), 1 KiB chunks,
+    and a window's openings (each with the W shard digests of a run over W ranks) within what a verifier
+    reads of one file."""
     if online.get("tree") != TREE:
         raise MalformedInput(f"online.tree must be {TREE!r}")
     if online.get("chunk_bytes") != blake3tree.CHUNK:
         raise MalformedInput(f"online.chunk_bytes must be {blake3tree.CHUNK}: a BLAKE3 chunk")
-    if parse_digest(digest)[0] != TREE:
+    name, shards = parse_digest(digest)
+    if name != TREE:
         raise MalformedInput("a run whose chunks open into the state hash hashes its states with BLAKE3")
+    per_chunk = blake3tree.CHUNK + 32 * (_PATH_NODES + (shards if shards > 1 else 0))
+    if (online["every"] + 1) * online["chunks"] * per_chunk > MAX_OPENINGS_BYTES - (1 << 16):
+        raise MalformedInput(f"a window's openings (every + 1 states of chunks, each with its paths and {shards} shard "
+                             f"digest(s)) may hold at most {MAX_OPENINGS_BYTES >> 20} MiB: open fewer chunks")

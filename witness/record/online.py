@@ -201,7 +201,8 @@ class OnlineChallenges(KeptFiles):
             self.copies += 1
         # hashed on the GPU (hashed_by "cuda"): the live state where it lies, the ring's copy for the paths' bytes
         on_device = bool(self.spec.tree) and self.spec.hashed_by == "cuda" and self.shard is None
-        return self.tree(n, slot if slot is not None else state, state if on_device else None)
+        kept = slot if slot is not None else state
+        return self.tree(n, kept, state) if on_device else self.tree(n, kept)
 
     def tree(self, n: int, tensors: dict[str, torch.Tensor],
              source: dict[str, torch.Tensor] | None = None) -> ChunkTree | StateTree | TensorTrees | None:
@@ -221,8 +222,8 @@ class OnlineChallenges(KeptFiles):
             if not self.spec.tree:
                 tree = self.layout.tree(flat)
             elif self.shard is None:
-                tree = StateTree(source if source is not None else tensors, self.digest, self.layout, flat,
-                                 "cuda" if source is not None else "host")
+                tree = StateTree(tensors, self.digest, self.layout, flat) if source is None else \
+                    StateTree(source, self.digest, self.layout, flat, "cuda")
             else:  # rank 0's share over several ranks: its pieces' trees (witness.distributed makes the state's)
                 tree = TensorTrees(tensors, self.layout, flat)
             if self.reopen:

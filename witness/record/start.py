@@ -26,7 +26,7 @@ from ..bundle.layout import (
     checkpoint_name,
     partial_write,
 )
-from ..bundle.opened import TREE, hasher_for
+from ..bundle.opened import TREE, check_tree_settings, hasher_for
 from ..bundle.schema import (
     CHUNKED_MANIFEST_VERSION,
     MANIFEST_VERSION,
@@ -42,6 +42,7 @@ from ..commit.signing import SignedTreeHead, public_hex
 from ..data.dataset import DATA_COMMITMENT
 from ..data.locate import asked, is_absolute, side_files
 from ..data.order import derive_run_seed
+from ..errors import MalformedInput
 from ..fingerprint.chunks import ChunkLayout
 from ..fingerprint.moves import move_rules
 from ..session import (
@@ -152,6 +153,10 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
         spec = dataclasses.replace(spec, tree=None)
     if spec is not None and spec.tree:  # on a GPU by the Triton kernels, in one process; else on the host
         spec = dataclasses.replace(spec, hashed_by=hasher_for(session.device) if training.shards == 1 else "host")
+        try:  # a window's openings a verifier would refuse to read are refused before step 0
+            check_tree_settings(spec.to_json(), default_digest(training.shards))
+        except MalformedInput as e:
+            raise ValueError(str(e)) from None
     writer = BundleWriter(Path(out), create=True)
     if commit.leaves and version >= 2:  # the per-sample commitments, which the cheap audit checks every step against
         dataset.leaves.write(Path(out) / LEAVES, data_root)
