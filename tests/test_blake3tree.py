@@ -167,3 +167,11 @@ def test_bad_arguments_are_refused():
         bt.chunk_outputs(np.zeros((1, 1024), np.uint8), np.array([1025]), np.zeros(1, np.uint64), np.zeros(1, bool))
     with pytest.raises(ValueError):
         bt.chunk_outputs(np.zeros((2, 1024), np.uint8), np.array([1]), np.zeros(1, np.uint64), np.zeros(1, bool))
+
+
+def test_many_digests_in_one_call_are_each_buffers(impl):
+    bufs = [os.urandom(n) for n in (0, 1, 1024, 1025, 5000, 70_000)] + [np.zeros(0, np.uint8)]
+    assert bt.digests(bufs) == [blake3.blake3(bytes(b)).digest() for b in bufs]
+    assert bt.digests([]) == []
+    with pytest.raises(TypeError):
+        bt.digests([1, 2])

@@ -32,6 +32,7 @@ from .openings import MAX_OPENINGS_BYTES
 from .state import _PARALLEL_BYTES, _raw, leaf, on_threads, parse_digest, tensor_digest
 
 TREE = "blake3"  # the manifest's online.tree: chunks open into the state hash's own BLAKE3 digests
+_SMALL = 64 << 10  # a tensor below this many bytes is hashed with the others in one call
 
 
 def _threads(nbytes: int) -> int:
@@ -59,17 +60,25 @@ class TensorTrees:
         else:
             self._bytes = {n: _raw(tensors[n]) for n in layout.names}
 
+        # on a GPU the kernels hash what lies there; what a state keeps on the host (AdamW's step counters, a
+        # loss scale) is hashed on the host
+        host = tensors if hasher == "host" else {n: t for n, t in tensors.items() if not on_gpu(t)}
+        got: dict[str, blake3tree.TensorTree | str] = {n: _on_device(n in self._bytes, t) for n, t in tensors.items()
+                                                       if n not in host}
+        # not opened, and small (step counters, biases' moments): their digests alone in one native call, where a
+        # call each would cost more than their bytes; the rest by the package (faster per byte) or the native
+        # tree (kept for the paths), on the host's threads
+        small = [n for n, t in host.items() if n not in self._bytes and t.numel() * t.element_size() < _SMALL]
+        raws = [_raw(host[n]) for n in small]
+        got |= dict(zip(small, (d.hex() for d in blake3tree.digests(raws)), strict=True))
+
         def one(name: str, t: torch.Tensor) -> blake3tree.TensorTree | str:
             raw = self._bytes.get(name)
             if raw is None:
                 return tensor_digest(t, TREE)  # not opened: the package's digest (the same bytes)
             return blake3tree.TensorTree(raw, _threads(raw.nbytes))
 
-        # on a GPU the kernels hash what lies there; what a state keeps on the host (AdamW's step counters, a
-        # loss scale) is hashed on the host
-        host = tensors if hasher == "host" else {n: t for n, t in tensors.items() if not on_gpu(t)}
-        got = on_threads(host, one) | {n: _on_device(n in self._bytes, t) for n, t in tensors.items()
-                                       if n not in host}
+        got |= on_threads({n: t for n, t in host.items() if n not in got}, one)
         self.trees = {n: v for n, v in got.items() if isinstance(v, blake3tree.TensorTree)}
         self.hex = {n: v.digest.hex() if isinstance(v, blake3tree.TensorTree) else v for n, v in got.items()}
 

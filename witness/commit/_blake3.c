@@ -250,6 +250,26 @@ static size_t level_up(const uint8_t *in, size_t m, uint8_t *out, int threads) {
     return pairs + (m & 1);
 }
 
+/* The digest of a buffer of len bytes into out (32 bytes); scratch: room for ceil(len / 1024) and half
+ * as many CVs more (NULL: one chunk, none needed). */
+static void root_of(const uint8_t *p, size_t len, int threads, uint8_t *a, uint8_t *b, uint8_t out[32]) {
+    size_t n = len ? (len + CHUNK - 1) / CHUNK : 1;
+    uint32_t w[8];
+    if (n == 1) {
+        chunk_cv(p, len, 0, 1, w);
+        memcpy(out, w, 32);
+        return;
+    }
+    all_chunks(p, len, 0, a, threads);
+    size_t m = n;
+    while (m > 2) {
+        m = level_up(a, m, b, threads);
+        uint8_t *t = a; a = b; b = t;
+    }
+    parent_cv(a, 1, w);
+    memcpy(out, w, 32);
+}
+
 /* ---- Python ---- */
 
 static int get_buffer(PyObject *obj, Py_buffer *view) {
@@ -415,7 +435,49 @@ static PyObject *py_chunks(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* digests(buffers, threads=1) -> list of bytes: each buffer's 32-byte digest, in one call (a state's many
+ * small tensors cost one call, not one each); the GIL released while hashing. */
+static PyObject *py_digests(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "O|i", &seq, &threads)) return NULL;
+    PyObject *items = PySequence_Fast(seq, "digests takes a sequence of buffers");
+    if (!items) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
+    Py_buffer *views = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Py_buffer));
+    uint8_t *outs = PyMem_Malloc((size_t)(count ? count : 1) * 32);
+    PyObject *result = NULL;
+    Py_ssize_t got = 0;
+    size_t most = 1;
+    if (!views || !outs) { PyErr_NoMemory(); goto done; }
+    for (; got < count; got++) {
+        if (get_buffer(PySequence_Fast_GET_ITEM(items, got), &views[got]) < 0) goto done;
+        size_t n = views[got].len ? ((size_t)views[got].len + CHUNK - 1) / CHUNK : 1;
+        if (n > most) most = n;
+    }
+    uint8_t *a = malloc(32 * most), *b = malloc(32 * ((most + 1) / 2 + 1));
+    if (!a || !b) { free(a); free(b); PyErr_NoMemory(); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        root_of((const uint8_t *)views[i].buf, (size_t)views[i].len, threads, a, b, outs + 32 * i);
+    Py_END_ALLOW_THREADS
+    free(a); free(b);
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result && i < count; i++) {
+        PyObject *d = PyBytes_FromStringAndSize((const char *)outs + 32 * i, 32);
+        if (!d) { Py_CLEAR(result); break; }
+        PyList_SET_ITEM(result, i, d);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(outs);
+    Py_DECREF(items);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"digests", py_digests, METH_VARARGS, "BLAKE3 digests of many buffers in one call."},
     {"tree", py_tree, METH_VARARGS, "BLAKE3 digest of a buffer and the CVs of its tree's levels."},
     {"chunk_cvs", py_chunk_cvs, METH_VARARGS, "Chaining values of every 1 KiB chunk of a buffer."},
     {"parents", py_parents, METH_VARARGS, "Parent CVs (or root outputs) of 64-byte pairs of CVs."},

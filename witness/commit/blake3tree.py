@@ -177,6 +177,13 @@ def tree(data, keep_from: int = 0, threads: int = 1) -> tuple[bytes, bytes]:  # 
     return _parents_np(level.reshape(-1), np.ones(1, bool)).tobytes(), b"".join(kept)
 
 
+def digests(buffers: list, threads: int = 1) -> list[bytes]:
+    """Each buffer's BLAKE3 digest: one native call for them all (a state's many small tensors)."""
+    if _blake3 is not None:
+        return _blake3.digests(buffers, threads)
+    return [tree(b, 1 << 30)[0] for b in buffers]
+
+
 def digest(data, threads: int = 1) -> bytes:  # noqa: ANN001 - any buffer
     """``data``'s BLAKE3 digest (the ``blake3`` package's)."""
     return tree(data, 1 << 30, threads)[0]
