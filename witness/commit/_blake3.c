@@ -55,6 +55,20 @@ static inline uint32_t rotr(uint32_t w, int c) { return (w >> c) | (w << (32 - c
         a = a + b + (y); d = rotr(d ^ a, 8);  c = c + d; b = rotr(b ^ c, 7);                 \
     } while (0)
 
+/* One round: the columns, then the diagonals, with the message words the round's schedule s names;
+ * GF is G (one compression) or VG (sixteen), over state v[16] and message m[16]. */
+#define ROUND(GF, v, m, s)                                                                      \
+    do {                                                                                        \
+        GF(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);                                          \
+        GF(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);                                          \
+        GF(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);                                         \
+        GF(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);                                         \
+        GF(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);                                         \
+        GF(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);                                       \
+        GF(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);                                        \
+        GF(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);                                        \
+    } while (0)
+
 /* the first 8 words of the output: a CV, or the digest where flags hold ROOT */
 static void compress(const uint32_t cv[8], const uint8_t block[BLOCK], uint64_t counter, uint32_t len,
                      uint32_t flags, uint32_t out[8]) {
@@ -65,14 +79,7 @@ static void compress(const uint32_t cv[8], const uint8_t block[BLOCK], uint64_t 
     v[12] = (uint32_t)counter; v[13] = (uint32_t)(counter >> 32); v[14] = len; v[15] = flags;
     for (int r = 0; r < 7; r++) {
         const uint8_t *s = SCHEDULE[r];
-        G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
-        G(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
-        G(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
-        G(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
-        G(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
-        G(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
-        G(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
-        G(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
+        ROUND(G, v, m, s);
     }
     for (int i = 0; i < 8; i++) out[i] = v[i] ^ v[i + 8];
 }
@@ -124,14 +131,7 @@ static inline __attribute__((always_inline)) void compress16(vec cv[8], const ui
 #pragma GCC unroll 7
     for (int r = 0; r < 7; r++) {
         const uint8_t *s = SCHEDULE[r];
-        VG(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
-        VG(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
-        VG(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
-        VG(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
-        VG(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
-        VG(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
-        VG(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
-        VG(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
+        ROUND(VG, v, m, s);
     }
     for (int i = 0; i < 8; i++) cv[i] = v[i] ^ v[i + 8];
 }
