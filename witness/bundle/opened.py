@@ -123,8 +123,9 @@ def _nodes(hashes: list[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(hashes), np.uint8).reshape(-1, 32)
 
 
-class _Leaves:
-    """A state tree over leaves sorted by name: its root, its size and each name's audit path."""
+class StateLeaves:
+    """A state tree over leaves sorted by name: its root (the state hash), its size and each name's audit
+    path (``StateTree`` in one process, ``ShardedState`` over ranks)."""
 
     def __init__(self, names: list[str], leaves: list[bytes]):
         self._tree = MerkleTree(leaves)
@@ -137,7 +138,7 @@ class _Leaves:
         return _nodes(self._tree.inclusion_proof(self._index[name]))
 
 
-class StateTree(_Leaves):
+class StateTree(StateLeaves):
     """A state's hash in one process, with what opens its parameters' chunks: each parameter's BLAKE3
     tree (``TensorTrees``) and the state tree's leaves."""
 
@@ -161,7 +162,7 @@ class StateTree(_Leaves):
         return np.concatenate(out) if out else np.zeros((0, 32), np.uint8)
 
 
-class ShardedState(_Leaves):
+class ShardedState(StateLeaves):
     """Rank 0's view of a state hashed over W ranks (a ``blake3/W`` digest): every rank's digests of its
     row pieces (``ranks``, rank order), the state tree they make, and what follows a piece's BLAKE3 path
     in an opening: the tensor's W shard digests (none for a 0-dimensional one), then its audit path."""
@@ -198,8 +199,8 @@ class ModelLeaves:
         self.layout = layout
         self.index = np.array([where[n] for n in layout.names], np.int64)
         self.meta = [(sd[n[6:]].dtype, tuple(sd[n[6:]].shape)) for n in layout.names]
-        self.chunk_count = np.array([blake3tree.chunk_count(layout.nbytes(i)) for i in range(len(layout.names))],
-                                    np.int64)
+        self.nbytes = np.array([layout.nbytes(i) for i in range(len(layout.names))], np.int64)
+        self.chunk_count = np.array([blake3tree.chunk_count(int(b)) for b in self.nbytes], np.int64)
         # over W ranks (a sharded digest): each piece's rank, and how many shard digests its opening holds
         # (W for a tensor split by rows; none for a 0-dimensional one, hashed whole on rank 0)
         self.rank = np.array([at // layout.shard_size if layout.shards > 1 else 0 for at in layout.starts], np.int64)
@@ -276,8 +277,7 @@ def tree_paths(leaves: ModelLeaves, digest: str, data: np.ndarray, chunks: np.nd
     layout = leaves.layout
     tensor = layout.tensor_of(chunks)
     local = chunks - np.asarray(layout.starts)[tensor]
-    ends = np.array([layout.nbytes(int(i)) for i in range(len(layout.names))], np.int64)[tensor]
-    lengths = np.clip(ends - local * blake3tree.CHUNK, 0, blake3tree.CHUNK)
+    lengths = np.clip(leaves.nbytes[tensor] - local * blake3tree.CHUNK, 0, blake3tree.CHUNK)
     count = leaves.chunk_count[tensor]
     digests = blake3tree.path_roots(data, lengths, local, count, nodes, starts)
     at = np.asarray(starts, np.int64) + blake3tree.path_lengths(local, count)

@@ -39,6 +39,7 @@ from ..fingerprint.chunks import ChunkLayout
 from ..record.options import Commitments, HeadCallback, Online, SelfChecking, Training, option
 from ..record.overlap import StateSnapshots
 from ..record.recorder import BEACON_ENV, Recorder
+from ..record.records import tree_fields
 from ..record.selfcheck import SelfCheck, check_steps
 from ..record.start import reopen
 from ..task.base import StepOutput, Task
@@ -269,17 +270,13 @@ class DistRecorder:
         kept = tree = None
         if pieces is not None and (self._answers is not None or self._ring is not None):
             kept = self._keep(step + 1, pieces, meta)  # a host copy, before training changes it
+        # (rank 0) the ranks' trees are the state's hash: not hashed again, and a checkpoint must hash to it
         one_pass = pieces is not None and self._chunks is not None and bool(self._chunks.digest)
-        if isinstance(kept, ShardedState):  # (rank 0) the ranks' trees are the state's hash: not hashed again
-            tree = {"state_leaves": kept.size}
-        elif kept is not None:
-            tree = {"param_root": kept.hex()}
+        tree = tree_fields(kept) if kept is not None else None
         if committed and self.sharded and not due(step, self.checkpoint_every, steps):
             root = kept.root if isinstance(kept, ShardedState) else None if one_pass else self._hash_shards()
         elif committed:
             state = self.session.full_state()  # a checkpoint's state is written whole: gathered
-            if isinstance(kept, ShardedState):
-                tree["state_hash"] = kept.root.hex()  # type: ignore[index]  # (its checkpoint must hash to it)
         if self.inner is not None:
             self.inner.log_step(step, total, fingerprint=fp, sketch=sketch, state=state,
                                 live=self.session.holds_whole_state(), state_root=root, tree=tree)

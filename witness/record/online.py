@@ -33,8 +33,7 @@ from ..bundle.layout import (
     online_chunks_name,
     online_samples_name,
 )
-from ..bundle.opened import StateTree, TensorTrees
-from ..bundle.state import default_digest
+from ..bundle.opened import TREE, StateTree, TensorTrees
 from ..bundle.writer import read_lines
 from ..commit.beacon import BeaconStatement, selected_steps
 from ..commit.chunks import ChunkTree
@@ -69,13 +68,12 @@ class OnlineChallenges(KeptFiles):
     """
 
     def __init__(self, out: Path, spec: OnlineSpec, link: BeaconLink, log: RunLog, steps: int, dataset: Dataset,
-                 checkpoint_every: int, layout: ChunkLayout | None = None, digest: str | None = None):
+                 checkpoint_every: int, layout: ChunkLayout | None = None):
         if (layout is not None) != bool(spec.chunks) or layout is not None and layout.chunk_bytes != spec.chunk_bytes:
             raise ValueError("a chunked run's ring needs the layout of its parameters' chunks, and only such a run's")
         super().__init__(out, link, log, dataset, layout)
         self.tree_openings = bool(spec.tree)
         self.spec, self.steps, self.checkpoint_every = spec, steps, checkpoint_every
-        self.digest = digest or default_digest()  # the run's state digest (a state tree hashes with it)
         self.ring: dict[int, dict[str, torch.Tensor]] = {}  # state after n updates, for steps not yet covered
         # the chunk tree of each state in the ring (a chunked run): its state tree, where the chunks open into
         # the state hash (spec.tree), which the record then commits instead of hashing the state again
@@ -222,8 +220,9 @@ class OnlineChallenges(KeptFiles):
             if not self.spec.tree:
                 tree = self.layout.tree(flat)
             elif self.shard is None:
-                tree = StateTree(tensors, self.digest, self.layout, flat) if source is None else \
-                    StateTree(source, self.digest, self.layout, flat, "cuda")
+                # (one process: a state tree's digest is BLAKE3 of whole tensors, check_tree_settings)
+                tree = StateTree(tensors, TREE, self.layout, flat) if source is None else \
+                    StateTree(source, TREE, self.layout, flat, "cuda")
             else:  # rank 0's share over several ranks: its pieces' trees (witness.distributed makes the state's)
                 tree = TensorTrees(tensors, self.layout, flat)
             if self.reopen:

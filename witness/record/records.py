@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..bundle.checkpoint import save_checkpoint
 from ..bundle.layout import CHECKPOINTS, HEADS, LOG, checkpoint_name, checkpoint_step, due
-from ..bundle.opened import StateTree
+from ..bundle.opened import StateLeaves
 from ..bundle.state import state_hash, state_tensors
 from ..bundle.writer import BundleWriter, head_sizes, truncate_lines
 from ..commit.chunks import ChunkTree
@@ -51,12 +51,13 @@ class Opened:
     start_step: int  # the first step the loop trains here
 
 
-def tree_fields(tree: ChunkTree | StateTree) -> dict:
-    """What a chunked run's record commits of a state's tree: its ``param_root`` (version 3), or the
-    state hash and its leaves, where the chunks open into the state hash (version 4)."""
-    if isinstance(tree, StateTree):
+def tree_fields(tree: ChunkTree | StateLeaves | bytes) -> dict:
+    """What a chunked run's record commits of a state's tree: its ``param_root`` (version 3: a chunk tree,
+    or its root over ranks), or the state hash and its leaves, where the chunks open into the state hash
+    (version 4)."""
+    if isinstance(tree, StateLeaves):
         return {"state_hash": tree.root.hex(), "state_leaves": tree.size}
-    return {"param_root": tree.root.hex()}
+    return {"param_root": (tree if isinstance(tree, bytes) else tree.root).hex()}
 
 
 class Records:
@@ -267,10 +268,10 @@ class Records:
         online = self.online
         if online is not None and online.layout is not None and n is not None:
             def reduce(copies: dict) -> dict:
-                tree = online.tree(n, into if into is not None else copies)
-                if isinstance(tree, StateTree):  # one pass: the state tree is the state's hash
-                    return tree_fields(tree)
-                return {"state_hash": state_hash(copies, self.digest).hex(), "param_root": tree.root.hex()}  # type: ignore[union-attr]
+                fields = tree_fields(online.tree(n, into if into is not None else copies))  # type: ignore[arg-type]
+                if "state_hash" not in fields:  # (one pass: the state tree is the state's hash already)
+                    fields["state_hash"] = state_hash(copies, self.digest).hex()
+                return fields
         self._deferred = (record, self._snapshots.submit(state, early=self._early, into=into, reduce=reduce))
 
     def flush(self) -> None:

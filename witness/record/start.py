@@ -244,7 +244,7 @@ def challenges(out: Path, session: Any, manifest: dict, spec: OnlineSpec, beacon
         layout = ChunkLayout.of_model(module, spec.chunk_bytes, shards)
         layout = layout.shard(0) if shards > 1 else layout
     return OnlineChallenges(out, spec, beacon, log, manifest["steps_planned"], session.task.dataset(),
-                            manifest["checkpoint_every"], layout, manifest["state_digest"])
+                            manifest["checkpoint_every"], layout)
 
 
 def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None, beacon: BeaconLink | None,
