@@ -175,3 +175,22 @@ def test_many_digests_in_one_call_are_each_buffers(impl):
     assert bt.digests([]) == []
     with pytest.raises(TypeError):
         bt.digests([1, 2])
+
+
+def test_many_trees_in_one_call_are_each_buffers_own(impl):
+    """``trees`` is ``tree`` of each buffer with its own ``keep_from``: a state's small tensors hashed in one
+    call, the opened ones with their upper levels kept, the others with none."""
+    bufs = [os.urandom(n) for n in SIZES] + [np.zeros(0, np.uint8)]
+    keeps = [(0, 4, 64)[i % 3] for i in range(len(bufs))]
+    assert bt.trees(bufs, keeps) == [bt.tree(b, k) for b, k in zip(bufs, keeps, strict=True)]
+    assert all(d == blake3.blake3(bytes(b)).digest() for (d, _), b in zip(bt.trees(bufs, keeps), bufs, strict=True))
+    assert bt.trees([], []) == []
+    if impl == "native":  # (the twin is tree() itself)
+        with pytest.raises(ValueError):
+            bt.trees(bufs, keeps[:-1])
+        with pytest.raises(ValueError):
+            bt.trees([b"x"], [-1])
+        with pytest.raises(TypeError):
+            bt.trees([1], [0])
+        with pytest.raises(TypeError):
+            bt.trees([b"x"], ["a"])

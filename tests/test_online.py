@@ -273,8 +273,9 @@ def test_a_kept_state_of_other_dtypes_is_rejected_not_a_crash(tmp_path, beacon, 
     real_log, real_write = Recorder.log_step, OnlineChallenges._write
     monkeypatch.setattr(records, "state_hash", lambda st, d: real_hash(forged(st) if at["step"] == 9 else st, d))
     # (where the chunks open into the state hash, the state tree is the record's hash)
-    monkeypatch.setattr(online_mod, "StateTree", lambda st, d, lay, flat=None: RealTree(forged(st), d, lay) if
-                        at["step"] == 9 else RealTree(st, d, lay, flat))
+    monkeypatch.setattr(online_mod, "StateTree", lambda st, d, lay, flat=None, plan=None: RealTree(forged(st), d, lay)
+                        if at["step"] == 9 else RealTree(st, d, lay, flat, plan=plan))
+    monkeypatch.setattr(OnlineChallenges, "state_hash", lambda self, n, d: None)  # (hashed by state_hash, above)
     monkeypatch.setattr(Recorder, "log_step", lambda self, t, out, *a, **k: (at.update(step=t),
                                                                             real_log(self, t, out, *a, **k))[1])
     monkeypatch.setattr(OnlineChallenges, "_write", lambda self, n, st: real_write(self, n, forged(st) if n == 10 else st))

@@ -234,3 +234,55 @@ def test_a_window_whose_openings_a_verifier_would_not_read_is_refused_up_front()
     with pytest.raises(MalformedInput, match="may hold at most 1024 MiB"):
         check_tree_settings(online | {"every": 3, "chunks": 65536}, "blake3/128")
     check_tree_settings(online | {"every": 3, "chunks": 65536 // 8}, "blake3/128")
+
+
+def test_a_ring_slot_hashed_by_its_plan_gives_the_same_hashes_trees_and_paths():
+    """The ring hashes its slots with what it worked out once (``SlotPlan``), and opens a window's states
+    all at once (``window_paths``): the same state hash, the same leaves and the same openings as a state
+    hashed from scratch, for every chunk, including a window that starts at the initial state (fewer
+    leaves: no moments yet), whose openings then lead to its own root."""
+    from witness.bundle.opened import SlotPlan, window_paths
+    from witness.record.kept import StatePool
+
+    model, _ = _state()
+    layout = ChunkLayout.of_model(model)
+    pool = StatePool(layout)
+    initial = {k: v for k, v in _state(steps=0)[1].items() if k.startswith("model.")}
+    states = [initial] + [_state(steps=s)[1] for s in (1, 2, 3)]
+    trees = []
+    for tensors in states:
+        slot = pool.copy(tensors)
+        plan = pool.plan(slot, "blake3")
+        assert pool.plan(slot, "blake3") is plan and pool.plan({}, "blake3") is None
+        assert plan.state_hash() == state_hash(tensors, "blake3")
+        assert SlotPlan(slot, "sha256").state_hash() == state_hash(tensors, "sha256")
+        tree = StateTree(slot, "blake3", layout, pool.flat(slot), plan=plan)
+        alone = StateTree(tensors, "blake3", layout)
+        assert tree.root == alone.root == state_hash(tensors, "blake3")
+        trees.append((tree, alone))
+    with pytest.raises(ValueError):  # a plan is its own slot's
+        StateTree(states[1], "blake3", layout, plan=plan)
+    chunks = list(range(layout.size))
+    for got, (tree, alone) in zip(window_paths([t for t, _ in trees], chunks), trees, strict=True):
+        assert np.array_equal(got, alone.paths(chunks)) and np.array_equal(got, tree.paths(chunks))
+    leaves = ModelLeaves(model, layout)
+    for tensors, (tree, _) in zip(states, trees, strict=True):
+        data, idx, nodes, starts = _open(tree, layout, tensors, chunks)
+        roots = tree_paths(leaves, "blake3", data, idx, np.full(len(idx), tree.size), nodes, starts)
+        assert all(r == tree.root for r in roots)
+
+
+def test_openings_written_from_numpy_are_the_bytes_safetensors_writes():
+    """The openings' file is built in memory (no tensors, one write): byte for byte what the checkpoint
+    writer gives for the same arrays, its metadata ordered."""
+    import tempfile
+    from pathlib import Path
+
+    from witness.bundle.checkpoint import safetensors_bytes, save_safetensors
+
+    rng = np.random.default_rng(0)
+    arrays = {"chunks": rng.integers(0, 255, (3, 4, 1024), np.uint8), "paths": rng.integers(0, 255, (50, 32), np.uint8)}
+    with tempfile.TemporaryDirectory() as d:
+        for meta in ({"size": "10", "format": "f", "first": "0", "chunks": "1,2"}, {"a": "1"}, {"z": "é", "b": "22"}):
+            save_safetensors({k: torch.from_numpy(v) for k, v in arrays.items()}, Path(d) / "x", meta)
+            assert (Path(d) / "x").read_bytes() == safetensors_bytes(arrays, meta)

@@ -9,8 +9,10 @@ import re
 import struct
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save as save_numpy
 from safetensors.torch import load_file, save_file
 
 from ..commit.hashing import file_sha256, load_json
@@ -40,14 +42,30 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
         return
     with open(path, "r+b") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = f.read(n).decode("utf-8")
-        meta = json.loads(header)["__metadata__"]
-        compact = lambda m: json.dumps({"__metadata__": m}, separators=(",", ":"), ensure_ascii=False)[:-1]  # noqa: E731
-        written, ordered = compact(meta), compact(dict(sorted(meta.items())))
-        if not header.startswith(written) or len(written.encode()) != len(ordered.encode()):
-            raise RuntimeError("safetensors wrote a header of an unexpected layout; the metadata cannot be ordered")
+        ordered = _ordered(f.read(n).decode("utf-8"))
         f.seek(8)
-        f.write(ordered.encode("utf-8"))
+        f.write(ordered)
+
+
+def _ordered(header: str) -> bytes:
+    """A safetensors header with its metadata sorted by key: the same strings, so the same length."""
+    meta = json.loads(header)["__metadata__"]
+    compact = lambda m: json.dumps({"__metadata__": m}, separators=(",", ":"), ensure_ascii=False)[:-1]  # noqa: E731
+    written, ordered = compact(meta), compact(dict(sorted(meta.items())))
+    if not header.startswith(written) or len(written.encode()) != len(ordered.encode()):
+        raise RuntimeError("safetensors wrote a header of an unexpected layout; the metadata cannot be ordered")
+    return ordered.encode("utf-8")
+
+
+def safetensors_bytes(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """A small safetensors file of numpy arrays in memory, as ``save_safetensors`` writes them (the same
+    bytes, its metadata ordered): one write, with no tensors to build."""
+    raw = bytearray(save_numpy(arrays, metadata=metadata))
+    if len(metadata) >= 2:
+        (n,) = struct.unpack("<Q", raw[:8])
+        ordered = _ordered(raw[8:8 + n].decode("utf-8"))
+        raw[8:8 + len(ordered)] = ordered
+    return bytes(raw)
 
 
 def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], step: int, digest: str) -> tuple[bytes, bytes]:

@@ -25,14 +25,26 @@ import torch
 
 from ..commit import blake3tree
 from ..commit.batch import node_hashes
-from ..commit.merkle import MerkleTree
+from ..commit.chunks import path_nodes
+from ..commit.hashing import leaf_hash
+from ..commit.merkle import MerkleTree, merkle_root
 from ..errors import MalformedInput
 from ..fingerprint.chunks import ChunkLayout
 from .openings import MAX_OPENINGS_BYTES
-from .state import _PARALLEL_BYTES, _raw, leaf, on_threads, parse_digest, tensor_digest
+from .state import (
+    _PARALLEL_BYTES,
+    _leaf_template,
+    _raw,
+    bytes_digest,
+    leaf,
+    on_threads,
+    parse_digest,
+    state_hash,
+)
 
 TREE = "blake3"  # the manifest's online.tree: chunks open into the state hash's own BLAKE3 digests
-_SMALL = 64 << 10  # a tensor below this many bytes is hashed with the others in one call
+_SMALL = 256 << 10  # a tensor of at most this many bytes is hashed with the others in one call
+_NONE = 64  # a level above any tensor's: its tree keeps no level (its digest alone)
 
 
 def _threads(nbytes: int) -> int:
@@ -40,20 +52,76 @@ def _threads(nbytes: int) -> int:
     return torch.get_num_threads() if nbytes >= _PARALLEL_BYTES else 1
 
 
+def host_digests(tensors: dict[str, torch.Tensor], raws: dict[str, np.ndarray], name: str,
+                 opened: frozenset[str] | set[str] = frozenset()) -> tuple[dict[str, str], dict[str, blake3tree.TensorTree]]:
+    """Each tensor's hex digest with hash ``name``, from its bytes ``raws``, on the host's threads; with BLAKE3,
+    also the trees of the ``opened`` tensors, whose chunks the every-step check opens."""
+    if name != TREE:
+        return on_threads(tensors, lambda n, _: bytes_digest(raws[n], name)), {}
+    # the small ones in one native call, where a call each would cost more than their bytes (an opened one's
+    # tree with its levels kept from KEEP_FROM up); the rest by the package (faster per byte) or a native tree
+    # each, on the host's threads
+    batch = [n for n in tensors if raws[n].nbytes <= _SMALL]
+    got = blake3tree.trees([raws[n] for n in batch], [blake3tree.KEEP_FROM if n in opened else _NONE for n in batch])
+    hexes, trees = {}, {}
+    for n, (digest, kept) in zip(batch, got, strict=True):
+        hexes[n] = digest.hex()
+        if n in opened:
+            trees[n] = blake3tree.TensorTree.from_parts(blake3tree.chunk_count(raws[n].nbytes), digest, kept)
+
+    def one(n: str, _: torch.Tensor) -> blake3tree.TensorTree | str:
+        raw = raws[n]
+        return blake3tree.TensorTree(raw, _threads(raw.nbytes)) if n in opened else bytes_digest(raw, TREE)
+
+    for n, v in on_threads({n: t for n, t in tensors.items() if n not in hexes}, one).items():
+        if isinstance(v, blake3tree.TensorTree):
+            trees[n], hexes[n] = v, v.digest.hex()
+        else:
+            hexes[n] = v
+    return hexes, trees
+
+
+class SlotPlan:
+    """What hashing a ring slot takes, worked out once: a slot's tensors stay the same buffers from one
+    kept state to the next, so their bytes' views, their order and their leaves' JSON around the digest
+    are found once, and each state then costs its hashes alone."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], digest: str):
+        self.tensors, self.digest = tensors, digest
+        self.names = sorted(tensors)
+        self.raws = {n: _raw(tensors[n]) for n in self.names}
+        self._around = [_leaf_template(n, tensors[n].dtype, tuple(tensors[n].shape), digest) for n in self.names]
+
+    def leaves(self, hexes: dict[str, str]) -> list[bytes]:
+        """The state tree's leaves, in name order, from each tensor's hex digest."""
+        return [leaf_hash(a[0] + hexes[n].encode("ascii") + a[1]) if a is not None else
+                leaf(n, self.tensors[n].dtype, self.tensors[n].shape, self.digest, hexes[n])
+                for n, a in zip(self.names, self._around, strict=True)]
+
+    def state_hash(self) -> bytes:
+        """The slot's state hash now (``witness.bundle.state.state_hash``'s, without its work per tensor)."""
+        name, shards = parse_digest(self.digest)
+        if shards != 1:
+            return state_hash(self.tensors, self.digest)
+        return merkle_root(self.leaves(host_digests(self.tensors, self.raws, name)[0]))
+
+
 class TensorTrees:
     """Tensors hashed once: every tensor's digest (``hex``), and the BLAKE3 tree of each of ``layout``'s
     tensors (the parameters, or one rank's pieces of them), whose chunks it opens. ``flat`` is the
     layout's buffer holding them (the ring's copy), hashed in place and read again for a path; without
-    one, the tensors' own bytes are."""
+    one, the tensors' own bytes are. ``plan``: the slot's, where ``tensors`` is a ring slot."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], layout: ChunkLayout, flat: torch.Tensor | None = None,
-                 hasher: str = "host"):
+                 hasher: str = "host", plan: SlotPlan | None = None):
         """``hasher``: "host" (the native tree and the package, on the host's threads) or "cuda" (the Triton
         kernels where ``tensors`` lie; ``flat``, the host copy, then gives the bytes a path reads)."""
         if layout.shards != 1 or layout.chunk_bytes != blake3tree.CHUNK:
             raise ValueError("the one-pass state tree needs BLAKE3 digests of whole tensors and 1 KiB chunks")
         self.layout = layout
-        if flat is not None:  # the buffer's bytes where each tensor lies (numpy slices: no tensor views a step)
+        if plan is not None:  # (the slot's views: the same bytes as the buffer's, where the slot's tensors lie)
+            self._bytes = {n: plan.raws[n] for n in layout.names}
+        elif flat is not None:  # the buffer's bytes where each tensor lies (numpy slices: no tensor views a step)
             raw = flat.numpy()
             self._bytes = {n: raw[a:e] for n, a, e in zip(layout.names, np.asarray(layout.starts) * layout.chunk_bytes,
                                                           layout.ends, strict=True)}
@@ -65,26 +133,19 @@ class TensorTrees:
         host = tensors if hasher == "host" else {n: t for n, t in tensors.items() if not on_gpu(t)}
         got: dict[str, blake3tree.TensorTree | str] = {n: _on_device(n in self._bytes, t) for n, t in tensors.items()
                                                        if n not in host}
-        # not opened, and small (step counters, biases' moments): their digests alone in one native call, where a
-        # call each would cost more than their bytes; the rest by the package (faster per byte) or the native
-        # tree (kept for the paths), on the host's threads
-        small = [n for n, t in host.items() if n not in self._bytes and t.numel() * t.element_size() < _SMALL]
-        raws = [_raw(host[n]) for n in small]
-        got |= dict(zip(small, (d.hex() for d in blake3tree.digests(raws)), strict=True))
-
-        def one(name: str, t: torch.Tensor) -> blake3tree.TensorTree | str:
-            raw = self._bytes.get(name)
-            if raw is None:
-                return tensor_digest(t, TREE)  # not opened: the package's digest (the same bytes)
-            return blake3tree.TensorTree(raw, _threads(raw.nbytes))
-
-        got |= on_threads({n: t for n, t in host.items() if n not in got}, one)
-        self.trees = {n: v for n, v in got.items() if isinstance(v, blake3tree.TensorTree)}
-        self.hex = {n: v.digest.hex() if isinstance(v, blake3tree.TensorTree) else v for n, v in got.items()}
+        raws = plan.raws if plan is not None else {n: self._bytes.get(n) if n in self._bytes else _raw(t)
+                                                   for n, t in host.items()}
+        hexes, self.trees = host_digests(host, raws, TREE, self._bytes.keys() & host.keys())
+        self.trees |= {n: v for n, v in got.items() if isinstance(v, blake3tree.TensorTree)}
+        self.hex = hexes | {n: v.digest.hex() if isinstance(v, blake3tree.TensorTree) else v for n, v in got.items()}
 
     def name(self, chunk: int) -> str:
         """The tensor a layout chunk belongs to."""
         return self.layout.tensors[int(self.layout.tensor_of(np.asarray(chunk)))][0]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of one of the layout's tensors, as hashed (the ring's copy, where it holds the state)."""
+        return self._bytes[name]
 
     def path(self, chunk: int) -> np.ndarray:
         """Layout chunk ``chunk``'s BLAKE3 path, up to its tensor's digest ([nodes, 32])."""
@@ -134,8 +195,10 @@ class StateLeaves:
         self._index = {n: i for i, n in enumerate(names)}
 
     def audit(self, name: str) -> np.ndarray:
-        """The audit path of ``name``'s leaf ([nodes, 32])."""
-        return _nodes(self._tree.inclusion_proof(self._index[name]))
+        """The audit path of ``name``'s leaf ([nodes, 32]): its siblings read off the tree's levels (the
+        RFC 6962 tree of the whole size, whose odd last node goes up unchanged)."""
+        i = self._index[name]
+        return _nodes([self._tree.levels[level][pos] for level, pos in path_nodes(i, self.size)])
 
 
 class StateTree(StateLeaves):
@@ -143,13 +206,15 @@ class StateTree(StateLeaves):
     tree (``TensorTrees``) and the state tree's leaves."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], digest: str, layout: ChunkLayout,
-                 flat: torch.Tensor | None = None, hasher: str = "host"):
-        if parse_digest(digest) != (TREE, 1):
+                 flat: torch.Tensor | None = None, hasher: str = "host", plan: SlotPlan | None = None):
+        """``plan``: the ring slot's that ``tensors`` is (hashed with this digest), else None."""
+        if parse_digest(digest) != (TREE, 1) or (plan is not None and (plan.tensors is not tensors
+                                                                       or plan.digest != digest)):
             raise ValueError("the one-pass state tree needs BLAKE3 digests of whole tensors and 1 KiB chunks")
-        self.layout, self.pieces = layout, TensorTrees(tensors, layout, flat, hasher)
+        self.layout, self.pieces = layout, TensorTrees(tensors, layout, flat, hasher, plan)
         names = sorted(tensors)
-        super().__init__(names, [leaf(n, tensors[n].dtype, tensors[n].shape, digest, self.pieces.hex[n])
-                                 for n in names])
+        super().__init__(names, plan.leaves(self.pieces.hex) if plan is not None else
+                         [leaf(n, tensors[n].dtype, tensors[n].shape, digest, self.pieces.hex[n]) for n in names])
 
     def tail(self, name: str) -> np.ndarray:
         """What follows a chunk's BLAKE3 path in its opening: its tensor's audit path."""
@@ -160,6 +225,41 @@ class StateTree(StateLeaves):
         chunk's BLAKE3 path, then its tensor's audit path in the state tree ([nodes, 32])."""
         out = [x for c in chunks for x in (self.pieces.path(c), self.tail(self.pieces.name(c)))]
         return np.concatenate(out) if out else np.zeros((0, 32), np.uint8)
+
+
+def window_paths(trees: list[StateTree], chunks: list[int]) -> list[np.ndarray]:
+    """What ``StateTree.paths(chunks)`` gives for each of a window's states, for all of them at once: the
+    chunks are the same in each state, so their paths have the same shape, and the levels above each
+    chunk's block of ``2 ** KEEP_FROM`` chunks are hashed in every state in one call."""
+    alike = [t for t in trees if t._index == trees[0]._index and t.layout is trees[0].layout]
+    if len(alike) < len(trees):  # (the initial state, without the optimizer's moments, has fewer leaves)
+        done = dict(zip(map(id, alike), window_paths(alike, chunks), strict=True))
+        return [done[id(t)] if id(t) in done else t.paths(chunks) for t in trees]
+    out: list[list[np.ndarray]] = [[] for _ in trees]
+    for c in chunks:
+        layout = trees[0].layout
+        i = int(layout.tensor_of(np.asarray(c)))
+        name, j = layout.tensors[i][0], c - int(layout.starts[i])
+        kept = [t.pieces.trees[name] for t in trees]
+        size, keep_from = kept[0].size, kept[0].keep_from
+        lo = j >> keep_from << keep_from
+        hi = min(size, lo + (1 << keep_from))
+        level = np.stack([np.frombuffer(blake3tree.chunk_cvs(t.pieces.raw(name)[lo * blake3tree.CHUNK:
+                                                                            hi * blake3tree.CHUNK], lo), np.uint8)
+                          for t in trees]).reshape(len(trees), hi - lo, 32)
+        levels = [level]  # the block's own levels in every state ([states, nodes, 32])
+        while len(levels) < keep_from and levels[-1].shape[1] > 1:
+            lv = levels[-1]
+            even = lv.shape[1] // 2 * 2
+            up = np.frombuffer(blake3tree.parents(np.ascontiguousarray(lv[:, :even]).tobytes()), np.uint8)
+            levels.append(np.concatenate([up.reshape(len(trees), even // 2, 32), lv[:, even:]], axis=1))
+        nodes = [levels[lv][:, pos - (lo >> lv)] if lv < keep_from else np.stack([k.kept(lv, pos) for k in kept])
+                 for lv, pos in path_nodes(j, size)]
+        path = np.stack(nodes, axis=1) if nodes else np.zeros((len(trees), 0, 32), np.uint8)  # [states, nodes, 32]
+        audit = path_nodes(trees[0]._index[name], trees[0].size)  # (the same leaf of a tree of the same size)
+        for s, t in enumerate(trees):
+            out[s] += [path[s], _nodes([t._tree.levels[lv][pos] for lv, pos in audit])]
+    return [np.concatenate(x) if x else np.zeros((0, 32), np.uint8) for x in out]
 
 
 class ShardedState(StateLeaves):

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..errors import MalformedInput, VerificationError
-from .checkpoint import safetensors_header, save_safetensors
+from .checkpoint import safetensors_bytes, safetensors_header
 
 OPENINGS_FORMAT = "witness-chunk-openings/v1"
 TREE_OPENINGS_FORMAT = "witness-chunk-openings/v2"
@@ -49,8 +48,8 @@ def write_openings(path: Path, openings: WindowOpenings) -> int:
     """Write the file atomically (a temp file renamed into place); its size in bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_safetensors({"chunks": torch.from_numpy(np.ascontiguousarray(openings.chunks)),
-                      "paths": torch.from_numpy(np.ascontiguousarray(openings.paths))}, tmp, openings.metadata())
+    tmp.write_bytes(safetensors_bytes({"chunks": np.ascontiguousarray(openings.chunks),
+                                       "paths": np.ascontiguousarray(openings.paths)}, openings.metadata()))
     tmp.replace(path)
     return path.stat().st_size
 

@@ -276,6 +276,36 @@ static int get_buffer(PyObject *obj, Py_buffer *view) {
     return PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS);
 }
 
+/* How many nodes a tree of n chunks keeps from level keep_from up to the one below its root. */
+static size_t kept_nodes(size_t n, Py_ssize_t keep_from) {
+    size_t kept = 0, m = n;
+    for (Py_ssize_t level = 0; m > 1; level++, m = (m + 1) / 2)
+        if (level >= keep_from) kept += m;
+    return kept;
+}
+
+/* The digest of len bytes at p into digest, and the nodes of its levels from keep_from up into dst (room for
+ * kept_nodes); a, b: scratch for ceil(len / 1024) and half as many CVs more. No Python: runs without the GIL. */
+static void tree_into(const uint8_t *p, size_t len, Py_ssize_t keep_from, int threads, uint8_t *a, uint8_t *b,
+                      uint8_t digest[32], uint8_t *dst) {
+    size_t n = len ? (len + CHUNK - 1) / CHUNK : 1, m = n;
+    uint32_t w[8];
+    if (n == 1) {
+        chunk_cv(p, len, 0, 1, w);
+        memcpy(digest, w, 32);
+        return;
+    }
+    all_chunks(p, len, 0, a, threads);
+    for (Py_ssize_t level = 0;; level++) { /* n > 1: the levels end with one of two nodes */
+        if (level >= keep_from) { memcpy(dst, a, 32 * m); dst += 32 * m; }
+        if (m == 2) break;
+        m = level_up(a, m, b, threads);
+        uint8_t *t = a; a = b; b = t;
+    }
+    parent_cv(a, 1, w);
+    memcpy(digest, w, 32);
+}
+
 /* tree(data, keep_from=0, threads=1) -> (digest, kept): the 32-byte digest of data, and the nodes of
  * every level from keep_from up to the one below the root, level after level (level 0: the chunks'
  * CVs). A buffer of one chunk has no level below its root: kept is empty. */
@@ -290,46 +320,75 @@ static PyObject *py_tree(PyObject *self, PyObject *args) {
     }
     Py_buffer view;
     if (get_buffer(obj, &view) < 0) return NULL;
-    const uint8_t *p = (const uint8_t *)view.buf;
     size_t len = (size_t)view.len, n = len ? (len + CHUNK - 1) / CHUNK : 1;
-    uint8_t digest[32];
-    if (n == 1) {
-        uint32_t w[8];
-        Py_BEGIN_ALLOW_THREADS
-        chunk_cv(p, len, 0, 1, w);
-        Py_END_ALLOW_THREADS
-        memcpy(digest, w, 32);
-        PyBuffer_Release(&view);
-        return Py_BuildValue("(y#y#)", (const char *)digest, (Py_ssize_t)32, "", (Py_ssize_t)0);
-    }
-    /* the kept levels' sizes: n, ceil(n/2), ... down to 2 nodes */
-    size_t kept = 0, m = n;
-    for (Py_ssize_t level = 0; m > 1; level++, m = (m + 1) / 2)
-        if (level >= keep_from) kept += m;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(32 * kept));
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(32 * kept_nodes(n, keep_from)));
     uint8_t *a = malloc(32 * n), *b = malloc(32 * ((n + 1) / 2));
     if (!out || !a || !b) {
         free(a); free(b); Py_XDECREF(out); PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
-    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+    uint8_t digest[32];
     Py_BEGIN_ALLOW_THREADS
-    all_chunks(p, len, 0, a, threads);
-    m = n;
-    for (Py_ssize_t level = 0;; level++) { /* n > 1: the levels end with one of two nodes */
-        if (level >= keep_from) { memcpy(dst, a, 32 * m); dst += 32 * m; }
-        if (m == 2) break;
-        m = level_up(a, m, b, threads);
-        uint8_t *t = a; a = b; b = t;
-    }
-    uint32_t w[8];
-    parent_cv(a, 1, w);
-    memcpy(digest, w, 32);
+    tree_into((const uint8_t *)view.buf, len, keep_from, threads, a, b, digest, (uint8_t *)PyBytes_AS_STRING(out));
     Py_END_ALLOW_THREADS
     free(a); free(b);
     PyBuffer_Release(&view);
     PyObject *result = Py_BuildValue("(y#O)", (const char *)digest, (Py_ssize_t)32, out);
     Py_DECREF(out);
+    return result;
+}
+
+/* trees(buffers, keep_froms) -> [(digest, kept), ...]: tree(buffer, keep_from) of many buffers in one call,
+ * each with its own keep_from (a large one keeps nothing: a digest alone), on the calling thread. */
+static PyObject *py_trees(PyObject *self, PyObject *args) {
+    PyObject *seq, *keeps_seq;
+    if (!PyArg_ParseTuple(args, "OO", &seq, &keeps_seq)) return NULL;
+    PyObject *items = PySequence_Fast(seq, "trees takes a sequence of buffers");
+    if (!items) return NULL;
+    PyObject *keeps = PySequence_Fast(keeps_seq, "trees takes a sequence of levels");
+    if (!keeps) { Py_DECREF(items); return NULL; }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), got = 0;
+    Py_buffer *views = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Py_buffer));
+    PyObject **kept = PyMem_Calloc((size_t)(count ? count : 1), sizeof(PyObject *));
+    Py_ssize_t *froms = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Py_ssize_t));
+    uint8_t *outs = PyMem_Malloc((size_t)(count ? count : 1) * 32), *a = NULL, *b = NULL;
+    PyObject *result = NULL;
+    size_t most = 1;
+    if (!views || !kept || !froms || !outs) { PyErr_NoMemory(); goto done; }
+    if (PySequence_Fast_GET_SIZE(keeps) != count) {
+        PyErr_SetString(PyExc_ValueError, "trees takes one keep_from a buffer");
+        goto done;
+    }
+    for (; got < count; got++) {
+        froms[got] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(keeps, got));
+        if (froms[got] < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "keep_from is a level, 0 or more");
+            goto done;
+        }
+        if (get_buffer(PySequence_Fast_GET_ITEM(items, got), &views[got]) < 0) goto done;
+        size_t n = views[got].len ? ((size_t)views[got].len + CHUNK - 1) / CHUNK : 1;
+        if (n > most) most = n;
+        kept[got] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(32 * kept_nodes(n, froms[got])));
+        if (!kept[got]) { PyBuffer_Release(&views[got]); goto done; }
+    }
+    a = malloc(32 * most), b = malloc(32 * ((most + 1) / 2 + 1));
+    if (!a || !b) { PyErr_NoMemory(); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        tree_into((const uint8_t *)views[i].buf, (size_t)views[i].len, froms[i], 1, a, b, outs + 32 * i,
+                  (uint8_t *)PyBytes_AS_STRING(kept[i]));
+    Py_END_ALLOW_THREADS
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result && i < count; i++) {
+        PyObject *pair = Py_BuildValue("(y#O)", (const char *)outs + 32 * i, (Py_ssize_t)32, kept[i]);
+        if (!pair) { Py_CLEAR(result); break; }
+        PyList_SET_ITEM(result, i, pair);
+    }
+done:
+    free(a); free(b);
+    for (Py_ssize_t i = 0; i < got; i++) { PyBuffer_Release(&views[i]); Py_XDECREF(kept[i]); }
+    PyMem_Free(views); PyMem_Free(kept); PyMem_Free(froms); PyMem_Free(outs);
+    Py_DECREF(items); Py_DECREF(keeps);
     return result;
 }
 
@@ -479,6 +538,7 @@ done:
 static PyMethodDef methods[] = {
     {"digests", py_digests, METH_VARARGS, "BLAKE3 digests of many buffers in one call."},
     {"tree", py_tree, METH_VARARGS, "BLAKE3 digest of a buffer and the CVs of its tree's levels."},
+    {"trees", py_trees, METH_VARARGS, "tree() of many buffers in one call, each with its own keep_from."},
     {"chunk_cvs", py_chunk_cvs, METH_VARARGS, "Chaining values of every 1 KiB chunk of a buffer."},
     {"parents", py_parents, METH_VARARGS, "Parent CVs (or root outputs) of 64-byte pairs of CVs."},
     {"chunks", py_chunks, METH_VARARGS, "CVs (or root outputs) of many chunks with their own counters."},

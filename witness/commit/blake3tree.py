@@ -15,6 +15,7 @@ the same bytes, slower. ``NATIVE`` says which one runs.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -177,6 +178,14 @@ def tree(data, keep_from: int = 0, threads: int = 1) -> tuple[bytes, bytes]:  # 
     return _parents_np(level.reshape(-1), np.ones(1, bool)).tobytes(), b"".join(kept)
 
 
+def trees(buffers: list, keep_froms: list[int]) -> list[tuple[bytes, bytes]]:
+    """``tree(buffer, keep_from)`` of many buffers in one native call (a state's many small tensors), each
+    with its own ``keep_from`` (one above a buffer's levels keeps nothing: its digest alone)."""
+    if _blake3 is not None:
+        return _blake3.trees(buffers, keep_froms)
+    return [tree(b, k) for b, k in zip(buffers, keep_froms, strict=True)]
+
+
 def digests(buffers: list, threads: int = 1) -> list[bytes]:
     """Each buffer's BLAKE3 digest: one native call for them all (a state's many small tensors)."""
     if _blake3 is not None:
@@ -187,6 +196,14 @@ def digests(buffers: list, threads: int = 1) -> list[bytes]:
 def digest(data, threads: int = 1) -> bytes:  # noqa: ANN001 - any buffer
     """``data``'s BLAKE3 digest (the ``blake3`` package's)."""
     return tree(data, 1 << 30, threads)[0]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _level_starts(size: int, keep_from: int) -> dict[int, int]:
+    """Where each kept level of a tree of ``size`` chunks begins among its kept nodes."""
+    sizes = level_sizes(size)[:-1]
+    return {lv: int(s) for lv, s in zip(range(keep_from, len(sizes)), np.cumsum([0, *sizes[keep_from:]]),
+                                        strict=False)}
 
 
 class TensorTree:
@@ -207,10 +224,13 @@ class TensorTree:
         out.size, out.keep_from, out.digest, out._raw_kept = size, keep_from, digest, kept
         return out
 
+    def kept(self, level: int, pos: int) -> np.ndarray:
+        """Node ``pos`` of kept level ``level`` (>= ``keep_from``) as [32] uint8."""
+        start = self._level_starts()[level] + pos
+        return np.frombuffer(self._raw_kept, np.uint8, 32, 32 * start)
+
     def _level_starts(self) -> dict[int, int]:
-        sizes = level_sizes(self.size)[:-1]
-        return {lv: int(s) for lv, s in zip(range(self.keep_from, len(sizes)),
-                                            np.cumsum([0, *sizes[self.keep_from:]]), strict=False)}
+        return _level_starts(self.size, self.keep_from)
 
     def path(self, index: int, data) -> np.ndarray:  # noqa: ANN001 - the same buffer's bytes
         """The sibling CVs of chunk ``index``, bottom up ([nodes, 32]); ``data`` the buffer hashed."""

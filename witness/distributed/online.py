@@ -223,7 +223,8 @@ class ShareRing:
             return None
         started = time.perf_counter()
         flat = self._pool.flat(slot)
-        self.trees[n] = tree = TensorTrees(slot, self.layout, flat) if self.tree else self.layout.tree(flat)  # type: ignore[arg-type]
+        self.trees[n] = tree = TensorTrees(slot, self.layout, flat, plan=self._pool.plan(slot, "blake3")) \
+            if self.tree else self.layout.tree(flat)  # type: ignore[arg-type]
         self.tree_seconds += time.perf_counter() - started
         return tree
 

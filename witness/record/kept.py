@@ -23,7 +23,7 @@ from ..bundle.layout import (
     online_shard_name,
     online_state_name,
 )
-from ..bundle.opened import StateTree
+from ..bundle.opened import SlotPlan, StateTree, window_paths
 from ..bundle.openings import WindowOpenings, write_openings
 from ..commit.chunks import ChunkTree
 from ..commit.hashing import canonical_json, parse_canonical_json
@@ -46,6 +46,7 @@ class StatePool:
         # a chunked run's slots hold their parameters in one chunk-aligned buffer (hashed in place)
         self.layout = layout
         self._flat: dict[int, torch.Tensor] = {}  # id(slot) -> that buffer
+        self._plans: dict[int, SlotPlan] = {}  # id(slot) -> how it is hashed (its first hash works it out)
 
     def take(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A free buffer shaped like ``state`` (pinned host memory for a GPU state), not filled."""
@@ -54,6 +55,7 @@ class StatePool:
             if slot is not None:
                 self._targets.pop(id(slot), None)
                 self._flat.pop(id(slot), None)
+                self._plans.pop(id(slot), None)
             pinned = any(v.is_cuda for v in state.values())
             views: dict[str, torch.Tensor] = {}
             flat = None
@@ -70,6 +72,15 @@ class StatePool:
     def flat(self, slot: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The chunk-aligned buffer that holds a slot's parameters (None: not one of this pool's)."""
         return self._flat.get(id(slot))
+
+    def plan(self, slot: dict[str, torch.Tensor], digest: str) -> SlotPlan | None:
+        """How one of this pool's host slots is hashed with ``digest`` (None: not one of its slots)."""
+        if id(slot) not in self._targets:
+            return None
+        plan = self._plans.get(id(slot))
+        if plan is None or plan.digest != digest:
+            plan = self._plans[id(slot)] = SlotPlan(slot, digest)
+        return plan
 
     def copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A host copy of ``state`` that training cannot change."""
@@ -120,6 +131,17 @@ class KeptFiles:
         assert self.layout is not None
         raw = flat.numpy().reshape(self.layout.size, self.layout.chunk_bytes)
         return raw[chunks].copy(), tree.paths(chunks)
+
+    def _window_pieces(self, opening: list[tuple[torch.Tensor, ChunkTree | StateTree]],
+                       chunks: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``_pieces`` of each of a window's states (``flat``, ``tree``): state trees' paths all at once."""
+        trees = [tree for _, tree in opening]
+        if not all(isinstance(t, StateTree) for t in trees):
+            return [self._pieces(flat, tree, chunks) for flat, tree in opening]
+        assert self.layout is not None
+        rows = (self.layout.size, self.layout.chunk_bytes)
+        return [(flat.numpy().reshape(rows)[chunks].copy(), paths)
+                for (flat, _), paths in zip(opening, window_paths(trees, chunks), strict=True)]  # type: ignore[arg-type]
 
     def _write_openings(self, size: int, first: int, chunks: list[int],
                         pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:

@@ -219,12 +219,11 @@ class OnlineChallenges(KeptFiles):
                 flat = self.layout.flatten(tensors, self._scratch)
             if not self.spec.tree:
                 tree = self.layout.tree(flat)
-            elif self.shard is None:
-                # (one process: a state tree's digest is BLAKE3 of whole tensors, check_tree_settings)
-                tree = StateTree(tensors, TREE, self.layout, flat) if source is None else \
-                    StateTree(source, TREE, self.layout, flat, "cuda")
-            else:  # rank 0's share over several ranks: its pieces' trees (witness.distributed makes the state's)
-                tree = TensorTrees(tensors, self.layout, flat)
+            elif self.shard is not None:  # rank 0's share over several ranks (witness.distributed makes the state's)
+                tree = TensorTrees(tensors, self.layout, flat, plan=self._buffers.plan(tensors, TREE))
+            else:  # one process (BLAKE3 of whole tensors: check_tree_settings), on the GPU where the state lies
+                tree = StateTree(tensors, TREE, self.layout, flat, plan=self._buffers.plan(tensors, TREE)) \
+                    if source is None else StateTree(source, TREE, self.layout, flat, "cuda")
             if self.reopen:
                 self._collect(n, flat, tree)
         with self._lock:
@@ -250,6 +249,13 @@ class OnlineChallenges(KeptFiles):
 
     def _window_at(self, size: int) -> range:
         return self.statements[size].window(self.steps)
+
+    def state_hash(self, n: int, digest: str) -> bytes | None:
+        """The state after ``n`` updates hashed in the ring's copy (``SlotPlan``), None if it holds none."""
+        with self._lock:
+            slot = self.ring.get(n)
+            plan = self._buffers.plan(slot, digest) if slot is not None else None
+        return plan.state_hash() if plan is not None else None
 
     def reserve(self, n: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """A ring buffer for the state after ``n`` updates that the caller fills (the overlapped state
@@ -389,8 +395,7 @@ class OnlineChallenges(KeptFiles):
             window = self.on_opening(st, win.start, opening)  # type: ignore[arg-type]
         elif opening is not None:
             chunks = self._chunks_of(st)
-            self._write_openings(st.size, win.start, chunks, [self._pieces(flat, tree, chunks)  # type: ignore[arg-type]
-                                                              for flat, tree in opening])
+            self._write_openings(st.size, win.start, chunks, self._window_pieces(opening, chunks))
         if self.on_answer is not None:
             self.on_answer(covered, sorted(needed), window)
         for t in fresh:  # the samples need no state: written outside the lock, like the states

@@ -226,7 +226,10 @@ class Records:
                     raise RuntimeError(f"the state after step {step} hashed two ways")
                 record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
             elif "state_hash" not in record:  # (a state tree that opens the chunks is the state's hash already)
-                record["state_hash"] = state_hash(state, self.digest).hex()
+                # an online run hashes the ring's copy it just made, whose buffers it knows already
+                kept = self.online.state_hash(done, self.digest) if self.online is not None and \
+                    self.online.shard is None else None
+                record["state_hash"] = (kept if kept is not None else state_hash(state, self.digest)).hex()
         self._append_step(record)
         self.next_step = done
 
