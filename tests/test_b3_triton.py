@@ -311,4 +311,10 @@ def test_a_state_hashed_by_the_kernels_is_the_hosts_state_tree_and_opens_the_sam
     assert device.root == host.root == state_hash(tensors, "blake3")
     chunks = list(range(layout.size))
     assert np.array_equal(device.paths(chunks), host.paths(chunks))
+    # the opened tensors' upper levels stay where the kernels made them (a path copies its nodes over)
+    big = device.pieces.trees["model.0.weight"]
+    assert isinstance(big, opened.DeviceTree) and all(isinstance(lv, torch.Tensor) for lv in big.levels)
+    assert big.levels and not hasattr(big, "_raw_kept")
+    both = opened.window_paths([device, host], chunks)
+    assert np.array_equal(both[0], both[1]) and np.array_equal(both[0], host.paths(chunks))
     assert hasher_for(torch.device("cpu")) == "host" and hasher_for(torch.device("cuda")) == "cuda"

@@ -160,16 +160,31 @@ def on_gpu(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+class DeviceTree(blake3tree.TensorTree):
+    """A tensor's tree hashed on its GPU: its levels from ``KEEP_FROM`` up stay there, as long as the ring
+    holds the state, and a path copies its few nodes of them to the host."""
+
+    def __init__(self, nbytes: int, digest: bytes, levels: list[torch.Tensor]):
+        self.size, self.keep_from, self.digest = blake3tree.chunk_count(nbytes), blake3tree.KEEP_FROM, digest
+        self.levels = levels[blake3tree.KEEP_FROM:]  # [m, 8] int32 CV words a level, on the device
+
+    def kept_nodes(self, wanted: list[tuple[int, int]]) -> np.ndarray:
+        """The wanted nodes, gathered on the device and copied over in one transfer."""
+        from ..fingerprint import b3gpu
+
+        if not wanted:
+            return np.zeros((0, 32), np.uint8)
+        picked = torch.stack([self.levels[lv - self.keep_from][pos] for lv, pos in wanted])
+        return np.frombuffer(b3gpu.cv_bytes(picked), np.uint8).reshape(-1, 32)
+
+
 def _on_device(opened: bool, t: torch.Tensor) -> blake3tree.TensorTree | str:
-    """A tensor hashed where it lies by the Triton kernels: its tree (only the kept levels cross to the
-    host) where its chunks are opened, else its digest."""
+    """A tensor hashed where it lies by the Triton kernels: its tree (its upper levels kept there) where
+    its chunks are opened, else its digest; only the digest crosses to the host."""
     from ..fingerprint import b3gpu
 
     digest, levels = b3gpu.tensor_tree(t)
-    if not opened:
-        return digest.hex()
-    kept = b"".join(b3gpu.cv_bytes(level) for level in levels[blake3tree.KEEP_FROM:])
-    return blake3tree.TensorTree.from_parts(blake3tree.chunk_count(t.numel() * t.element_size()), digest, kept)
+    return DeviceTree(t.numel() * t.element_size(), digest, levels) if opened else digest.hex()
 
 
 def hasher_for(device: torch.device) -> str:

@@ -226,8 +226,14 @@ class TensorTree:
 
     def kept(self, level: int, pos: int) -> np.ndarray:
         """Node ``pos`` of kept level ``level`` (>= ``keep_from``) as [32] uint8."""
-        start = self._level_starts()[level] + pos
-        return np.frombuffer(self._raw_kept, np.uint8, 32, 32 * start)
+        return self.kept_nodes([(level, pos)])[0]
+
+    def kept_nodes(self, wanted: list[tuple[int, int]]) -> np.ndarray:
+        """Nodes (level, position) of the kept levels, as [k, 32] uint8 (a tree whose levels stay on a GPU
+        copies these alone to the host)."""
+        kept = np.frombuffer(self._raw_kept, np.uint8).reshape(-1, 32)
+        starts = self._level_starts()
+        return kept[[starts[lv] + pos for lv, pos in wanted]] if wanted else np.zeros((0, 32), np.uint8)
 
     def _level_starts(self) -> dict[int, int]:
         return _level_starts(self.size, self.keep_from)
@@ -244,14 +250,9 @@ class TensorTree:
             lv = levels[-1]
             up = np.frombuffer(parents(lv[:len(lv) // 2 * 2].tobytes()), np.uint8).reshape(-1, 32)
             levels.append(np.concatenate([up, lv[len(lv) // 2 * 2:]]))
-        out = []
-        kept = np.frombuffer(self._raw_kept, np.uint8).reshape(-1, 32)
-        starts = self._level_starts()
-        for level, pos in path_nodes(index, self.size):
-            if level < self.keep_from:
-                out.append(levels[level][pos - (lo >> level)])
-            else:
-                out.append(kept[starts[level] + pos])
+        nodes = path_nodes(index, self.size)
+        upper = iter(self.kept_nodes([(lv, pos) for lv, pos in nodes if lv >= self.keep_from]))
+        out = [levels[lv][pos - (lo >> lv)] if lv < self.keep_from else next(upper) for lv, pos in nodes]
         return np.stack(out) if out else np.zeros((0, 32), np.uint8)
 
 
