@@ -224,3 +224,17 @@ def test_cli_serves_a_chain_a_verifier_pins(tmp_path: Path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_drands_discovery_routes_name_the_chain_and_its_health(local, served):
+    """drand's clients and monitors discover a relay by ``GET /chains`` (the hashes it serves) and check
+    it by ``GET /health`` and ``/{hash}/health`` (the round it has and the round due now, 200 when at
+    most one behind), as drand's http server answers them."""
+    h = local.chain.hash.hex()
+    assert httpx.get(f"{served}/chains").json() == [h]
+    for path in ("/health", f"/{h}/health"):
+        r = httpx.get(f"{served}{path}")
+        body = r.json()
+        assert r.status_code == 200 and set(body) == {"current", "expected"}
+        assert body["expected"] - 1 <= body["current"] <= body["expected"] and body["current"] >= 1000
+    assert httpx.get(f"{served}/{'00' * 32}/health").status_code == 400  # a chain it does not serve

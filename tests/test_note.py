@@ -295,3 +295,86 @@ def test_weak_and_malformed_keys_are_refused():
     upper = PETER_VKEY.replace("c74f20a3", "C74F20A3")  # Go's ParseUint takes it; the spec's hex is lowercase
     with pytest.raises(MalformedInput):
         NoteKey.parse(upper)
+
+
+# --- tlog-cosignature's ML-DSA-44 type (0x06) and signed-note's unknown lines --------------------
+def _subtree_message_by_hand(name: str, timestamp: int, origin: str, size: int, root: bytes) -> bytes:
+    """tlog-cosignature's ``cosigned_message``, spelled out field by field from the spec."""
+    return (b"subtree/v1\n\x00" + bytes([len(name.encode())]) + name.encode() + timestamp.to_bytes(8, "big")
+            + bytes([len(origin.encode())]) + origin.encode() + (0).to_bytes(8, "big") + size.to_bytes(8, "big") + root)
+
+
+def test_an_ml_dsa_44_cosignature_signs_the_subtree_message_and_verifies():
+    from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
+
+    from witness.commit.note import COSIGNATURE_MLDSA44, cosigner_key
+
+    key = MLDSA44PrivateKey.generate()
+    wkey = cosigner_key("witness.example/pq", key)
+    public = key.public_key().public_bytes_raw()
+    assert wkey.alg == COSIGNATURE_MLDSA44 == 0x06 and wkey.public == public and len(public) == 1312
+    assert wkey.id == hashlib.sha256(b"witness.example/pq\n\x06" + public).digest()[:4]  # the spec's key ID
+    assert NoteKey.parse(wkey.vkey()) == wkey and len(wkey.vkey()) > 1024
+    sig = cosign(SOFA, wkey.name, key, 1679315147)
+    assert sig.key_id == wkey.id and len(sig.sig) == 8 + 2420 and cosignature_timestamp(sig) == 1679315147
+    assert verify_cosignature(SOFA, sig, wkey) == 1679315147
+    root = base64.b64decode("CsUYapGGPo4dkMgIAUqom/Xajj7h2fB2MPA3j2jxq2I=")
+    key.public_key().verify(sig.sig[8:], _subtree_message_by_hand(wkey.name, 1679315147, "example.com/behind-the-sofa",
+                                                                  20852163, root))
+    # the message holds no extension line: the same cosignature stands for the checkpoint with one
+    assert verify_cosignature(SOFA + "an extension\n", sig, wkey) == 1679315147
+    # within a note of the log's and other witnesses' lines, after tlog-witness's answer
+    note = parse_note(SOFA_NOTE.encode() + sig.line().encode())
+    assert [verify_cosignature(note.text, s, wkey) for s in note.of_key(wkey)] == [1679315147]
+
+
+def test_a_bad_ml_dsa_44_cosignature_is_refused():
+    from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
+
+    from witness.commit.note import cosigner_key
+
+    key = MLDSA44PrivateKey.generate()
+    wkey = cosigner_key("witness.example/pq", key)
+    sig = cosign(SOFA, wkey.name, key, 1700000000)
+    for text in (SOFA.replace("20852163", "20852164"), SOFA.replace("example.com", "example.org"),
+                 SOFA.replace("CsUY", "DsUY")):  # another size, origin, root
+        with pytest.raises((VerificationError, MalformedInput)):
+            verify_cosignature(text, sig, wkey)
+    with pytest.raises(VerificationError, match="does not verify"):  # the time changed
+        verify_cosignature(SOFA, NoteSignature(sig.name, sig.key_id, (1700000001).to_bytes(8, "big") + sig.sig[8:]),
+                           wkey)
+    renamed = cosigner_key("witness.example/pq2", key)  # the message commits to the name: another name fails
+    with pytest.raises(VerificationError, match="does not verify"):
+        verify_cosignature(SOFA, NoteSignature(renamed.name, renamed.id, sig.sig), renamed)
+    other = cosigner_key("witness.example/pq", MLDSA44PrivateKey.generate())
+    with pytest.raises(VerificationError, match="not by the witness"):
+        verify_cosignature(SOFA, sig, other)
+    ed = generate_key()  # an Ed25519 cosignature's bytes under the ML-DSA key's line, and the other way round
+    with pytest.raises(VerificationError, match="type 0x06"):
+        verify_cosignature(SOFA, NoteSignature(wkey.name, wkey.id, cosign(SOFA, wkey.name, ed, 1700000000).sig), wkey)
+    edkey = NoteKey.of(wkey.name, ed.public_key(), COSIGNATURE_V1)
+    with pytest.raises(VerificationError, match="type 0x04"):
+        verify_cosignature(SOFA, NoteSignature(edkey.name, edkey.id, sig.sig), edkey)
+    with pytest.raises(MalformedInput):  # a vkey of type 0x06 with a key of Ed25519's size, and the reverse
+        NoteKey("w", 0x06, b"\x01" * 32)
+    with pytest.raises(MalformedInput):
+        NoteKey("w", COSIGNATURE_V1, wkey.public)
+
+
+def test_a_line_of_an_unknown_key_is_ignored_whatever_its_spelling():
+    """signed-note: lines of keys a verifier does not know are ignored. Go's reader takes base64 with
+    stray bits and names over 255 bytes; such a line of another key is ignored here too, and one of a
+    key that is checked is refused (its strict spelling is the only one a signer makes)."""
+    peter, enoch = NoteKey.parse(PETER_VKEY), NoteKey.parse(ENOCH_VKEY)
+    stray = ENOCH_SIG[:-4] + "QR=\n"  # ...QQ= -> ...QR=: the same bytes, a non-zero padding bit
+    long_name = "— " + "x" * 300 + " " + ENOCH_SIG.split(" ")[2]
+    for extra in (stray, long_name):
+        note = parse_note((TEXT + "\n" + PETER_SIG + extra).encode())
+        assert verify_note_signature(note, peter) and len(note.signatures) == 1
+        assert verify_note_signature(note, NoteKey.parse(C2SP_VKEY)) is False
+    with pytest.raises(MalformedInput, match="strict spelling"):  # enoch's own line, badly spelled
+        verify_note_signature(parse_note((TEXT + "\n" + PETER_SIG + stray).encode()), enoch)
+    bad_peter = PETER_SIG[:-3] + "N=\n"  # AM= -> AN=
+    with pytest.raises(MalformedInput, match="strict spelling"):
+        verify_note_signature(parse_note((TEXT + "\n" + bad_peter + ENOCH_SIG).encode()), peter)
+    assert verify_note_signature(parse_note((TEXT + "\n" + bad_peter + ENOCH_SIG).encode()), enoch)

@@ -219,7 +219,7 @@ def test_malformed_requests_are_400s(http):
         "bad base64": b"old 3\nnot base64!\n\n" + note,
         "short hash": b"old 3\n" + base64.b64encode(b"x" * 31) + b"\n\n" + note,
         "note without blank line": b"old 0\n\n" + note.replace(b"\n\n", b"\n"),
-        "extension line": body(0, [], run.note(5, extensions=["ext"])),
+        "an empty extension line": body(0, [], run.note(5, extensions=[""])),
         "leading-zero size": body(0, [], note.replace(b"\n5\n", b"\n05\n")),
         "a NUL": body(0, [], note.replace(b"\n5\n", b"\n5\x00\n")),
         "not UTF-8": body(0, [], note.replace(b"\n5\n", b"\n5\xff\n")),
@@ -525,3 +525,44 @@ def test_the_empty_tree_is_cosigned_once(http):
     assert first.status_code == 200
     assert http.post(f"{P}/add-checkpoint", content=body(0, [], empty)).text == first.text
     cosignature(add(http, run, 0, 3))
+
+
+def test_extension_lines_are_cosigned_with_the_checkpoint(http):
+    """tlog-checkpoint lets a log add extension lines; the witness cosigns the checkpoint with them (its
+    cosignature/v1 message holds the whole text), and keeps them in the note it serves."""
+    run = Run()
+    register(http, run)
+    ext = ["— not a signature", "key value"]
+    sig = cosignature(add(http, run, 0, 5, extensions=ext))
+    text = Checkpoint(run.origin, 5, run.log.root(5), tuple(ext)).text()
+    assert verify_cosignature(text, sig, witness_key(http)) > 0
+    with pytest.raises(Exception, match="does not verify"):  # not the checkpoint without them
+        verify_cosignature(Checkpoint(run.origin, 5, run.log.root(5)).text(), sig, witness_key(http))
+    served = parse_note(http.get(f"{P}/{origin_hash(run.origin)}/checkpoint").content)
+    assert served.text == text
+
+
+def test_a_witness_started_with_an_ml_dsa_44_key_cosigns_with_it(tmp_path):
+    """``witness beacon serve --cosigner ml-dsa-44``: tlog-cosignature's type 0x06, served as its vkey;
+    its attempts notes stay Ed25519 notes of the beacon's key; the client verifies its cosignatures."""
+    from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
+
+    from witness.commit.note import COSIGNATURE_MLDSA44
+
+    beacon, pq = generate_key(), MLDSA44PrivateKey.generate()
+    with TestClient(create_app(f"sqlite:///{tmp_path / 'pq.db'}", beacon, name=NAME, cosigner_key=pq)) as http:
+        key = witness_key(http)
+        assert key.alg == COSIGNATURE_MLDSA44 and key.public == pq.public_key().public_bytes_raw()
+        run = Run()
+        register(http, run)
+        sig = cosignature(add(http, run, 0, 5))
+        assert len(sig.sig) == 8 + 2420 and verify_cosignature(run.note(5).decode().split("\n\n")[0] + "\n", sig, key)
+        client = WitnessClient(http, vkey=key.vkey())
+        got = client.add_checkpoint(5, run.proof(5, 9), run.note(9))
+        assert verify_cosignature(Checkpoint(run.origin, 9, run.log.root(9)).text(), got, key) > 0
+        assert client.checkpoint(run.origin) is not None
+        others, attempts, note = client.attempts(run.origin)  # signed by the ML-DSA-44 key: one key to pin
+        from witness.commit.note import verify_witness_note
+
+        assert verify_witness_note(parse_note(note), key) and attempts == 0
+        assert not verify_note_signature(parse_note(note), NoteKey.of(NAME, beacon.public_key()))

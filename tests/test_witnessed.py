@@ -43,7 +43,10 @@ SEED = b"\x31" * 32  # the local chain's BLS key, fixed: its chain info is pinne
 class Loopback:
     """A local drand chain and ``witnesses`` witnesses (two by default), served on loopback for one module."""
 
-    def __init__(self, folder: Path, witnesses: int = 2):
+    def __init__(self, folder: Path, witnesses: int = 2, pq: tuple[int, ...] = ()):
+        """``pq``: the witnesses started with an ML-DSA-44 cosigner key (``--cosigner ml-dsa-44``)."""
+        from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
+
         self.folder = folder
         self.drand = LocalDrand(seed=SEED, period=1)
         self.info = folder / "chain-info.json"
@@ -52,7 +55,8 @@ class Loopback:
         self.keys = [generate_key() for _ in range(witnesses)]
         self.names = [f"w{i + 1}.example" for i in range(witnesses)]
         for i, k in enumerate(self.keys):
-            self.servers.append(start_uvicorn(create_app(f"sqlite:///{folder / f'w{i}.db'}", k, name=self.names[i])))
+            self.servers.append(start_uvicorn(create_app(f"sqlite:///{folder / f'w{i}.db'}", k, name=self.names[i],
+                                                         cosigner_key=MLDSA44PrivateKey.generate() if i in pq else None)))
         self.drand_url = self.servers[0][2]
         self.urls = [s[2] for s in self.servers[1:]]
         self.clients = [WitnessClient(u) for u in self.urls]
@@ -61,8 +65,9 @@ class Loopback:
     def witness_args(self, which: tuple[int, ...] = (0, 1)) -> list[str]:
         """``--witness NAME=KEY`` for the verifier (its keys as hex)."""
         out = []
-        for i in which:
-            out += ["--witness", f"{self.names[i]}={self.clients[i].key.public.hex()}"]
+        for i in which:  # (an ML-DSA-44 witness's key is given as its vkey)
+            key = self.clients[i].key
+            out += ["--witness", key.vkey() if len(key.public) > 32 else f"{self.names[i]}={key.public.hex()}"]
         return out
 
     def close(self) -> None:
@@ -131,6 +136,30 @@ def test_honest_run_is_accepted_with_both_witnesses(honest, loop, capsys):
     # every step's move checked too, at the chunks drand's randomness opened
     assert v["moves"]["checked"] == STEPS and v["moves"]["late"] == 0 \
         and v["moves"]["windows"] == sum(1 for st in sts if len(st.window(STEPS)))  # (the final one opens no step)
+
+
+def test_a_run_cosigned_by_an_ml_dsa_44_witness_beside_an_ed25519_one_is_accepted(tmp_path_factory, capsys):
+    """tlog-cosignature's ML-DSA-44 type beside cosignature/v1: the trainer takes either witness's
+    cosignatures, the verifier pinned to each one's vkey checks both and both witnesses' attempts counts."""
+    pq = Loopback(tmp_path_factory.mktemp("pq"), pq=(1,))
+    try:
+        assert [len(c.key.public) for c in pq.clients] == [32, 1312]
+        folder = tmp_path_factory.mktemp("pq-run")
+        key = folder / "trainer.key"
+        save_key(generate_key(), key)
+        args = ["train", "--task", "tiny", "--steps", str(STEPS), "--out", str(folder / "b"), "--key", str(key),
+                "--quiet", "--no-self-check", "--online-p", str(P), "--online-every", str(EVERY), "--drand",
+                pq.drand_url, "--drand-chain", str(pq.info)]
+        for u in pq.urls:
+            args += ["--witness", u]
+        assert main(args) == 0
+        code, v = verify(folder / "b", pq, capsys=capsys)
+        assert code == 0 and v["accepted"], v
+        assert v["online"]["witnessed"] and v["online"]["attempts"] == 0 and v["online"]["final"]
+        sigs = parse_note(windows(folder / "b")[0]["checkpoint"].encode()).of_key(pq.clients[1].key)
+        assert len(sigs) == 1 and len(sigs[0].sig) == 8 + 2420
+    finally:
+        pq.close()
 
 
 def test_each_window_names_its_round_in_the_log_and_was_cosigned_before_it(honest, loop):

@@ -211,8 +211,9 @@ _ROUND_TEXT = re.compile(r"[0-9]{1,19}")
 
 
 def create_app(local: LocalDrand) -> FastAPI:
-    """drand's HTTP API for ``local``: ``GET /info``, ``/{hash}/info``, ``/{hash}/public/latest`` and
-    ``/{hash}/public/{round}`` (a round not yet due gets 425, as drand's http-relay answers)."""
+    """drand's HTTP API for ``local``: ``GET /chains``, ``/health``, ``/info``, ``/{hash}/info``,
+    ``/{hash}/health``, ``/{hash}/public/latest`` and ``/{hash}/public/{round}`` (a round not yet due gets
+    425, as drand's http-relay answers)."""
     app = FastAPI(title="witness local drand", docs_url=None, redoc_url=None, openapi_url=None)
     ours = local.chain.hash.hex()
 
@@ -228,6 +229,27 @@ def create_app(local: LocalDrand) -> FastAPI:
             return JSONResponse({"detail": "Requested future beacon"}, 425,
                                 headers={"Cache-Control": "must-revalidate, no-cache, max-age=0"})
         return JSONResponse(local.beacon(round), headers={"Cache-Control": "public, max-age=604800, immutable"})
+
+    @app.get("/chains")
+    def chains() -> list[str]:
+        """The chains it serves, by hash (drand's discovery route): this one."""
+        return [ours]
+
+    def healthy() -> JSONResponse:
+        # drand's answer: the latest round it has and the one due now, 200 when it is at most one behind
+        latest = local.latest()
+        return JSONResponse({"current": latest, "expected": latest},
+                            headers={"Cache-Control": "public, must-revalidate, max-age=1"})
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        """Whether it is serving rounds as they come due (it signs each when asked: always)."""
+        return healthy()
+
+    @app.get("/{chain}/health")
+    def chain_health(chain: str) -> JSONResponse:
+        """The chain's health, under its hash."""
+        return unknown(chain) or healthy()
 
     @app.get("/info")
     def info() -> dict:

@@ -208,11 +208,11 @@ class WitnessedLink:
                 raise VerificationError("a kept window names another run")
             note = parse_note(w.checkpoint)
             for key in self.keys:
-                if not any(s.name == key.name and s.key_id == key.id for s in note.signatures):
+                mine = note.of_key(key)
+                if not mine:
                     raise VerificationError(f"a kept window lacks {key.name}'s cosignature")
-                for s in note.signatures:
-                    if s.name == key.name and s.key_id == key.id:
-                        verify_cosignature(note.text, s, key)
+                for s in mine:
+                    verify_cosignature(note.text, s, key)
         except (VerificationError, ValueError) as e:
             raise BeaconError(f"a kept window does not verify: {e}") from None
         return w

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
 from sqlalchemy import func, or_, select, union, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -36,7 +37,7 @@ from ..commit.note import (
     origin_hash,
     parse_note,
     run_origin,
-    sign_note,
+    sign_as_witness,
     verify_note_signature,
 )
 from ..commit.signing import public_hex
@@ -102,8 +103,6 @@ def parse_add_checkpoint(body: bytes) -> AddCheckpoint:
         checkpoint = Checkpoint.parse(note.text)
     except MalformedInput as e:
         raise BeaconRefused(400, str(e)) from None
-    if checkpoint.extensions:  # nobody audits them; a run's log has none to state
-        raise BeaconRefused(400, "checkpoint: this witness cosigns checkpoints without extension lines")
     if checkpoint.size > MAX_SIZE:
         raise BeaconRefused(400, f"checkpoint: a size over {MAX_SIZE} is no run's log")
     return AddCheckpoint(int(old_line[4:]), proof, note, checkpoint)
@@ -116,10 +115,13 @@ def default_name(key: Ed25519PrivateKey) -> str:
 
 @dataclass
 class Witness:
-    """Cosigns registered runs' checkpoints with ``key`` under ``name`` (``default_name`` if None)."""
+    """Cosigns registered runs' checkpoints under ``name`` (``default_name`` if None) with ``cosigner``:
+    cosignature/v1 with ``key`` (Ed25519, which also signs its attempts notes) unless an ML-DSA-44 key
+    is given (tlog-cosignature's type 0x06)."""
 
     key: Ed25519PrivateKey
     name: str | None = None
+    cosigner_key: MLDSA44PrivateKey | None = None
     clock: Callable[[], float] = time.time  # the cosignatures' time (POSIX seconds)
     # called between a request's check and its update (a test holds two requests there to race them)
     checked: Callable[[], None] = field(default=lambda: None)
@@ -131,9 +133,14 @@ class Witness:
             raise ValueError(f"witness name {self.name[:80]!r}: {problem}")
 
     @property
+    def signing(self) -> Ed25519PrivateKey | MLDSA44PrivateKey:
+        """The key it cosigns with."""
+        return self.cosigner_key if self.cosigner_key is not None else self.key
+
+    @property
     def cosigner(self) -> NoteKey:
-        """The key its cosignatures verify under (type 0x04)."""
-        return NoteKey.of(self.name, self.key.public_key(), COSIGNATURE_V1)  # type: ignore[arg-type]
+        """The key its cosignatures verify under (type 0x04, or 0x06 for ML-DSA-44)."""
+        return NoteKey.of(self.name, self.signing.public_key(), COSIGNATURE_V1)  # type: ignore[arg-type]
 
     @property
     def vkey(self) -> str:
@@ -177,7 +184,7 @@ class Witness:
             raise BeaconRefused(403, f"the log's signature does not verify: {e}") from None
         if req.old > cp.size:
             raise BeaconRefused(400, f"old size {req.old} is over the checkpoint's size {cp.size}")
-        signed = next(x for x in req.note.signatures if x.name == key.name and x.key_id == key.id)
+        signed = req.note.of_key(key)[0]
         for _ in range(2):  # a request overtaken by another is judged again against what that one stored
             line = self._try(s, row, req, signed)
             if line is not None:
@@ -216,7 +223,7 @@ class Witness:
                 self._fork(s, row, "proof", cp, signed)
                 raise BeaconRefused(422, f"the consistency proof from size {old} does not verify: {e}") from None
         self.checked()
-        cosig = cosign(cp.text(), self.name, self.key, int(self.clock()))  # type: ignore[arg-type]
+        cosig = cosign(cp.text(), self.name, self.signing, int(self.clock()))  # type: ignore[arg-type]
         note = Note(cp.text(), (signed, cosig)).encode().decode()
         won = s.execute(update(WitnessLog)
                         .where(WitnessLog.id == row.id, WitnessLog.size == seen_size, WitnessLog.root == seen_root)
@@ -267,14 +274,14 @@ class Witness:
             "received_ms": fork.received_ms}}
 
     def attempts(self, s: Session, ohash: str) -> bytes:
-        """A note signed by this witness (type 0x01, its name): the log's latest size, how many other runs
+        """A note signed by this witness (its cosigner key, its name): the log's latest size, how many other runs
         it links to it (key, recipe or seed), and the runs it prices in (every run of its seed)."""
         row = self._log(s, ohash)
         others, priced = linked(s, row)
         text = AttemptsNote(row.origin, row.size, others, len(priced), tuple(priced)).text()
-        # the key also makes cosignatures (type 0x04), whose signed message starts "cosignature/v1":
-        # never this text's first line, so neither can pass for the other
-        return Note(text, (sign_note(text, self.name, self.key),)).encode()  # type: ignore[arg-type]
+        # the cosigner key signs it (Ed25519: a type 0x01 note; its cosignatures' message starts "cosignature/v1",
+        # never this text's first line; ML-DSA-44: with a context of its own), so a verifier pins one key
+        return Note(text, (sign_as_witness(text, self.name, self.signing),)).encode()  # type: ignore[arg-type]
 
     @staticmethod
     def _log(s: Session, ohash: str) -> WitnessLog:

@@ -10,8 +10,7 @@ import httpx
 
 from ..commit.attempts import AttemptsNote
 from ..commit.note import (
-    COSIGNATURE_V1,
-    ED25519,
+    COSIGNER_TYPES,
     Checkpoint,
     NoteKey,
     NoteSignature,
@@ -19,7 +18,7 @@ from ..commit.note import (
     origin_hash,
     parse_note,
     verify_cosignature,
-    verify_note_signature,
+    verify_witness_note,
 )
 from ..errors import MalformedInput, VerificationError
 from .client import Answer, BeaconError, BoundedClient, _detail
@@ -38,7 +37,7 @@ class WitnessError(BeaconError):
 
 
 class WitnessClient(BoundedClient):
-    """The witness at ``url`` (or behind an ``httpx.Client``); ``vkey`` pins its cosigner key (type 0x04),
+    """The witness at ``url`` (or behind an ``httpx.Client``); ``vkey`` pins its cosigner key (type 0x04 or 0x06),
     else the key it serves is taken."""
 
     error = WitnessError
@@ -57,12 +56,11 @@ class WitnessClient(BoundedClient):
             key = NoteKey.parse(served)  # type: ignore[arg-type]
         except MalformedInput as e:
             raise WitnessError(f"{self.where} serves no witness key ({e})") from None
-        if key.alg != COSIGNATURE_V1:
-            raise WitnessError(f"{self.where} serves a key of type {key.alg:#04x}, not a cosigner key (0x04)")
+        if key.alg not in COSIGNER_TYPES:
+            raise WitnessError(f"{self.where} serves a key of type {key.alg:#04x}, not a cosigner key (0x04 or 0x06)")
         if vkey is not None and NoteKey.parse(vkey) != key:
             raise WitnessError(f"{self.where} serves the witness key {key.vkey()}, not the pinned {vkey}")
-        self.key = key
-        self.note_key = NoteKey(key.name, ED25519, key.public)  # what signs its attempts notes
+        self.key = key  # (it signs its attempts notes too: verify_witness_note)
 
     def _refused(self, what: str, resp: Answer, latest: int | None = None) -> WitnessError:
         detail = _detail(resp)
@@ -159,7 +157,7 @@ class WitnessClient(BoundedClient):
             raise self._refused(f"the attempts of {origin}", resp)
         try:
             note = parse_note(resp.content)
-            if not verify_note_signature(note, self.note_key):
+            if not verify_witness_note(note, self.key):
                 raise VerificationError("the note is not signed by the witness")
             counted = AttemptsNote.parse(note.text)
             if counted.origin != origin:

@@ -81,8 +81,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def witness_key(value: str):  # noqa: ANN201 - a NoteKey
-    """``NAME=KEY`` (KEY: 64 hex digits, or base64 of 0x04 and the key) or a whole vkey ``NAME+ID+BASE64``."""
-    from ..commit.note import COSIGNATURE_V1, NoteKey, b64decode
+    """``NAME=KEY`` (KEY: 64 hex digits, or base64 of 0x04 and the key) or a whole vkey ``NAME+ID+BASE64``
+    (an ML-DSA-44 witness's, type 0x06, is given as its vkey)."""
+    from ..commit.note import COSIGNATURE_V1, COSIGNER_TYPES, NoteKey, b64decode
     from ..errors import MalformedInput
 
     try:
@@ -101,9 +102,9 @@ def witness_key(value: str):  # noqa: ANN201 - a NoteKey
     except (MalformedInput, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{value[:80]!r} is not NAME=KEY (KEY: 64 hex digits) or a witness vkey: "
                                          f"{e}") from None
-    if k.alg != COSIGNATURE_V1:
-        raise argparse.ArgumentTypeError(f"{k.name}'s vkey is of signature type {k.alg:#04x}, not a cosignature/v1 "
-                                         "key (0x04)")
+    if k.alg not in COSIGNER_TYPES:
+        raise argparse.ArgumentTypeError(f"{k.name}'s vkey is of signature type {k.alg:#04x}, not a cosigner key "
+                                         "(cosignature/v1, 0x04, or ML-DSA-44, 0x06)")
     return k
 
 

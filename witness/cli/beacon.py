@@ -11,6 +11,7 @@ from .args import parsed, positive
 
 DEFAULT_DB = "beacon.db"
 DEFAULT_BEACON_KEY = "beacon_key.pem"
+DEFAULT_COSIGNER_KEY = "witness_mldsa44.pem"
 
 
 def cmd_beacon_serve(args: argparse.Namespace) -> int:
@@ -23,8 +24,10 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
     from ..web import timed_http
 
     key = load_or_create_key(Path(args.key))
+    cosigner = _cosigner_key(args)
     db = database_url(args.db or DEFAULT_DB)
-    app = create_app(check_db_url(db), key, per_minute=args.per_minute, name=args.name)  # its tables made once, here
+    app = create_app(check_db_url(db), key, per_minute=args.per_minute, name=args.name,  # its tables made once, here
+                     cosigner_key=cosigner)
     pub = public_hex(key.public_key())
     print(f"beacon public key {pub} (fingerprint {key_fingerprint(pub)}); verifiers pass it as --beacon-key",
           flush=True)
@@ -42,12 +45,23 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
     # several processes share the database (one draw per window is its conditional update, not a lock
     # in a process); each builds the app from what this one checked
     os.environ.update(WITNESS_BEACON_DB=db, WITNESS_BEACON_KEY=str(Path(args.key).resolve()),
-                      WITNESS_BEACON_PER_MINUTE=str(args.per_minute), WITNESS_BEACON_NAME=args.name or "")
+                      WITNESS_BEACON_PER_MINUTE=str(args.per_minute), WITNESS_BEACON_NAME=args.name or "",
+                      WITNESS_BEACON_COSIGNER_KEY=str(Path(args.cosigner_key).resolve()) if cosigner else "")
     # (uvicorn hands its workers a pickled config: the header timer, a class made at run time, stays
     # with the single process)
     served.pop("http")
     uvicorn.run("witness.beacon.app:served_app", factory=True, workers=args.workers, **served)
     return 0
+
+
+def _cosigner_key(args: argparse.Namespace):  # noqa: ANN202 - an ML-DSA-44 private key or None
+    """The ML-DSA-44 key the witness cosigns with (``--cosigner ml-dsa-44``), created if missing; None:
+    cosignature/v1 with the beacon's Ed25519 key."""
+    from ..commit.signing import load_or_create_key
+
+    if args.cosigner == "ed25519":
+        return None
+    return load_or_create_key(Path(args.cosigner_key), "ml-dsa-44")
 
 
 def database_url(value: str) -> str:
@@ -97,4 +111,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--name", type=witness_name,
                    help="the name it cosigns checkpoints under, as a tlog-witness (default: "
                         "witness.beacon/ and the first 16 hex digits of its public key)")
+    s.add_argument("--cosigner", choices=("ed25519", "ml-dsa-44"), default="ed25519",
+                   help="how it cosigns checkpoints: cosignature/v1 with the beacon's Ed25519 key (default), or "
+                        "tlog-cosignature's ML-DSA-44 type (0x06), which C2SP recommends for new witnesses")
+    s.add_argument("--cosigner-key", default=DEFAULT_COSIGNER_KEY,
+                   help=f"the ML-DSA-44 key of --cosigner ml-dsa-44 (created if missing; default {DEFAULT_COSIGNER_KEY})")
     s.set_defaults(func=cmd_beacon_serve)

@@ -5,7 +5,9 @@
 * c2sp.org/tlog-checkpoint: a note whose text is ``origin``, ``size``, ``base64(root)`` and optional
   extension lines.
 * c2sp.org/tlog-cosignature: a witness's type 0x04 signature of ``cosignature/v1``, ``time T`` and the
-  checkpoint's text, carried as ``u64 T || Ed25519 signature``.
+  checkpoint's text, carried as ``u64 T || Ed25519 signature``; or its type 0x06 ML-DSA-44 signature of
+  the ``subtree/v1`` message (the witness's name, T, the origin, 0, the size and the root: not the
+  extension lines), carried as ``u64 T || ML-DSA-44 signature``.
 
 Where Go's ``golang.org/x/mod/sumdb/note`` accepts more (upper-case key IDs, base64 with stray bits),
 this module refuses it: every input here comes from someone else.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey, MLDSA44PublicKey
 
 from ..errors import MalformedInput, VerificationError
 from .ed25519 import check_public_key
@@ -28,15 +31,20 @@ from .hashing import HASH_SIZE, sha256
 
 ED25519 = 0x01  # signed-note signature type: Ed25519 over the note's text
 COSIGNATURE_V1 = 0x04  # tlog-cosignature: timestamped Ed25519 over "cosignature/v1\ntime T\n" + text
-SIGNATURE_TYPES = (ED25519, COSIGNATURE_V1)
+COSIGNATURE_MLDSA44 = 0x06  # tlog-cosignature: timestamped ML-DSA-44 over the subtree/v1 message
+SIGNATURE_TYPES = (ED25519, COSIGNATURE_V1, COSIGNATURE_MLDSA44)
+COSIGNER_TYPES = (COSIGNATURE_V1, COSIGNATURE_MLDSA44)
+PUBLIC_BYTES = {ED25519: 32, COSIGNATURE_V1: 32, COSIGNATURE_MLDSA44: 1312}
+SIGNATURE_BYTES = {COSIGNATURE_V1: 64, COSIGNATURE_MLDSA44: 2420}
 MAX_NOTE_BYTES = 1 << 16
 MAX_SIGNATURES = 100  # golang.org/x/mod's bound (the spec asks for at least 16)
 MAX_NAME_BYTES = 255  # tlog-cosignature's ML-DSA format holds at most this; no name we meet is longer
-MAX_VKEY_CHARS = 1024
+MAX_VKEY_CHARS = 2048  # an ML-DSA-44 vkey: its name, ID and 1,313 bytes in base64 (1,752 characters)
 MAX_TIMESTAMP = (1 << 63) - 1
 MAX_TREE_SIZE = (1 << 64) - 1  # tlog-checkpoint sizes are unsigned 64-bit
 RUN_ORIGIN_PREFIX = "witness.run/"
 COSIGNATURE_HEADER = b"cosignature/v1\n"
+SUBTREE_LABEL = b"subtree/v1\n\x00"  # the ML-DSA-44 cosigned message's 12-byte label
 
 _SIZE = re.compile(r"0|[1-9][0-9]{0,19}")  # ASCII digits only (int() would take "+1", " 1", "1_0", "١")
 _HEX8 = re.compile(r"[0-9a-f]{8}")
@@ -93,7 +101,8 @@ def _raw(public: Ed25519PublicKey) -> bytes:
 
 @dataclass(frozen=True)
 class NoteKey:
-    """A verifier key: a name, a signature type (0x01 note, 0x04 cosignature) and a raw Ed25519 key."""
+    """A verifier key: a name, a signature type (0x01 note, 0x04 Ed25519 cosignature, 0x06 ML-DSA-44
+    cosignature) and the raw public key (Ed25519's 32 bytes, ML-DSA-44's 1,312)."""
 
     name: str
     alg: int
@@ -102,11 +111,15 @@ class NoteKey:
     def __post_init__(self) -> None:
         _check_name(self.name)
         if self.alg not in SIGNATURE_TYPES:
-            raise MalformedInput(f"vkey: signature type {self.alg!r} is not Ed25519 (0x01) or cosignature/v1 (0x04)")
-        if not isinstance(self.public, bytes) or len(self.public) != 32:
-            raise MalformedInput("vkey: an Ed25519 public key is 32 bytes")
+            raise MalformedInput(f"vkey: signature type {self.alg!r} is not Ed25519 (0x01), cosignature/v1 (0x04) "
+                                 "or an ML-DSA-44 cosignature (0x06)")
+        if not isinstance(self.public, bytes) or len(self.public) != PUBLIC_BYTES[self.alg]:
+            raise MalformedInput(f"vkey: a type {self.alg:#04x} public key is {PUBLIC_BYTES[self.alg]} bytes")
         try:
-            check_public_key(self.public)  # a small-order key lets anyone "sign"
+            if self.alg == COSIGNATURE_MLDSA44:
+                MLDSA44PublicKey.from_public_bytes(self.public)
+            else:
+                check_public_key(self.public)  # a small-order key lets anyone "sign"
         except ValueError as e:
             raise MalformedInput(f"vkey: bad public key: {e}") from None
 
@@ -123,6 +136,10 @@ class NoteKey:
         """The Ed25519 public key."""
         return Ed25519PublicKey.from_public_bytes(self.public)
 
+    def mldsa44(self) -> MLDSA44PublicKey:
+        """The ML-DSA-44 public key (a type 0x06 key)."""
+        return MLDSA44PublicKey.from_public_bytes(self.public)
+
     @classmethod
     def parse(cls, vkey: str) -> NoteKey:
         """Strictly parse a vkey (lowercase hex ID, canonical base64, the ID matching the key)."""
@@ -134,16 +151,19 @@ class NoteKey:
         if not _HEX8.fullmatch(hex8):
             raise MalformedInput("vkey: the key ID is 8 lowercase hex digits")
         raw = b64decode(key64, "vkey")
-        if len(raw) != 33:
-            raise MalformedInput("vkey: the key is a type byte and a 32-byte Ed25519 public key")
+        if len(raw) not in (33, 1313):
+            raise MalformedInput("vkey: the key is a type byte and an Ed25519 (32 bytes) or ML-DSA-44 (1,312 bytes) "
+                                 "public key")
         key = cls(name, raw[0], raw[1:])
         if key.id.hex() != hex8:
             raise MalformedInput(f"vkey: the key ID {hex8} is not that of the key ({key.id.hex()})")
         return key
 
     @classmethod
-    def of(cls, name: str, public: Ed25519PublicKey, alg: int = ED25519) -> NoteKey:
-        """The vkey of an Ed25519 public key under ``name``."""
+    def of(cls, name: str, public: Ed25519PublicKey | MLDSA44PublicKey, alg: int = ED25519) -> NoteKey:
+        """The vkey of a public key under ``name`` (an ML-DSA-44 key is a cosigner's, type 0x06)."""
+        if isinstance(public, MLDSA44PublicKey):
+            return cls(name, COSIGNATURE_MLDSA44, public.public_bytes_raw())
         return cls(name, alg, _raw(public))
 
 
@@ -186,14 +206,39 @@ def _text_problem(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class Note:
-    """A signed note: its text (ending in a newline) and its signature lines, in order."""
+    """A signed note: its text (ending in a newline) and its signature lines, in order; ``others``: the
+    name and the key ID of each line that Go's reader takes but that is not in its strict
+    spelling (stray base64 bits, a long name), which counts only if it claims a key someone checks (``of_key``)."""
 
     text: str
     signatures: tuple[NoteSignature, ...]
+    others: tuple[tuple[str, bytes], ...] = ()
 
     def encode(self) -> bytes:
-        """The note's bytes: the text, a blank line, and every signature line."""
+        """The note's bytes: the text, a blank line, and every signature line (strictly spelled)."""
         return (self.text + "\n" + "".join(s.line() for s in self.signatures)).encode("utf-8")
+
+    def of_key(self, key: NoteKey) -> list[NoteSignature]:
+        """The signature lines of ``key`` (its name and ID); lines of other keys are ignored, whatever their
+        spelling (signed-note), but a line of this key not in its strict spelling is refused."""
+        if any(name == key.name and kid == key.id for name, kid in self.others):
+            raise MalformedInput(f"note: a signature line of {key.name} is not in its strict spelling")
+        return [s for s in self.signatures if s.name == key.name and s.key_id == key.id]
+
+
+def _loose_signature(line: str) -> tuple[str, bytes]:
+    """The name and key ID of a signature line that is well formed by Go's ``note.Open`` (a name without
+    spaces or plus signs, base64 that decodes, stray bits allowed, to at least 5 bytes) but not in this
+    module's strict spelling; ``MalformedInput`` for a line no reader takes."""
+    name, _, b64 = line[2:].partition(" ")
+    try:
+        raw = base64.b64decode(b64, validate=True) if b64 else b""
+    except (binascii.Error, ValueError):
+        raw = b""
+    if not name or any(c.isspace() or c == "+" for c in name) or len(raw) < 5:
+        raise MalformedInput("note: a signature line is an em dash, a space, a key name, a space and base64 of a "
+                             "key ID and a signature")
+    return name, raw[:4]
 
 
 def parse_note(msg: bytes, max_bytes: int = MAX_NOTE_BYTES) -> Note:
@@ -221,11 +266,18 @@ def parse_note(msg: bytes, max_bytes: int = MAX_NOTE_BYTES) -> Note:
     if len(lines) > MAX_SIGNATURES:
         raise MalformedInput(f"note: over {MAX_SIGNATURES} signature lines")
     sigs: list[NoteSignature] = []
+    others: list[tuple[str, bytes]] = []
     for line in lines:
-        sig = NoteSignature.parse(line)
+        try:
+            sig = NoteSignature.parse(line)
+        except MalformedInput:  # ignored unless it claims a key that is checked (Note.of_key)
+            if not line.startswith("— "):
+                raise
+            others.append(_loose_signature(line))
+            continue
         if sig not in sigs:
             sigs.append(sig)
-    return Note(text, tuple(sigs))
+    return Note(text, tuple(sigs), tuple(others))
 
 
 def _check_text(text: object) -> str:
@@ -252,7 +304,7 @@ def verify_note_signature(note: Note, key: NoteKey) -> bool:
     kid = key.id
     # a line under another key (or the same name with another ID) is ignored, as the spec says; every
     # line of this key is checked (Go checks the first and drops the rest unread)
-    mine = [s for s in note.signatures if s.name == key.name and s.key_id == kid]
+    mine = note.of_key(key)
     public, text = key.ed25519(), note.text.encode("utf-8")
     for sig in mine:
         try:
@@ -303,36 +355,101 @@ def cosignature_message(checkpoint_text: str, timestamp: int) -> bytes:
     return COSIGNATURE_HEADER + b"time %d\n" % timestamp + _check_text(checkpoint_text).encode("utf-8")
 
 
-def cosign(checkpoint_text: str, name: str, key: Ed25519PrivateKey, timestamp: int) -> NoteSignature:
-    """A cosignature/v1 of a checkpoint at ``timestamp`` (POSIX seconds, never 0)."""
-    Checkpoint.parse(checkpoint_text)  # a cosigner signs checkpoints, nothing else
+def subtree_message(checkpoint: Checkpoint, name: str, timestamp: int) -> bytes:
+    """What an ML-DSA-44 cosigner signs for a checkpoint: tlog-cosignature's ``cosigned_message`` (the
+    ``subtree/v1`` label, its name, the time, the origin, start 0, end the size, the root)."""
+    if type(timestamp) is not int or not 0 <= timestamp <= MAX_TIMESTAMP:
+        raise ValueError(f"a cosignature's timestamp is 0 to 2^63 - 1, not {timestamp!r}")
+    who, origin = _check_name(name).encode("utf-8"), checkpoint.origin.encode("utf-8")
+    if len(origin) > 255:
+        raise MalformedInput("checkpoint: an ML-DSA-44 cosignature holds an origin of at most 255 bytes")
+    return (SUBTREE_LABEL + bytes([len(who)]) + who + timestamp.to_bytes(8, "big") + bytes([len(origin)]) + origin
+            + (0).to_bytes(8, "big") + checkpoint.size.to_bytes(8, "big") + checkpoint.root)
+
+
+Cosigner = Ed25519PrivateKey | MLDSA44PrivateKey
+
+
+def cosign(checkpoint_text: str, name: str, key: Cosigner, timestamp: int) -> NoteSignature:
+    """A cosignature of a checkpoint at ``timestamp`` (POSIX seconds, never 0): cosignature/v1 by an
+    Ed25519 key, the subtree/v1 message by an ML-DSA-44 key."""
+    cp = Checkpoint.parse(checkpoint_text)  # a cosigner signs checkpoints, nothing else
     if type(timestamp) is not int or timestamp < 1:
         raise ValueError("a cosignature's timestamp is never 0")
+    if isinstance(key, MLDSA44PrivateKey):
+        public = key.public_key().public_bytes_raw()
+        return NoteSignature(name, key_id(name, COSIGNATURE_MLDSA44, public),
+                             timestamp.to_bytes(8, "big") + key.sign(subtree_message(cp, name, timestamp)))
     signature = key.sign(cosignature_message(checkpoint_text, timestamp))
     return NoteSignature(name, key_id(_check_name(name), COSIGNATURE_V1, _raw(key.public_key())),
                          timestamp.to_bytes(8, "big") + signature)
 
 
+def cosigner_key(name: str, key: Cosigner) -> NoteKey:
+    """The verifier key of a cosigner: type 0x04 for Ed25519, 0x06 for ML-DSA-44."""
+    return NoteKey.of(name, key.public_key(), COSIGNATURE_V1)
+
+
+WITNESS_NOTE_CONTEXT = b"witness/note/v1"  # an ML-DSA-44 witness's own notes: never a cosignature's message
+
+
+def sign_as_witness(text: str, name: str, key: Cosigner) -> NoteSignature:
+    """A witness's signature of a note of its own (its attempts count) with its cosigner key: Ed25519 as a
+    type 0x01 note signature, ML-DSA-44 over the text (context ``witness/note/v1``) under its type 0x06
+    key's name and ID; a verifier pinned to its cosigner key alone checks both (``verify_witness_note``)."""
+    _check_text(text)
+    if isinstance(key, MLDSA44PrivateKey):
+        public = key.public_key().public_bytes_raw()
+        return NoteSignature(_check_name(name), key_id(name, COSIGNATURE_MLDSA44, public),
+                             key.sign(text.encode("utf-8"), WITNESS_NOTE_CONTEXT))
+    return sign_note(text, name, key)
+
+
+def verify_witness_note(note: Note, key: NoteKey) -> bool:
+    """Whether the witness of cosigner key ``key`` signed ``note`` (``sign_as_witness``): False if it bears
+    no line of it, ``VerificationError`` if one does not verify."""
+    if key.alg == COSIGNATURE_V1:
+        return verify_note_signature(note, NoteKey(key.name, ED25519, key.public))
+    if key.alg != COSIGNATURE_MLDSA44:
+        raise VerificationError(f"the key {key.name} is of type {key.alg:#04x}, not a witness's cosigner key")
+    mine = note.of_key(key)
+    for sig in mine:
+        try:
+            key.mldsa44().verify(sig.sig, note.text.encode("utf-8"), WITNESS_NOTE_CONTEXT)
+        except InvalidSignature:
+            raise VerificationError(f"the signature of {key.name}+{key.id.hex()} on the note does not verify",
+                                    check="note") from None
+    return bool(mine)
+
+
 def cosignature_timestamp(sig: NoteSignature) -> int:
-    """The timestamp a cosignature/v1 line carries (not verified: ``verify_cosignature`` does that)."""
-    if len(sig.sig) != 8 + 64:
-        raise VerificationError(f"the cosignature of {sig.name} is not a timestamp and an Ed25519 signature")
+    """The timestamp a cosignature line carries (not verified: ``verify_cosignature`` does that)."""
+    if len(sig.sig) not in (8 + n for n in SIGNATURE_BYTES.values()):
+        raise VerificationError(f"the cosignature of {sig.name} is not a timestamp and an Ed25519 or ML-DSA-44 "
+                                "signature")
     return int.from_bytes(sig.sig[:8], "big")
 
 
 def verify_cosignature(checkpoint_text: str, sig: NoteSignature, key: NoteKey) -> int:
-    """The timestamp of ``sig``, a cosignature/v1 by ``key`` of the checkpoint; else ``VerificationError``."""
-    if key.alg != COSIGNATURE_V1:
-        raise VerificationError(f"the key {key.name} is of type {key.alg:#04x}, not a cosigner key (0x04)")
+    """The timestamp of ``sig``, a cosignature by ``key`` (type 0x04 or 0x06) of the checkpoint; else
+    ``VerificationError``."""
+    if key.alg not in COSIGNER_TYPES:
+        raise VerificationError(f"the key {key.name} is of type {key.alg:#04x}, not a cosigner key (0x04 or 0x06)")
     if sig.name != key.name or sig.key_id != key.id:
         raise VerificationError(f"the cosignature is by {sig.name}+{sig.key_id.hex()}, not by the witness "
                                 f"{key.name}+{key.id.hex()}", check="cosignature")
+    if len(sig.sig) != 8 + SIGNATURE_BYTES[key.alg]:
+        raise VerificationError(f"the cosignature of {key.name} is not a timestamp and a type {key.alg:#04x} "
+                                "signature", check="cosignature")
     timestamp = cosignature_timestamp(sig)
     if not 0 < timestamp <= MAX_TIMESTAMP:
         raise VerificationError(f"the cosignature of {key.name} has timestamp {timestamp}, outside 1 to 2^63 - 1",
                                 check="cosignature")
     try:
-        key.ed25519().verify(sig.sig[8:], cosignature_message(checkpoint_text, timestamp))
+        if key.alg == COSIGNATURE_MLDSA44:
+            key.mldsa44().verify(sig.sig[8:], subtree_message(Checkpoint.parse(checkpoint_text), key.name, timestamp))
+        else:
+            key.ed25519().verify(sig.sig[8:], cosignature_message(checkpoint_text, timestamp))
     except InvalidSignature:
         raise VerificationError(f"the cosignature of {key.name} does not verify for this checkpoint",
                                 check="cosignature") from None

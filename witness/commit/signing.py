@@ -10,6 +10,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
 
 from ..errors import MalformedInput, VerificationError
 from .ed25519 import check_public_key
@@ -18,9 +19,13 @@ from .hashing import canonical_json, from_hex, sha256, tagged_hash
 STH_CONTEXT = "witness/signed-tree-head/v1"
 
 
-def generate_key() -> Ed25519PrivateKey:
-    """A fresh Ed25519 signing key."""
-    return Ed25519PrivateKey.generate()
+# the kinds of key a file may hold: Ed25519 for everything, ML-DSA-44 for a witness's cosignatures only
+KEY_KINDS = {"ed25519": Ed25519PrivateKey, "ml-dsa-44": MLDSA44PrivateKey}
+
+
+def generate_key(kind: str = "ed25519") -> Ed25519PrivateKey:
+    """A fresh signing key: Ed25519, or (``kind="ml-dsa-44"``) an ML-DSA-44 cosigner key."""
+    return KEY_KINDS[kind].generate()  # type: ignore[return-value]
 
 
 def secret_r(text: str, key: Ed25519PrivateKey) -> bytes:
@@ -31,7 +36,7 @@ def secret_r(text: str, key: Ed25519PrivateKey) -> bytes:
     return tagged_hash("witness/trainer-seed/v2", key.private_bytes_raw(), text.encode())
 
 
-def save_key(key: Ed25519PrivateKey, path: Path) -> Path:
+def save_key(key: Ed25519PrivateKey | MLDSA44PrivateKey, path: Path) -> Path:
     """Write the private key as unencrypted PKCS#8 PEM (mode 0600) and the public key beside it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -44,23 +49,23 @@ def save_key(key: Ed25519PrivateKey, path: Path) -> Path:
     return _save_public(key, path)
 
 
-def _save_public(key: Ed25519PrivateKey, path: Path) -> Path:
+def _save_public(key: Ed25519PrivateKey | MLDSA44PrivateKey, path: Path) -> Path:
     pub = path.with_suffix(".pub")
     pub.write_text(public_hex(key.public_key()) + "\n")
     pub.with_name(pub.name + ".pem").write_text(public_pem(key.public_key()))  # for tools that read PEM
     return pub
 
 
-def load_key(path: Path) -> Ed25519PrivateKey:
-    """Load an Ed25519 private key from a PEM file."""
+def load_key(path: Path, kind: str = "ed25519") -> Ed25519PrivateKey:
+    """Load an Ed25519 (or ``kind``'s) private key from a PEM file."""
     data = Path(path).read_bytes()
     key = serialization.load_pem_private_key(data, password=None)
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ValueError(f"{path} is not an Ed25519 private key")
-    return key
+    if not isinstance(key, KEY_KINDS[kind]):
+        raise ValueError(f"{path} is not an {'Ed25519' if kind == 'ed25519' else kind.upper()} private key")
+    return key  # type: ignore[return-value]
 
 
-def load_or_create_key(path: Path) -> Ed25519PrivateKey:
+def load_or_create_key(path: Path, kind: str = "ed25519") -> Ed25519PrivateKey:
     """Load the key at ``path``, creating one there first if it does not exist.
 
     Two processes that start together (a server and its workers) end with the same key: the new
@@ -69,7 +74,7 @@ def load_or_create_key(path: Path) -> Ed25519PrivateKey:
     path = Path(path)
     if not path.exists():
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
-        key = generate_key()
+        key = generate_key(kind)
         save_key(key, tmp)
         try:
             os.link(tmp, path)
@@ -79,7 +84,7 @@ def load_or_create_key(path: Path) -> Ed25519PrivateKey:
         finally:
             for leftover in (tmp, tmp.with_suffix(".pub"), tmp.with_suffix(".pub.pem")):
                 leftover.unlink(missing_ok=True)
-    return load_key(path)
+    return load_key(path, kind)
 
 
 def public_hex(key: Ed25519PublicKey) -> str:

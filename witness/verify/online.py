@@ -17,13 +17,12 @@ from ..commit.beacon import SEED_PRICED_VERSION, BeaconStatement, run_id, select
 from ..commit.drand import ChainInfo, round_time, verify_round
 from ..commit.hashing import parse_canonical_json, same
 from ..commit.note import (
-    ED25519,
     Checkpoint,
     NoteKey,
     parse_note,
     run_origin,
     verify_cosignature,
-    verify_note_signature,
+    verify_witness_note,
 )
 from ..commit.signing import key_fingerprint, public_hex, public_key_from_hex
 from ..commit.window import WitnessedWindow, head_sizes, parse_statement
@@ -326,8 +325,7 @@ def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origi
     due = round_time(trust.chain, w.round)
     cosigned = in_time = 0
     for key in trust.witnesses:
-        times = [verify_cosignature(note.text, sig, key) for sig in note.signatures
-                 if sig.name == key.name and sig.key_id == key.id]  # a named witness's bad line: raises
+        times = [verify_cosignature(note.text, sig, key) for sig in note.of_key(key)]  # a bad line: raises
         if times:
             cosigned += 1
             # the earliest: the witness held this checkpoint then, whatever it signed again later
@@ -351,8 +349,7 @@ def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str,
     they where a count is a version 1 note, made under the rule that priced only the runs of the same
     seed and recipe (with why, third)."""
     final = parse_note(w.checkpoint)
-    cosigners = {key.name for key in trust.witnesses
-                 if any(sig.name == key.name and sig.key_id == key.id for sig in final.signatures)}
+    cosigners = {key.name for key in trust.witnesses if final.of_key(key)}
     counted: dict[str, AttemptsNote] = {}
     for raw in w.attempts:
         try:
@@ -360,7 +357,7 @@ def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str,
         except (MalformedInput, ValueError):
             raise MalformedInput("the final witnessed window holds an attempts note that does not parse") from None
         for key in trust.witnesses:
-            if not verify_note_signature(note, NoteKey(key.name, ED25519, key.public)):
+            if not verify_witness_note(note, key):
                 continue
             try:
                 found = AttemptsNote.parse(note.text)
