@@ -465,11 +465,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_a_served_witness_cosigns_and_refuses_a_race_on_loopback(backend, tmp_path):
+@pytest.mark.parametrize(("backend", "cosigner"), [("sqlite", "ml-dsa-44"), ("postgresql", "ed25519")])
+def test_a_served_witness_cosigns_and_refuses_a_race_on_loopback(backend, cosigner, tmp_path):
     port, db = _free_port(), _db(backend, tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "witness.cli", "beacon", "serve", "--port", str(port), "--db", db,
-                             "--key", str(tmp_path / "k.pem"), "--name", "witness.test/w1"],
+                             "--key", str(tmp_path / "k.pem"), "--name", "witness.test/w1", "--cosigner", cosigner,
+                             "--cosigner-key", str(tmp_path / "pq.pem")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -487,6 +488,8 @@ def test_a_served_witness_cosigns_and_refuses_a_race_on_loopback(backend, tmp_pa
             assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
             time.sleep(0.1)
         client = WitnessClient(url, vkey=line[-1])
+        assert (client.key.alg, (tmp_path / "pq.pem").exists()) == ((0x06, True) if cosigner == "ml-dsa-44" else
+                                                                    (0x04, False))
         run = Run(records=50)
         client.register(run.manifest)
         latest = 0
