@@ -518,6 +518,11 @@ def test_beacon_serve_refuses_a_bad_witness_name(capsys):
         with pytest.raises(SystemExit):
             main(["beacon", "serve", "--name", name])
     assert "key name" in capsys.readouterr().err
+    cosigner = NoteKey.of("operator.example/log", generate_key().public_key(), COSIGNATURE_V1).vkey()
+    for vkey, why in (("not a vkey", "vkey"), (cosigner, "type 0x01")):  # --log: a log's note key
+        with pytest.raises(SystemExit):
+            main(["beacon", "serve", "--log", vkey])
+        assert why in capsys.readouterr().err
 
 
 def test_the_empty_tree_is_cosigned_once(http):
@@ -569,3 +574,51 @@ def test_a_witness_started_with_an_ml_dsa_44_key_cosigns_with_it(tmp_path):
 
         assert verify_witness_note(parse_note(note), key) and attempts == 0
         assert not verify_note_signature(parse_note(note), NoteKey.of(NAME, beacon.public_key()))
+
+
+def _log_key(origin: str):  # noqa: ANN202
+    key = generate_key()
+    return key, NoteKey.of(origin, key.public_key())
+
+
+def test_a_configured_log_is_cosigned_through_add_checkpoint_alone(tmp_path):
+    """tlog-witness's model: the witness is configured with a long-lived log's key (``--log VKEY``, an
+    operator's log) and cosigns its checkpoints; the client pinned to the witness's key speaks
+    add-checkpoint and nothing else (no /key, no registration), as to any witness of the ecosystem."""
+    origin = "operator.example/log"
+    key, vkey = _log_key(origin)
+    log = RunLog()
+    for i in range(30):
+        log.append({"type": "entry", "i": i})
+    served = TestClient(create_app(f"sqlite:///{tmp_path / 'w.db'}", generate_key(), name=NAME, known=(vkey,)))
+    with served as http:
+        wkey = witness_key(http)
+        asked: list[str] = []
+        http.event_hooks = {"request": [lambda r: asked.append(r.url.path)]}
+
+        def note(size: int, root: bytes | None = None, signer=key) -> bytes:  # noqa: ANN001
+            text = Checkpoint(origin, size, log.root(size) if root is None else root).text()
+            return Note(text, (sign_note(text, origin, signer),)).encode()
+
+        client = WitnessClient(http, vkey=wkey.vkey(), ask_key=False)
+        old = 0
+        for size in (3, 10, 30):
+            proof = log.tree.consistency_proof(old, size) if old else []
+            sig = client.add_checkpoint(old, proof, note(size))
+            assert verify_cosignature(Checkpoint(origin, size, log.root(size)).text(), sig, wkey) > 0
+            old = size
+        assert asked == [f"{P}/add-checkpoint"] * 3
+        assert parse_note(http.get(f"{P}/{origin_hash(origin)}/checkpoint").content).text.startswith(origin + "\n30\n")
+        # another key's checkpoint of the log, an unknown log, a fork: refused as for a run's log
+        assert http.post(f"{P}/add-checkpoint", content=body(30, [], note(30, signer=generate_key()))).status_code == 403
+        other = Checkpoint("operator.example/other", 1, log.root(1)).text()
+        r = http.post(f"{P}/add-checkpoint", content=body(0, [], Note(other, (sign_note(other, origin, key),)).encode()))
+        assert r.status_code == 404
+        assert http.post(f"{P}/add-checkpoint", content=body(30, [], note(30, root=log.root(29)))).status_code in (409, 422)
+        assert http.get(f"{P}/attempts/{origin_hash(origin)}").status_code == 404  # a log, not a run
+    with pytest.raises(ValueError):  # a configured log's key is a note key named by a log's origin
+        Witness(generate_key(), NAME, known=(NoteKey.of(origin, key.public_key(), COSIGNATURE_V1),))
+    with pytest.raises(ValueError):
+        Witness(generate_key(), NAME, known=(vkey, vkey))
+    with pytest.raises(ValueError):
+        WitnessClient("http://127.0.0.1:9", ask_key=False)

@@ -145,10 +145,12 @@ def install_handlers(app: FastAPI) -> None:
 
 
 def create_app(db_url: str, key, per_minute: int = 1200, burst: int = 200,  # noqa: ANN001 - an Ed25519 private key
-               name: str | None = None, cosigner_key=None) -> FastAPI:  # noqa: ANN001 - an ML-DSA-44 key or None
+               name: str | None = None, cosigner_key=None,  # noqa: ANN001 - an ML-DSA-44 key or None
+               known: tuple = ()) -> FastAPI:
     """A standalone beacon on the database at ``db_url`` (its tables created if missing), a witness
-    named ``name`` too (cosigning with ``cosigner_key``, an ML-DSA-44 key, if given); each client address
-    may make ``per_minute`` requests a minute, in bursts of ``burst``."""
+    named ``name`` too (cosigning with ``cosigner_key``, an ML-DSA-44 key, if given; configured for the
+    logs of ``known``, their note keys); each client address may make ``per_minute`` requests a minute,
+    in bursts of ``burst``."""
     from ..database import make_engine, sessions, shown_url
     from .db import create_tables
 
@@ -165,7 +167,7 @@ def create_app(db_url: str, key, per_minute: int = 1200, burst: int = 200,  # no
 
     readable_validation_errors(app)
 
-    witness = Witness(key, name, cosigner_key)
+    witness = Witness(key, name, cosigner_key, known=tuple(known))
     app.include_router(router(beacon, factory, witness=witness))
     app.add_middleware(BodyLimit)
     app.add_middleware(RateLimit, per_minute=per_minute, burst=burst)  # outermost: a flood is refused first
@@ -178,10 +180,12 @@ def served_app() -> FastAPI:
     database, key file and rate limit come from the environment the command set."""
     import os
 
+    from ..commit.note import NoteKey
     from ..commit.signing import load_key
 
     cosigner = os.environ.get("WITNESS_BEACON_COSIGNER_KEY")
     return create_app(os.environ["WITNESS_BEACON_DB"], load_key(Path(os.environ["WITNESS_BEACON_KEY"])),
                       per_minute=int(os.environ.get("WITNESS_BEACON_PER_MINUTE", "1200")),
                       name=os.environ.get("WITNESS_BEACON_NAME") or None,
-                      cosigner_key=load_key(Path(cosigner), "ml-dsa-44") if cosigner else None)
+                      cosigner_key=load_key(Path(cosigner), "ml-dsa-44") if cosigner else None,
+                      known=tuple(NoteKey.parse(v) for v in os.environ.get("WITNESS_BEACON_LOGS", "").split()))

@@ -49,6 +49,7 @@ from .witness_db import WitnessFork, WitnessLog
 MAX_BODY = 64 << 10  # an add-checkpoint request: 63 proof lines and a checkpoint with a few signatures
 MAX_PROOF_LINES = 63  # tlog-witness's bound
 MAX_SIZE = (1 << 63) - 1  # a database's signed 64-bit integer; no run's log comes near
+MAX_ORIGIN_BYTES = 80  # a configured log's origin (the tables' column; a run's origin is 76 bytes)
 _OLD = re.compile(r"old (0|[1-9][0-9]{0,18})")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -122,6 +123,9 @@ class Witness:
     key: Ed25519PrivateKey
     name: str | None = None
     cosigner_key: MLDSA44PrivateKey | None = None
+    # long-lived logs it is configured for, as tlog-witness has it (an operator's log: each run's heads are
+    # entries of it): their verifier keys (type 0x01, named by the origin), besides the runs registered
+    known: tuple[NoteKey, ...] = ()
     clock: Callable[[], float] = time.time  # the cosignatures' time (POSIX seconds)
     # called between a request's check and its update (a test holds two requests there to race them)
     checked: Callable[[], None] = field(default=lambda: None)
@@ -131,6 +135,13 @@ class Witness:
         problem = name_problem(self.name)
         if problem:
             raise ValueError(f"witness name {self.name[:80]!r}: {problem}")
+        self._known = {}
+        for k in self.known:
+            if k.alg != ED25519 or is_run_origin(k.name) or len(k.name.encode()) > MAX_ORIGIN_BYTES \
+                    or k.name in self._known:
+                raise ValueError(f"a configured log is an Ed25519 note key (0x01) named by its origin, at most "
+                                 f"{MAX_ORIGIN_BYTES} bytes, not a run's, once each: not {k.vkey()[:100]!r}")
+            self._known[k.name] = k
 
     @property
     def signing(self) -> Ed25519PrivateKey | MLDSA44PrivateKey:
@@ -167,16 +178,38 @@ class Witness:
                 assert row is not None
         return log_json(row) | {"vkey": log_key(row).vkey()}
 
+    def _configured(self, s: Session, key: NoteKey) -> WitnessLog:
+        """The row of a configured log (made on its first checkpoint: it has no manifest, and prices no
+        attempts: ``attempts`` is a run log's)."""
+        row = s.scalar(select(WitnessLog).where(WitnessLog.origin == key.name))
+        if row is None:
+            t = now_ms()
+            # (the run and recipe columns, unique or linked for run logs, name the origin: never a run's)
+            tag = "log:" + origin_hash(key.name)[:60]
+            s.add(WitnessLog(origin=key.name, origin_hash=origin_hash(key.name), run=tag, public_key=key.public.hex(),
+                             manifest="", recipe=tag, seed=None, first_ms=t, last_ms=t, size=0, root="", note=None,
+                             cosignature=None, forked=False))
+            try:
+                s.commit()
+            except IntegrityError:  # its first checkpoints raced: one row
+                s.rollback()
+            row = s.scalar(select(WitnessLog).where(WitnessLog.origin == key.name))
+            assert row is not None
+        return row
+
     # --- add-checkpoint -------------------------------------------------------------------
     def add_checkpoint(self, s: Session, body: bytes) -> str:
         """Check and cosign a checkpoint (tlog-witness's add-checkpoint); the cosignature line.
         Raises ``BeaconRefused`` with the spec's status (``WitnessConflict`` for a 409)."""
         req = parse_add_checkpoint(body)
         cp = req.checkpoint
-        row = s.scalar(select(WitnessLog).where(WitnessLog.origin == cp.origin)) if is_run_origin(cp.origin) else None
+        configured = self._known.get(cp.origin)
+        row = self._configured(s, configured) if configured is not None else \
+            s.scalar(select(WitnessLog).where(WitnessLog.origin == cp.origin)) if is_run_origin(cp.origin) else None
         if row is None:
-            raise BeaconRefused(404, f"unknown origin {cp.origin[:80]!r}: register the run's log first (POST logs)")
-        key = log_key(row)
+            raise BeaconRefused(404, f"unknown origin {cp.origin[:80]!r}: a log this witness is not configured for, "
+                                "and no run's log registered with it (POST logs)")
+        key = configured or log_key(row)
         try:
             if not verify_note_signature(req.note, key):
                 raise BeaconRefused(403, f"the checkpoint carries no signature of the log's key {key.vkey()}")
@@ -277,6 +310,8 @@ class Witness:
         """A note signed by this witness (its cosigner key, its name): the log's latest size, how many other runs
         it links to it (key, recipe or seed), and the runs it prices in (every run of its seed)."""
         row = self._log(s, ohash)
+        if row.origin in self._known:
+            raise BeaconRefused(404, "a configured log is no run: its runs' attempts are read from its entries")
         others, priced = linked(s, row)
         text = AttemptsNote(row.origin, row.size, others, len(priced), tuple(priced)).text()
         # the cosigner key signs it (Ed25519: a type 0x01 note; its cosignatures' message starts "cosignature/v1",

@@ -43,10 +43,21 @@ class WitnessClient(BoundedClient):
     error = WitnessError
 
     def __init__(self, url_or_client: str | httpx.Client, vkey: str | None = None, prefix: str = "/api/beacon", *,
-                 retries: int = 5, timeout: float = 60.0, patience: float = 600.0, deadline: float = 120.0):
+                 retries: int = 5, timeout: float = 60.0, patience: float = 600.0, deadline: float = 120.0,
+                 ask_key: bool = True):
+        """``ask_key=False`` (with ``vkey``): speak only tlog-witness's add-checkpoint, as to a witness of the
+        ecosystem, whose key is configured rather than asked for (``prefix`` then "": the URL is the
+        witness's own)."""
         super().__init__(url_or_client, what="the witness", empty_url="the witness's URL is empty",
                          retries=retries, timeout=timeout, patience=patience, deadline=deadline)
         self.prefix = prefix
+        if not ask_key:
+            if vkey is None:
+                raise ValueError("a witness whose key is not asked for is pinned to one (vkey)")
+            self.key = NoteKey.parse(vkey)
+            if self.key.alg not in COSIGNER_TYPES:
+                raise ValueError(f"{vkey[:80]!r} is not a cosigner key (type 0x04 or 0x06)")
+            return
         resp = self._ask("GET", "/key")
         if resp.status_code != 200:
             raise self._refused("/key", resp)

@@ -27,7 +27,7 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
     cosigner = _cosigner_key(args)
     db = database_url(args.db or DEFAULT_DB)
     app = create_app(check_db_url(db), key, per_minute=args.per_minute, name=args.name,  # its tables made once, here
-                     cosigner_key=cosigner)
+                     cosigner_key=cosigner, known=tuple(args.log))
     pub = public_hex(key.public_key())
     print(f"beacon public key {pub} (fingerprint {key_fingerprint(pub)}); verifiers pass it as --beacon-key",
           flush=True)
@@ -46,7 +46,8 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
     # in a process); each builds the app from what this one checked
     os.environ.update(WITNESS_BEACON_DB=db, WITNESS_BEACON_KEY=str(Path(args.key).resolve()),
                       WITNESS_BEACON_PER_MINUTE=str(args.per_minute), WITNESS_BEACON_NAME=args.name or "",
-                      WITNESS_BEACON_COSIGNER_KEY=str(Path(args.cosigner_key).resolve()) if cosigner else "")
+                      WITNESS_BEACON_COSIGNER_KEY=str(Path(args.cosigner_key).resolve()) if cosigner else "",
+                      WITNESS_BEACON_LOGS=" ".join(k.vkey() for k in args.log))
     # (uvicorn hands its workers a pickled config: the header timer, a class made at run time, stays
     # with the single process)
     served.pop("http")
@@ -62,6 +63,20 @@ def _cosigner_key(args: argparse.Namespace):  # noqa: ANN202 - an ML-DSA-44 priv
     if args.cosigner == "ed25519":
         return None
     return load_or_create_key(Path(args.cosigner_key), "ml-dsa-44")
+
+
+def log_vkey(value: str):  # noqa: ANN201 - a NoteKey
+    """A configured log's verifier key: a vkey of type 0x01 whose name is the log's origin."""
+    from ..commit.note import ED25519, NoteKey
+    from ..errors import MalformedInput
+
+    try:
+        key = NoteKey.parse(value)
+    except MalformedInput as e:
+        raise argparse.ArgumentTypeError(f"--log {value[:80]!r}: {e}") from None
+    if key.alg != ED25519:
+        raise argparse.ArgumentTypeError(f"--log {value[:80]!r}: a log's key is an Ed25519 note key (type 0x01)")
+    return key
 
 
 def database_url(value: str) -> str:
@@ -116,4 +131,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "tlog-cosignature's ML-DSA-44 type (0x06), which C2SP recommends for new witnesses")
     s.add_argument("--cosigner-key", default=DEFAULT_COSIGNER_KEY,
                    help=f"the ML-DSA-44 key of --cosigner ml-dsa-44 (created if missing; default {DEFAULT_COSIGNER_KEY})")
+    s.add_argument("--log", type=log_vkey, action="append", default=[], metavar="VKEY",
+                   help="a long-lived log to cosign, as tlog-witness configures one: its Ed25519 note vkey, named by "
+                        "its origin (an operator's log holding many runs' heads; repeat for more)")
     s.set_defaults(func=cmd_beacon_serve)
