@@ -1,0 +1,184 @@
+"""An operator's log (``witness.beacon.operator``): many runs' registrations and heads in one long-lived
+log, each checkpoint cosigned by witnesses configured for it and spoken to through add-checkpoint
+alone; every head's inclusion in the checkpoint that answers it, consistency between checkpoints, the
+runs of one seed readable from the entries, and the refusals a dishonest trainer meets."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from starlette.testclient import TestClient
+
+from witness.beacon.app import create_app as witness_app
+from witness.beacon.operator import OperatorLog
+from witness.beacon.operator_app import create_app
+from witness.beacon.operator_db import create_tables
+from witness.beacon.witness_client import WitnessClient
+from witness.commit.beacon import run_id
+from witness.commit.log import RunLog
+from witness.commit.merkle import MerkleTree, root_from_inclusion, verify_consistency
+from witness.commit.note import (
+    Checkpoint,
+    Note,
+    NoteKey,
+    parse_note,
+    run_origin,
+    sign_note,
+    verify_cosignature,
+)
+from witness.commit.operator import HeadEntry, RunEntry, entry_leaf, parse_entry
+from witness.commit.signing import generate_key, public_hex
+from witness.database import make_engine, sessions
+from witness.errors import MalformedInput
+
+ORIGIN = "operator.example/log"
+P = "/api/operator"
+
+
+class Run:
+    """A run's log and key; its checkpoints as the notes an operator log's head entries hold."""
+
+    def __init__(self, seed: str = "11" * 32, records: int = 30):
+        self.key = generate_key()
+        self.log = RunLog()
+        self.log.append({"type": "manifest", "public_key": public_hex(self.key.public_key()), "run_seed": seed})
+        for i in range(1, records):
+            self.log.append({"type": "step", "step": i - 1})
+        self.manifest = self.log.lines[0]
+        self.id = run_id(self.manifest)
+        self.origin = run_origin(self.id)
+
+    def note(self, size: int, key=None, root: bytes | None = None) -> str:  # noqa: ANN001
+        text = Checkpoint(self.origin, size, self.log.root(size) if root is None else root).text()
+        return Note(text, (sign_note(text, self.origin, key or self.key),)).encode().decode()
+
+    def head(self, http, size: int, old: int = 0, **kw):  # noqa: ANN001, ANN201
+        proof = self.log.tree.consistency_proof(old, size) if 0 < old < size else []
+        return http.post(f"{P}/heads", json={"run": self.id.hex(), "checkpoint": self.note(size, **kw), "old": old,
+                                             "proof": [h.hex() for h in proof]})
+
+
+@pytest.fixture
+def world(tmp_path):
+    """Two witnesses configured for the log (our own witness server), and the operator log's app."""
+    key = generate_key()
+    vkey = NoteKey.of(ORIGIN, key.public_key())
+    witnesses = [TestClient(witness_app(f"sqlite:///{tmp_path / f'w{i}.db'}", generate_key(), name=f"w{i}.example",
+                                        known=(vkey,))) for i in (1, 2)]
+    for w in witnesses:
+        w.__enter__()
+    keys = [NoteKey.parse(w.get("/api/beacon/key").json()["witness_vkey"]) for w in witnesses]
+    engine = make_engine(f"sqlite:///{tmp_path / 'op.db'}")
+    create_tables(engine)
+    clients = [WitnessClient(w, vkey=k.vkey(), ask_key=False) for w, k in zip(witnesses, keys, strict=True)]
+    log = OperatorLog(sessions(engine), key, ORIGIN, clients)
+    with TestClient(create_app(log)) as http:
+        yield {"http": http, "log": log, "keys": keys, "vkey": vkey, "engine": engine, "key": key,
+               "witnesses": witnesses, "clients": clients}
+    for w in witnesses:
+        w.__exit__(None, None, None)
+
+
+def _checked(answer: dict, world: dict, entry: bytes) -> Checkpoint:
+    """The answer's checkpoint, its log signature and both cosignatures verified, the entry included."""
+    note = parse_note(answer["checkpoint"].encode())
+    cp = Checkpoint.parse(note.text)
+    assert cp.origin == ORIGIN and note.of_key(world["vkey"])
+    for k in world["keys"]:
+        assert [verify_cosignature(note.text, s, k) for s in note.of_key(k)]
+    proof = [bytes.fromhex(h) for h in answer["inclusion"]]
+    assert root_from_inclusion(entry_leaf(entry), answer["index"], cp.size, proof) == cp.root
+    return cp
+
+
+def test_runs_share_one_log_and_each_head_is_included_in_a_cosigned_checkpoint(world):
+    http = world["http"]
+    a, b, again = Run(), Run(seed="22" * 32), Run()  # `again`: a restart under a's seed
+    reg = {r: http.post(f"{P}/runs", json={"manifest": r.manifest.decode()}).json() for r in (a, b, again)}
+    assert [reg[r]["index"] for r in (a, b, again)] == [0, 1, 2]
+    assert http.post(f"{P}/runs", json={"manifest": a.manifest.decode()}).json() == reg[a]  # the same run again
+    checkpoints = []
+    for run, old, size in ((a, 0, 5), (b, 0, 3), (a, 5, 9), (b, 3, 20), (a, 9, 30)):
+        r = run.head(http, size, old)
+        assert r.status_code == 200, r.text
+        entry = HeadEntry(run.id, run.note(size).encode(), Checkpoint(run.origin, size, run.log.root(size))).entry()
+        checkpoints.append(_checked(r.json(), world, entry))
+    # every checkpoint extends the one before it, as the witnesses checked
+    for old, new in zip(checkpoints, checkpoints[1:], strict=False):
+        proof = http.get(f"{P}/consistency", params={"old": old.size, "new": new.size}).json()["proof"]
+        verify_consistency(old.size, new.size, old.root, new.root, [bytes.fromhex(h) for h in proof])
+    # anyone reads the entries, rebuilds the latest cosigned root, and sees both runs of a's seed
+    latest = parse_note(http.get(f"{P}/checkpoint").content)
+    cp = Checkpoint.parse(latest.text)
+    entries = http.get(f"{P}/entries", params={"start": 0}).json()["entries"]
+    assert MerkleTree([entry_leaf(e.encode()) for e in entries[:cp.size]]).root() == cp.root
+    parsed = [parse_entry(e.encode()) for e in entries]
+    seeds = [e.seed for e in parsed if isinstance(e, RunEntry)]
+    assert seeds.count(bytes.fromhex("11" * 32)) == 2 and seeds.count(bytes.fromhex("22" * 32)) == 1
+    assert http.get(f"{P}/key").json()["vkey"] == world["vkey"].vkey()
+
+
+def test_a_dishonest_trainers_heads_are_refused(world):
+    http = world["http"]
+    run, stranger = Run(), Run()
+    http.post(f"{P}/runs", json={"manifest": run.manifest.decode()})
+    assert stranger.head(http, 5).status_code == 404  # not registered
+    assert run.head(http, 5, key=generate_key()).status_code == 403  # another key's signature
+    assert run.head(http, 5).status_code == 200
+    assert run.head(http, 9, old=3).status_code == 409  # not from its latest head here
+    assert run.head(http, 5, old=5).status_code == 200  # the same head again: its index
+    other = RunLog([run.log.lines[0], b'{"step":0,"type":"forged"}'] + run.log.lines[2:])
+    assert run.head(http, 9, old=5, root=other.root(9)).status_code == 422  # a fork of the run's log
+    assert run.head(http, 5, old=5, root=other.root(5)).status_code == 422  # another root for its size
+    bad = http.post(f"{P}/heads", json={"run": run.id.hex(), "checkpoint": Run().note(5), "old": 5, "proof": []})
+    assert bad.status_code == 400  # another run's checkpoint under this run's name
+    for body in ({"run": "zz", "checkpoint": run.note(5), "old": 0}, {"run": run.id.hex(), "checkpoint": "x", "old": 0},
+                 {"run": run.id.hex(), "checkpoint": run.note(5), "old": -1}):
+        assert http.post(f"{P}/heads", json=body).status_code in (400, 422)
+    assert http.post(f"{P}/runs", json={"manifest": '{"type":"step"}'}).status_code == 400
+    with pytest.raises(MalformedInput):
+        parse_entry(b'{"type":"head"}')
+
+
+def test_a_checkpoint_short_of_its_quorum_is_not_answered(world, tmp_path):
+    """A witness that is down: with both required no head is answered (503, nothing claimed cosigned);
+    with one of two required it is; the tree reloads from the tables after a restart."""
+    http, log = world["http"], world["log"]
+    run = Run()
+    http.post(f"{P}/runs", json={"manifest": run.manifest.decode()})
+    world["witnesses"][1].__exit__(None, None, None)
+    down = TestClient(witness_app(f"sqlite:///{tmp_path / 'down.db'}", generate_key(), name="w2.example"))
+    log.witnesses[1] = WitnessClient(down, vkey=world["keys"][1].vkey(), ask_key=False, retries=0)
+    r = run.head(http, 5)
+    assert r.status_code == 503 and "1 of the 2" in r.json()["detail"]
+    log.required = 1
+    r = run.head(http, 5, old=5)
+    assert r.status_code == 200
+    assert len(parse_note(r.json()["checkpoint"].encode()).signatures) == 2  # the log's and one witness's
+    again = OperatorLog(sessions(world["engine"]), world["key"], ORIGIN, world["clients"][:1])
+    assert again.tree.size == log.tree.size and again.tree.root() == log.tree.root()
+    world["witnesses"][1].__enter__()
+
+
+def test_heads_of_runs_racing_one_another_each_get_a_checkpoint_that_holds_them(world):
+    http = world["http"]
+    runs = [Run(seed=f"{i:02x}" * 32) for i in range(6)]
+    for r in runs:
+        http.post(f"{P}/runs", json={"manifest": r.manifest.decode()})
+    out: dict[int, dict] = {}
+    barrier = threading.Barrier(len(runs), timeout=30)
+
+    def send(i: int) -> None:
+        barrier.wait()
+        out[i] = runs[i].head(http, 10).json()
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(runs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(a["index"] for a in out.values()) == list(range(len(runs), 2 * len(runs)))
+    for i, a in out.items():
+        entry = HeadEntry(runs[i].id, runs[i].note(10).encode(), Checkpoint(runs[i].origin, 10, runs[i].log.root(10)))
+        _checked(a, world, entry.entry())
