@@ -182,3 +182,64 @@ def test_heads_of_runs_racing_one_another_each_get_a_checkpoint_that_holds_them(
     for i, a in out.items():
         entry = HeadEntry(runs[i].id, runs[i].note(10).encode(), Checkpoint(runs[i].origin, 10, runs[i].log.root(10)))
         _checked(a, world, entry.entry())
+
+
+def _serve(args: list[str], tmp_path, name: str):  # noqa: ANN202 - (process, url, first stdout lines)
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "witness.cli", *args, "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=open(tmp_path / f"{name}.err", "w"), text=True,  # noqa: SIM115
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = [proc.stdout.readline(), proc.stdout.readline()]
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(url + "/docs", timeout=2)
+            return proc, url, lines
+        except httpx.TransportError:
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / f"{name}.err").read_text()
+            time.sleep(0.1)
+
+
+def test_the_commands_deploy_an_operator_log_its_witness_cosigns(tmp_path):
+    """``witness beacon serve --log VKEY`` and ``witness operator serve --witness URL=VKEY``, as a lab
+    deploys them: the witness learns the log from its configuration alone, the log speaks to it through
+    add-checkpoint, and a run's head comes back included in a checkpoint the witness cosigned."""
+    import httpx
+
+    from witness.commit.signing import save_key
+
+    op_key = generate_key()
+    save_key(op_key, tmp_path / "op.pem")
+    vkey = NoteKey.of(ORIGIN, op_key.public_key()).vkey()
+    procs = []
+    try:
+        w, wurl, wlines = _serve(["beacon", "serve", "--db", str(tmp_path / "w.db"), "--key", str(tmp_path / "w.pem"),
+                                  "--name", "w1.example", "--log", vkey], tmp_path, "w")
+        procs.append(w)
+        wkey = wlines[1].split()[-1]
+        o, ourl, olines = _serve(["operator", "serve", "--origin", ORIGIN, "--key", str(tmp_path / "op.pem"), "--db",
+                                  str(tmp_path / "op.db"), "--witness", f"{wurl}/api/beacon={wkey}"], tmp_path, "o")
+        procs.append(o)
+        assert olines[0].split()[-1] == vkey
+        run = Run()
+        assert httpx.post(f"{ourl}{P}/runs", json={"manifest": run.manifest.decode()}).status_code == 200
+        r = run.head(httpx.Client(base_url=ourl, timeout=30), 7)
+        assert r.status_code == 200, r.text
+        note = parse_note(r.json()["checkpoint"].encode())
+        assert [verify_cosignature(note.text, s, NoteKey.parse(wkey)) for s in note.of_key(NoteKey.parse(wkey))]
+        assert httpx.get(f"{wurl}/api/beacon/key").status_code == 200  # (the witness's own route, not the log's)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)

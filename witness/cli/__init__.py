@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..errors import VerificationError
-from . import audit, beacon, data, demo, drand, evals, run
+from . import audit, beacon, data, demo, drand, evals, operator, run
 from .args import DEFAULT_KEY, one_line, unusable_or_rejected
 
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     lines, and building this one costs more than most commands that fail on their input)."""
     p = argparse.ArgumentParser(prog="witness", description="Certify neural-network training runs.")
     sub = p.add_subparsers(dest="command", required=True)
-    for group in (run, demo, audit, data, evals, beacon, drand):
+    for group in (run, demo, audit, data, evals, beacon, drand, operator):
         group.add_parsers(sub)
     from ..leaderboard.cli import add_parsers
 
