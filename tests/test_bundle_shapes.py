@@ -152,3 +152,20 @@ def test_an_offline_run_in_any_shape_is_unusable_rejected_or_accepted_on_its_led
         outcome = _judge(honest, path, challenges=q, nonce=nonce)
     if not shape[0] and not [s for s in shape[1] if s[0] != s[1]]:
         assert outcome == "accepted"
+
+
+def test_the_statements_bound_grows_with_a_witnessed_runs_heads_and_stops_at_a_gibibyte():
+    """An honest long run with five ML-DSA-44 witnesses (about 17 KB a window line) keeps its windows under
+    the bound its manifest sets; a manifest claiming absurd steps cannot make a verifier read more than 1 GiB."""
+    from types import SimpleNamespace
+
+    from witness.bundle.layout import MAX_STATEMENTS_BYTES
+    from witness.bundle.reader import statements_bound
+
+    def manifest(steps: int, every: int | None = 100):  # noqa: ANN202
+        return SimpleNamespace(online={"every": every} if every else None, steps_planned=steps, checkpoint_every=1000)
+
+    assert statements_bound(manifest(10_000)) == statements_bound(manifest(10_000, None)) == MAX_STATEMENTS_BYTES
+    heads = 1_000_000 // 100 + 1_000_000 // 1000 + 2
+    assert statements_bound(manifest(1_000_000)) >= heads * 17_000 > MAX_STATEMENTS_BYTES
+    assert statements_bound(manifest(10**15)) == 1 << 30

@@ -378,3 +378,51 @@ def test_a_line_of_an_unknown_key_is_ignored_whatever_its_spelling():
     with pytest.raises(MalformedInput, match="strict spelling"):
         verify_note_signature(parse_note((TEXT + "\n" + bad_peter + ENOCH_SIG).encode()), peter)
     assert verify_note_signature(parse_note((TEXT + "\n" + bad_peter + ENOCH_SIG).encode()), enoch)
+
+
+def _forged_under_a_zero_t1(public: bytes, message: bytes, context: bytes = b"") -> bytes:
+    """An ML-DSA-44 "signature" that verifies under a key whose t1 is zero: z = 0, no hints, c~ from mu
+    and w1 = 0 (FIPS 204's verification, solved for such a key)."""
+    shake = lambda b, n: hashlib.shake_256(b).digest(n)  # noqa: E731
+    mu = shake(shake(public, 64) + bytes([0, len(context)]) + context + message, 64)
+    z = sum((1 << 17) << (18 * i) for i in range(1024))  # each coefficient gamma1 - 0
+    return shake(mu + bytes(768), 32) + z.to_bytes(2304, "little") + bytes(84)
+
+
+def test_a_weak_ml_dsa_44_key_is_refused_as_a_small_order_ed25519_key_is():
+    """Under an ML-DSA-44 key whose t1 is zero anyone signs anything (the reviewers' forgery, which the
+    library verifies): such a key, or one of mostly zeros, is refused wherever a key is parsed."""
+    import os
+
+    from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PublicKey
+
+    weak = os.urandom(32) + bytes(1280)
+    MLDSA44PublicKey.from_public_bytes(weak).verify(_forged_under_a_zero_t1(weak, b"anything"), b"anything")
+    sparse = bytearray(weak)
+    for i in range(11):  # a few coefficients set to 1: still forgeable with hints, still refused
+        sparse[32 + 5 * i] = 1
+    for public in (weak, bytes(sparse)):
+        with pytest.raises(MalformedInput, match="weak ML-DSA-44"):
+            NoteKey("evil.example/w", 0x06, public)
+        with pytest.raises(MalformedInput):
+            NoteKey.parse("evil.example/w+" + key_id("evil.example/w", 0x06, public).hex() + "+"
+                          + base64.b64encode(b"\x06" + public).decode())
+
+
+def test_a_witness_name_holding_an_equals_sign_is_pinned_by_its_vkey():
+    from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
+
+    from witness.cli.audit import witness_key
+    from witness.commit.note import cosigner_key
+
+    for key in (MLDSA44PrivateKey.generate(), generate_key()):
+        k = cosigner_key("w.example/a=b", key)
+        assert witness_key(k.vkey()) == k
+
+
+def test_a_line_go_refuses_is_refused_here_too():
+    """Go's StdEncoding refuses base64 padded past a multiple of four: so does the lenient reading of an
+    unknown key's line (only what Go takes is ignored rather than refused)."""
+    with pytest.raises(MalformedInput):
+        parse_note((TEXT + "\n" + PETER_SIG + "— other.example/k AAAAAAAAAAAA=\n").encode())
+    assert parse_note((TEXT + "\n" + PETER_SIG + "— other.example/k AAAAAAAAAAB=\n").encode()).others  # stray bits

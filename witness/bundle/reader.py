@@ -97,7 +97,7 @@ class Bundle:
         """The statement lines as the trainer received them (bounded; a torn last line is refused)."""
         if self.statements is None:
             return []
-        data = _read_bounded(self.statements, MAX_STATEMENTS_BYTES, STATEMENTS)
+        data = _read_bounded(self.statements, statements_bound(self.manifest), STATEMENTS)
         lines, torn = _lines(data, STATEMENTS)
         if torn:
             raise MalformedInput(f"{STATEMENTS} is truncated: its last line is not complete")
@@ -428,3 +428,19 @@ def _check_statement_lines(path: Path) -> None:
             parse_statement(parse_canonical_json(line))
         except (ValueError, VerificationError) as e:
             raise MalformedInput(f"{STATEMENTS}: line {i + 1} is not a beacon statement: {e}") from None
+
+
+def statements_bound(manifest) -> int:  # noqa: ANN001 - a Manifest
+    """The most bytes ``online/statements.jsonl`` may hold for this manifest: ``MAX_STATEMENTS_BYTES``, or,
+    for a long witnessed run, a window line a head (a head every ``every`` steps and at every checkpoint,
+    each at most a full note: ML-DSA-44 cosignatures are 3.3 KB a witness) and the final window's counts."""
+    from ..commit.window import MAX_ATTEMPT_NOTES, MAX_NOTE_BYTES
+
+    online = getattr(manifest, "online", None)
+    every = online.get("every") if isinstance(online, dict) else None
+    if type(every) is not int or every < 1:
+        return MAX_STATEMENTS_BYTES
+    steps = manifest.steps_planned
+    heads = -(-steps // every) + -(-steps // manifest.checkpoint_every) + 2
+    # (never over 1 GiB, whatever a manifest claims: a verifier reads the file whole)
+    return min(1 << 30, max(MAX_STATEMENTS_BYTES, heads * (MAX_NOTE_BYTES + 2048) + MAX_ATTEMPT_NOTES * MAX_NOTE_BYTES))

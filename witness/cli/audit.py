@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -80,6 +81,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return report_verdict(args, audit, weak_fails=not args.allow_weak)
 
 
+_VKEY = re.compile(r"[^+\s]+\+[0-9a-f]{8}\+")  # a vkey's name and key ID (a name may hold "=")
+
+
 def witness_key(value: str):  # noqa: ANN201 - a NoteKey
     """``NAME=KEY`` (KEY: 64 hex digits, or base64 of 0x04 and the key) or a whole vkey ``NAME+ID+BASE64``
     (an ML-DSA-44 witness's, type 0x06, is given as its vkey)."""
@@ -87,7 +91,7 @@ def witness_key(value: str):  # noqa: ANN201 - a NoteKey
     from ..errors import MalformedInput
 
     try:
-        if "=" in value.split("+", 1)[0] or ("=" in value and "+" not in value):
+        if not _VKEY.match(value) and ("=" in value.split("+", 1)[0] or ("=" in value and "+" not in value)):
             name, key = value.split("=", 1)
             if len(key) == 64 and all(c in "0123456789abcdefABCDEF" for c in key):
                 raw = bytes.fromhex(key)

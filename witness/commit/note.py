@@ -99,6 +99,17 @@ def _raw(public: Ed25519PublicKey) -> bytes:
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
+MAX_ZERO_T1 = 64  # of an ML-DSA-44 key's 1,024 t1 coefficients; an honest key has about one zero
+
+
+def _weak_mldsa44(public: bytes) -> bool:
+    """Whether an ML-DSA-44 public key's t1 (after its 32-byte rho: 1,024 coefficients of 10 bits) has more
+    than ``MAX_ZERO_T1`` zeros: under a t1 of zeros, or nearly, a signature with z = 0 verifies for any
+    message, as a small-order Ed25519 key lets anyone sign."""
+    t1 = int.from_bytes(public[32:], "little")
+    return sum(1 for i in range(1024) if not (t1 >> (10 * i)) & 1023) > MAX_ZERO_T1
+
+
 @dataclass(frozen=True)
 class NoteKey:
     """A verifier key: a name, a signature type (0x01 note, 0x04 Ed25519 cosignature, 0x06 ML-DSA-44
@@ -118,6 +129,8 @@ class NoteKey:
         try:
             if self.alg == COSIGNATURE_MLDSA44:
                 MLDSA44PublicKey.from_public_bytes(self.public)
+                if _weak_mldsa44(self.public):  # (a t1 mostly of zeros lets anyone "sign")
+                    raise ValueError("a weak ML-DSA-44 key (its t1 is mostly zeros)")
             else:
                 check_public_key(self.public)  # a small-order key lets anyone "sign"
         except ValueError as e:
@@ -231,8 +244,8 @@ def _loose_signature(line: str) -> tuple[str, bytes]:
     spaces or plus signs, base64 that decodes, stray bits allowed, to at least 5 bytes) but not in this
     module's strict spelling; ``MalformedInput`` for a line no reader takes."""
     name, _, b64 = line[2:].partition(" ")
-    try:
-        raw = base64.b64decode(b64, validate=True) if b64 else b""
+    try:  # Go's StdEncoding: padded to a multiple of 4, at most two "=" (stray bits allowed)
+        raw = base64.b64decode(b64, validate=True) if b64 and len(b64) % 4 == 0 and _B64.fullmatch(b64) else b""
     except (binascii.Error, ValueError):
         raw = b""
     if not name or any(c.isspace() or c == "+" for c in name) or len(raw) < 5:
