@@ -53,22 +53,28 @@ class PendingWindow:
     note: bytes
     final: bool
     late: list[str]  # witnesses whose cosignature came within a period of the round (it will not count)
+    operator: dict | None = None  # through an operator's log: its proof's JSON (``OperatorProof``)
 
     def to_json(self) -> dict:
         """A line of the run's journal of cosigned checkpoints (``online/cosigned.jsonl``)."""
-        return {"size": self.size, "prev_size": self.prev_size, "round": self.round, "note": self.note.decode(),
-                "final": self.final, "late": self.late}
+        out = {"size": self.size, "prev_size": self.prev_size, "round": self.round, "note": self.note.decode(),
+               "final": self.final, "late": self.late}
+        return out | ({"operator": self.operator} if self.operator is not None else {})
 
     @classmethod
     def from_json(cls, obj: object) -> PendingWindow:
         """A journal line (the trainer's own file, parsed strictly all the same)."""
-        if not isinstance(obj, dict) or set(obj) != {"size", "prev_size", "round", "note", "final", "late"} \
+        fields = {"size", "prev_size", "round", "note", "final", "late"}
+        if not isinstance(obj, dict) or not fields <= set(obj) <= fields | {"operator"} \
                 or not all(type(obj[k]) is int for k in ("size", "prev_size", "round")) \
                 or not isinstance(obj["note"], str) or type(obj["final"]) is not bool \
                 or not isinstance(obj["late"], list):
             raise ValueError("not a cosigned checkpoint of the journal")
+        operator = obj.get("operator")
+        if operator is not None and not isinstance(operator, dict):
+            raise ValueError("not a cosigned checkpoint of the journal")
         return cls(obj["size"], obj["prev_size"], obj["round"], obj["note"].encode(), obj["final"],
-                   [str(x) for x in obj["late"]])
+                   [str(x) for x in obj["late"]], operator)
 
 
 class WitnessedLink:

@@ -65,8 +65,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return 2
         else:
             beacon_key = read_public_key(args.beacon_key)
-    elif args.beacon_key or args.witness or args.drand or args.witnesses_required:
-        print("--beacon-key, --witness, --witnesses-required and --drand are for --mode online", file=sys.stderr)
+    elif args.beacon_key or args.witness or args.drand or args.witnesses_required or args.operator:
+        print("--beacon-key, --witness, --witnesses-required, --operator and --drand are for --mode online",
+              file=sys.stderr)
         return 2
 
     def audit():  # noqa: ANN202 - a Verdict; built here, so an unusable flag is exit 2 with the rest
@@ -123,7 +124,26 @@ def _witness_trust(args: argparse.Namespace):  # noqa: ANN202 - a WitnessTrust
                              "quicknet|CHAIN-INFO.json")
     # a majority by default: any two sets of K > N/2 share a witness, which refuses a second branch
     required = args.witnesses_required or len(args.witness) // 2 + 1
-    return WitnessTrust(tuple(args.witness), required, chain_info(args.drand))
+    return WitnessTrust(tuple(args.witness), required, chain_info(args.drand), _operator_trust(args))
+
+
+def _operator_trust(args: argparse.Namespace):  # noqa: ANN202 - an OperatorTrust or None
+    """The operator log ``--operator VKEY`` pins, its entries read at ``--operator-url``."""
+    from ..commit.note import NoteKey
+    from ..errors import MalformedInput
+    from ..verify.operator import OperatorTrust
+
+    if args.operator is None:
+        if args.operator_url:
+            raise MalformedInput("--operator-url reads the entries of the log --operator VKEY pins: give both")
+        return None
+    entries = None
+    if args.operator_url:
+        from ..beacon.operator_link import OperatorClient
+
+        client = OperatorClient(args.operator_url, vkey=args.operator)
+        entries = client.entries
+    return OperatorTrust(NoteKey.parse(args.operator), entries)
 
 
 def read_head(path: str):
@@ -202,6 +222,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--witnesses-required", type=positive, metavar="K",
                    help="how many of the --witness keys must cosign each window (default: more than half of "
                         "them; with K <= N/2 the bound is taken over N//K branches, and the verdict warns)")
+    v.add_argument("--operator", metavar="VKEY",
+                   help="online mode with --witness: the windows came through this operator's log (witness operator "
+                        "serve), its Ed25519 note key named by its origin; the witnesses cosigned its checkpoints")
+    v.add_argument("--operator-url", metavar="URL",
+                   help="with --operator: where its entries are read, to price the run's other attempts from the log "
+                        "(every run of its seed); without it they are unknown")
     v.add_argument("--drand", metavar="quicknet|CHAIN-INFO.json",
                    help="online mode with --witness: the drand chain whose rounds give the randomness (quicknet, "
                         "pinned here, or a chain-info file)")

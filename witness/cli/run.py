@@ -108,10 +108,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _beacon(args: argparse.Namespace):
     """The beacon client ``--beacon`` names (its key pinned with ``--beacon-key``), or None."""
-    if args.witness or args.drand:
+    if args.witness or args.drand or args.operator:
         if args.beacon is not None or args.beacon_key:
             raise ValueError("online challenges come from one beacon (--beacon URL) or from witnesses and drand "
-                             "(--witness URL --drand URL), not both")
+                             "(--witness URL or --operator URL, with --drand URL), not both")
         return _witnessed(args)
     if args.beacon is None:
         if args.beacon_key or args.online_p or args.online_every or args.online_chunks is not None \
@@ -130,8 +130,9 @@ def _beacon(args: argparse.Namespace):
 
 def _witnessed(args: argparse.Namespace):  # noqa: ANN202 - a WitnessedLink
     """The witnesses ``--witness`` names and the drand endpoint ``--drand`` names, its chain pinned."""
-    if not args.witness or not args.drand:
-        raise ValueError("witnessed online challenges need both --witness URL (repeatable) and --drand URL")
+    if not (args.witness or args.operator) or not args.drand or (args.witness and args.operator):
+        raise ValueError("witnessed online challenges need --drand URL and either --witness URL (repeatable: the "
+                         "run's own log) or --operator URL (an operator's log the witnesses are configured for)")
     from ..beacon.drand import DrandClient
     from ..beacon.windows import WitnessedLink
     from ..beacon.witness_client import WitnessClient
@@ -139,6 +140,10 @@ def _witnessed(args: argparse.Namespace):  # noqa: ANN202 - a WitnessedLink
 
     drand = DrandClient(args.drand, chain_info(args.drand_chain))
     drand.info()  # the endpoint serves the pinned chain, or training does not start
+    if args.operator:
+        from ..beacon.operator_link import OperatorClient, OperatorLink
+
+        return OperatorLink(OperatorClient(args.operator, patience=args.beacon_patience), drand)
     return WitnessedLink([WitnessClient(u, patience=args.beacon_patience) for u in args.witness], drand)
 
 
@@ -322,8 +327,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--witness", action="append", metavar="URL",
                    help="take online challenges from witnesses and drand instead of one beacon: each head goes, as "
                         "a C2SP checkpoint, to this transparency-log witness (repeatable; with --drand)")
-    t.add_argument("--drand", metavar="URL", help="with --witness: the drand HTTP endpoint each window's round comes "
-                                                  "from (https://api.drand.sh for the League of Entropy's)")
+    t.add_argument("--operator", metavar="URL",
+                   help="take witnessed online challenges through an operator's log (witness operator serve): each "
+                        "head becomes an entry of that one long-lived log, whose checkpoints its witnesses cosign "
+                        "(with --drand; instead of --witness)")
+    t.add_argument("--drand", metavar="URL", help="with --witness or --operator: the drand HTTP endpoint each window's "
+                                                  "round comes from (https://api.drand.sh for the League of Entropy's)")
     t.add_argument("--drand-chain", default="quicknet", metavar="quicknet|CHAIN-INFO.json",
                    help="the drand chain the endpoint must serve (default quicknet, pinned here)")
     t.add_argument("--online-p", type=probability,

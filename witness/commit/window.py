@@ -31,6 +31,7 @@ WINDOW_VERSION = 1
 BETA_DOMAIN = b"witness drand beta v1\x00"
 MAX_NOTE_BYTES = 1 << 16  # a checkpoint and a few dozen signature lines
 MAX_ATTEMPT_NOTES = 16
+MAX_PROOF_HASHES = 64  # an inclusion or consistency proof in a log of fewer than 2^63 entries
 _FIELDS = {"format", "version", "run", "size", "prev_size", "round", "checkpoint", "drand_signature", "final"}
 
 
@@ -52,6 +53,43 @@ def beta_of(checkpoint_text: str, randomness: bytes) -> bytes:
 
 
 @dataclass(frozen=True)
+class OperatorProof:
+    """How a window's head reached the witnesses through an operator's log (``witness.commit.operator``):
+    the log's checkpoint they cosigned, the head entry's index and inclusion proof in it, and a
+    consistency proof from the operator checkpoint of the window before (empty for the first window)."""
+
+    checkpoint: bytes  # the operator log's checkpoint note: its signature and the witnesses'
+    index: int
+    inclusion: tuple[bytes, ...]
+    consistency: tuple[bytes, ...] = ()
+
+    def to_json(self) -> dict:
+        """JSON form (a window's ``operator`` field)."""
+        return {"checkpoint": self.checkpoint.decode(), "index": self.index,
+                "inclusion": [h.hex() for h in self.inclusion], "consistency": [h.hex() for h in self.consistency]}
+
+    @classmethod
+    def from_json(cls, obj: object) -> OperatorProof:
+        """Strictly parse the JSON form."""
+        if not isinstance(obj, dict) or set(obj) != {"checkpoint", "index", "inclusion", "consistency"}:
+            raise MalformedInput("a window's operator proof has exactly checkpoint, index, inclusion and consistency")
+        note, index = obj["checkpoint"], obj["index"]
+        if not isinstance(note, str) or len(note.encode("utf-8", "surrogatepass")) > MAX_NOTE_BYTES:
+            raise MalformedInput(f"a window's operator checkpoint is a signed note of at most {MAX_NOTE_BYTES} bytes")
+        if type(index) is not int or not 0 <= index < MAX_INT:
+            raise MalformedInput("a window's operator entry index is a non-negative integer")
+        proofs = []
+        for f in ("inclusion", "consistency"):
+            if not isinstance(obj[f], list) or len(obj[f]) > MAX_PROOF_HASHES:
+                raise MalformedInput(f"a window's operator {f} proof is a list of at most {MAX_PROOF_HASHES} hashes")
+            try:
+                proofs.append(tuple(from_hex(h, f"operator {f} hash") for h in obj[f]))
+            except ValueError as e:
+                raise MalformedInput(f"a window's operator proof: {e}") from None
+        return cls(note.encode(), index, proofs[0], proofs[1])
+
+
+@dataclass(frozen=True)
 class WitnessedWindow:
     """One window as the trainer keeps it: the cosigned checkpoint note, its drand round and that
     round's signature, and (final window) the witnesses' signed counts of the run's other attempts."""
@@ -64,6 +102,7 @@ class WitnessedWindow:
     drand_signature: bytes
     final: bool
     attempts: tuple[bytes, ...] = ()  # signed notes ``witness attempts/v1`` (final window only)
+    operator: OperatorProof | None = None  # a head sent through an operator's log: the witnesses cosigned that
 
     @property
     def checkpoint_text(self) -> str:
@@ -93,6 +132,8 @@ class WitnessedWindow:
                "drand_signature": self.drand_signature.hex(), "final": self.final}
         if self.attempts:
             out["attempts"] = [a.decode() for a in self.attempts]
+        if self.operator is not None:
+            out["operator"] = self.operator.to_json()
         return out
 
     @classmethod
@@ -101,9 +142,9 @@ class WitnessedWindow:
         if not isinstance(obj, dict) or obj.get("format") != WINDOW_FORMAT or obj.get("version") != WINDOW_VERSION \
                 or type(obj.get("version")) is not int:
             raise MalformedInput("not a witnessed window of a supported version")
-        if not _FIELDS <= set(obj) <= _FIELDS | {"attempts"}:
+        if not _FIELDS <= set(obj) <= _FIELDS | {"attempts", "operator"}:
             raise MalformedInput("a witnessed window has exactly the fields " + ", ".join(sorted(_FIELDS))
-                                 + " (and, on the final one, attempts)")
+                                 + " (and, on the final one, attempts; through an operator's log, operator)")
         for f in ("size", "prev_size", "round"):
             if type(obj[f]) is not int or not 0 <= obj[f] < MAX_INT:
                 raise MalformedInput(f"witnessed window: {f} must be a non-negative integer")
@@ -123,8 +164,9 @@ class WitnessedWindow:
             sig = bytes.fromhex(obj["drand_signature"]) if isinstance(obj["drand_signature"], str) else None
             if sig is None or not 1 <= len(sig) <= 256:
                 raise ValueError("drand_signature must be hex")
+            operator = OperatorProof.from_json(obj["operator"]) if "operator" in obj else None
             return cls(from_hex(obj["run"], "run"), obj["size"], obj["prev_size"], obj["round"],
-                       note.encode(), sig, obj["final"], tuple(a.encode() for a in attempts))
+                       note.encode(), sig, obj["final"], tuple(a.encode() for a in attempts), operator)
         except (ValueError, UnicodeError) as e:
             raise MalformedInput(f"witnessed window: {e}") from None
 

@@ -27,6 +27,7 @@ from ..commit.note import (
 from ..commit.signing import key_fingerprint, public_hex, public_key_from_hex
 from ..commit.window import WitnessedWindow, head_sizes, parse_statement
 from ..errors import MalformedInput, VerificationError
+from .operator import OperatorChain, OperatorTrust
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ class WitnessTrust:
     witnesses: tuple[NoteKey, ...]
     required: int
     chain: ChainInfo
+    operator: OperatorTrust | None = None  # the windows came through this operator's log (its checkpoints cosigned)
 
     def __post_init__(self) -> None:
         if not self.witnesses:
@@ -235,7 +237,9 @@ class WitnessTrust:
     def describe(self) -> str:
         """Who cosigns, for the verdict."""
         names = ", ".join(k.name for k in self.witnesses)
-        return f"{self.required} of the witness(es) {names} (drand chain {self.chain.beacon_id or self.chain.hash.hex()[:16]})"
+        through = f" through the operator log {self.operator.key.name}" if self.operator is not None else ""
+        return (f"{self.required} of the witness(es) {names}{through} (drand chain "
+                f"{self.chain.beacon_id or self.chain.hash.hex()[:16]})")
 
 
 def check_online(bundle: Bundle, trust: str | WitnessTrust) -> OnlinePlan:
@@ -266,6 +270,8 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
     for a, b in zip(windows, windows[1:], strict=False):
         if a.size == b.size:
             raise VerificationError(f"two witnessed windows close at the head of size {a.size}", check="witness")
+    # through an operator's log: each window's operator checkpoint checked, in order (the verifier's trust decides)
+    chain = OperatorChain(trust.operator, run, bytes.fromhex(m.public_key)) if trust.operator is not None else None
     selected: list[int] = []
     late: list[range] = []
     late_selected: list[int] = []
@@ -280,7 +286,7 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
         if w.prev_size != prev:
             raise VerificationError(f"the witnessed window closing at size {w.size} says it starts after size "
                                     f"{w.prev_size}, not after the boundary before it ({prev})", check="witness")
-        on_time = _check_window(bundle, w, trust, origin, run, n)
+        on_time = _check_window(bundle, w, trust, origin, run, n, chain)
         draws.append(Draw(w.size, w.window(n), w.beta, on_time))
         if on_time:
             selected += selected_steps(w, m.online["p"], n)
@@ -296,14 +302,17 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
                                 f"one, but the log is signed to size {signed}", check="witness")
     others = attempts = uncounted = None
     if final:
-        others, attempts, uncounted = _attempts(windows[-1], trust, origin, run)
+        others, attempts, uncounted = chain.attempts() if chain is not None else \
+            _attempts(windows[-1], trust, origin, run)
     return OnlinePlan(trust.describe(), m.online["p"], m.online["every"], len(windows), sorted(selected), covered,
                       range(covered, n), final, others, attempts, late, trust.describe(), sorted(late_selected), draws,
                       trust.branches, uncounted)
 
 
-def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes, n: int) -> bool:
-    """One window's checkpoint, round and cosignatures; whether K cosignatures came in time to count."""
+def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origin: str, run: bytes, n: int,
+                  chain: OperatorChain | None = None) -> bool:
+    """One window's checkpoint, round and cosignatures (of the operator's checkpoint that holds it, through
+    ``chain``); whether K cosignatures came in time to count."""
     where = f"the witnessed window closing at size {w.size}"
     if not same(w.run, run):
         raise VerificationError(f"{where} names another run (a window replayed from another run)", check="witness")
@@ -322,6 +331,11 @@ def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origi
         raise VerificationError(f"{where}: the log's record that closes it names drand round {closing}, the window "
                                 f"round {w.round}", check="witness")
     verify_round(trust.chain, w.round, w.drand_signature)  # raises, naming the round and the chain
+    if chain is not None:
+        note = chain.window(w, where)
+    elif w.operator is not None:
+        raise VerificationError(f"{where} came through an operator's log, and the verifier pins none (--operator)",
+                                check="witness")
     due = round_time(trust.chain, w.round)
     cosigned = in_time = 0
     for key in trust.witnesses:

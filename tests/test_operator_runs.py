@@ -1,0 +1,161 @@
+"""Runs witnessed through an operator's log, end to end through the commands: ``witness train --operator
+URL --drand URL`` and ``witness verify --operator VKEY --operator-url URL``. An honest run is accepted;
+a restart under the run's seed is read from the log and priced; and a window that did not come through
+the pinned log, or whose proof does not hold, is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from witness.beacon.app import create_app as witness_app
+from witness.beacon.drand import LocalDrand
+from witness.beacon.drand import create_app as drand_app
+from witness.beacon.operator import OperatorLog
+from witness.beacon.operator_app import create_app as operator_app
+from witness.beacon.operator_db import create_tables
+from witness.beacon.witness_client import WitnessClient
+from witness.bundle.layout import STATEMENTS
+from witness.cli import main
+from witness.commit.hashing import canonical_json, parse_canonical_json
+from witness.commit.note import Note, NoteKey, sign_note
+from witness.commit.signing import generate_key, save_key
+from witness.database import make_engine, sessions
+from witness.web import start_uvicorn, stop_uvicorn
+
+STEPS, P, EVERY = 16, 0.25, 4
+ORIGIN = "operator.example/runs"
+
+
+class Deployment:
+    """A local drand chain, two witnesses configured for the operator's log, and the log, on loopback."""
+
+    def __init__(self, folder: Path):
+        self.drand = LocalDrand(seed=b"\x32" * 32, period=1)
+        self.info = folder / "chain-info.json"
+        self.info.write_text(json.dumps(self.drand.chain.to_json()))
+        self.op_key = generate_key()
+        self.vkey = NoteKey.of(ORIGIN, self.op_key.public_key())
+        self.servers = [start_uvicorn(drand_app(self.drand))]
+        for i in (1, 2):
+            self.servers.append(start_uvicorn(witness_app(f"sqlite:///{folder / f'w{i}.db'}", generate_key(),
+                                                          name=f"w{i}.example", known=(self.vkey,))))
+        self.clients = [WitnessClient(s[2]) for s in self.servers[1:]]  # (the test asks their keys)
+        engine = make_engine(f"sqlite:///{folder / 'op.db'}")
+        create_tables(engine)
+        pinned = [WitnessClient(s[2], vkey=c.key.vkey(), ask_key=False) for s, c in zip(self.servers[1:], self.clients,
+                                                                                         strict=True)]
+        self.log = OperatorLog(sessions(engine), self.op_key, ORIGIN, pinned)
+        self.servers.append(start_uvicorn(operator_app(self.log)))
+        self.drand_url, self.operator_url = self.servers[0][2], self.servers[-1][2]
+
+    def train(self, out: Path, seed: str = "7", key: Path | None = None, steps: int = STEPS) -> None:
+        if key is None:
+            key = out.parent / f"{out.name}.key"
+            save_key(generate_key(), key)
+        assert main(["train", "--task", "tiny", "--steps", str(steps), "--out", str(out), "--key", str(key), "--quiet",
+                     "--no-self-check", "--online-p", str(P), "--online-every", str(EVERY), "--drand", self.drand_url,
+                     "--drand-chain", str(self.info), "--operator", self.operator_url, "--seed", seed]) == 0
+
+    def verify(self, bundle: Path, capsys, *extra: str, url: bool = True) -> tuple[int, dict]:
+        args = ["verify", "--allow-weak", str(bundle), "--mode", "online", "--drand", str(self.info), "--bad-fraction",
+                "0.5", "--json", "--operator", self.vkey.vkey(), *extra]
+        args += ["--operator-url", self.operator_url] if url else []
+        for c in self.clients:
+            args += ["--witness", f"{c.key.name}={c.key.public.hex()}"]
+        code = main(args)
+        out = capsys.readouterr().out.strip()
+        return code, json.loads(out.splitlines()[-1]) if out else {}
+
+    def close(self) -> None:
+        for server, thread, _ in self.servers:
+            stop_uvicorn(server, thread)
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("operator"))
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def honest(deployed, tmp_path_factory):
+    out = tmp_path_factory.mktemp("honest") / "b"
+    deployed.train(out, seed="41")
+    return out
+
+
+def _windows(bundle: Path) -> list[dict]:
+    return [parse_canonical_json(line) for line in (bundle / STATEMENTS).read_bytes().splitlines()]
+
+
+def _rewrite(bundle: Path, tmp_path: Path, change) -> Path:  # noqa: ANN001
+    out = tmp_path / "copy"
+    shutil.copytree(bundle, out)
+    objs = _windows(out)
+    change(objs)
+    (out / STATEMENTS).write_bytes(b"".join(canonical_json(o) + b"\n" for o in objs))
+    return out
+
+
+def test_an_honest_run_through_the_operator_log_is_accepted_and_its_attempts_read_from_the_log(deployed, honest,
+                                                                                             capsys):
+    windows = _windows(honest)
+    assert windows and all("operator" in w for w in windows)
+    code, v = deployed.verify(honest, capsys)
+    assert code == 0 and v["accepted"], v
+    online = v["online"]
+    assert online["final"] and online["attempts"] == 0 and online["unaudited"] == 0
+    assert "through the operator log operator.example/runs" in online["witnessed"]
+    # without the entries the attempts are unknown, and the verdict says so rather than claiming 0
+    code, v = deployed.verify(honest, capsys, url=False)
+    assert v["online"]["attempts"] is None
+
+
+def test_a_restart_under_the_runs_seed_is_read_from_the_log_and_priced(deployed, honest, tmp_path, capsys):
+    again = tmp_path / "again"
+    # the same key and seed text (the same run seed, over the same data), another recipe: another run of its seed
+    deployed.train(again, seed="41", key=honest.parent / "b.key", steps=STEPS + EVERY)
+    code, v = deployed.verify(again, capsys)
+    assert code == 0 and v["online"]["attempts"] == 1, v["online"]
+    code, v = deployed.verify(honest, capsys)  # the first run's windows ended before it: the log held it alone then
+    assert v["online"]["attempts"] == 0
+
+
+def test_windows_that_did_not_come_through_the_pinned_log_are_refused(deployed, honest, tmp_path, capsys):
+    def drop(objs: list[dict]) -> None:  # a window without its operator proof
+        del objs[1]["operator"]
+
+    code, v = deployed.verify(_rewrite(honest, tmp_path / "a", drop), capsys)
+    assert code == 1 and "did not come through the pinned operator log" in json.dumps(v)
+
+    def moved(objs: list[dict]) -> None:  # another entry's place: the inclusion proof does not hold
+        objs[1]["operator"]["index"] += 1
+
+    code, v = deployed.verify(_rewrite(honest, tmp_path / "b", moved), capsys)
+    assert code == 1 and "is not entry" in json.dumps(v)
+
+    other = generate_key()  # an operator checkpoint the trainer signed itself, with the log's origin
+
+    def forged(objs: list[dict]) -> None:
+        note = objs[1]["operator"]["checkpoint"]
+        text = note.split("\n\n")[0] + "\n"
+        objs[1]["operator"]["checkpoint"] = Note(text, (sign_note(text, ORIGIN, other),)).encode().decode()
+
+    code, v = deployed.verify(_rewrite(honest, tmp_path / "c", forged), capsys)
+    assert code == 1 and "not the pinned log" in json.dumps(v)
+
+    def inconsistent(objs: list[dict]) -> None:  # the consistency proof between two windows' checkpoints
+        objs[2]["operator"]["consistency"] = [("00" * 32)] * max(1, len(objs[2]["operator"]["consistency"]))
+
+    code, v = deployed.verify(_rewrite(honest, tmp_path / "d", inconsistent), capsys)
+    assert code == 1
+    # a verifier that pins no operator log refuses windows that came through one
+    args = ["verify", "--allow-weak", str(honest), "--mode", "online", "--drand", str(deployed.info), "--json"]
+    for c in deployed.clients:
+        args += ["--witness", f"{c.key.name}={c.key.public.hex()}"]
+    assert main(args) == 1 and "verifier pins none" in capsys.readouterr().out
