@@ -21,7 +21,7 @@ from witness.beacon.witness_client import WitnessClient
 from witness.bundle.layout import STATEMENTS
 from witness.cli import main
 from witness.commit.hashing import canonical_json, parse_canonical_json
-from witness.commit.note import Note, NoteKey, sign_note
+from witness.commit.note import Checkpoint, Note, NoteKey, sign_note
 from witness.commit.signing import generate_key, save_key
 from witness.database import make_engine, sessions
 from witness.web import start_uvicorn, stop_uvicorn
@@ -159,3 +159,39 @@ def test_windows_that_did_not_come_through_the_pinned_log_are_refused(deployed, 
     for c in deployed.clients:
         args += ["--witness", f"{c.key.name}={c.key.public.hex()}"]
     assert main(args) == 1 and "verifier pins none" in capsys.readouterr().out
+
+
+def test_a_second_version_of_the_run_entered_by_a_dishonest_operator_is_found_in_the_log(tmp_path, capsys):
+    """The operator's witnesses see its log, not each run's: an operator that is the trainer could enter a
+    second version of the run's head beside the first, in time for a second draw. Reading the entries up
+    to the final window's checkpoint, the verifier finds any head of the run that is not the bundle's log.
+    (A second version entered after the last window's checkpoint was cosigned after that window's round:
+    its draw could never count.)"""
+    import os
+
+    from witness.commit.operator import head_entry
+    from witness.commit.signing import load_key
+
+    (tmp_path / "d").mkdir()
+    d = Deployment(tmp_path / "d")
+    key = tmp_path / "run.key"
+    save_key(generate_key(), key)
+    real = d.log.add_head
+
+    def forking(run: str, note: bytes, old: int, proof: list[bytes]) -> int:
+        index = real(run, note, old, proof)
+        cp = Checkpoint.parse(note.decode().split("\n\n")[0] + "\n")
+        if old == 0:  # beside the run's first head, another version of it, signed by the run's key
+            text = Checkpoint(cp.origin, cp.size, os.urandom(32)).text()
+            other = Note(text, (sign_note(text, cp.origin, load_key(key)),)).encode()
+            with d.log._append, d.log.sessions() as s:
+                d.log._add(s, head_entry(bytes.fromhex(run), other).entry(), "head", run, None, cp.size)
+        return index
+
+    d.log.add_head = forking
+    try:
+        d.train(tmp_path / "run", seed="77", key=key)
+        code, v = d.verify(tmp_path / "run", capsys)
+        assert code == 1 and "another version of the run" in json.dumps(v)
+    finally:
+        d.close()

@@ -271,7 +271,8 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
         if a.size == b.size:
             raise VerificationError(f"two witnessed windows close at the head of size {a.size}", check="witness")
     # through an operator's log: each window's operator checkpoint checked, in order (the verifier's trust decides)
-    chain = OperatorChain(trust.operator, run, bytes.fromhex(m.public_key)) if trust.operator is not None else None
+    chain = OperatorChain(trust.operator, run, bytes.fromhex(m.public_key), bundle.log.extends, signed) \
+        if trust.operator is not None else None
     selected: list[int] = []
     late: list[range] = []
     late_selected: list[int] = []
@@ -301,9 +302,11 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
         raise VerificationError(f"the witnessed window closing at size {windows[-1].size} calls itself the run's final "
                                 f"one, but the log is signed to size {signed}", check="witness")
     others = attempts = uncounted = None
+    # through an operator's log, its entries are read whenever the verifier can: a second version of this
+    # run's log entered beside this one is refused whether or not the run finished
+    logged = chain.attempts() if chain is not None else None
     if final:
-        others, attempts, uncounted = chain.attempts() if chain is not None else \
-            _attempts(windows[-1], trust, origin, run)
+        others, attempts, uncounted = logged if logged is not None else _attempts(windows[-1], trust, origin, run)
     return OnlinePlan(trust.describe(), m.online["p"], m.online["every"], len(windows), sorted(selected), covered,
                       range(covered, n), final, others, attempts, late, trust.describe(), sorted(late_selected), draws,
                       trust.branches, uncounted)

@@ -22,7 +22,7 @@ from ..commit.note import (
     run_origin,
     verify_note_signature,
 )
-from ..commit.operator import RunEntry, entry_leaf, head_entry, parse_entry
+from ..commit.operator import HeadEntry, RunEntry, entry_leaf, head_entry, parse_entry
 from ..commit.window import WitnessedWindow
 from ..errors import MalformedInput, VerificationError
 
@@ -45,8 +45,11 @@ class OperatorTrust:
 class OperatorChain:
     """The operator checkpoints of one bundle's windows, in order: each checked, and consistent with the last."""
 
-    def __init__(self, trust: OperatorTrust, run: bytes, public_key: bytes):
+    def __init__(self, trust: OperatorTrust, run: bytes, public_key: bytes, extends: Callable[[int, bytes], bool],
+                 signed: int):
+        """``extends(size, root)``: whether the bundle's log has that root at that size; ``signed``: its size."""
         self.trust, self.run, self.origin = trust, run, run_origin(run)
+        self.extends, self.signed = extends, signed
         self.run_key = NoteKey(self.origin, ED25519, public_key)
         self.last: Checkpoint | None = None
 
@@ -102,7 +105,16 @@ class OperatorChain:
         if MerkleTree([entry_leaf(e) for e in raw]).root() != self.last.root:
             raise VerificationError("the operator log's entries are not the ones its cosigned checkpoint holds",
                                     check="witness")
-        runs = [e for e in map(parse_entry, raw) if isinstance(e, RunEntry)]
+        parsed = [parse_entry(e) for e in raw]
+        # one head of each size for this run: the operator's witnesses see its log, not each run's, so a second
+        # version of this run's log entered beside the first (a fork, for a second draw) shows here
+        for e in parsed:
+            if isinstance(e, HeadEntry) and e.run == self.run and (
+                    e.checkpoint.size > self.signed or not self.extends(e.checkpoint.size, e.checkpoint.root)):
+                raise VerificationError(f"the operator log holds a head of this run (size {e.checkpoint.size}) that "
+                                        "is not this bundle's log: another version of the run, entered beside it",
+                                        check="witness")
+        runs = [e for e in parsed if isinstance(e, RunEntry)]
         mine = [e for e in runs if e.run == self.run]
         if not mine:
             raise VerificationError("the operator log holds no registration of this run", check="witness")
