@@ -194,3 +194,19 @@ def test_many_trees_in_one_call_are_each_buffers_own(impl):
             bt.trees([1], [0])
         with pytest.raises(TypeError):
             bt.trees([b"x"], ["a"])
+
+
+def test_bytes_past_a_rows_length_are_hashed_as_zeros_by_both(impl):
+    """A chunk row's bytes past its length are not BLAKE3's input: both implementations hash them as zeros
+    (the verifier checks the padding itself; the digest never depends on it)."""
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, 256, (6, 1024), dtype=np.uint8)
+    lengths = np.array([0, 1, 63, 64, 500, 1024])
+    clean = rows.copy()
+    for r, n in enumerate(lengths):
+        clean[r, n:] = 0
+    counters, roots = np.arange(6, dtype=np.uint64), np.array([1, 0, 1, 0, 1, 0], bool)
+    assert np.array_equal(bt.chunk_outputs(rows, lengths, counters, roots), bt.chunk_outputs(clean, lengths, counters,
+                                                                                             roots))
+    assert bt.chunk_outputs(clean[4:5], lengths[4:5], np.zeros(1, np.uint64), np.ones(1, bool)).tobytes() \
+        == blake3.blake3(clean[4, :500].tobytes()).digest()

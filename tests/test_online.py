@@ -929,3 +929,14 @@ def test_the_ring_budget_flag_reads_amounts_of_memory_and_goes_with_a_beacon(tmp
     assert main([*args, "--out", str(tmp_path / "a"), "--online-ring-memory", "1GiB"]) == 2
     assert "--online-ring-memory go with --beacon" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("change", [{"chunks": 257}, {"every": 1100, "ring": 1101, "chunks": 256}])
+def test_settings_a_verifier_would_refuse_to_read_are_refused_before_step_0(tmp_path, beacon, change):
+    """More chunks a state, or a window of more opened bytes, than a manifest may hold: the recorder refuses
+    them at once, rather than record a run every verifier then refuses to read."""
+    task = build_task("tiny", {"steps": STEPS})
+    with pytest.raises(ValueError, match="no verifier reads"):
+        Recorder.create(task, tmp_path / "b", generate_key(), r=b"\x05" * 32,
+                        online=Online(beacon=beacon.link(), spec=dataclasses.replace(SPEC, **change)))
+    assert not (tmp_path / "b").exists()

@@ -286,3 +286,16 @@ def test_openings_written_from_numpy_are_the_bytes_safetensors_writes():
         for meta in ({"size": "10", "format": "f", "first": "0", "chunks": "1,2"}, {"a": "1"}, {"z": "é", "b": "22"}):
             save_safetensors({k: torch.from_numpy(v) for k, v in arrays.items()}, Path(d) / "x", meta)
             assert (Path(d) / "x").read_bytes() == safetensors_bytes(arrays, meta)
+
+
+def test_a_ring_slot_serves_only_a_state_of_its_shapes_and_dtypes():
+    """A slot whose names match but whose shapes or dtypes do not is not reused (a copy would broadcast
+    or cast, and the slot's hash would not be the state's)."""
+    from witness.record.kept import StatePool
+
+    pool = StatePool(None)
+    first = pool.copy({"model.x": torch.ones(4), "optim.x.step": torch.tensor(1.0)})
+    pool.release(first)
+    other = {"model.x": torch.full((1,), 2.0), "optim.x.step": torch.tensor(2)}
+    slot = pool.copy(other)
+    assert slot is not first and pool.plan(slot, "blake3").state_hash() == state_hash(other, "blake3")

@@ -95,8 +95,10 @@ def _chunks_np(rows: np.ndarray, lengths: np.ndarray, counters: np.ndarray, root
     for b in range(int(blocks.max(initial=1))):
         live = b < blocks
         last = b + 1 == blocks
-        m = np.ascontiguousarray(rows[:, 64 * b:64 * b + 64]).view("<u4").astype(np.uint32)
         blen = np.clip(lengths - 64 * b, 0, 64)
+        # BLAKE3 hashes a block's bytes past the length as zeros, whatever a row holds there (as the native one)
+        block = np.where(np.arange(64) < blen[:, None], rows[:, 64 * b:64 * b + 64], 0).astype(np.uint8)
+        m = np.ascontiguousarray(block).view("<u4").astype(np.uint32)
         flags = np.where(b == 0, CHUNK_START, 0) | np.where(last, CHUNK_END | np.where(roots, ROOT, 0), 0)
         out = _compress(cv, m, counters.astype(np.uint64), blen, flags)
         cv = np.where(live[:, None], out, cv)

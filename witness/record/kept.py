@@ -51,7 +51,9 @@ class StatePool:
     def take(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A free buffer shaped like ``state`` (pinned host memory for a GPU state), not filled."""
         slot = self.free.pop() if self.free else None
-        if slot is None or slot.keys() != state.keys():
+        # a buffer serves a state of the same names, shapes and dtypes (a copy would cast or broadcast silently)
+        if slot is None or slot.keys() != state.keys() or any(
+                slot[k].shape != v.shape or slot[k].dtype != v.dtype for k, v in state.items()):
             if slot is not None:
                 self._targets.pop(id(slot), None)
                 self._flat.pop(id(slot), None)

@@ -32,6 +32,7 @@ from ..bundle.schema import (
     MANIFEST_VERSION,
     TREE_MANIFEST_VERSION,
     Manifest,
+    parse_online,
 )
 from ..bundle.state import default_digest, load_state, parse_digest, state_tensors
 from ..bundle.writer import BundleWriter, read_lines, truncate_lines
@@ -157,6 +158,11 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
             check_tree_settings(spec.to_json(), default_digest(training.shards))
         except MalformedInput as e:
             raise ValueError(str(e)) from None
+    if spec is not None:
+        try:  # the settings the manifest will hold, as every verifier parses them (their bounds with them)
+            parse_online(spec.to_json(), "online")
+        except MalformedInput as e:
+            raise ValueError(f"these online settings would make a manifest no verifier reads: {e}") from None
     writer = BundleWriter(Path(out), create=True)
     if commit.leaves and version >= 2:  # the per-sample commitments, which the cheap audit checks every step against
         dataset.leaves.write(Path(out) / LEAVES, data_root)
