@@ -85,7 +85,11 @@ def loop(tmp_path_factory):
 @pytest.fixture(scope="module")
 def honest(loop, tmp_path_factory):
     """An honest run trained through the command line, both witnesses cosigning."""
-    folder = tmp_path_factory.mktemp("honest")
+    return _train_cli(loop, tmp_path_factory.mktemp("honest"))
+
+
+def _train_cli(loop: Loopback, folder: Path) -> Path:
+    """A run trained through the command line, every witness of ``loop`` cosigning; its bundle."""
     key = folder / "trainer.key"
     save_key(generate_key(), key)
     args = ["train", "--task", "tiny", "--steps", str(STEPS), "--out", str(folder / "b"), "--key", str(key),
@@ -144,19 +148,11 @@ def test_a_run_cosigned_by_an_ml_dsa_44_witness_beside_an_ed25519_one_is_accepte
     pq = Loopback(tmp_path_factory.mktemp("pq"), pq=(1,))
     try:
         assert [len(c.key.public) for c in pq.clients] == [32, 1312]
-        folder = tmp_path_factory.mktemp("pq-run")
-        key = folder / "trainer.key"
-        save_key(generate_key(), key)
-        args = ["train", "--task", "tiny", "--steps", str(STEPS), "--out", str(folder / "b"), "--key", str(key),
-                "--quiet", "--no-self-check", "--online-p", str(P), "--online-every", str(EVERY), "--drand",
-                pq.drand_url, "--drand-chain", str(pq.info)]
-        for u in pq.urls:
-            args += ["--witness", u]
-        assert main(args) == 0
-        code, v = verify(folder / "b", pq, capsys=capsys)
+        bundle = _train_cli(pq, tmp_path_factory.mktemp("pq-run"))
+        code, v = verify(bundle, pq, capsys=capsys)
         assert code == 0 and v["accepted"], v
         assert v["online"]["witnessed"] and v["online"]["attempts"] == 0 and v["online"]["final"]
-        sigs = parse_note(windows(folder / "b")[0]["checkpoint"].encode()).of_key(pq.clients[1].key)
+        sigs = parse_note(windows(bundle)[0]["checkpoint"].encode()).of_key(pq.clients[1].key)
         assert len(sigs) == 1 and len(sigs[0].sig) == 8 + 2420
     finally:
         pq.close()
