@@ -318,3 +318,28 @@ def test_a_state_hashed_by_the_kernels_is_the_hosts_state_tree_and_opens_the_sam
     both = opened.window_paths([device, host], chunks)
     assert np.array_equal(both[0], both[1]) and np.array_equal(both[0], host.paths(chunks))
     assert hasher_for(torch.device("cpu")) == "host" and hasher_for(torch.device("cuda")) == "cuda"
+
+
+def test_a_ranks_share_hashed_by_the_kernels_is_the_hosts(monkeypatch, tmp_path):
+    """Over ranks on GPUs (hashed_by "cuda"), each rank hashes its live pieces where they lie and keeps the
+    ring's host copy for a path's bytes: the same digests and the same paths as hashing the copy on the host
+    (run here by the interpreter on CPU tensors)."""
+    from witness.bundle import opened
+    from witness.bundle.state import state_tensors
+    from witness.distributed.online import ShareRing
+    from witness.fingerprint.chunks import ChunkLayout
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    pieces = state_tensors(model, opt)
+    layout = ChunkLayout.of_model(model)
+    host = ShareRing(tmp_path / "h", 1, 4, 10, layout, tree=True).keep(1, pieces)
+    monkeypatch.setattr(opened, "on_gpu", lambda t: t.dim() > 0)
+    device = ShareRing(tmp_path / "d", 1, 4, 10, layout, tree=True, hashed_by="cuda").keep(1, pieces)
+    assert device.hex == host.hex
+    assert any(isinstance(t, opened.DeviceTree) for t in device.trees.values())
+    for c in range(layout.size):
+        assert np.array_equal(device.path(c), host.path(c))

@@ -8,6 +8,12 @@ import hashlib
 
 import pytest
 
+from witness.commit.cosignature import (
+    cosign,
+    cosignature_message,
+    cosignature_timestamp,
+    verify_cosignature,
+)
 from witness.commit.note import (
     COSIGNATURE_V1,
     ED25519,
@@ -15,9 +21,6 @@ from witness.commit.note import (
     Note,
     NoteKey,
     NoteSignature,
-    cosign,
-    cosignature_message,
-    cosignature_timestamp,
     is_run_origin,
     key_id,
     origin_hash,
@@ -25,7 +28,6 @@ from witness.commit.note import (
     parse_signer_key,
     run_origin,
     sign_note,
-    verify_cosignature,
     verify_note_signature,
 )
 from witness.commit.signing import generate_key
@@ -307,7 +309,8 @@ def _subtree_message_by_hand(name: str, timestamp: int, origin: str, size: int, 
 def test_an_ml_dsa_44_cosignature_signs_the_subtree_message_and_verifies():
     from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
 
-    from witness.commit.note import COSIGNATURE_MLDSA44, cosigner_key
+    from witness.commit.cosignature import cosigner_key
+    from witness.commit.note import COSIGNATURE_MLDSA44
 
     key = MLDSA44PrivateKey.generate()
     wkey = cosigner_key("witness.example/pq", key)
@@ -331,7 +334,7 @@ def test_an_ml_dsa_44_cosignature_signs_the_subtree_message_and_verifies():
 def test_a_bad_ml_dsa_44_cosignature_is_refused():
     from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
 
-    from witness.commit.note import cosigner_key
+    from witness.commit.cosignature import cosigner_key
 
     key = MLDSA44PrivateKey.generate()
     wkey = cosigner_key("witness.example/pq", key)
@@ -413,7 +416,7 @@ def test_a_witness_name_holding_an_equals_sign_is_pinned_by_its_vkey():
     from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
 
     from witness.cli.audit import witness_key
-    from witness.commit.note import cosigner_key
+    from witness.commit.cosignature import cosigner_key
 
     for key in (MLDSA44PrivateKey.generate(), generate_key()):
         k = cosigner_key("w.example/a=b", key)

@@ -16,18 +16,18 @@ from witness.beacon.operator_app import create_app
 from witness.beacon.operator_db import create_tables
 from witness.beacon.witness_client import WitnessClient
 from witness.commit.beacon import run_id
+from witness.commit.cosignature import verify_cosignature
 from witness.commit.log import RunLog
 from witness.commit.merkle import MerkleTree, root_from_inclusion, verify_consistency
-from witness.commit.note import (
-    Checkpoint,
-    Note,
-    NoteKey,
-    parse_note,
-    run_origin,
-    sign_note,
-    verify_cosignature,
+from witness.commit.note import Checkpoint, Note, NoteKey, parse_note, run_origin, sign_note
+from witness.commit.operator import (
+    HeadEntry,
+    RunEntry,
+    entry_leaf,
+    parse_entry,
+    run_entry,
+    seed_tag,
 )
-from witness.commit.operator import HeadEntry, RunEntry, entry_leaf, parse_entry
 from witness.commit.signing import generate_key, public_hex
 from witness.database import make_engine, sessions
 from witness.errors import MalformedInput
@@ -114,8 +114,10 @@ def test_runs_share_one_log_and_each_head_is_included_in_a_cosigned_checkpoint(w
     entries = http.get(f"{P}/entries", params={"start": 0}).json()["entries"]
     assert MerkleTree([entry_leaf(e.encode()) for e in entries[:cp.size]]).root() == cp.root
     parsed = [parse_entry(e.encode()) for e in entries]
-    seeds = [e.seed for e in parsed if isinstance(e, RunEntry)]
-    assert seeds.count(bytes.fromhex("11" * 32)) == 2 and seeds.count(bytes.fromhex("22" * 32)) == 1
+    tags = [(e.run, e.seed_tag) for e in parsed if isinstance(e, RunEntry)]
+    for seed, runs in (("11" * 32, 2), ("22" * 32, 1)):  # who knows a seed finds its runs; the log shows no seed
+        assert sum(t == seed_tag(bytes.fromhex(seed), r) for r, t in tags) == runs
+        assert all(seed not in e for e in entries)
     assert http.get(f"{P}/key").json()["vkey"] == world["vkey"].vkey()
 
 
@@ -125,12 +127,14 @@ def test_a_dishonest_trainers_heads_are_refused(world):
     http.post(f"{P}/runs", json={"manifest": run.manifest.decode()})
     assert stranger.head(http, 5).status_code == 404  # not registered
     assert run.head(http, 5, key=generate_key()).status_code == 403  # another key's signature
-    assert run.head(http, 5).status_code == 200
-    assert run.head(http, 9, old=3).status_code == 409  # not from its latest head here
-    assert run.head(http, 5, old=5).status_code == 200  # the same head again: its index
+    assert run.head(http, 9, old=3).status_code == 409  # not from its latest head here (none yet: 0)
+    first = run.head(http, 5).json()["index"]
+    assert run.head(http, 5, old=5).json()["index"] == first  # the same head again: its index
+    assert run.head(http, 9, old=5).status_code == 200
+    assert run.head(http, 5).json()["index"] == first  # sent again after the answer was lost: its index still
     other = RunLog([run.log.lines[0], b'{"step":0,"type":"forged"}'] + run.log.lines[2:])
-    assert run.head(http, 9, old=5, root=other.root(9)).status_code == 422  # a fork of the run's log
-    assert run.head(http, 5, old=5, root=other.root(5)).status_code == 422  # another root for its size
+    assert run.head(http, 13, old=9, root=other.root(13)).status_code == 422  # a fork of the run's log
+    assert run.head(http, 9, old=9, root=other.root(9)).status_code == 422  # another root for its size
     bad = http.post(f"{P}/heads", json={"run": run.id.hex(), "checkpoint": Run().note(5), "old": 5, "proof": []})
     assert bad.status_code == 400  # another run's checkpoint under this run's name
     for body in ({"run": "zz", "checkpoint": run.note(5), "old": 0}, {"run": run.id.hex(), "checkpoint": "x", "old": 0},
@@ -243,3 +247,37 @@ def test_the_commands_deploy_an_operator_log_its_witness_cosigns(tmp_path):
         for p in procs:
             p.terminate()
             p.wait(30)
+
+
+def test_the_verifiers_streaming_root_is_rfc_6962s():
+    from witness.commit.hashing import leaf_hash
+    from witness.verify.operator import _StreamingRoot
+
+    for n in range(0, 70):
+        leaves = [leaf_hash(bytes([i])) for i in range(n)]
+        streamed = _StreamingRoot()
+        for h in leaves:
+            streamed.add(h)
+        assert streamed.root() == MerkleTree(leaves).root(), n
+
+
+def test_a_run_registered_after_its_first_head_is_refused_and_strangers_are_not_counted():
+    """A trainer that is its own operator could enter its restarts' heads unregistered and register only
+    the one it presents: a run must be registered before its first head. And a run of the seed counts
+    only where its tag is the seed's (a stranger, not knowing the seed, cannot make one)."""
+    from witness.verify.operator import OperatorChain, OperatorTrust
+
+    run, stranger = Run(seed="33" * 32), Run(seed="44" * 32)
+    reg = run_entry(run.manifest)
+    head = HeadEntry(run.id, run.note(5).encode(), Checkpoint(run.origin, 5, run.log.root(5)))
+    copied = RunEntry(stranger.id, reg.public_key, reg.seed_tag)  # the victim's tag under another run's id
+    for order, ok in (([reg.entry(), copied.entry(), head.entry()], True), ([head.entry(), reg.entry()], False)):
+        tree = MerkleTree([entry_leaf(e) for e in order])
+        chain = OperatorChain(OperatorTrust(NoteKey.of(ORIGIN, generate_key().public_key()), lambda i, o=order: o[i:]),
+                              run.id, reg.public_key, bytes.fromhex("33" * 32), lambda size, root: True, 40)
+        chain.last = Checkpoint(ORIGIN, tree.size, tree.root())
+        if ok:
+            assert chain.attempts() == (0, 0, None)  # the copied tag is not the seed's under the stranger's id
+        else:
+            with pytest.raises(Exception, match="no registration of this run before its first head"):
+                chain.attempts()

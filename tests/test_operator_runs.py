@@ -165,8 +165,8 @@ def test_a_second_version_of_the_run_entered_by_a_dishonest_operator_is_found_in
     """The operator's witnesses see its log, not each run's: an operator that is the trainer could enter a
     second version of the run's head beside the first, in time for a second draw. Reading the entries up
     to the final window's checkpoint, the verifier finds any head of the run that is not the bundle's log.
-    (A second version entered after the last window's checkpoint was cosigned after that window's round:
-    its draw could never count.)"""
+    (A second version of the last head entered after the last window's checkpoint cannot be presented: any
+    operator checkpoint that holds it holds the first version too.)"""
     import os
 
     from witness.commit.operator import head_entry

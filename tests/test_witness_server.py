@@ -25,6 +25,7 @@ from witness.beacon.witness_client import WitnessClient, WitnessError
 from witness.beacon.witness_db import WitnessFork, WitnessLog
 from witness.commit.attempts import AttemptsNote
 from witness.commit.beacon import run_id
+from witness.commit.cosignature import verify_cosignature
 from witness.commit.log import RunLog
 from witness.commit.merkle import EMPTY_ROOT
 from witness.commit.note import (
@@ -38,7 +39,6 @@ from witness.commit.note import (
     parse_note,
     run_origin,
     sign_note,
-    verify_cosignature,
     verify_note_signature,
 )
 from witness.commit.signing import SignedTreeHead, generate_key, public_hex
@@ -570,7 +570,7 @@ def test_a_witness_started_with_an_ml_dsa_44_key_cosigns_with_it(tmp_path):
         assert verify_cosignature(Checkpoint(run.origin, 9, run.log.root(9)).text(), got, key) > 0
         assert client.checkpoint(run.origin) is not None
         others, attempts, note = client.attempts(run.origin)  # signed by the ML-DSA-44 key: one key to pin
-        from witness.commit.note import verify_witness_note
+        from witness.commit.cosignature import verify_witness_note
 
         assert verify_witness_note(parse_note(note), key) and attempts == 0
         assert not verify_note_signature(parse_note(note), NoteKey.of(NAME, beacon.public_key()))

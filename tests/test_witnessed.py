@@ -25,9 +25,10 @@ from witness.beacon.witness_client import WitnessClient
 from witness.bundle.layout import STATEMENTS
 from witness.cli import main
 from witness.commit.beacon import run_id
+from witness.commit.cosignature import cosign
 from witness.commit.drand import round_after, round_time
 from witness.commit.hashing import canonical_json, parse_canonical_json
-from witness.commit.note import Checkpoint, Note, cosign, parse_note, run_origin, sign_note
+from witness.commit.note import Checkpoint, Note, parse_note, run_origin, sign_note
 from witness.commit.signing import generate_key, save_key
 from witness.commit.window import WitnessedWindow
 from witness.record import Commitments, Online, SelfChecking, Training

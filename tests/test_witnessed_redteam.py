@@ -7,8 +7,9 @@ from test_witnessed import copy, honest, loop, verify, windows, write_windows  #
 
 from witness.bundle.layout import checkpoint_name, online_state_name
 from witness.commit.beacon import selected_steps
+from witness.commit.cosignature import cosign
 from witness.commit.drand import round_time
-from witness.commit.note import Note, cosign, parse_note
+from witness.commit.note import Note, parse_note
 from witness.commit.window import WitnessedWindow
 
 __all__ = ["honest", "loop"]

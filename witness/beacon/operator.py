@@ -37,6 +37,7 @@ from .witness_client import WitnessClient, WitnessError
 
 SessionFactory = Callable[[], AbstractContextManager[Session]]
 ENTRIES_PAGE = 100  # entries a request may read at once
+PAGE_BYTES = 1 << 18  # and their bytes (an entry is at most 33 KiB: escaped twice, a page stays under 1 MiB)
 MAX_PROOF = 63  # a run's consistency proof (tlog-witness's bound)
 
 
@@ -73,7 +74,7 @@ class OperatorLog:
         with self._append, self.sessions() as s:
             row = s.scalar(select(OperatorEntry).where(OperatorEntry.kind == "run", OperatorEntry.run == run.run.hex()))
             if row is None:
-                row = self._add(s, run.entry(), "run", run.run.hex(), run.seed.hex() if run.seed else None, 0)
+                row = self._add(s, run.entry(), "run", run.run.hex(), run.seed_tag.hex() if run.seed_tag else None, 0)
             return {"index": row.index, "run": row.run, "origin": self.origin}
 
     def add_head(self, run: str, note: bytes, old: int, proof: list[bytes]) -> int:
@@ -93,6 +94,10 @@ class OperatorLog:
                 head.verify(parse_entry(reg.entry).public_key)  # type: ignore[union-attr]
             except (MalformedInput, VerificationError) as e:
                 raise BeaconRefused(403, f"the head is not signed by the run's key: {e}") from None
+            for row in s.scalars(select(OperatorEntry).where(OperatorEntry.kind == "head", OperatorEntry.run == run,
+                                                             OperatorEntry.size == head.checkpoint.size)):
+                if row.entry == head.entry():  # sent again (an answer lost, a resumed run): its index
+                    return row.index
             latest = s.scalar(select(OperatorEntry).where(OperatorEntry.kind == "head", OperatorEntry.run == run)
                               .order_by(OperatorEntry.size.desc()).limit(1))
             if latest is not None:
@@ -129,8 +134,9 @@ class OperatorLog:
             cp = self.latest()
             if cp is None or cp.size <= index:
                 cp = self._cosign()
-        return {"index": index, "size": cp.size, "checkpoint": cp.note,
-                "inclusion": [h.hex() for h in self.tree.inclusion_proof(index, cp.size)]}
+        with self._append:  # (the tree is read whole, never mid-append)
+            proof = self.tree.inclusion_proof(index, cp.size)
+        return {"index": index, "size": cp.size, "checkpoint": cp.note, "inclusion": [h.hex() for h in proof]}
 
     def latest(self) -> OperatorCheckpoint | None:
         """The latest cosigned checkpoint."""
@@ -139,8 +145,10 @@ class OperatorLog:
 
     def _cosign(self) -> OperatorCheckpoint:
         """Sign a checkpoint of every entry so far and have the witnesses cosign it (``required`` of them)."""
-        size = self.tree.size
-        text = Checkpoint(self.origin, size, self.tree.root(size)).text()
+        with self._append:  # a size and its root read together, never mid-append
+            size = self.tree.size
+            root = self.tree.root(size)
+        text = Checkpoint(self.origin, size, root).text()
         note = Note(text, (sign_note(text, self.origin, self.key),)).encode()
         prev = self.latest()
         sigs: list[NoteSignature] = []
@@ -155,7 +163,7 @@ class OperatorLog:
                                      f"checkpoint of size {size}: {'; '.join(refusals)[:2000]}")
         cosigned = Note(text, (*parse_note(note).signatures, *sigs)).encode().decode()
         with self.sessions() as s:
-            row = OperatorCheckpoint(size=size, root=self.tree.root(size).hex(), note=cosigned, made_ms=now_ms())
+            row = OperatorCheckpoint(size=size, root=root.hex(), note=cosigned, made_ms=now_ms())
             s.add(row)
             s.commit()
             s.refresh(row)
@@ -166,7 +174,8 @@ class OperatorLog:
         """One witness's cosignature, from the size it last cosigned (learned again from its 409)."""
         old = self._seen.get(i, old)
         for _ in range(2):
-            proof = self.tree.consistency_proof(old, size) if 0 < old < size else []
+            with self._append:
+                proof = self.tree.consistency_proof(old, size) if 0 < old < size else []
             try:
                 sig = w.add_checkpoint(old, proof, note)
                 self._seen[i] = size
@@ -179,12 +188,18 @@ class OperatorLog:
 
     # --- reading --------------------------------------------------------------------------
     def entries(self, start: int, count: int) -> list[str]:
-        """Entries ``start`` .. ``start + count - 1`` (at most ``ENTRIES_PAGE``), as text."""
+        """Entries from ``start``, as text: at most ``count`` (and ``ENTRIES_PAGE``), and no more than
+        ``PAGE_BYTES`` of them after the first (an answer a client reads within its bound)."""
+        out, size = [], 0
         with self.sessions() as s:
-            rows = s.scalars(select(OperatorEntry.entry).where(OperatorEntry.index >= start,
-                                                               OperatorEntry.index < start + min(count, ENTRIES_PAGE))
-                             .order_by(OperatorEntry.index))
-            return [r.decode("utf-8") for r in rows]
+            for r in s.scalars(select(OperatorEntry.entry).where(
+                    OperatorEntry.index >= start, OperatorEntry.index < start + min(count, ENTRIES_PAGE))
+                    .order_by(OperatorEntry.index)):
+                size += len(r)
+                if out and size > PAGE_BYTES:
+                    break
+                out.append(r.decode("utf-8"))
+        return out
 
     def size(self) -> int:
         """Entries written."""
@@ -193,6 +208,7 @@ class OperatorLog:
 
     def consistency(self, old: int, new: int) -> list[str]:
         """A consistency proof between two sizes of the log (hex hashes)."""
-        if not 0 < old <= new <= self.tree.size:
-            raise BeaconRefused(400, f"no consistency proof from {old} to {new} in a log of {self.tree.size}")
-        return [h.hex() for h in self.tree.consistency_proof(old, new)] if old < new else []
+        with self._append:
+            if not 0 < old <= new <= self.tree.size:
+                raise BeaconRefused(400, f"no consistency proof from {old} to {new} in a log of {self.tree.size}")
+            return [h.hex() for h in self.tree.consistency_proof(old, new)] if old < new else []

@@ -18,7 +18,7 @@ class OperatorEntry(OperatorBase):
     entry: Mapped[bytes] = mapped_column(LargeBinary)
     kind: Mapped[str] = mapped_column(String(4))  # "run" or "head"
     run: Mapped[str] = mapped_column(String(64), index=True)  # the run's id (hex)
-    seed: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)  # a run entry's run seed
+    seed: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)  # a run entry's seed tag
     size: Mapped[int] = mapped_column(BigInteger)  # a head entry's size of the run's log (0 for a run entry)
     received_ms: Mapped[int] = mapped_column(BigInteger)
 

@@ -13,17 +13,10 @@ import time
 
 import httpx
 
+from ..commit.cosignature import cosignature_timestamp, verify_cosignature
 from ..commit.log import RunLog
 from ..commit.merkle import root_from_inclusion
-from ..commit.note import (
-    ED25519,
-    Checkpoint,
-    NoteKey,
-    cosignature_timestamp,
-    parse_note,
-    verify_cosignature,
-    verify_note_signature,
-)
+from ..commit.note import ED25519, Checkpoint, NoteKey, parse_note, verify_note_signature
 from ..commit.operator import entry_leaf, head_entry
 from ..commit.signing import SignedTreeHead
 from ..commit.window import OperatorProof, WitnessedWindow

@@ -19,19 +19,11 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..commit.beacon import run_id
+from ..commit.cosignature import cosignature_timestamp, verify_cosignature
 from ..commit.drand import round_after, round_time
 from ..commit.hashing import parse_canonical_json
 from ..commit.log import RunLog
-from ..commit.note import (
-    Checkpoint,
-    Note,
-    NoteKey,
-    cosignature_timestamp,
-    parse_note,
-    run_origin,
-    sign_note,
-    verify_cosignature,
-)
+from ..commit.note import Checkpoint, Note, NoteKey, parse_note, run_origin, sign_note
 from ..commit.signing import SignedTreeHead
 from ..commit.window import WitnessedWindow
 from ..errors import VerificationError

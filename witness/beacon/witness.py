@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..commit.attempts import AttemptsNote
+from ..commit.cosignature import cosign, sign_as_witness
 from ..commit.hashing import HASH_SIZE, same
 from ..commit.merkle import EMPTY_ROOT, verify_consistency
 from ..commit.note import (
@@ -31,13 +32,11 @@ from ..commit.note import (
     NoteKey,
     NoteSignature,
     b64decode,
-    cosign,
     is_run_origin,
     name_problem,
     origin_hash,
     parse_note,
     run_origin,
-    sign_as_witness,
     verify_note_signature,
 )
 from ..commit.signing import public_hex

@@ -9,6 +9,7 @@ import re
 import httpx
 
 from ..commit.attempts import AttemptsNote
+from ..commit.cosignature import verify_cosignature, verify_witness_note
 from ..commit.note import (
     COSIGNER_TYPES,
     Checkpoint,
@@ -17,8 +18,6 @@ from ..commit.note import (
     b64encode,
     origin_hash,
     parse_note,
-    verify_cosignature,
-    verify_witness_note,
 )
 from ..errors import MalformedInput, VerificationError
 from .client import Answer, BeaconError, BoundedClient, _detail

@@ -4,9 +4,12 @@ Public witnesses are configured with a log once and never learn one from a reque
 leaderboard or a trainer runs one log for all its runs, under one origin and one key, and the
 witnesses cosign its checkpoints. Its entries are RFC 6962 leaves of canonical JSON:
 
-* ``{"manifest": <the run's manifest line>, "type": "run"}``: a run, registered before its first
-  head. Whoever reads the log sees every run it holds, each with its run seed (the manifest's
-  ``run_seed``): a restart under one seed is visible to anyone, and a verifier prices it from the log.
+* ``{"public_key": <hex>, "run": <run id hex>, "seed_tag": <hex>, "type": "run"}``: a run, registered
+  before its first head. The seed tag is ``SHA-256("witness/operator-seed-tag/v1" ‖ run seed ‖ run
+  id)``: a verifier that knows a run's seed (its manifest's ``run_seed``) finds every other run of that
+  seed in the log and prices it, while a reader who does not cannot link runs, and a stranger cannot
+  register a run that counts against someone else's (the seed stays the trainer's secret: the
+  manifest is not in the log).
 * ``{"checkpoint": <the run's checkpoint, a signed note by the run's key>, "run": <run id hex>,
   "type": "head"}``: one of the run's heads, as its per-run log's checkpoint.
 
@@ -21,26 +24,35 @@ from dataclasses import dataclass
 
 from ..errors import MalformedInput
 from .beacon import run_id
-from .hashing import canonical_json, from_hex, leaf_hash, parse_canonical_json
+from .hashing import canonical_json, from_hex, leaf_hash, parse_canonical_json, sha256
 from .note import Checkpoint, Note, NoteKey, parse_note, run_origin
 
 MAX_MANIFEST_BYTES = 1 << 20  # the beacon's and the witness's bound on a manifest line
 MAX_HEAD_NOTE_BYTES = 1 << 14  # a run's checkpoint: its three lines and the run key's signature
-MAX_ENTRY_BYTES = MAX_MANIFEST_BYTES + (1 << 10)
+MAX_ENTRY_BYTES = 2 * MAX_HEAD_NOTE_BYTES + (1 << 10)  # a head entry: its note, escaped in JSON
+
+
+SEED_TAG_DOMAIN = b"witness/operator-seed-tag/v1\x00"
+
+
+def seed_tag(seed: bytes, run: bytes) -> bytes:
+    """A run's seed tag: whoever knows the seed can tell a run of it by its id; no one else can."""
+    return sha256(SEED_TAG_DOMAIN + seed + run)
 
 
 @dataclass(frozen=True)
 class RunEntry:
-    """A run registered in an operator's log: its manifest line, id, key and run seed (None: none)."""
+    """A run registered in an operator's log: its id, its key and its seed tag (None: a manifest without
+    a run seed, which no verifier presents)."""
 
-    manifest: bytes
     run: bytes
     public_key: bytes
-    seed: bytes | None
+    seed_tag: bytes | None
 
     def entry(self) -> bytes:
         """The entry's bytes (the log's leaf is their RFC 6962 leaf hash)."""
-        return canonical_json({"manifest": self.manifest.decode("utf-8"), "type": "run"})
+        return canonical_json({"public_key": self.public_key.hex(), "run": self.run.hex(),
+                               "seed_tag": self.seed_tag.hex() if self.seed_tag else None, "type": "run"})
 
 
 @dataclass(frozen=True)
@@ -74,15 +86,20 @@ def run_entry(manifest_line: bytes) -> RunEntry:
         raise MalformedInput(f"manifest: {e}") from None
     if not isinstance(m, dict) or m.get("type") != "manifest":
         raise MalformedInput("a run entry holds a manifest (a log's first record)")
-    try:
-        public = from_hex(m.get("public_key"), "manifest public_key", 32)
-    except ValueError as e:
-        raise MalformedInput(str(e)) from None
+    public = _hex32(m.get("public_key"), "manifest public_key")
+    run = run_id(manifest_line)
     try:  # a manifest without a run seed in its one spelling is no attempt at a seeded run
         seed: bytes | None = from_hex(m.get("run_seed"), "run_seed", 32)
     except (ValueError, TypeError):
         seed = None
-    return RunEntry(manifest_line, run_id(manifest_line), public, seed)
+    return RunEntry(run, public, seed_tag(seed, run) if seed is not None else None)
+
+
+def _hex32(value: object, what: str) -> bytes:
+    try:
+        return from_hex(value, what, 32)
+    except ValueError as e:
+        raise MalformedInput(str(e)) from None
 
 
 def head_entry(run: bytes, note: bytes) -> HeadEntry:
@@ -105,16 +122,13 @@ def parse_entry(raw: bytes) -> RunEntry | HeadEntry:
         obj = parse_canonical_json(raw)
     except ValueError as e:
         raise MalformedInput(f"entry: {e}") from None
-    if isinstance(obj, dict) and set(obj) == {"manifest", "type"} and obj["type"] == "run" \
-            and isinstance(obj["manifest"], str):
-        return run_entry(obj["manifest"].encode("utf-8"))
+    if isinstance(obj, dict) and set(obj) == {"public_key", "run", "seed_tag", "type"} and obj["type"] == "run":
+        tag = obj["seed_tag"]
+        return RunEntry(_hex32(obj["run"], "entry run"), _hex32(obj["public_key"], "entry public_key"),
+                        None if tag is None else _hex32(tag, "entry seed_tag"))
     if isinstance(obj, dict) and set(obj) == {"checkpoint", "run", "type"} and obj["type"] == "head" \
             and isinstance(obj["checkpoint"], str):
-        try:
-            run = from_hex(obj["run"], "entry run", 32)
-        except ValueError as e:
-            raise MalformedInput(str(e)) from None
-        return head_entry(run, obj["checkpoint"].encode("utf-8"))
+        return head_entry(_hex32(obj["run"], "entry run"), obj["checkpoint"].encode("utf-8"))
     raise MalformedInput("an operator log's entry is a run's registration or one of its heads")
 
 

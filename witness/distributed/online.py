@@ -135,11 +135,13 @@ class ShareRing:
     a thread of their own; a state being written counts against the ring until it is written."""
 
     def __init__(self, out: str | Path, rank: int, capacity: int, steps: int, layout: ChunkLayout | None = None,
-                 tree: bool = False):
+                 tree: bool = False, hashed_by: str = "host"):
         """``layout``: a chunked run's layout of this rank's rows of the parameters (``ChunkLayout.shard``);
-        ``tree``: its chunks open into the state hash (each piece's BLAKE3 tree), not a subtree of their own."""
+        ``tree``: its chunks open into the state hash (each piece's BLAKE3 tree), not a subtree of their own;
+        ``hashed_by``: "cuda" hashes the pieces where they lie (the Triton kernels), the ring's copy then
+        giving a path's bytes."""
         self.out, self.rank, self.capacity, self.steps, self.layout = Path(out), rank, capacity, steps, layout
-        self.tree = tree
+        self.tree, self.hashed_by = tree, hashed_by
         self.ring: dict[int, dict[str, torch.Tensor]] = {}
         self.trees: dict[int, ChunkTree | TensorTrees] = {}  # a chunked run: each kept state's subtree (or trees)
         self.covered = 0
@@ -223,8 +225,13 @@ class ShareRing:
             return None
         started = time.perf_counter()
         flat = self._pool.flat(slot)
-        self.trees[n] = tree = TensorTrees(slot, self.layout, flat, plan=self._pool.plan(slot, "blake3")) \
-            if self.tree else self.layout.tree(flat)  # type: ignore[arg-type]
+        if not self.tree:
+            tree = self.layout.tree(flat)  # type: ignore[arg-type]
+        elif self.hashed_by == "cuda":  # the live pieces, where they lie
+            tree = TensorTrees(pieces, self.layout, flat, "cuda")
+        else:
+            tree = TensorTrees(slot, self.layout, flat, plan=self._pool.plan(slot, "blake3"))
+        self.trees[n] = tree
         self.tree_seconds += time.perf_counter() - started
         return tree
 

@@ -93,7 +93,8 @@ class DistRecorder:
                     self.inner.online.on_opening = self._chunks.opened_here  # type: ignore[union-attr]
             else:
                 self._ring = ShareRing(out, self.rank, started["ring"], task.config.steps,
-                                       self._chunks.mine if self._chunks is not None else None, bool(started["tree"]))
+                                       self._chunks.mine if self._chunks is not None else None, bool(started["tree"]),
+                                       started["hashed_by"])
             self._keep(0, *self.session.shard_pieces())  # the initial state: its share on every rank
         dist.barrier()
 
@@ -188,7 +189,8 @@ class DistRecorder:
         spec = self.inner.online.spec if self.inner.online is not None else None
         return {"ring": spec.ring if spec is not None else None, "chunks": spec.chunks if spec is not None else 0,
                 "chunk_bytes": spec.chunk_bytes if spec is not None else 0,
-                "tree": spec.tree if spec is not None and spec.chunks else None}
+                "tree": spec.tree if spec is not None and spec.chunks else None,
+                "hashed_by": spec.hashed_by if spec is not None else "host"}
 
     def _self_check(self, check: SelfChecking, steps: list[int]) -> None:
         """Rank 0 of a DDP run: replay ``steps`` and sampled later ones from its replica, as a verifier will."""

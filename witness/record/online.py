@@ -198,9 +198,8 @@ class OnlineChallenges(KeptFiles):
             self.copy_seconds += time.perf_counter() - started
             self.copies += 1
         # hashed on the GPU (hashed_by "cuda"): the live state where it lies, the ring's copy for the paths' bytes
-        on_device = bool(self.spec.tree) and self.spec.hashed_by == "cuda" and self.shard is None
-        kept = slot if slot is not None else state
-        return self.tree(n, kept, state) if on_device else self.tree(n, kept)
+        on_device = bool(self.spec.tree) and self.spec.hashed_by == "cuda"
+        return self.tree(n, slot if slot is not None else state, state if on_device else None)
 
     def tree(self, n: int, tensors: dict[str, torch.Tensor],
              source: dict[str, torch.Tensor] | None = None) -> ChunkTree | StateTree | TensorTrees | None:
@@ -220,7 +219,8 @@ class OnlineChallenges(KeptFiles):
             if not self.spec.tree:
                 tree = self.layout.tree(flat)
             elif self.shard is not None:  # rank 0's share over several ranks (witness.distributed makes the state's)
-                tree = TensorTrees(tensors, self.layout, flat, plan=self._buffers.plan(tensors, TREE))
+                tree = TensorTrees(tensors, self.layout, flat, plan=self._buffers.plan(tensors, TREE)) \
+                    if source is None else TensorTrees(source, self.layout, flat, "cuda")
             else:  # one process (BLAKE3 of whole tensors: check_tree_settings), on the GPU where the state lies
                 tree = StateTree(tensors, TREE, self.layout, flat, plan=self._buffers.plan(tensors, TREE)) \
                     if source is None else StateTree(source, TREE, self.layout, flat, "cuda")

@@ -152,8 +152,8 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
         # one pass commits everything where it can: the chunks open into the state hash's own trees (version
         # 4); in chunks of another size, or without BLAKE3, they open into a param_root (version 3)
         spec = dataclasses.replace(spec, tree=None)
-    if spec is not None and spec.tree:  # on a GPU by the Triton kernels, in one process; else on the host
-        spec = dataclasses.replace(spec, hashed_by=hasher_for(session.device) if training.shards == 1 else "host")
+    if spec is not None and spec.tree:  # on a GPU by the Triton kernels (each rank its share); else on the host
+        spec = dataclasses.replace(spec, hashed_by=hasher_for(session.device))
         try:  # a window's openings a verifier would refuse to read are refused before step 0
             check_tree_settings(spec.to_json(), default_digest(training.shards))
         except MalformedInput as e:

@@ -14,16 +14,10 @@ from dataclasses import dataclass, field
 from ..bundle.reader import Bundle
 from ..commit.attempts import AttemptsNote, count_attempts
 from ..commit.beacon import SEED_PRICED_VERSION, BeaconStatement, run_id, selected_steps
+from ..commit.cosignature import verify_cosignature, verify_witness_note
 from ..commit.drand import ChainInfo, round_time, verify_round
 from ..commit.hashing import parse_canonical_json, same
-from ..commit.note import (
-    Checkpoint,
-    NoteKey,
-    parse_note,
-    run_origin,
-    verify_cosignature,
-    verify_witness_note,
-)
+from ..commit.note import Checkpoint, NoteKey, parse_note, run_origin
 from ..commit.signing import key_fingerprint, public_hex, public_key_from_hex
 from ..commit.window import WitnessedWindow, head_sizes, parse_statement
 from ..errors import MalformedInput, VerificationError
@@ -271,8 +265,8 @@ def check_windows(bundle: Bundle, trust: WitnessTrust) -> OnlinePlan:
         if a.size == b.size:
             raise VerificationError(f"two witnessed windows close at the head of size {a.size}", check="witness")
     # through an operator's log: each window's operator checkpoint checked, in order (the verifier's trust decides)
-    chain = OperatorChain(trust.operator, run, bytes.fromhex(m.public_key), bundle.log.extends, signed) \
-        if trust.operator is not None else None
+    chain = OperatorChain(trust.operator, run, bytes.fromhex(m.public_key), _run_seed(bundle), bundle.log.extends,
+                          signed) if trust.operator is not None else None
     selected: list[int] = []
     late: list[range] = []
     late_selected: list[int] = []
@@ -406,3 +400,12 @@ def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str,
                             "the training escaped it)")
     notes = list(counted.values())
     return max(n.others for n in notes), count_attempts(notes, run.hex()), None
+
+
+def _run_seed(bundle: Bundle) -> bytes:
+    """The run's seed, as its manifest commits it (what its operator-log registration is tagged with)."""
+    seed = parse_canonical_json(bundle.log.lines[0]).get("run_seed")
+    try:
+        return bytes.fromhex(seed) if isinstance(seed, str) and len(seed) == 64 else b""
+    except ValueError:
+        return b""

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..commit.merkle import MerkleTree, root_from_inclusion, verify_consistency
+from ..commit.hashing import node_hash
+from ..commit.merkle import EMPTY_ROOT, root_from_inclusion, verify_consistency
 from ..commit.note import (
     ED25519,
     Checkpoint,
@@ -22,7 +23,7 @@ from ..commit.note import (
     run_origin,
     verify_note_signature,
 )
-from ..commit.operator import HeadEntry, RunEntry, entry_leaf, head_entry, parse_entry
+from ..commit.operator import HeadEntry, RunEntry, entry_leaf, head_entry, parse_entry, seed_tag
 from ..commit.window import WitnessedWindow
 from ..errors import MalformedInput, VerificationError
 
@@ -45,10 +46,12 @@ class OperatorTrust:
 class OperatorChain:
     """The operator checkpoints of one bundle's windows, in order: each checked, and consistent with the last."""
 
-    def __init__(self, trust: OperatorTrust, run: bytes, public_key: bytes, extends: Callable[[int, bytes], bool],
-                 signed: int):
-        """``extends(size, root)``: whether the bundle's log has that root at that size; ``signed``: its size."""
+    def __init__(self, trust: OperatorTrust, run: bytes, public_key: bytes, seed: bytes,
+                 extends: Callable[[int, bytes], bool], signed: int):
+        """``seed``: the run's seed (its manifest's); ``extends(size, root)``: whether the bundle's log has that
+        root at that size; ``signed``: its size."""
         self.trust, self.run, self.origin = trust, run, run_origin(run)
+        self.seed, self.tag = seed, seed_tag(seed, run)
         self.extends, self.signed = extends, signed
         self.run_key = NoteKey(self.origin, ED25519, public_key)
         self.last: Checkpoint | None = None
@@ -88,39 +91,70 @@ class OperatorChain:
 
     def attempts(self) -> tuple[int | None, int | None, str | None]:
         """The other runs of this run's seed in the log, up to the last checkpoint: (others, attempts, why
-        unknown)."""
+        unknown). Read as they come (a root built on a stack, each entry kept only as what is counted)."""
         if self.trust.entries is None or self.last is None:
             return None, None, (f"the verifier read no entries of the operator log {self.trust.key.name} (--operator-url)"
                                 ": the run's other attempts there are unknown")
         size = self.last.size
         if size > MAX_ENTRIES:
             return None, None, f"the operator log holds {size} entries, over the {MAX_ENTRIES} a verifier reads"
-        raw: list[bytes] = []
-        while len(raw) < size:
-            page = self.trust.entries(len(raw))
+        root, index, registered, first_head, others = _StreamingRoot(), 0, None, None, 0
+        while index < size:
+            page = self.trust.entries(index)
             if not page:
-                raise VerificationError(f"the operator log served {len(raw)} of the {size} entries its checkpoint "
+                raise VerificationError(f"the operator log served {index} of the {size} entries its checkpoint "
                                         "holds", check="witness")
-            raw += page[:size - len(raw)]
-        if MerkleTree([entry_leaf(e) for e in raw]).root() != self.last.root:
+            for raw in page[:size - index]:
+                root.add(entry_leaf(raw))
+                e = parse_entry(raw)
+                if isinstance(e, HeadEntry) and e.run == self.run:
+                    # one head of each size for this run: the operator's witnesses see its log, not each run's, so a
+                    # second version of this run's log entered beside the first (a fork, for a second draw) shows here
+                    if e.checkpoint.size > self.signed or not self.extends(e.checkpoint.size, e.checkpoint.root):
+                        raise VerificationError(f"the operator log holds a head of this run (size "
+                                                f"{e.checkpoint.size}) that is not this bundle's log: another version "
+                                                "of the run, entered beside it", check="witness")
+                    first_head = index if first_head is None else first_head
+                elif isinstance(e, RunEntry) and e.run == self.run:
+                    registered = index if registered is None else registered
+                    if e.seed_tag != self.tag or e.public_key != self.run_key.public:
+                        raise VerificationError("the operator log's registration of this run is not its seed tag and "
+                                                "key", check="witness")
+                elif isinstance(e, RunEntry) and e.seed_tag is not None and e.seed_tag == seed_tag(self.seed, e.run):
+                    others += 1  # another run of this seed: an attempt, whatever its key, recipe or fate
+                index += 1
+        if root.root() != self.last.root:
             raise VerificationError("the operator log's entries are not the ones its cosigned checkpoint holds",
                                     check="witness")
-        parsed = [parse_entry(e) for e in raw]
-        # one head of each size for this run: the operator's witnesses see its log, not each run's, so a second
-        # version of this run's log entered beside the first (a fork, for a second draw) shows here
-        for e in parsed:
-            if isinstance(e, HeadEntry) and e.run == self.run and (
-                    e.checkpoint.size > self.signed or not self.extends(e.checkpoint.size, e.checkpoint.root)):
-                raise VerificationError(f"the operator log holds a head of this run (size {e.checkpoint.size}) that "
-                                        "is not this bundle's log: another version of the run, entered beside it",
-                                        check="witness")
-        runs = [e for e in parsed if isinstance(e, RunEntry)]
-        mine = [e for e in runs if e.run == self.run]
-        if not mine:
-            raise VerificationError("the operator log holds no registration of this run", check="witness")
-        seed = mine[0].seed
-        others = sum(1 for e in runs if e.run != self.run and seed is not None and e.seed == seed)
+        # registered before any of its heads: a run drew no window before it was counted among its seed's
+        if registered is None or (first_head is not None and registered > first_head):
+            raise VerificationError("the operator log holds no registration of this run before its first head",
+                                    check="witness")
         return others, others, None
+
+
+class _StreamingRoot:
+    """An RFC 6962 root of leaves given one at a time, on a stack of complete subtrees (O(log n) memory)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[int, bytes]] = []  # (leaves, root) of complete subtrees, largest first
+
+    def add(self, leaf: bytes) -> None:
+        """Append a leaf hash."""
+        node = (1, leaf)
+        while self.stack and self.stack[-1][0] == node[0]:
+            left = self.stack.pop()
+            node = (left[0] * 2, node_hash(left[1], node[1]))
+        self.stack.append(node)
+
+    def root(self) -> bytes:
+        """The root of the leaves so far (the empty tree's for none)."""
+        if not self.stack:
+            return EMPTY_ROOT
+        acc = self.stack[-1][1]
+        for _, h in reversed(self.stack[:-1]):  # the smaller subtrees sit right of the larger ones
+            acc = node_hash(h, acc)
+        return acc
 
 
 def _same_root(last: Checkpoint, cp: Checkpoint, where: str) -> None:
