@@ -250,26 +250,6 @@ static size_t level_up(const uint8_t *in, size_t m, uint8_t *out, int threads) {
     return pairs + (m & 1);
 }
 
-/* The digest of a buffer of len bytes into out (32 bytes); scratch: room for ceil(len / 1024) and half
- * as many CVs more (NULL: one chunk, none needed). */
-static void root_of(const uint8_t *p, size_t len, int threads, uint8_t *a, uint8_t *b, uint8_t out[32]) {
-    size_t n = len ? (len + CHUNK - 1) / CHUNK : 1;
-    uint32_t w[8];
-    if (n == 1) {
-        chunk_cv(p, len, 0, 1, w);
-        memcpy(out, w, 32);
-        return;
-    }
-    all_chunks(p, len, 0, a, threads);
-    size_t m = n;
-    while (m > 2) {
-        m = level_up(a, m, b, threads);
-        uint8_t *t = a; a = b; b = t;
-    }
-    parent_cv(a, 1, w);
-    memcpy(out, w, 32);
-}
-
 /* ---- Python ---- */
 
 static int get_buffer(PyObject *obj, Py_buffer *view) {
@@ -304,6 +284,11 @@ static void tree_into(const uint8_t *p, size_t len, Py_ssize_t keep_from, int th
     }
     parent_cv(a, 1, w);
     memcpy(digest, w, 32);
+}
+
+/* The digest of a buffer of len bytes into out (32 bytes): tree_into keeping no level. */
+static void root_of(const uint8_t *p, size_t len, int threads, uint8_t *a, uint8_t *b, uint8_t out[32]) {
+    tree_into(p, len, PY_SSIZE_T_MAX, threads, a, b, out, NULL);
 }
 
 /* tree(data, keep_from=0, threads=1) -> (digest, kept): the 32-byte digest of data, and the nodes of
