@@ -78,12 +78,7 @@ class HeadEntry:
 
 def run_entry(manifest_line: bytes) -> RunEntry:
     """A run's registration from its manifest line (canonical JSON of type manifest, with a public key)."""
-    if not isinstance(manifest_line, bytes) or len(manifest_line) > MAX_MANIFEST_BYTES:
-        raise MalformedInput(f"a manifest line is bytes, at most {MAX_MANIFEST_BYTES}")
-    try:
-        m = parse_canonical_json(manifest_line)
-    except ValueError as e:
-        raise MalformedInput(f"manifest: {e}") from None
+    m = _json(manifest_line, MAX_MANIFEST_BYTES, "manifest")
     if not isinstance(m, dict) or m.get("type") != "manifest":
         raise MalformedInput("a run entry holds a manifest (a log's first record)")
     public = _hex32(m.get("public_key"), "manifest public_key")
@@ -93,6 +88,16 @@ def run_entry(manifest_line: bytes) -> RunEntry:
     except (ValueError, TypeError):
         seed = None
     return RunEntry(run, public, seed_tag(seed, run) if seed is not None else None)
+
+
+def _json(raw: bytes, limit: int, what: str) -> object:
+    """Canonical JSON of at most ``limit`` bytes, else ``MalformedInput`` naming ``what``."""
+    if not isinstance(raw, bytes) or len(raw) > limit:
+        raise MalformedInput(f"{what}: bytes, at most {limit}")
+    try:
+        return parse_canonical_json(raw)
+    except ValueError as e:
+        raise MalformedInput(f"{what}: {e}") from None
 
 
 def _hex32(value: object, what: str) -> bytes:
@@ -116,12 +121,7 @@ def head_entry(run: bytes, note: bytes) -> HeadEntry:
 
 def parse_entry(raw: bytes) -> RunEntry | HeadEntry:
     """Strictly parse an operator log's entry (canonical JSON of exactly its fields)."""
-    if not isinstance(raw, bytes) or len(raw) > MAX_ENTRY_BYTES:
-        raise MalformedInput(f"an entry is bytes, at most {MAX_ENTRY_BYTES}")
-    try:
-        obj = parse_canonical_json(raw)
-    except ValueError as e:
-        raise MalformedInput(f"entry: {e}") from None
+    obj = _json(raw, MAX_ENTRY_BYTES, "entry")
     if isinstance(obj, dict) and set(obj) == {"public_key", "run", "seed_tag", "type"} and obj["type"] == "run":
         tag = obj["seed_tag"]
         return RunEntry(_hex32(obj["run"], "entry run"), _hex32(obj["public_key"], "entry public_key"),
