@@ -281,3 +281,22 @@ def test_a_run_registered_after_its_first_head_is_refused_and_strangers_are_not_
         else:
             with pytest.raises(Exception, match="no registration of this run before its first head"):
                 chain.attempts()
+
+
+def test_a_resumed_run_whose_heads_went_further_than_it_kept_goes_on_from_the_logs_latest(world):
+    """A run killed after the operator took heads it never kept resumes from its last kept window: the
+    operator names the run's latest head (409 with it), and the link proves the next head from there."""
+    from types import SimpleNamespace
+
+    from witness.beacon.operator_link import OperatorClient, OperatorLink
+
+    http = world["http"]
+    run = Run()
+    http.post(f"{P}/runs", json={"manifest": run.manifest.decode()})
+    assert run.head(http, 5).status_code == 200 and run.head(http, 9, old=5).status_code == 200
+    link = OperatorLink(OperatorClient(http), SimpleNamespace(chain=None))  # (no round is fetched here)
+    link.resume_at(5)
+    answer = link.enter(run.id, run.note(13).encode(), run.log, 13)
+    entry = HeadEntry(run.id, run.note(13).encode(), Checkpoint(run.origin, 13, run.log.root(13))).entry()
+    _checked(answer, world, entry)
+    assert link.enter(run.id, run.note(13).encode(), run.log, 13)["index"] == answer["index"]  # sent again

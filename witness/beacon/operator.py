@@ -104,7 +104,8 @@ class OperatorLog:
                 known = parse_entry(latest.entry)
                 assert isinstance(known, HeadEntry)
                 if old != known.checkpoint.size:
-                    raise BeaconRefused(409, f"the run's latest head here is of size {known.checkpoint.size}")
+                    raise BeaconRefused(409, f"the run's latest head here is of size {known.checkpoint.size}",
+                                        {"latest": known.checkpoint.size})
                 if head.checkpoint.size == old:
                     if not same(head.checkpoint.root, known.checkpoint.root):
                         raise BeaconRefused(422, f"the run signed another root for size {old}")
@@ -115,7 +116,7 @@ class OperatorLog:
                     raise BeaconRefused(422, f"the head is not consistent with the run's head of size {old}: {e}") \
                         from None
             elif old != 0:
-                raise BeaconRefused(409, "the run has no head here yet: old is 0")
+                raise BeaconRefused(409, "the run has no head here yet: old is 0", {"latest": 0})
             return self._add(s, head.entry(), "head", run, None, head.checkpoint.size).index
 
     def _add(self, s: Session, entry: bytes, kind: str, run: str, seed: str | None, size: int) -> OperatorEntry:

@@ -27,7 +27,12 @@ from .windows import LATENCY_START, PendingWindow, WitnessedLink, _proof
 
 
 class OperatorError(BeaconError):
-    """The operator refused a request, or answered what does not verify."""
+    """The operator refused a request, or answered what does not verify (``status``, and for a 409 on a
+    head the ``latest`` size the log holds of the run)."""
+
+    def __init__(self, message: str, status: int | None = None, latest: int | None = None):
+        super().__init__(message)
+        self.status, self.latest = status, latest
 
 
 class OperatorClient(BoundedClient):
@@ -55,7 +60,15 @@ class OperatorClient(BoundedClient):
         except httpx.TransportError as e:
             raise OperatorError(f"{self.where} cannot be reached: {e}") from None
         if resp.status_code != 200:
-            raise OperatorError(f"{self.where} refused {path}: {resp.status_code} {_detail(resp)}")
+            latest = None
+            if resp.status_code == 409:
+                try:
+                    evidence = resp.json().get("evidence")
+                    latest = evidence.get("latest") if isinstance(evidence, dict) else None
+                except (BeaconError, AttributeError):
+                    latest = None
+            raise OperatorError(f"{self.where} refused {path}: {resp.status_code} {_detail(resp)}", resp.status_code,
+                                latest if type(latest) is int else None)
         try:
             out = resp.json()
         except BeaconError as e:
@@ -126,8 +139,7 @@ class OperatorLink(WitnessedLink):
             self.operator.register(body["manifest"])
             self._registered = True
         run = run_id(body["manifest"])
-        proof = _proof(body["log"], head.size, self._old) if self._old else []
-        answer = self.operator.head(run, body["note"], self._old, proof)
+        answer = self.enter(run, body["note"], body["log"], head.size)
         op = self._checked(answer, run, body["note"])
         self._old = head.size
         due = round_time(self.chain, body["round"])
@@ -141,6 +153,18 @@ class OperatorLink(WitnessedLink):
             self.late_windows += 1
         return PendingWindow(head.size, body["prev"], body["round"], body["note"], body["final"], late,
                              op.to_json())
+
+    def enter(self, run: bytes, note: bytes, log: RunLog, size: int) -> dict:
+        """The head of ``size`` into the log, proved from the run's latest head there (which the operator
+        names where this process knew another: a resumed run whose heads went further than it kept)."""
+        proof = _proof(log, size, self._old) if self._old else []
+        try:
+            return self.operator.head(run, note, self._old, proof)
+        except OperatorError as e:
+            if e.status != 409 or e.latest is None or not 0 <= e.latest < size or e.latest == self._old:
+                raise
+            self._old = e.latest
+            return self.operator.head(run, note, e.latest, _proof(log, size, e.latest) if e.latest else [])
 
     def _checked(self, answer: dict, run: bytes, note: bytes) -> OperatorProof:
         """The operator's answer as a window's proof, every part of it verified."""
