@@ -176,8 +176,7 @@ class OnlineChallenges(KeptFiles):
             f.write(canonical_json(st.to_json()) + b"\n")
 
     def first_needed(self) -> int:
-        """The earliest state a resumed run must pass again: a selected one it lost, the first of a window
-        whose openings it lost, or the first uncovered."""
+        """The earliest state a resumed run must pass again (a selected one lost, a window's first, the first uncovered)."""
         return min([self.covered, *self.wanted, *(first for first, _, _ in self.reopen.values())])
 
     def _chunks_of(self, st: BeaconStatement) -> list[int]:
@@ -199,7 +198,8 @@ class OnlineChallenges(KeptFiles):
             self.copies += 1
         # hashed on the GPU (hashed_by "cuda"): the live state where it lies, the ring's copy for the paths' bytes
         on_device = bool(self.spec.tree) and self.spec.hashed_by == "cuda"
-        return self.tree(n, slot if slot is not None else state, state if on_device else None)
+        kept = slot if slot is not None else state
+        return self.tree(n, kept, state) if on_device else self.tree(n, kept)
 
     def tree(self, n: int, tensors: dict[str, torch.Tensor],
              source: dict[str, torch.Tensor] | None = None) -> ChunkTree | StateTree | TensorTrees | None:
