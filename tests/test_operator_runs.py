@@ -195,3 +195,40 @@ def test_a_second_version_of_the_run_entered_by_a_dishonest_operator_is_found_in
         assert code == 1 and "another version of the run" in json.dumps(v)
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("kill_at", ["training", "end"])
+def test_a_run_through_the_operator_killed_and_resumed_verifies(deployed, tmp_path, capsys, kill_at):
+    """kill -9 while windows wait for their rounds (their operator checkpoints cosigned, not yet settled),
+    mid-run or once the end record is written, then --resume: the journaled windows keep their operator
+    proofs, heads the operator took but the run did not keep are taken again, and the run verifies."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    key = tmp_path / "key.pem"
+    save_key(generate_key(), key)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "witness.cli", "train", "--task", "tiny", "--steps", "60", "--checkpoint-every", "20",
+           "--seed", f"operator-{kill_at}", "--key", str(key), "--out", str(out), "--quiet", "--no-self-check",
+           "--online-p", "0.2", "--online-every", "4", "--drand", deployed.drand_url, "--drand-chain",
+           str(deployed.info), "--operator", deployed.operator_url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        st, log = out / STATEMENTS, out / "log.jsonl"
+        if kill_at == "training" and st.exists() and st.read_bytes().count(b"\n") >= 2:
+            break
+        if kill_at == "end" and log.exists() and log.read_bytes().count(b"\n") >= 62:
+            break
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    res = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert not (out / "online" / "cosigned.jsonl").exists()
+    code, v = deployed.verify(out, capsys)
+    assert code == 0 and v["accepted"] and v["complete"] and v["online"]["final"], v
