@@ -189,18 +189,8 @@ class OperatorLog:
 
     # --- reading --------------------------------------------------------------------------
     def entries(self, start: int, count: int) -> list[str]:
-        """Entries from ``start``, as text: at most ``count`` (and ``ENTRIES_PAGE``), and no more than
-        ``PAGE_BYTES`` of them after the first (an answer a client reads within its bound)."""
-        out, size = [], 0
-        with self.sessions() as s:
-            for r in s.scalars(select(OperatorEntry.entry).where(
-                    OperatorEntry.index >= start, OperatorEntry.index < start + min(count, ENTRIES_PAGE))
-                    .order_by(OperatorEntry.index)):
-                size += len(r)
-                if out and size > PAGE_BYTES:
-                    break
-                out.append(r.decode("utf-8"))
-        return out
+        """Entries from ``start``, as text (see ``read_entries``)."""
+        return read_entries(self.sessions, start, count)
 
     def size(self) -> int:
         """Entries written."""
@@ -213,3 +203,19 @@ class OperatorLog:
             if not 0 < old <= new <= self.tree.size:
                 raise BeaconRefused(400, f"no consistency proof from {old} to {new} in a log of {self.tree.size}")
             return [h.hex() for h in self.tree.consistency_proof(old, new)] if old < new else []
+
+
+def read_entries(sessions: SessionFactory, start: int, count: int) -> list[str]:
+    """An operator log's entries from ``start``, as text: at most ``count`` (and ``ENTRIES_PAGE``), and no
+    more than ``PAGE_BYTES`` of them after the first (an answer a client reads within its bound). A
+    reader needs no ``OperatorLog`` (a leaderboard's workers read the log its server appends to)."""
+    out, size = [], 0
+    with sessions() as s:
+        for r in s.scalars(select(OperatorEntry.entry).where(
+                OperatorEntry.index >= start, OperatorEntry.index < start + min(count, ENTRIES_PAGE))
+                .order_by(OperatorEntry.index)):
+            size += len(r)
+            if out and size > PAGE_BYTES:
+                break
+            out.append(r.decode("utf-8"))
+    return out

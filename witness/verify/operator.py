@@ -33,10 +33,13 @@ MAX_ENTRIES = 1 << 22  # entries a verifier reads to price a run's attempts
 @dataclass(frozen=True)
 class OperatorTrust:
     """The operator's log the verifier pins (its note key, named by its origin), and where its entries are
-    read (``entries(start)``: the entries from ``start`` on, a page; None: the attempts stay unknown)."""
+    read (``entries(start)``: the entries from ``start`` on, a page; None: the attempts stay unknown).
+    ``others``: runs (ids) the verifier knows to be attempts at this one whatever their seed (a
+    leaderboard's: the account's other runs it did not certify), each counted where the log holds it."""
 
     key: NoteKey
     entries: Callable[[int], list[bytes]] | None = None
+    others: frozenset[bytes] = frozenset()
 
     def __post_init__(self) -> None:
         if self.key.alg != ED25519:
@@ -120,8 +123,9 @@ class OperatorChain:
                     if e.seed_tag != self.tag or e.public_key != self.run_key.public:
                         raise VerificationError("the operator log's registration of this run is not its seed tag and "
                                                 "key", check="witness")
-                elif isinstance(e, RunEntry) and e.seed_tag is not None and e.seed_tag == seed_tag(self.seed, e.run):
-                    others += 1  # another run of this seed: an attempt, whatever its key, recipe or fate
+                elif isinstance(e, RunEntry) and (e.run in self.trust.others or (
+                        e.seed_tag is not None and e.seed_tag == seed_tag(self.seed, e.run))):
+                    others += 1  # another run of this seed (or named): an attempt, whatever its key, recipe or fate
                 index += 1
         if root.root() != self.last.root:
             raise VerificationError("the operator log's entries are not the ones its cosigned checkpoint holds",
