@@ -401,18 +401,19 @@ def test_the_migrations_build_exactly_the_models_schema(server):
     from sqlalchemy import MetaData
 
     from witness.beacon.db import BeaconBase
+    from witness.beacon.operator_db import OperatorBase
     from witness.beacon.witness_db import WitnessBase
     from witness.leaderboard.db import Base, migrate
 
     lb, _ = server
     migrate(lb.engine)  # idempotent
-    models = MetaData()  # the leaderboard's own tables and the beacon's (and its witness's) it mounts
+    models = MetaData()  # the leaderboard's own tables and the beacon's (its witness's, its operator log's) it mounts
     for table in (*Base.metadata.tables.values(), *BeaconBase.metadata.tables.values(),
-                  *WitnessBase.metadata.tables.values()):
+                  *WitnessBase.metadata.tables.values(), *OperatorBase.metadata.tables.values()):
         table.to_metadata(models)
     with lb.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), models) == []
-        assert MigrationContext.configure(conn).get_current_revision() == "0008"
+        assert MigrationContext.configure(conn).get_current_revision() == "0009"
 
 
 def test_a_weakly_anchored_run_is_rejected(server, tmp_path):

@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from .. import __version__
 from ..beacon.app import install_handlers as install_beacon_handlers
 from ..beacon.app import router as beacon_router
+from ..beacon.operator_app import router as operator_router
 from ..commit.signing import public_pem
 from ..errors import MalformedInput
 from ..store import (
@@ -32,7 +33,7 @@ from .db import Account, Head, Track
 from .deps import DB, Acct, RunId
 from .online import online_progress
 from .pages import add_pages
-from .schemas import AccountIn, ChallengeIn, HeadIn, RunInfo, TicketIn
+from .schemas import AccountIn, ChallengeIn, HeadIn, RunInfo, TicketIn, WindowIn
 from .service import ApiError, Leaderboard, Settings
 from .views import (
     CSP,
@@ -157,6 +158,15 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         statement = lb.stamp(s, h, body.consistency, body.manifest)
         return {"run_id": run_id, "size": h.size, "root": h.root, "received_ms": h.received_ms, "statement": statement}
 
+    @app.post("/api/runs/{run_id}/windows", status_code=201, tags=["runs"])
+    def add_window(run_id: RunId, body: WindowIn, s: DB, acct: Acct) -> dict:
+        """A witnessed run's window, once its drand round came: checked (its head entered in this server's
+        operator log, cosigned by the track's witnesses, the round signed by the drand chain), and the steps
+        its draw selects then take their uploads."""
+        row = lb.add_window(s, acct, run_id, body.window)
+        return {"run_id": run_id, "size": row.size, "round": row.round, "cosigners": json.loads(row.cosigners_json),
+                "on_time": row.on_time}
+
     @app.put("/api/runs/{run_id}/online/{kind}/{step}", status_code=201, tags=["runs"],
              openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {
                  "schema": {"type": "string", "format": "binary"}}}}})
@@ -238,6 +248,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         out["verdict"] = json.loads(r.verdict_json) if r.verdict_json else None
         out["heads"] = [head_json(h) for h in lb.heads(s, run_id)]
         out["online"] = online_progress(s, r) | {"p": r.online_p} if r.online_p is not None else None
+        if out["online"] is not None and lb.witnessed(s.get(Track, r.track)) is not None:
+            out["online"]["windows_witnessed"] = lb.windows_page(s, r)  # its drand rounds, and who cosigned each
         return out
 
     @app.patch("/api/runs/{run_id}", tags=["runs"])
@@ -277,6 +289,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
 
     # the online-challenge beacon, the same code as `witness beacon serve`, signing with the server key
     app.include_router(beacon_router(lb.beacon, lb.Session))
+    if lb.settings.witnessing is not None:  # the operator log of its witnessed tracks' runs (this process appends)
+        app.include_router(operator_router(lb.operator_log()))
     install_beacon_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_JSON_BODY,
                        exempt=("/api/submissions", r"/api/runs/[0-9]+/online/(states|samples|chunks)/[0-9]+"))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -13,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..cli.args import parsed
+from ..cli.operator import witness_at
 from ..store import DEFAULT_MAX_UPLOAD
 
 DEFAULT_STORE = "leaderboard-data"
@@ -45,7 +47,23 @@ def settings_from(args: argparse.Namespace):
                     public_url=getattr(args, "public_url", None),
                     presign_endpoint=_presign(args, store), cache_bytes=_cache_bytes(args, store),
                     orphan_after_s=Settings.orphan_after_s if getattr(args, "orphan_after", None) is None
-                    else args.orphan_after)
+                    else args.orphan_after, witnessing=_witnessing(args))
+
+
+def _witnessing(args: argparse.Namespace):  # noqa: ANN202 - a Witnessing or None
+    """The operator log ``serve`` runs for witnessed tracks (``--operator-origin`` and what goes with it)."""
+    from .tracks import Witnessing
+
+    origin = getattr(args, "operator_origin", None)
+    if origin is None:
+        if getattr(args, "witness", None) or getattr(args, "drand", None):
+            raise ValueError("--witness and --drand go with --operator-origin (the log the witnesses cosign)")
+        return None
+    if not args.witness or not args.drand or not args.drand_chain:
+        raise ValueError("--operator-origin needs the witnesses it sends checkpoints to (--witness URL=VKEY), a drand "
+                         "endpoint (--drand URL) and its chain information (--drand-chain FILE)")
+    chain = json.loads(Path(args.drand_chain).read_text())
+    return Witnessing(origin, tuple(args.witness), args.drand, chain, args.operator_quorum)
 
 
 def _cache_bytes(args: argparse.Namespace, store: Path | str) -> int | None:
@@ -310,6 +328,15 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     s.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     s.add_argument("--public-url", help="the address people reach this server at, for absolute links such as "
                                         "badge snippets (default: the address of each request)")
+    s.add_argument("--operator-origin", metavar="ORIGIN",
+                   help="run an operator log for witnessed tracks (a track with witnesses=A+B): its origin, e.g. "
+                        "lb.example/witness-log; its key is operator_key.pem in the store")
+    s.add_argument("--witness", type=witness_at, action="append", metavar="URL=VKEY",
+                   help="a witness configured for the operator log: its URL (before /add-checkpoint) and cosigner vkey")
+    s.add_argument("--operator-quorum", type=int, metavar="K",
+                   help="witnesses that must cosign each of the log's checkpoints (default: all)")
+    s.add_argument("--drand", metavar="URL", help="the drand endpoint witnessed runs take their rounds from")
+    s.add_argument("--drand-chain", metavar="FILE", help="that chain's information (its /info JSON), pinned")
     s.add_argument("--workers", type=_workers, default=1,
                    help="verification worker processes to start (at most this machine's cores; a dead one is replaced)")
     s.add_argument("--orphan-after", type=float, metavar="SECONDS",

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from ..beacon.client import BeaconClient, BeaconError, _detail
+from ..beacon.client import BeaconClient, BeaconError, BoundedClient, _detail
+from ..beacon.operator_link import OperatorLink
 from ..commit.log import RunLog
 from ..commit.signing import SignedTreeHead
 from ..store import pack
@@ -96,6 +97,7 @@ class TicketedRun:
     threads: int | None = None
     stream: bool = True
     online: bool = False
+    every: int | None = None  # online: a head every this many steps (default: OnlineSpec.for_steps's)
     lr_factor: Callable[[int, int], float] | None = None
 
 
@@ -115,17 +117,24 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
     task = build_task(tk["task"], tk["config"])
     from ..record.online import OnlineSpec
 
-    link = LeaderboardBeacon(client, tk["run_id"]) if how.online and stream else None
+    witnessed = tk.get("witnessed")  # a witnessed track: drand draws, through the server's operator log
+    link = None
+    if how.online and stream:
+        link = LeaderboardWitnessed(client, tk["run_id"], witnessed) if witnessed else \
+            LeaderboardBeacon(client, tk["run_id"])
     spec = None
     if link is not None:  # the track's least p, where it asks for more than the default's 99 % bound
-        spec = OnlineSpec.for_steps(task.config.steps)
+        drand = witnessed["drand"]["chain"]["hash"] if witnessed else None
+        spec = OnlineSpec.for_steps(task.config.steps, drand=drand, every=how.every)
         if tk.get("online_p") is not None and spec.p < tk["online_p"]:
-            spec = OnlineSpec.for_steps(task.config.steps, p=float(tk["online_p"]))
+            spec = OnlineSpec.for_steps(task.config.steps, p=float(tk["online_p"]), drand=drand, every=how.every)
+    streamer = HeadStreamer(client, tk["run_id"], records=bool(witnessed)) if stream and (not link or witnessed) \
+        else None
     rec = Recorder.create(task, out, key, r=bytes.fromhex(tk["r"]),
                           commit=Commitments(checkpoint_every=checkpoint_every, r_source="ticket"),
                           training=Training(threads=threads),
                           online=Online(beacon=link, spec=spec,
-                                        on_head=HeadStreamer(client, tk["run_id"]) if stream and not link else None),
+                                        on_head=streamer),
                           self_check=SelfChecking(enabled=lr_factor is None))  # a cheat would stop at its own self-check
     if lr_factor is None:
         return tk["run_id"], rec.train(progress)
@@ -149,10 +158,11 @@ def write_evaluation(bundle_dir: str | os.PathLike, key, out: str | os.PathLike,
 
 
 class HeadStreamer:
-    """The recorder's ``on_head`` callback: sends every signed head with a consistency proof."""
+    """The recorder's ``on_head`` callback: sends every signed head with a consistency proof (and, for a
+    witnessed run, ``records``: the log's records it newly covers, which the server's workers replay)."""
 
-    def __init__(self, client: httpx.Client, run_id: int, retries: int = 5):
-        self.client, self.run_id, self.retries = client, run_id, retries
+    def __init__(self, client: httpx.Client, run_id: int, retries: int = 5, records: bool = False):
+        self.client, self.run_id, self.retries, self.records = client, run_id, retries, records
         self.acked = 0  # size of the last head the server stamped
 
     def __call__(self, head: SignedTreeHead, log: RunLog) -> None:
@@ -162,6 +172,8 @@ class HeadStreamer:
             body["manifest"] = log.lines[0].decode()
         else:
             body["consistency"] = [h.hex() for h in log.tree.consistency_proof(self.acked, head.size)]
+            if self.records:
+                body["records"] = [line.decode() for line in log.lines[self.acked:head.size]]
         for attempt in range(self.retries):
             try:
                 _ok(self.client.post(f"/api/runs/{self.run_id}/heads", json=body))
@@ -194,22 +206,62 @@ class LeaderboardBeacon(BeaconClient):
         return body
 
     def publish(self, kind: str, step: int, path: Path) -> None:
-        """Upload what the trainer kept for a selected step: the state before it (``states``) or its
-        batch's samples (``samples``), so the server replays it while the run trains."""
-        size = Path(path).stat().st_size  # streamed from the file, never held whole (a state can be GBs)
-        resp = self._request("PUT", f"/api/runs/{self.run_id}/online/{kind}/{step}",
-                             content=lambda: _file_chunks(path), patient=True,
-                             deadline=max(self.deadline, 60 + size / UPLOAD_RATE),
-                             headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
-        if resp.status_code == 409 and "came already" in resp.text:
-            return  # sent before a retry or a crash: the server has it
-        if resp.status_code >= 300:
-            raise BeaconError(f"the leaderboard refused the {kind} of step {step}: {resp.status_code} {_detail(resp)}")
+        """Upload what the trainer kept for a selected step (see ``publish_kept``)."""
+        publish_kept(self, self.run_id, kind, step, path)
 
     @staticmethod
     def statement_of(answer: object) -> object:
         """The statement in the endpoint's answer."""
         return answer.get("statement") if isinstance(answer, dict) else None
+
+
+def publish_kept(bounded: BoundedClient, run_id: int, kind: str, step: int, path: Path) -> None:
+    """Upload what the trainer kept for a selected step: the state before it (``states``), its batch's
+    samples (``samples``) or a window's chunk openings (``chunks``), so the server replays it while the
+    run trains."""
+    size = Path(path).stat().st_size  # streamed from the file, never held whole (a state can be GBs)
+    resp = bounded._request("PUT", f"/api/runs/{run_id}/online/{kind}/{step}",
+                            content=lambda: _file_chunks(path), patient=True,
+                            deadline=max(bounded.deadline, 60 + size / UPLOAD_RATE),
+                            headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+    if resp.status_code == 409 and "came already" in resp.text:
+        return  # sent before a retry or a crash: the server has it
+    if resp.status_code >= 300:
+        raise BeaconError(f"the leaderboard refused the {kind} of step {step}: {resp.status_code} {_detail(resp)}")
+
+
+class LeaderboardWitnessed(OperatorLink):
+    """A witnessed track's link: each head into the leaderboard's operator log (which its witnesses
+    cosign), the round from the track's drand endpoint, and each settled window sent to the run's windows
+    endpoint, whose draw then takes the uploads of the steps it selects. The heads and records themselves
+    go to the run's head endpoint as they are signed (``HeadStreamer``)."""
+
+    def __init__(self, client: httpx.Client, run_id: int, conf: dict):
+        from ..beacon.drand import DrandClient
+        from ..beacon.operator_link import OperatorClient
+        from ..commit.drand import ChainInfo
+        from ..commit.note import NoteKey
+
+        super().__init__(OperatorClient(client, vkey=conf["operator"]),
+                         DrandClient(conf["drand"]["url"], ChainInfo.from_json(conf["drand"]["chain"])))
+        # the track's witnesses and quorum decide which of the operator's cosignatures count for this run
+        self.keys = [NoteKey.parse(v) for v in conf["witnesses"]]
+        self.operator.required = int(conf["quorum"])
+        self.run_id = run_id
+
+    def settle(self, pending, log: RunLog):  # noqa: ANN001, ANN201 - a PendingWindow; a WitnessedWindow
+        """The window, once its round came, sent to the leaderboard before its steps are uploaded."""
+        w = super().settle(pending, log)
+        resp = self.operator._request("POST", f"/api/runs/{self.run_id}/windows", patient=True,
+                                      json={"window": w.to_json()})
+        if resp.status_code >= 300:
+            raise BeaconError(f"the leaderboard refused the window closing at size {w.size}: {resp.status_code} "
+                              f"{_detail(resp)}")
+        return w
+
+    def publish(self, kind: str, step: int, path: Path) -> None:
+        """Upload what the trainer kept for a selected step (see ``publish_kept``)."""
+        publish_kept(self.operator, self.run_id, kind, step, path)
 
 
 def online_leave_out(bundle_dir: str | os.PathLike) -> frozenset[str]:

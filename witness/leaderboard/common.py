@@ -16,7 +16,7 @@ from ..verify.challenges import challenges_needed
 from .db import (
     Run,
 )
-from .tracks import DEFAULT_TRACKS, TrackSpec
+from .tracks import DEFAULT_TRACKS, TrackSpec, Witnessing
 
 MAX_CONSISTENCY_HASHES = 64
 MAX_ID = 2**31 - 1  # ids are INTEGER columns: a larger number names no row (and would overflow a driver)
@@ -74,6 +74,9 @@ class Settings:
     # With an s3:// store: at most this many bytes of unpacked bundles kept in ``work`` (the least
     # recently used go first, never one in use); None keeps every one.
     cache_bytes: int | None = None
+    # The operator log this server runs for its witnessed tracks (None: it runs none, and a track that
+    # names witnesses is refused at start). One process appends to it: the server, never its workers.
+    witnessing: Witnessing | None = None
 
     @property
     def certify_challenges(self) -> int:

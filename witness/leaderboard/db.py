@@ -68,6 +68,9 @@ class Track(Base):
     description: Mapped[str] = mapped_column(Text)
     # the least selection probability of online challenges a run must take (None: not required)
     online_p: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # a witnessed track's trust (canonical JSON: its witnesses' note keys and quorum, the operator log's
+    # key, the drand chain and its endpoint); None: its online challenges come from the server's beacon
+    witnessed_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Run(Base):
@@ -170,6 +173,23 @@ class OnlineWindow(Base):
     # uploaded -> checked (every step's opened moves within the bound) | failed
     status: Mapped[str] = mapped_column(String(16), index=True)
     round_id: Mapped[int | None] = mapped_column(ForeignKey("rounds.id"), nullable=True)
+
+
+class WitnessedWindowRow(Base):
+    """A witnessed window a run sent while it trained (checked on arrival: the run's checkpoint entered in
+    the server's operator log, the operator checkpoint cosigned, the drand round signed), as the line the
+    bundle's statements hold, with who cosigned it in time and its round, for the run page."""
+
+    __tablename__ = "witnessed_windows"
+    __table_args__ = (UniqueConstraint("run_id", "size"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    round: Mapped[int] = mapped_column(BigInteger)
+    line: Mapped[str] = mapped_column(Text)
+    cosigners_json: Mapped[str] = mapped_column(Text)  # the track's witnesses that cosigned it in time (names)
+    on_time: Mapped[bool] = mapped_column(Boolean)  # K of them cosigned more than a drand period before the round
+    received_ms: Mapped[int] = mapped_column(BigInteger)
 
 
 class Job(Base):

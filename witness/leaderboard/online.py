@@ -136,7 +136,7 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
             try:
                 bundle = live_bundle(lb, s, run, ready, Path(tmp) / "bundle", windows)
                 # windows whose openings are not here (checked by an earlier round, or still coming) wait
-                trust = Trust(signer=acct.public_key, beacon_key=lb.public_key, ticket=bytes.fromhex(run.r))
+                trust = Trust(signer=acct.public_key, ticket=bytes.fromhex(run.r), **lb.online_trust(s, run))
                 policy = Policy(mode="online", bad_fraction=lb.settings.bad_fraction)
                 verdict = verify_round(Verifier(trust, policy), bundle, None,
                                        LiveRound(skip=others, pending_openings=True))

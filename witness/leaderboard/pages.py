@@ -125,7 +125,8 @@ def add_pages(app: FastAPI, lb: Leaderboard, html: Callable[..., HTMLResponse], 
                     if "submission.tar" in files else None,
                     recipe=json.loads(t.config_json), base=base_url(request), server_key=lb.public_key,
                     fingerprint_caption=FINGERPRINT_CAPTION,
-                    online=online_progress(s, r) if r.online_p is not None else None)
+                    online=online_progress(s, r) if r.online_p is not None else None,
+                    witnessed=lb.windows_page(s, r) if lb.witnessed(t) is not None else None)
 
     @app.get("/runs/{run_id}/badge.svg", include_in_schema=False)
     def badge(run_id: RunId, s: DB) -> Response:

@@ -56,6 +56,12 @@ class HeadIn(StrictModel):
     records: list[str] = Field(default_factory=list, max_length=10_000)
 
 
+class WindowIn(StrictModel):
+    """A witnessed window, as the run's bundle keeps it (``witness.commit.window.WitnessedWindow``)."""
+
+    window: dict[str, Any]
+
+
 class ChallengeIn(StrictModel):
     """A request for more replay challenges."""
 

@@ -3,6 +3,7 @@ re-challenge requests. Every failure is an ``ApiError`` with an HTTP status and 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -16,6 +17,7 @@ from ..beacon.service import Beacon
 from ..bundle.reader import open_bundle
 from ..commit.dsse import read_json_or_envelope
 from ..commit.hashing import canonical_json
+from ..commit.note import NoteKey
 from ..commit.signing import (
     load_or_create_key,
     parse_public_key,
@@ -37,6 +39,7 @@ from .db import (
     sessions,
 )
 from .streaming import StreamedRuns
+from .witnessed import WitnessedRuns
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_CERTIFICATE_BYTES = 256 * 1024 * 1024
@@ -44,7 +47,7 @@ MAX_CERTIFICATE_BYTES = 256 * 1024 * 1024
 
 
 
-class Leaderboard(StreamedRuns):
+class Leaderboard(StreamedRuns, WitnessedRuns):
     """The server's state: database, store, settings."""
 
     def __init__(self, settings: Settings, *, sync_tracks: bool = True):
@@ -62,10 +65,14 @@ class Leaderboard(StreamedRuns):
 
     def sync_tracks(self) -> None:
         """Register the configured tracks (a changed recipe replaces its row)."""
+        w = self.settings.witnessing
+        if w is not None and not w.vkey:  # the operator log's note key, which its witnessed tracks pin
+            w = self.settings.witnessing = dataclasses.replace(
+                w, vkey=NoteKey.of(w.origin, self.operator_key().public_key()).vkey())
         with self.Session() as s:
             for spec in self.settings.tracks:
                 row = s.get(Track, spec.name)
-                resolved = spec.resolve()
+                resolved = spec.resolve(w)
                 if row is None:
                     s.add(Track(**resolved))
                 else:

@@ -35,13 +35,15 @@ from .db import (
     OnlineStep,
     OnlineWindow,
     Run,
+    Track,
     now_ms,
     run_manifest,
 )
 
 
 class StreamedRuns:
-    """The streaming half of ``Leaderboard`` (it holds ``settings``, ``store``, ``beacon`` and ``Session``)."""
+    """The streaming half of ``Leaderboard`` (it holds ``settings``, ``store``, ``beacon`` and ``Session``, and
+    ``witnessed`` and the windows of ``witness.leaderboard.witnessed``)."""
 
     def add_head(self, s: Session, acct: Account, run_id: int, tree_head: object, consistency: list,
                  manifest: str | None, records: list | None = None) -> Head:
@@ -115,13 +117,15 @@ class StreamedRuns:
             raise ApiError(400, "the records sent are not the ones the tree head signs")
         s.add_all(LogLine(run_id=run.id, position=prev_size + i, line=r) for i, r in enumerate(records))
 
-    def stamp(self, s: Session, head: Head, consistency: list, manifest: str | None) -> dict:
+    def stamp(self, s: Session, head: Head, consistency: list, manifest: str | None) -> dict | None:
         """The beacon's signed statement for a head the server stamped (its randomness selects the
         steps of the head's window for online challenges, which the run then uploads)."""
         first = s.scalar(select(Head).where(Head.run_id == head.run_id, Head.size == 1))
         if first is None:
             raise ApiError(409, "the run's first streamed head is missing")
         run = s.get(Run, head.run_id)
+        if self.witnessed(s.get(Track, run.track)) is not None:
+            return None  # a witnessed run's draws come from drand, once the track's witnesses cosigned its head
         tree_head = json.loads(head.head_json)
         attempts = self.other_attempts(s, run) if FINAL_EXTENSION in (tree_head.get("extensions") or {}) else 0
         try:  # the account's runs are linked at the beacon, whatever keys and recipes they use
@@ -153,7 +157,9 @@ class StreamedRuns:
 
     def statements(self, s: Session, run: Run, up_to: int | None = None) -> list[bytes]:
         """The beacon's statements for a run, in order, as canonical JSON lines (those of heads of at
-        most ``up_to`` records, if given)."""
+        most ``up_to`` records, if given); a witnessed run's windows."""
+        if self.witnessed(s.get(Track, run.track)) is not None:
+            return self.window_lines(s, run, up_to)
         first = s.scalar(select(Head).where(Head.run_id == run.id, Head.size == 1))
         if first is None:
             return []
@@ -191,7 +197,9 @@ class StreamedRuns:
                 if type(step) is int else None
 
         row = find()
-        if row is None:  # the server may have stopped between a statement and its rows: the statements decide
+        # the server may have stopped between a statement and its rows: the statements decide (a witnessed
+        # window's rows are committed with it)
+        if row is None and self.witnessed(s.get(Track, run.track)) is None:
             for line in self.statements(s, run):
                 self._select(s, run, BeaconStatement.from_json(parse_canonical_json(line)))
             row = find()
@@ -209,11 +217,17 @@ class StreamedRuns:
         manifest = run_manifest(s, run.id)
         if "chunks" not in (manifest.get("online") or {}):
             raise ApiError(409, f"run {run_id} commits no parameter chunks: it has no openings to upload")
-        first = s.scalar(select(Head.root).where(Head.run_id == run.id, Head.size == 1))
-        found = self.beacon.statement_at(s, first, size) if first is not None else None
-        if found is None:
-            raise ApiError(404, f"the beacon stamped no head of size {size} for run {run_id}")
-        steps = BeaconStatement.from_json(found).window(manifest["steps_planned"])
+        if self.witnessed(s.get(Track, run.track)) is not None:
+            st = self.window_at(s, run, size) if type(size) is int else None
+            if st is None:
+                raise ApiError(404, f"no window of run {run_id} closing at size {size} came")
+        else:
+            first = s.scalar(select(Head.root).where(Head.run_id == run.id, Head.size == 1))
+            found = self.beacon.statement_at(s, first, size) if first is not None else None
+            if found is None:
+                raise ApiError(404, f"the beacon stamped no head of size {size} for run {run_id}")
+            st = BeaconStatement.from_json(found)
+        steps = st.window(manifest["steps_planned"])
         if not len(steps):
             raise ApiError(409, f"the head of size {size} opens no step of run {run_id}")
         if s.scalar(select(OnlineWindow.id).where(OnlineWindow.run_id == run.id, OnlineWindow.size == size)):
@@ -330,6 +344,12 @@ class StreamedRuns:
             got = "none" if online is None else f"p = {online['p']:g}"
             raise ApiError(400, f"track {track.name!r} requires online challenges with p >= {track.online_p:g} (the run "
                                 f"takes {got}): train with `witness train --leaderboard URL --track {track.name}`")
+        conf = self.witnessed(track)
+        chain = conf["drand"]["chain"]["hash"] if conf is not None else None
+        if online is not None and online.get("drand") != chain:
+            raise ApiError(400, f"track {track.name!r} draws its online challenges from "
+                                + (f"the drand chain {chain}, through its witnesses" if chain else "this server's beacon")
+                                + f", and the run's manifest names {online.get('drand') or 'the beacon'}")
 
     def heads(self, s: Session, run_id: int) -> list[Head]:
         """The heads streamed for a run, in order."""

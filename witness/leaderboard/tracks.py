@@ -6,7 +6,9 @@ import json
 from dataclasses import dataclass, field
 
 from ..commit.beacon import p_needed
+from ..commit.drand import ChainInfo
 from ..commit.hashing import canonical_json
+from ..commit.note import NoteKey
 from ..task.registry import build_task
 
 
@@ -26,9 +28,14 @@ class TrackSpec:
     # The largest upload of a run of this track, in bytes (a submission, or one online state);
     # None: the server's --max-upload. A track of large models declares its own.
     max_upload: int | None = None
+    # Witnessed: online challenges drawn by drand and cosigned by these witnesses (their names, among the
+    # server's configured ones), at least ``quorum`` of them (default: all) for each window.
+    witnesses: tuple[str, ...] = ()
+    quorum: int | None = None
 
-    def resolve(self) -> dict:
-        """The row the database stores: exact recipe, dataset root, evaluation split."""
+    def resolve(self, witnessing: Witnessing | None = None) -> dict:
+        """The row the database stores: exact recipe, dataset root, evaluation split, and a witnessed
+        track's trust (its witnesses' keys from the server's ``witnessing``)."""
         task = build_task(self.task, self.config)
         ev = task.eval_dataset()
         return {
@@ -42,7 +49,41 @@ class TrackSpec:
             "higher_is_better": self.higher_is_better,
             "description": self.description,
             "online_p": self.online_p,
+            "witnessed_json": self._witnessed(witnessing),
         }
+
+    def _witnessed(self, witnessing: Witnessing | None) -> str | None:
+        if not self.witnesses:
+            return None
+        if witnessing is None:
+            raise ValueError(f"track {self.name!r} names witnesses, and the server runs no operator log for them "
+                             "(--operator-origin, --witness URL=VKEY, --drand URL, --drand-chain FILE)")
+        keys = {NoteKey.parse(v).name: v for _, v in witnessing.witnesses}
+        missing = [w for w in self.witnesses if w not in keys]
+        if missing:
+            raise ValueError(f"track {self.name!r} names witness(es) {', '.join(missing)} that the server is not "
+                             f"configured with (it has {', '.join(keys) or 'none'})")
+        quorum = len(self.witnesses) if self.quorum is None else self.quorum
+        if not 1 <= quorum <= len(self.witnesses):
+            raise ValueError(f"track {self.name!r}: quorum {quorum} of {len(self.witnesses)} witness(es)")
+        chain = ChainInfo.from_json(witnessing.chain)
+        return canonical_json({"witnesses": [keys[w] for w in self.witnesses], "quorum": quorum,
+                               "operator": witnessing.vkey, "drand": {"url": witnessing.drand_url,
+                                                                     "chain": chain.to_json()}}).decode()
+
+
+@dataclass(frozen=True)
+class Witnessing:
+    """The operator log a leaderboard runs for its witnessed tracks: its origin and key, the witnesses it
+    sends each checkpoint to (URL, note key) and how many must cosign one, and the drand chain (its
+    endpoint and pinned information) the trainers take rounds from."""
+
+    origin: str
+    witnesses: tuple[tuple[str, str], ...]
+    drand_url: str
+    chain: dict
+    quorum: int | None = None
+    vkey: str = ""  # the operator log's note key (filled in by the server from its operator key)
 
 
 # 99 % against 5 % bad steps over the tiny recipe's 60 steps: 1 - 0.01^(1/3) = 0.785
@@ -62,8 +103,9 @@ DEFAULT_TRACKS = (
 
 def parse_track(text: str) -> TrackSpec:
     """``NAME=TASK[:KEY=VALUE,...][@METRIC[+|-]]``, e.g. ``quick=tiny:steps=20@accuracy+``; the fields
-    ``online=P`` (online challenges required, with at least probability P) and ``max_upload=BYTES``
-    (the track's upload limit) are not the recipe's."""
+    ``online=P`` (online challenges required, with at least probability P), ``witnesses=A+B`` and
+    ``quorum=K`` (those challenges drawn by drand and cosigned by K of the named witnesses) and
+    ``max_upload=BYTES`` (the track's upload limit) are not the recipe's."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
         raise ValueError(f"a track is NAME=TASK[:KEY=VALUE,...][@METRIC+|-], not {text!r}")
@@ -83,9 +125,19 @@ def parse_track(text: str) -> TrackSpec:
     online = config.pop("online", None)
     if online is not None and (type(online) not in (int, float) or not 0 < online <= 1):
         raise ValueError(f"online=P takes a probability in (0, 1], not {online!r}")
+    witnesses = config.pop("witnesses", None)
+    quorum = config.pop("quorum", None)
+    if witnesses is not None:
+        witnesses = tuple(str(witnesses).split("+"))
+        if online is None or not all(witnesses) or len(set(witnesses)) != len(witnesses):
+            raise ValueError("witnesses=NAME+NAME... names each witness once, on a track with online=P")
+    if quorum is not None and (witnesses is None or type(quorum) is not int or not 1 <= quorum <= len(witnesses)):
+        raise ValueError(f"quorum=K takes 1 to the number of witnesses named, not {quorum!r}")
     limit = config.pop("max_upload", None)
     if limit is not None and (type(limit) is not int or not 1 <= limit <= 1 << 50):
         raise ValueError(f"max_upload=BYTES takes a positive number of bytes, not {limit!r}")
     build_task(task, config)  # fails now, not at the first submission
-    about = f"{task} with {config or 'its default recipe'}" + (f", audited online (p >= {online:g})" if online else "")
-    return TrackSpec(name, task, config, metric, higher, about, None if online is None else float(online), limit)
+    about = f"{task} with {config or 'its default recipe'}" + (f", audited online (p >= {online:g})" if online else "") \
+        + (f", drawn by drand and cosigned by {quorum or len(witnesses)} of {', '.join(witnesses)}" if witnesses else "")
+    return TrackSpec(name, task, config, metric, higher, about, None if online is None else float(online), limit,
+                     witnesses or (), quorum)

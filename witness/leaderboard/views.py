@@ -117,7 +117,9 @@ def track_json(t: Track) -> dict:
     """JSON form of a track."""
     return {"track": t.name, "task": t.task, "config": json.loads(t.config_json), "data_root": t.data_root,
             "eval_root": t.eval_root, "eval_size": t.eval_size, "metric": t.metric,
-            "higher_is_better": t.higher_is_better, "description": t.description, "online_p": t.online_p}
+            "higher_is_better": t.higher_is_better, "description": t.description, "online_p": t.online_p,
+            # a witnessed track: the witnesses and quorum, the operator log and the drand chain its runs pin
+            "witnessed": json.loads(t.witnessed_json) if t.witnessed_json else None}
 
 
 def run_json(r: Run, a: Account, t: Track) -> dict:

@@ -88,8 +88,8 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
                 # its initial one: a submission without it would leave them nothing to start from
                 raise VerificationError("the submission of an online run leaves out its initial checkpoint, "
                                         "which re-challenges replay from", check="checkpoint")
-            trust = Trust(signer=acct.public_key, beacon_key=lb.public_key if online else None,
-                          published_heads=heads, ticket=bytes.fromhex(run.r), data_root=bytes.fromhex(track.data_root))
+            trust = Trust(signer=acct.public_key, published_heads=heads, ticket=bytes.fromhex(run.r),
+                          data_root=bytes.fromhex(track.data_root), **(lb.online_trust(s, run) if online else {}))
             policy = Policy(mode="online", bad_fraction=lb.settings.bad_fraction) if online else \
                 Policy(challenges=job.count, nonce=nonce, bad_fraction=lb.settings.bad_fraction)
             verdict = verify_round(Verifier(trust, policy), bundle, None, LiveRound(earlier=earlier))

@@ -1,0 +1,213 @@
+"""Witnessed tracks: online challenges drawn by drand and cosigned by public witnesses, through the
+operator log the leaderboard runs for its runs (``witness.beacon.operator``, mounted at ``/api/operator``).
+
+A run of such a track streams its heads and records as the beacon's online tracks do, enters each
+window's head in the server's operator log (whose checkpoints the track's witnesses cosign), waits for
+the drand round its closing record named, and sends the window here (``POST /api/runs/{id}/windows``).
+The server checks it on arrival, notes the steps its draw selects, and takes their uploads; its workers
+replay them while the run trains, under the same trust a reader pins with ``witness verify --operator``:
+the operator log's key, the track's witnesses and quorum, and the drand chain.
+
+The server is the operator: it knows when each head reached its log, so a cosignature dated before that
+(a witness backdating it, to let a round that was already known count) is refused on arrival.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from ..beacon.operator import ENTRIES_PAGE, OperatorLog, read_entries
+from ..beacon.operator_db import OperatorEntry
+from ..beacon.witness_client import WitnessClient
+from ..commit.beacon import run_id as run_id_of
+from ..commit.beacon import selected_steps
+from ..commit.cosignature import verify_cosignature
+from ..commit.drand import ChainInfo, round_time, verify_round
+from ..commit.hashing import canonical_json, parse_canonical_json, same
+from ..commit.log import RunLog
+from ..commit.note import Checkpoint, NoteKey, parse_note, run_origin
+from ..commit.signing import load_or_create_key
+from ..commit.window import WitnessedWindow
+from ..errors import MalformedInput, VerificationError
+from ..verify.online import WitnessTrust
+from ..verify.operator import OperatorChain, OperatorTrust
+from .common import ApiError, _lock_run
+from .db import LogLine, OnlineStep, Run, Track, WitnessedWindowRow, now_ms, run_manifest
+
+_BUILD = threading.Lock()
+
+
+class WitnessedRuns:
+    """The witnessed half of ``Leaderboard`` (it holds ``settings``, ``store`` and ``Session``)."""
+
+    _operator: OperatorLog | None = None
+
+    def operator_key(self) -> Ed25519PrivateKey:
+        """The operator log's key (created on first start, in the store beside the server's key)."""
+        return load_or_create_key(self.store.root / "operator_key.pem")  # type: ignore[attr-defined]
+
+    def operator_log(self) -> OperatorLog:
+        """The operator log this server runs (built at first use: only the serving process appends)."""
+        w = self.settings.witnessing  # type: ignore[attr-defined]
+        if w is None:
+            raise ApiError(404, "this server runs no operator log (it has no witnessed tracks)")
+        with _BUILD:
+            if self._operator is None:
+                clients = [WitnessClient(url, vkey=vkey, prefix="", ask_key=False) for url, vkey in w.witnesses]
+                self._operator = OperatorLog(self.Session, self.operator_key(), w.origin,  # type: ignore[attr-defined]
+                                             clients, w.quorum)
+        return self._operator
+
+    @staticmethod
+    def witnessed(track: Track) -> dict | None:
+        """A track's witnessed trust (its stored JSON), or None for a track of the server's beacon."""
+        return json.loads(track.witnessed_json) if track.witnessed_json else None
+
+    def witness_trust(self, s: Session, run: Run) -> WitnessTrust | None:
+        """What the server's workers pin for a witnessed run: the track's witnesses and quorum, the drand
+        chain, the operator log's key, its entries read from this database, and the account's other runs
+        that were not certified (each an attempt at this one, as the beacon's tracks count them)."""
+        conf = self.witnessed(s.get(Track, run.track))
+        if conf is None:
+            return None
+        others = frozenset(run_id_of(line.encode()) for line in s.scalars(
+            select(LogLine.line).join(Run, Run.id == LogLine.run_id).where(
+                LogLine.position == 0, Run.account_id == run.account_id, Run.id != run.id,
+                Run.status != "certified")))
+        sessions = self.Session  # type: ignore[attr-defined]
+
+        def entries(start: int) -> list[bytes]:
+            return [e.encode("utf-8") for e in read_entries(sessions, start, ENTRIES_PAGE)]
+
+        return WitnessTrust(tuple(NoteKey.parse(v) for v in conf["witnesses"]), conf["quorum"],
+                            ChainInfo.from_json(conf["drand"]["chain"]),
+                            OperatorTrust(NoteKey.parse(conf["operator"]), entries, others))
+
+    def online_trust(self, s: Session, run: Run) -> dict:
+        """Whom a run's online challenges are trusted from, as ``Trust`` fields: the track's witnesses, or
+        this server's beacon."""
+        witnesses = self.witness_trust(s, run)
+        return {"witnesses": witnesses} if witnesses is not None else {"beacon_key": self.public_key}  # type: ignore[attr-defined]
+
+    def window_lines(self, s: Session, run: Run, up_to: int | None = None) -> list[bytes]:
+        """A witnessed run's windows, in order, as the lines of its bundle's statements (those closing at
+        a head of at most ``up_to`` records, if given)."""
+        q = select(WitnessedWindowRow.line).where(WitnessedWindowRow.run_id == run.id)
+        if up_to is not None:
+            q = q.where(WitnessedWindowRow.size <= up_to)
+        return [line.encode() for line in s.scalars(q.order_by(WitnessedWindowRow.size))]
+
+    def window_at(self, s: Session, run: Run, size: int) -> WitnessedWindow | None:
+        """The window closing at the head of ``size`` records, if it came."""
+        line = s.scalar(select(WitnessedWindowRow.line).where(WitnessedWindowRow.run_id == run.id,
+                                                             WitnessedWindowRow.size == size))
+        return WitnessedWindow.from_json(parse_canonical_json(line.encode())) if line else None
+
+    def add_window(self, s: Session, acct, run_id: int, obj: object) -> WitnessedWindowRow:  # noqa: ANN001
+        """Keep a window a witnessed run sent as it trains, once checked (see ``check_arrival``), and note
+        the steps its draw selects (their uploads may then come). The same window again: its row."""
+        run = self._uploading(s, acct, run_id)  # type: ignore[attr-defined]
+        conf = self.witnessed(s.get(Track, run.track))
+        if conf is None:
+            raise ApiError(409, f"run {run_id}'s track takes its online challenges from the server's beacon, not "
+                                "witnessed windows")
+        _lock_run(s, run.id)
+        try:
+            w = WitnessedWindow.from_json(obj)
+        except (MalformedInput, VerificationError, ValueError) as e:
+            raise ApiError(400, f"window: {e}") from None
+        line = canonical_json(w.to_json()).decode()
+        old = s.scalar(select(WitnessedWindowRow).where(WitnessedWindowRow.run_id == run.id,
+                                                        WitnessedWindowRow.size == w.size))
+        if old is not None:
+            if old.line == line:
+                return old
+            raise ApiError(409, f"another window closing at size {w.size} came already")
+        lines = [x.encode() for x in s.scalars(select(LogLine.line).where(LogLine.run_id == run.id,
+                                                                         LogLine.position < w.size)
+                                              .order_by(LogLine.position))]
+        if not lines or len(lines) < w.size:
+            raise ApiError(409, f"the records of the window closing at size {w.size} have not been streamed")
+        try:
+            cosigners, on_time = check_arrival(w, lines, conf, lambda size: self._entered_ms(s, w.run, size))
+        except (MalformedInput, VerificationError, ValueError) as e:
+            raise ApiError(400, f"the window closing at size {w.size} does not verify: {e}") from None
+        row = WitnessedWindowRow(run_id=run.id, size=w.size, round=w.round, line=line, on_time=on_time,
+                                 cosigners_json=json.dumps(cosigners), received_ms=now_ms())
+        s.add(row)
+        try:
+            s.flush()
+        except IntegrityError:
+            s.rollback()
+            raise ApiError(409, f"another window closing at size {w.size} came already") from None
+        planned = run_manifest(s, run.id)["steps_planned"]
+        have = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id)))
+        t = now_ms()
+        s.add_all(OnlineStep(run_id=run.id, step=n, status="selected", selected_ms=t, has_samples=False)
+                  for n in selected_steps(w, run.online_p, planned) if n not in have)  # type: ignore[arg-type]
+        s.commit()
+        return row
+
+    @staticmethod
+    def _entered_ms(s: Session, run: bytes, size: int) -> int | None:
+        """When the operator log took the run's head of ``size`` records."""
+        return s.scalar(select(OperatorEntry.received_ms).where(
+            OperatorEntry.kind == "head", OperatorEntry.run == run.hex(), OperatorEntry.size == size))
+
+    def windows_page(self, s: Session, run: Run) -> list[dict]:
+        """A witnessed run's windows for its page: where each closes, its drand round, who cosigned it in time."""
+        return [{"size": r.size, "round": r.round, "cosigners": json.loads(r.cosigners_json), "on_time": r.on_time,
+                 "received_ms": r.received_ms}
+                for r in s.scalars(select(WitnessedWindowRow).where(WitnessedWindowRow.run_id == run.id)
+                                   .order_by(WitnessedWindowRow.size))]
+
+
+def check_arrival(w: WitnessedWindow, lines: list[bytes], conf: dict, entered_ms) -> tuple[list[str], bool]:  # noqa: ANN001
+    """Check a window against the run's streamed records (``lines``, its manifest first) and the track's
+    trust ``conf``: the run's checkpoint signed by its key and entered in the operator log, the operator
+    checkpoint signed by the log's key, the round its closing record names signed by the drand chain, and
+    K of the track's witnesses cosigning, none dated before the head reached the log (``entered_ms(size)``).
+    Returns the witnesses that cosigned in time to count, and whether K of them did."""
+    run = run_id_of(lines[0])
+    where = f"the window closing at size {w.size}"
+    if not same(w.run, run):
+        raise VerificationError(f"{where} names another run")
+    cp = Checkpoint.parse(parse_note(w.checkpoint).text)
+    log = RunLog(lines[:w.size])
+    if cp.origin != run_origin(run) or cp.size != w.size or cp.extensions or not same(log.root(w.size), cp.root):
+        raise VerificationError(f"{where}: its checkpoint is not this run's streamed log at size {w.size}")
+    closing = parse_canonical_json(lines[w.size - 1]) if w.size >= 2 else {}
+    if not isinstance(closing, dict) or closing.get("round") != w.round:
+        raise VerificationError(f"{where}: the record that closes it names another drand round than {w.round}")
+    chain = ChainInfo.from_json(conf["drand"]["chain"])
+    verify_round(chain, w.round, w.drand_signature)
+    manifest = parse_canonical_json(lines[0])
+    key = bytes.fromhex(manifest["public_key"])  # type: ignore[index]
+    opchain = OperatorChain(OperatorTrust(NoteKey.parse(conf["operator"])), run, key, b"",
+                            lambda size, root: size <= len(log) and same(log.root(size), root), len(lines))
+    note = opchain.window(w, where)
+    entered = entered_ms(w.size)
+    if entered is None:
+        raise VerificationError(f"{where}: the operator log holds no head of the run of that size")
+    due, in_time, cosigned = round_time(chain, w.round), [], 0
+    for vkey in conf["witnesses"]:
+        k = NoteKey.parse(vkey)
+        times = [verify_cosignature(note.text, sig, k) for sig in note.of_key(k)]
+        if not times:
+            continue
+        cosigned += 1
+        if min(times) * 1000 < entered - chain.period * 1000:
+            raise VerificationError(f"{where}: witness {k.name} dated its cosignature {min(times)}, before its head "
+                                    f"reached the operator log ({entered // 1000}): a backdated cosignature")
+        if min(times) + chain.period < due:
+            in_time.append(k.name)
+    if cosigned < conf["quorum"]:
+        raise VerificationError(f"{where} is cosigned by {cosigned} of the {conf['quorum']} witness(es) its track needs")
+    return in_time, len(in_time) >= conf["quorum"]
+
