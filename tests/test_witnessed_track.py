@@ -45,15 +45,17 @@ def outside(tmp_path_factory):
         servers.append(start_uvicorn(witness_app(f"sqlite:///{folder / f'w{i}.db'}", generate_key(),
                                                  name=f"w{i}.example", known=(vkey,))))
     keys = [WitnessClient(s[2]).key.vkey() for s in servers[1:]]
+    witnesses = [s[0].config.app.state.witness for s in servers[1:]]  # (a test may turn one's clock back)
     witnessing = Witnessing(ORIGIN, tuple((f"{s[2]}/api/beacon", k) for s, k in zip(servers[1:], keys, strict=True)),
                             servers[0][2], drand.chain.to_json())
-    yield op_key, witnessing, drand
+    yield op_key, witnessing, witnesses
     for server, thread, _ in servers:
         stop_uvicorn(server, thread)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def server(request, tmp_path, outside):
+    """A leaderboard with the witnessed track, running the operator log the outside witnesses cosign."""
     op_key, witnessing, _ = outside
     settings = make_settings(request.param, tmp_path, tracks=(parse_track(TRACK),), witnessing=witnessing)
     (tmp_path / "store").mkdir()
@@ -165,3 +167,36 @@ def test_a_window_that_does_not_hold_is_refused_on_arrival(server, tmp_path):
         resp = a.post(f"/api/runs/{run_id}/windows", json={"window": bad})
         assert resp.status_code == 400 and why in resp.text, resp.text
     assert a.post(f"/api/runs/{run_id}/windows", json={"window": w}).status_code == 201  # the same again: taken
+
+
+def test_a_cosignature_dated_before_its_head_reached_the_log_is_refused(server, outside, tmp_path):
+    """A witness that backdates its cosignatures (colluding with the trainer) could make a round that
+    was already public count: a verifier elsewhere cannot tell, but the server is the operator and
+    knows when each head reached its log, so the window is refused on arrival and the run stops."""
+    import time
+
+    lb, tc = server
+    backdating = outside[2][0]
+    backdating.clock = lambda: time.time() - 100
+    alice = register(tc, "alice")
+    with pytest.raises(C.BeaconError, match="w1.example dated its cosignature .* a backdated cosignature"):
+        _train(tc, alice, tmp_path / "run")
+    with lb.Session() as s:
+        assert s.scalars(select(WitnessedWindowRow)).all() == [] and s.scalars(select(OnlineStep)).all() == []
+
+
+def test_the_accounts_other_runs_in_the_operator_log_are_priced_as_attempts(server, tmp_path):
+    """A run left uncertified (its draws seen) is an attempt at the next one of the same account, as on
+    the beacon's tracks: the certification reads it from the operator log and takes the bound over both."""
+    lb, tc = server
+    alice = register(tc, "alice")
+    _train(tc, alice, tmp_path / "first")  # abandoned: never submitted
+    run_id = _train(tc, alice, tmp_path / "second")
+    C.submit(Authed(tc, alice.token), tmp_path / "second",
+             C.write_evaluation(tmp_path / "second", alice.key, tmp_path / "eval.json"))
+    assert work(lb, once=True) >= 1
+    while work(lb, once=True):
+        pass
+    r = tc.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "certified", r["reason"]
+    assert r["verdict"]["online"]["attempts"] == 1
