@@ -199,3 +199,39 @@ def test_a_worker_killed_mid_verification_is_replaced_and_the_run_decided_once(t
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_serve_runs_an_operator_log_only_with_its_witnesses_and_drand(tmp_path):
+    import json
+
+    from witness.beacon.drand import LocalDrand
+    from witness.commit.note import COSIGNATURE_V1, NoteKey
+    from witness.commit.signing import generate_key
+    from witness.leaderboard.cli import settings_from
+    from witness.leaderboard.tracks import parse_track
+
+    def settings(*flags: str):
+        return settings_from(build_parser().parse_args(["leaderboard", "serve", "--store", str(tmp_path / "s"), *flags]))
+
+    chain = tmp_path / "chain.json"
+    chain.write_text(json.dumps(LocalDrand(seed=b"\x01" * 32, period=3).chain.to_json()))
+    vkey = NoteKey.of("w1.example", generate_key().public_key(), COSIGNATURE_V1).vkey()
+    w = settings("--operator-origin", "lb.example/log", "--witness", f"http://127.0.0.1:9/w={vkey}",
+                 "--drand", "http://127.0.0.1:9", "--drand-chain", str(chain)).witnessing
+    assert w.origin == "lb.example/log" and w.witnesses == (("http://127.0.0.1:9/w", vkey),) and w.chain["period"] == 3
+    with pytest.raises(ValueError, match="needs the witnesses"):
+        settings("--operator-origin", "lb.example/log", "--drand", "http://127.0.0.1:9", "--drand-chain", str(chain))
+    with pytest.raises(ValueError, match="go with --operator-origin"):
+        settings("--witness", f"http://127.0.0.1:9/w={vkey}")
+    assert settings().witnessing is None
+    # a track naming a witness is refused at start where the server has none of that name (or no log)
+    track = parse_track("t=tiny:steps=20,online=0.5,witnesses=w1.example+w2.example,quorum=1@accuracy+")
+    assert track.witnesses == ("w1.example", "w2.example") and track.quorum == 1
+    with pytest.raises(ValueError, match="w2.example that the server is not configured with"):
+        track.resolve(w)
+    with pytest.raises(ValueError, match="runs no operator log"):
+        track.resolve(None)
+    with pytest.raises(ValueError, match="on a track with online=P"):
+        parse_track("t=tiny:witnesses=w1.example@accuracy+")
+    with pytest.raises(ValueError, match="quorum=K"):
+        parse_track("t=tiny:online=0.5,witnesses=w1.example,quorum=2@accuracy+")
