@@ -26,7 +26,6 @@ from ..beacon.operator import ENTRIES_PAGE, OperatorLog, read_entries
 from ..beacon.operator_db import OperatorEntry
 from ..beacon.witness_client import WitnessClient
 from ..commit.beacon import run_id as run_id_of
-from ..commit.beacon import selected_steps
 from ..commit.cosignature import verify_cosignature
 from ..commit.drand import ChainInfo, round_time, verify_round
 from ..commit.hashing import canonical_json, parse_canonical_json, same
@@ -38,7 +37,7 @@ from ..errors import MalformedInput, VerificationError
 from ..verify.online import WitnessTrust
 from ..verify.operator import OperatorChain, OperatorTrust
 from .common import ApiError, _lock_run
-from .db import LogLine, OnlineStep, Run, Track, WitnessedWindowRow, now_ms, run_manifest
+from .db import LogLine, Run, Track, WitnessedWindowRow, now_ms
 
 _BUILD = threading.Lock()
 
@@ -146,12 +145,7 @@ class WitnessedRuns:
         except IntegrityError:
             s.rollback()
             raise ApiError(409, f"another window closing at size {w.size} came already") from None
-        planned = run_manifest(s, run.id)["steps_planned"]
-        have = set(s.scalars(select(OnlineStep.step).where(OnlineStep.run_id == run.id)))
-        t = now_ms()
-        s.add_all(OnlineStep(run_id=run.id, step=n, status="selected", selected_ms=t, has_samples=False)
-                  for n in selected_steps(w, run.online_p, planned) if n not in have)  # type: ignore[arg-type]
-        s.commit()
+        self._select(s, run, w)  # type: ignore[attr-defined] - its steps, with the row (one commit)
         return row
 
     @staticmethod
