@@ -168,6 +168,20 @@ def test_a_window_that_does_not_hold_is_refused_on_arrival(server, tmp_path):
         assert resp.status_code == 400 and why in resp.text, resp.text
     assert a.post(f"/api/runs/{run_id}/windows", json={"window": w}).status_code == 201  # the same again: taken
 
+    # the operator log takes writes from an account for its own runs only, once their manifest was streamed
+    # here: a stranger registering runs of this run's (public) seed would price it down, and a run that drew
+    # windows before the server knew of it would be an attempt nobody counts
+    manifest = (tmp_path / "run" / "log.jsonl").read_text().splitlines()[0]
+    bob = Authed(tc, register(tc, "bob").token)
+    assert tc.post("/api/operator/runs", json={"manifest": manifest}).status_code == 401
+    for who, body, code in ((bob, manifest, 403), (a, manifest.replace('"steps_planned":20', '"steps_planned":21'), 403),
+                            (a, manifest, 200)):
+        resp = who.post("/api/operator/runs", json={"manifest": body})
+        assert resp.status_code == code, resp.text
+    head = {"run": w["run"], "checkpoint": w["checkpoint"], "old": 0, "proof": []}
+    resp = bob.post("/api/operator/heads", json=head)
+    assert resp.status_code == 403 and "your own runs" in resp.text
+
 
 def test_a_cosignature_dated_before_its_head_reached_the_log_is_refused(server, outside, tmp_path):
     """A witness that backdates its cosignatures (colluding with the trainer) could make a round that

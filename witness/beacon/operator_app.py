@@ -3,9 +3,10 @@ reads its checkpoint, its entries and consistency proofs between its sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, FastAPI, Query
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -39,9 +40,12 @@ class HeadIn(BaseModel):
     proof: list[Annotated[str, Field(pattern=_HEX64)]] = Field(default=[], max_length=MAX_PROOF)
 
 
-def router(log: OperatorLog, prefix: str = PREFIX) -> APIRouter:
+def router(log: OperatorLog, prefix: str = PREFIX,
+           admit: Callable[[Request, str, str], None] | None = None) -> APIRouter:
     """``GET key``, ``POST runs``, ``POST heads`` (answered once a cosigned checkpoint holds the head),
-    ``GET checkpoint``, ``GET entries``, ``GET consistency``."""
+    ``GET checkpoint``, ``GET entries``, ``GET consistency``. ``admit(request, kind, value)`` (kind "run":
+    the manifest; "head": the run's id, hex) raises where the writer may not write (a leaderboard takes
+    only its accounts' own runs)."""
     r = APIRouter(prefix=prefix, tags=["operator"])
 
     @r.get("/key")
@@ -51,14 +55,21 @@ def router(log: OperatorLog, prefix: str = PREFIX) -> APIRouter:
                 "required": log.required}
 
     @r.post("/runs")
-    async def runs(body: RunIn) -> dict:
+    async def runs(body: RunIn, request: Request) -> dict:
         """Register a run (its manifest becomes an entry, before any of its heads)."""
-        return await run_in_threadpool(log.register, body.manifest.encode("utf-8"))
+        def register() -> dict:
+            if admit is not None:
+                admit(request, "run", body.manifest)
+            return log.register(body.manifest.encode("utf-8"))
+
+        return await run_in_threadpool(register)
 
     @r.post("/heads")
-    async def heads(body: HeadIn) -> dict:
+    async def heads(body: HeadIn, request: Request) -> dict:
         """Append a head; the first cosigned checkpoint that holds it, and its inclusion proof there."""
         def append() -> dict:
+            if admit is not None:
+                admit(request, "head", body.run)
             index = log.add_head(body.run, body.checkpoint.encode("utf-8"), body.old,
                                  [bytes.fromhex(h) for h in body.proof])
             return log.cosigned(index)

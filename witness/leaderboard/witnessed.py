@@ -63,6 +63,26 @@ class WitnessedRuns:
                                              clients, w.quorum)
         return self._operator
 
+    def admit_operator(self, authorization: str | None, kind: str, value: str) -> None:
+        """Who may write into the operator log: an account, for its own run of a witnessed track that still
+        trains and whose manifest it streamed here first (``kind`` "run": that manifest; "head": the run's
+        id). Else ``ApiError``: a stranger registering runs of another's seed would price that run down, and
+        a run that drew windows before the server knew it would be no attempt the server can count."""
+        scheme, _, token = (authorization or "").partition(" ")
+        with self.Session() as s:  # type: ignore[attr-defined]
+            acct = self.authenticate(s, token if scheme.lower() == "bearer" else None)  # type: ignore[attr-defined]
+            rows = s.execute(select(LogLine.line, Run.status, Run.track).join(Run, Run.id == LogLine.run_id)
+                             .where(LogLine.position == 0, Run.account_id == acct.id)).all()
+            for line, status, track in rows:
+                if line == value if kind == "run" else run_id_of(line.encode()).hex() == value:
+                    if status != "ticketed":
+                        raise ApiError(409, f"the run is {status}: its log is closed")
+                    if self.witnessed(s.get(Track, track)) is None:
+                        raise ApiError(409, "the run's track takes its online challenges from the server's beacon")
+                    return
+        raise ApiError(403, "the operator log takes only your own runs of witnessed tracks, once their manifest was "
+                            "streamed to POST /api/runs/ID/heads")
+
     @staticmethod
     def witnessed(track: Track) -> dict | None:
         """A track's witnessed trust (its stored JSON), or None for a track of the server's beacon."""
