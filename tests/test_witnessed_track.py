@@ -92,6 +92,7 @@ def test_a_witnessed_run_is_certified_and_its_page_names_its_witnesses_and_round
     assert work(lb, once=True) >= 1  # replayed while the run is open
     r = tc.get(f"/api/runs/{run_id}").json()
     assert r["status"] == "ticketed" and r["online"]["verified"] == len(selected) and r["online"]["failed"] == 0
+    assert r["r"] is None  # (the ticket's r, and so the run seed, is not published while it trains)
     rounds = [w["round"] for w in r["online"]["windows_witnessed"]]
     assert rounds == [w.round for w in windows]
     page = tc.get(f"/runs/{run_id}").text

@@ -123,13 +123,14 @@ def track_json(t: Track) -> dict:
 
 
 def run_json(r: Run, a: Account, t: Track) -> dict:
-    """JSON form of a run (without its verdict)."""
+    """JSON form of a run (without its verdict). Its ticket's r is not shown while it trains: with the
+    data root it gives the run seed, under which anyone could register runs that price this one down."""
     return {"id": r.id, "track": r.track, "account": a.name, "status": r.status, "metric": t.metric,
             "metric_value": r.metric_value, "aggregates": json.loads(r.aggregates_json) if r.aggregates_json else None,
             "bound": r.bound, "challenges_passed": r.challenges_passed,
             "eval_bound": r.eval_bound, "contamination": r.contamination, "data_root": t.data_root,
             "steps": r.steps, "final_root": r.final_root, "final_size": r.final_size,
-            "final_state_hash": r.final_state_hash, "r": r.r, "ticket_ms": r.ticket_ms,
+            "final_state_hash": r.final_state_hash, "r": r.r if r.status != "ticketed" else None, "ticket_ms": r.ticket_ms,
             "submitted_ms": r.submitted_ms, "decided_ms": r.decided_ms, "reason": r.reason,
             "bundle_sha256": r.bundle_sha256, "bundle_bytes": r.bundle_bytes, "title": r.title,
             "description": r.description, "code_url": r.code_url,
