@@ -41,11 +41,11 @@ class HeadIn(BaseModel):
 
 
 def router(log: OperatorLog, prefix: str = PREFIX,
-           admit: Callable[[Request, str, str], None] | None = None) -> APIRouter:
+           admit: Callable[[Request, str, RunIn | HeadIn], None] | None = None) -> APIRouter:
     """``GET key``, ``POST runs``, ``POST heads`` (answered once a cosigned checkpoint holds the head),
-    ``GET checkpoint``, ``GET entries``, ``GET consistency``. ``admit(request, kind, value)`` (kind "run":
-    the manifest; "head": the run's id, hex) raises where the writer may not write (a leaderboard takes
-    only its accounts' own runs)."""
+    ``GET checkpoint``, ``GET entries``, ``GET consistency``. ``admit(request, kind, body)`` (kind "run" or
+    "head") raises where the writer may not write (a leaderboard takes only its accounts' own runs, and
+    only the heads they streamed to it)."""
     r = APIRouter(prefix=prefix, tags=["operator"])
 
     @r.get("/key")
@@ -59,7 +59,7 @@ def router(log: OperatorLog, prefix: str = PREFIX,
         """Register a run (its manifest becomes an entry, before any of its heads)."""
         def register() -> dict:
             if admit is not None:
-                admit(request, "run", body.manifest)
+                admit(request, "run", body)
             return log.register(body.manifest.encode("utf-8"))
 
         return await run_in_threadpool(register)
@@ -69,7 +69,7 @@ def router(log: OperatorLog, prefix: str = PREFIX,
         """Append a head; the first cosigned checkpoint that holds it, and its inclusion proof there."""
         def append() -> dict:
             if admit is not None:
-                admit(request, "head", body.run)
+                admit(request, "head", body)
             index = log.add_head(body.run, body.checkpoint.encode("utf-8"), body.old,
                                  [bytes.fromhex(h) for h in body.proof])
             return log.cosigned(index)

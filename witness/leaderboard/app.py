@@ -290,8 +290,9 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     # the online-challenge beacon, the same code as `witness beacon serve`, signing with the server key
     app.include_router(beacon_router(lb.beacon, lb.Session))
     if lb.settings.witnessing is not None:  # the operator log of its witnessed tracks' runs (this process appends)
-        app.include_router(operator_router(lb.operator_log(), admit=lambda request, kind, value: lb.admit_operator(
-            request.headers.get("authorization"), kind, value)))
+        app.include_router(operator_router(lb.operator_log(), admit=lambda request, kind, body: lb.admit_operator(
+            request.headers.get("authorization"), body.manifest if kind == "run" else None,
+            (body.run, body.checkpoint) if kind == "head" else None)))
     install_beacon_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_JSON_BODY,
                        exempt=("/api/submissions", r"/api/runs/[0-9]+/online/(states|samples|chunks)/[0-9]+"))

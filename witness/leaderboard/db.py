@@ -117,7 +117,7 @@ class Head(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
     size: Mapped[int] = mapped_column(Integer)
-    root: Mapped[str] = mapped_column(String(64))
+    root: Mapped[str] = mapped_column(String(64), index=True)  # (a run's id is its first head's root)
     head_json: Mapped[str] = mapped_column(Text)
     received_ms: Mapped[int] = mapped_column(BigInteger)
 

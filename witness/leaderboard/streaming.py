@@ -23,6 +23,7 @@ from ..commit.signing import (
     SignedTreeHead,
     public_key_from_hex,
 )
+from ..data.order import derive_run_seed
 from ..errors import VerificationError
 from ..store import Upload, online_key
 from . import queue
@@ -350,6 +351,9 @@ class StreamedRuns:
             raise ApiError(400, f"track {track.name!r} draws its online challenges from "
                                 + (f"the drand chain {chain}, through its witnesses" if chain else "this server's beacon")
                                 + f", and the run's manifest names {online.get('drand') or 'the beacon'}")
+        if m.get("run_seed") != derive_run_seed(bytes.fromhex(track.data_root), bytes.fromhex(run.r)).hex():
+            # (a run seed of another's run would have this run counted among that one's attempts)
+            raise ApiError(400, "the run's seed is not H(data root || r) of its ticket")
 
     def heads(self, s: Session, run_id: int) -> list[Head]:
         """The heads streamed for a run, in order."""

@@ -37,7 +37,7 @@ from ..errors import MalformedInput, VerificationError
 from ..verify.online import WitnessTrust
 from ..verify.operator import OperatorChain, OperatorTrust
 from .common import ApiError, _lock_run
-from .db import LogLine, Run, Track, WitnessedWindowRow, now_ms
+from .db import Head, LogLine, Run, Track, WitnessedWindowRow, now_ms
 
 _BUILD = threading.Lock()
 
@@ -63,25 +63,37 @@ class WitnessedRuns:
                                              clients, w.quorum)
         return self._operator
 
-    def admit_operator(self, authorization: str | None, kind: str, value: str) -> None:
+    def admit_operator(self, authorization: str | None, manifest: str | None,
+                       head: tuple[str, str] | None) -> None:
         """Who may write into the operator log: an account, for its own run of a witnessed track that still
-        trains and whose manifest it streamed here first (``kind`` "run": that manifest; "head": the run's
-        id). Else ``ApiError``: a stranger registering runs of another's seed would price that run down, and
-        a run that drew windows before the server knew it would be no attempt the server can count."""
+        trains, whose manifest it streamed here first (``manifest``: a registration), and only a head it
+        streamed here (``head``: the run's id, hex, and the checkpoint note). Else ``ApiError``: a stranger
+        registering runs of another's seed would price that run down, a run that drew windows before the
+        server knew it would be no attempt the server counts, and heads the server never received would
+        grow the log every worker reads (and every witness is asked to cosign)."""
         scheme, _, token = (authorization or "").partition(" ")
         with self.Session() as s:  # type: ignore[attr-defined]
             acct = self.authenticate(s, token if scheme.lower() == "bearer" else None)  # type: ignore[attr-defined]
-            rows = s.execute(select(LogLine.line, Run.status, Run.track).join(Run, Run.id == LogLine.run_id)
-                             .where(LogLine.position == 0, Run.account_id == acct.id)).all()
-            for line, status, track in rows:
-                if line == value if kind == "run" else run_id_of(line.encode()).hex() == value:
-                    if status != "ticketed":
-                        raise ApiError(409, f"the run is {status}: its log is closed")
-                    if self.witnessed(s.get(Track, track)) is None:
-                        raise ApiError(409, "the run's track takes its online challenges from the server's beacon")
-                    return
-        raise ApiError(403, "the operator log takes only your own runs of witnessed tracks, once their manifest was "
-                            "streamed to POST /api/runs/ID/heads")
+            # a run's id is the root of its first streamed head (the manifest's leaf): one row, found by index
+            rid = run_id_of(manifest.encode()).hex() if manifest is not None else head[0]  # type: ignore[index]
+            run = s.scalar(select(Run).join(Head, Head.run_id == Run.id).where(
+                Head.size == 1, Head.root == rid, Run.account_id == acct.id))
+            if run is None:
+                raise ApiError(403, "the operator log takes only your own runs of witnessed tracks, once their manifest "
+                                    "was streamed to POST /api/runs/ID/heads")
+            if run.status != "ticketed":
+                raise ApiError(409, f"run {run.id} is {run.status}: its log is closed")
+            if self.witnessed(s.get(Track, run.track)) is None:
+                raise ApiError(409, f"run {run.id}'s track takes its online challenges from the server's beacon")
+            if head is not None:
+                try:
+                    cp = Checkpoint.parse(parse_note(head[1].encode()).text)
+                except (MalformedInput, ValueError) as e:
+                    raise ApiError(400, f"head: {e}") from None
+                if s.scalar(select(Head.id).where(Head.run_id == run.id, Head.size == cp.size,
+                                                  Head.root == cp.root.hex())) is None:
+                    raise ApiError(409, f"the run's head of size {cp.size} (that root) was not streamed to POST "
+                                        f"/api/runs/{run.id}/heads first")
 
     @staticmethod
     def witnessed(track: Track) -> dict | None:
@@ -95,10 +107,9 @@ class WitnessedRuns:
         conf = self.witnessed(s.get(Track, run.track))
         if conf is None:
             return None
-        others = frozenset(run_id_of(line.encode()) for line in s.scalars(
-            select(LogLine.line).join(Run, Run.id == LogLine.run_id).where(
-                LogLine.position == 0, Run.account_id == run.account_id, Run.id != run.id,
-                Run.status != "certified")))
+        others = frozenset(bytes.fromhex(root) for root in s.scalars(  # (a run's id: its first head's root)
+            select(Head.root).join(Run, Run.id == Head.run_id).where(
+                Head.size == 1, Run.account_id == run.account_id, Run.id != run.id, Run.status != "certified")))
         sessions = self.Session  # type: ignore[attr-defined]
 
         def entries(start: int) -> list[bytes]:

@@ -15,9 +15,11 @@ depends_on = None
 
 
 def upgrade() -> None:
-    """Add tracks.witnessed_json; create witnessed_windows, operator_entries and operator_checkpoints."""
+    """Add tracks.witnessed_json and an index on heads.root; create witnessed_windows, operator_entries and
+    operator_checkpoints."""
     with op.batch_alter_table("tracks") as t:
         t.add_column(sa.Column("witnessed_json", sa.Text(), nullable=True))
+    op.create_index("ix_heads_root", "heads", ["root"])  # a run found by its id (its first head's root)
     op.create_table(
         "witnessed_windows",
         sa.Column("id", sa.Integer(), primary_key=True),
@@ -52,6 +54,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     """Drop them."""
+    op.drop_index("ix_heads_root", "heads")
     for table in ("operator_checkpoints", "operator_entries", "witnessed_windows"):
         op.drop_table(table)
     with op.batch_alter_table("tracks") as t:
