@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs (Debian packages) and starts what the test suite needs beyond Python:
 # a PostgreSQL 15 server on loopback with a test database, an S3-compatible object store
-# (SeaweedFS, from the dev dependencies) on loopback, and Chromium for the browser test.
+# (SeaweedFS, from the dev dependencies) on loopback, Chromium for the browser test, and
+# bubblewrap, the sandbox that runs submitted code.
 # Idempotent: a machine that already has both running only gets its test database checked.
 set -euo pipefail
 
@@ -14,6 +15,7 @@ need=()
 command -v chromium >/dev/null || need+=(chromium)
 command -v curl >/dev/null || need+=(curl)
 command -v pkill >/dev/null || need+=(procps)
+command -v bwrap >/dev/null || need+=(bubblewrap)  # the sandbox that runs submitted code (witness.sandbox)
 [ -x /usr/lib/postgresql/15/bin/postgres ] || need+=(postgresql-15)
 if [ ${#need[@]} -gt 0 ]; then
   sudo_=""

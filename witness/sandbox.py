@@ -1,0 +1,177 @@
+"""Running code that someone else wrote: Debian's bubblewrap (``bwrap``) with no network, a read-only
+system, one scratch folder, and limits on CPU time, memory, file size, processes and wall time.
+
+What the sandbox stops: the code sees no network (its own empty network namespace), no file of the
+host but the read-only system folders, the Python it runs on and the folders it is given read-only
+(never the server's database, store, keys or other runs, which are not mounted), and writes only into
+its scratch folder and a small private ``/tmp``. It runs as an unprivileged user in its own user, PID,
+IPC and UTS namespaces (its user maps to the one that started it, so it writes its scratch folder and
+nothing that is not mounted writable), in a session of its own; it dies with its parent. A process group that forks
+without end meets the pids limit (a cgroup of its own), one that allocates without end meets the
+address-space limit, one that spins meets the CPU-time limit, and one that sleeps meets the wall-time
+limit, after which the whole sandbox is killed. What it returns is only its exit status and what it
+wrote to stdout (bounded) and to the scratch folder: a caller must treat those as untrusted input.
+
+What it does not stop: a kernel exploit (bubblewrap is a namespace sandbox, not a VM), reading the
+read-only system folders (nothing secret belongs there), and using its whole CPU and memory allowance.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+NOBODY = 65534
+SYSTEM = ("/usr", "/bin", "/lib", "/lib64", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl/certs")
+PIDS_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
+
+
+class SandboxError(Exception):
+    """The sandbox could not be set up here (no bwrap, no pids cgroup): nothing was run."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandboxed command may use."""
+
+    cpu_seconds: int = 600
+    memory_bytes: int = 4 << 30  # address space of each process
+    file_bytes: int = 1 << 30  # the largest file it may write
+    processes: int = 64  # tasks (processes and threads) alive at once
+    wall_seconds: float = 900.0
+    output_bytes: int = 1 << 20  # stdout kept (the rest is dropped); stderr likewise
+
+
+@dataclass(frozen=True)
+class Result:
+    """How a sandboxed command ended: its exit status (negative: killed by that signal), whether the
+    wall-time limit killed it, and what it printed (at most ``Limits.output_bytes`` each)."""
+
+    returncode: int
+    timed_out: bool
+    stdout: bytes
+    stderr: bytes
+    seconds: float
+
+
+def bwrap() -> str:
+    """The bubblewrap binary (``scripts/services.sh`` installs Debian's ``bubblewrap``)."""
+    found = shutil.which("bwrap")
+    if found is None:
+        raise SandboxError("bubblewrap (bwrap) is not installed: run scripts/services.sh (Debian's bubblewrap)")
+    return found
+
+
+def _pids_cgroup(limit: int) -> Path:
+    """A fresh cgroup with a pids limit (v1's pids controller or v2's), which this process may write."""
+    for root in PIDS_ROOTS:
+        if not (root / "cgroup.procs").exists():
+            continue
+        group = root / f"witness-sandbox-{uuid.uuid4().hex[:12]}"
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            (group / "pids.max").write_text(str(limit))
+            return group
+        except OSError:
+            group.rmdir()
+    raise SandboxError("no pids cgroup can be made here (the sandbox's limit on processes needs one): run the "
+                       "workers as root, or where /sys/fs/cgroup is writable")
+
+
+def _drop_cgroup(group: Path) -> None:
+    """Kill what is left in ``group`` and remove it."""
+    for _ in range(50):
+        pids = [int(p) for p in (group / "cgroup.procs").read_text().split()] if group.exists() else []
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+    try:
+        group.rmdir()
+    except OSError:
+        pass
+
+
+def command(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = ()) -> list[str]:
+    """The bwrap command line that runs ``argv`` in ``scratch`` (mounted at itself, writable), with
+    ``readonly`` folders and the Python this process runs on mounted read-only."""
+    args = [bwrap(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(NOBODY), "--gid",
+            str(NOBODY), "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME",
+            str(scratch), "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--proc", "/proc", "--dev", "/dev",
+            "--tmpfs", "/tmp"]
+    python = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), Path(sys.executable).resolve().parent}
+    for path in [*SYSTEM, *sorted(str(p) for p in python), *(str(Path(p).resolve()) for p in readonly)]:
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    scratch = scratch.resolve()
+    args += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch), "--", *argv]
+    return args
+
+
+def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limits: Limits = Limits(),
+        stdin: bytes = b"") -> Result:
+    """Run ``argv`` in the sandbox, its scratch folder ``scratch`` (made if missing). Never raises for what
+    the command does: only ``SandboxError`` where no sandbox can be made."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    args = command(argv, scratch, readonly)
+    group = _pids_cgroup(limits.processes)
+
+    def limit() -> None:  # in the child, before bwrap: the limits hold for everything it starts
+        with open(group / "cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+        for what, value in ((resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, limits.memory_bytes),
+                            (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(what, (value, value))
+
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=limit, start_new_session=True)
+        # its output is read as it comes and kept only up to the bound: a flood of it costs nothing here
+        kept = [bytearray(), bytearray()]
+        readers = [threading.Thread(target=_drain, args=(pipe, buf, limits.output_bytes), daemon=True)
+                   for pipe, buf in zip((proc.stdout, proc.stderr), kept, strict=True)]
+        for t in readers:
+            t.start()
+        try:
+            proc.stdin.write(stdin)  # type: ignore[union-attr]
+            proc.stdin.close()  # type: ignore[union-attr]
+        except BrokenPipeError:
+            pass
+        timed_out = False
+        try:
+            proc.wait(timeout=limits.wall_seconds)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            _drop_cgroup(group)
+            proc.wait()
+        for t in readers:
+            t.join(5)
+    finally:
+        _drop_cgroup(group)
+    return Result(proc.returncode, timed_out, bytes(kept[0]), bytes(kept[1]), time.monotonic() - started)
+
+
+def _drain(pipe, buf: bytearray, limit: int) -> None:  # noqa: ANN001 - a binary pipe
+    """Read ``pipe`` to its end, keeping its first ``limit`` bytes in ``buf``."""
+    while chunk := pipe.read1(1 << 16):
+        if len(buf) < limit:
+            buf += chunk[:limit - len(buf)]
