@@ -29,6 +29,7 @@ from ..store import (
 )
 from ..verify.kept import MAX_SAMPLES_JSON
 from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
+from . import board
 from .db import Account, Head, Track
 from .deps import DB, Acct, RunId
 from .online import online_progress
@@ -262,6 +263,27 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     def server_key() -> dict:
         """The public key this server signs its decisions with (raw hex and PEM)."""
         return {"public_key": lb.public_key, "pem": public_pem(lb.key.public_key())}
+
+    @app.get("/api/board/checkpoint", tags=["certification"])
+    def board_checkpoint(s: DB) -> Response:
+        """The latest checkpoint of the board's own history (every decision an entry), signed by the server
+        as a C2SP signed note; keep it, and check the next against it (``witness leaderboard check-board``)."""
+        return Response(board.checkpoint(s, lb.key, lb.public_key), media_type="text/plain")
+
+    @app.get("/api/board/entries", tags=["certification"])
+    def board_entries(s: DB, start: Annotated[int, Query(ge=0, le=2**62)] = 0,
+                      count: Annotated[int, Query(ge=1, le=board.PAGE)] = board.PAGE) -> dict:
+        """The board's entries from ``start`` (canonical JSON, in order)."""
+        return {"start": start, "entries": board.entries(s, start, count)}
+
+    @app.get("/api/board/consistency", tags=["certification"])
+    def board_consistency(s: DB, old: Annotated[int, Query(ge=1, le=2**62)],
+                          new: Annotated[int, Query(ge=1, le=2**62)]) -> dict:
+        """A consistency proof between two sizes of the board's history."""
+        try:
+            return {"old": old, "new": new, "proof": board.consistency(s, old, new)}
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
 
     @app.get("/api/runs/{run_id}/certification", tags=["certification"])
     def certification(run_id: RunId, s: DB) -> dict:

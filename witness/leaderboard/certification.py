@@ -20,6 +20,7 @@ from .. import __version__
 from ..commit.dsse import PREDICATE_BASE, envelope, open_envelope, statement
 from ..commit.hashing import canonical_json, load_json
 from ..errors import MalformedInput, VerificationError
+from .board import append_decision
 
 PREDICATE_TYPE = f"{PREDICATE_BASE}/leaderboard-certification/v1"
 MAX_CERTIFICATION_BYTES = 16 * 1024 * 1024
@@ -156,6 +157,7 @@ def record_decision(lb, s, run, rnd=None, verdict=None, bundle=None, subjects=No
         verdict=summary, evaluation=evaluation, decided_ms=run.decided_ms or 0)
     text = sign_decision(lb.key, subjects, predicate)
     run.statement = text
+    append_decision(s, run, text)  # and an entry of the board's own history, which readers check
     if rnd is not None:
         rnd.statement = text
     return text

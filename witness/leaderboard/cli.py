@@ -310,6 +310,24 @@ def cmd_verify_certification(args: argparse.Namespace) -> int:
     return 0 if cert.accepted else 1
 
 
+def cmd_check_board(args: argparse.Namespace) -> int:
+    """Check a leaderboard's own history: signed by its key, rebuilt from its entries, and consistent with
+    the checkpoint kept from the last check (``--keep``, then replaced by this one)."""
+    from ..commit.signing import read_public_key
+    from .board import fetch_and_check
+    from .client import connect
+
+    keep = Path(args.keep) if args.keep else None
+    kept = keep.read_bytes() if keep is not None and keep.exists() else None
+    with connect(args.leaderboard) as c:
+        note, cp = fetch_and_check(c, read_public_key(args.server_key), kept)
+    if keep is not None:
+        keep.write_bytes(note)
+    print(f"the board's history: {cp.size} entries, root {cp.root.hex()}, signed by the server"
+          + (", consistent with the kept checkpoint" if kept else ""))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """A fresh local leaderboard with real certified runs and one rejected run."""
     from .demo import run_demo
@@ -399,4 +417,10 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     vc.add_argument("--model", help="also check that the decision names this released model file")
     vc.add_argument("--json", action="store_true", help="print the decision as one JSON object")
     vc.set_defaults(func=cmd_verify_certification)
+    cb = lsub.add_parser("check-board", help="check a leaderboard's own history: every decision an entry, none "
+                                              "edited or removed since the checkpoint kept (0 holds, 1 not)")
+    cb.add_argument("leaderboard", metavar="URL", help="the leaderboard's address")
+    cb.add_argument("--server-key", required=True, help="the server's public key: raw hex or PEM, or a file")
+    cb.add_argument("--keep", metavar="FILE", help="the checkpoint kept from the last check (replaced by this one)")
+    cb.set_defaults(func=cmd_check_board)
 

@@ -192,6 +192,16 @@ class WitnessedWindowRow(Base):
     received_ms: Mapped[int] = mapped_column(BigInteger)
 
 
+class BoardEntry(Base):
+    """One entry of the board's own history (a decision, a revocation), in order: an append-only log whose
+    checkpoints the server signs (``witness.leaderboard.board``)."""
+
+    __tablename__ = "board_entries"
+    index: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    entry: Mapped[str] = mapped_column(Text)  # canonical JSON
+    made_ms: Mapped[int] = mapped_column(BigInteger)
+
+
 class Job(Base):
     """A unit of verification work in the queue: certify a submission, or re-challenge a run."""
 
