@@ -11,14 +11,13 @@ shows as a checkpoint that is not consistent with the kept one (``check_board``)
 from __future__ import annotations
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from ..commit.hashing import canonical_json, leaf_hash, same, sha256
 from ..commit.merkle import MerkleTree, verify_consistency
 from ..commit.note import Checkpoint, Note, NoteKey, parse_note, sign_note, verify_note_signature
 from ..errors import MalformedInput, VerificationError
-from .common import _lock_writes
 from .db import BoardEntry, Run, now_ms
 
 PAGE = 1000  # entries a request reads at most
@@ -37,7 +36,12 @@ def board_key(public_key: str) -> NoteKey:
 def append_decision(s: Session, run: Run, envelope_text: str) -> int:
     """Append the run's decision (in the caller's transaction): its status, bound and the SHA-256 of the
     signed decision it was published as. The index of the entry."""
-    _lock_writes(s)  # one writer at a time: an entry's index is the number written before it
+    # one writer at a time: an entry's index is the number written before it (the table's own lock on
+    # PostgreSQL, taken by no other path; SQLite's database-wide write lock)
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(text("LOCK TABLE board_entries IN SHARE ROW EXCLUSIVE MODE"))
+    else:
+        s.execute(text("UPDATE board_entries SET made_ms = made_ms WHERE 0"))
     index = int(s.scalar(select(func.count()).select_from(BoardEntry)) or 0)
     entry = {"type": "decision", "run": run.id, "track": run.track, "decision": run.status, "bound": run.bound,
              "metric_value": run.metric_value, "decision_sha256": sha256(envelope_text.encode()).hex()}
