@@ -12,7 +12,6 @@ from fastapi.responses import HTMLResponse, Response
 from jinja2 import Environment
 from sqlalchemy import func, select
 
-from ..commit.note import Checkpoint, parse_note
 from ..evals.evaluate import verify_eval
 from ..report import FINGERPRINT_CAPTION
 from . import board
@@ -76,8 +75,7 @@ def add_pages(app: FastAPI, lb: Leaderboard, html: Callable[..., HTMLResponse], 
     def index(s: DB) -> HTMLResponse:
         counts = dict(s.execute(select(Run.track, func.count()).where(Run.status == "certified").group_by(Run.track)).all())
         ts = list(s.scalars(select(Track).order_by(Track.name)))
-        latest = Checkpoint.parse(parse_note(board.checkpoint(s, lb.key, lb.public_key).encode()).text)
-        return html("index.html", tracks=ts, counts=counts, server_key=lb.public_key, board=latest)
+        return html("index.html", tracks=ts, counts=counts, server_key=lb.public_key, board=board.tree(s))
 
     @app.get("/tracks/{name}", response_class=HTMLResponse, include_in_schema=False)
     def track_page(name: str, s: DB, sort: str = "metric", order: str | None = None,

@@ -26,7 +26,6 @@ from ..beacon.operator import ENTRIES_PAGE, OperatorLog, read_entries
 from ..beacon.operator_db import OperatorEntry
 from ..beacon.witness_client import WitnessClient
 from ..commit.beacon import run_id as run_id_of
-from ..commit.cosignature import verify_cosignature
 from ..commit.drand import ChainInfo, round_time, verify_round
 from ..commit.hashing import canonical_json, parse_canonical_json, same
 from ..commit.log import RunLog
@@ -34,7 +33,7 @@ from ..commit.note import Checkpoint, NoteKey, parse_note, run_origin
 from ..commit.signing import load_or_create_key
 from ..commit.window import WitnessedWindow
 from ..errors import MalformedInput, VerificationError
-from ..verify.online import WitnessTrust
+from ..verify.online import WitnessTrust, earliest_cosignatures
 from ..verify.operator import OperatorChain, OperatorTrust
 from .common import ApiError, _lock_run
 from .db import Head, LogLine, Run, Track, WitnessedWindowRow, now_ms
@@ -220,19 +219,14 @@ def check_arrival(w: WitnessedWindow, lines: list[bytes], conf: dict, entered_ms
     entered = entered_ms(w.size)
     if entered is None:
         raise VerificationError(f"{where}: the operator log holds no head of the run of that size")
-    due, in_time, cosigned = round_time(chain, w.round), [], 0
-    for vkey in conf["witnesses"]:
-        k = NoteKey.parse(vkey)
-        times = [verify_cosignature(note.text, sig, k) for sig in note.of_key(k)]
-        if not times:
-            continue
-        cosigned += 1
-        if min(times) * 1000 < entered - chain.period * 1000:
-            raise VerificationError(f"{where}: witness {k.name} dated its cosignature {min(times)}, before its head "
+    due = round_time(chain, w.round)
+    times = earliest_cosignatures(note, [NoteKey.parse(v) for v in conf["witnesses"]])
+    for name, t in times.items():
+        if t * 1000 < entered - chain.period * 1000:
+            raise VerificationError(f"{where}: witness {name} dated its cosignature {t}, before its head "
                                     f"reached the operator log ({entered // 1000}): a backdated cosignature")
-        if min(times) + chain.period < due:
-            in_time.append(k.name)
-    if cosigned < conf["quorum"]:
-        raise VerificationError(f"{where} is cosigned by {cosigned} of the {conf['quorum']} witness(es) its track needs")
+    if len(times) < conf["quorum"]:
+        raise VerificationError(f"{where} is cosigned by {len(times)} of the {conf['quorum']} witness(es) its track "
+                                "needs")
+    in_time = [name for name, t in times.items() if t + chain.period < due]
     return in_time, len(in_time) >= conf["quorum"]
-

@@ -9,6 +9,7 @@ audit could not see.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..bundle.reader import Bundle
@@ -17,7 +18,7 @@ from ..commit.beacon import SEED_PRICED_VERSION, BeaconStatement, run_id, select
 from ..commit.cosignature import verify_cosignature, verify_witness_note
 from ..commit.drand import ChainInfo, round_time, verify_round
 from ..commit.hashing import parse_canonical_json, same
-from ..commit.note import Checkpoint, NoteKey, parse_note, run_origin
+from ..commit.note import Checkpoint, Note, NoteKey, parse_note, run_origin
 from ..commit.signing import key_fingerprint, public_hex, public_key_from_hex
 from ..commit.window import WitnessedWindow, head_sizes, parse_statement
 from ..errors import MalformedInput, VerificationError
@@ -334,17 +335,23 @@ def _check_window(bundle: Bundle, w: WitnessedWindow, trust: WitnessTrust, origi
         raise VerificationError(f"{where} came through an operator's log, and the verifier pins none (--operator)",
                                 check="witness")
     due = round_time(trust.chain, w.round)
-    cosigned = in_time = 0
-    for key in trust.witnesses:
-        times = [verify_cosignature(note.text, sig, key) for sig in note.of_key(key)]  # a bad line: raises
-        if times:
-            cosigned += 1
-            # the earliest: the witness held this checkpoint then, whatever it signed again later
-            in_time += min(times) + trust.chain.period < due
-    if cosigned < trust.required:
-        raise VerificationError(f"{where} is cosigned by {cosigned} of the {trust.required} named witness(es) the "
+    times = earliest_cosignatures(note, trust.witnesses)
+    if len(times) < trust.required:
+        raise VerificationError(f"{where} is cosigned by {len(times)} of the {trust.required} named witness(es) the "
                                 "verifier requires", check="witness")
-    return in_time >= trust.required
+    return sum(t + trust.chain.period < due for t in times.values()) >= trust.required
+
+
+def earliest_cosignatures(note: Note, keys: Iterable[NoteKey]) -> dict[str, int]:
+    """Each key's earliest cosignature time on ``note``, by its name (a key with none is left out): the witness
+    held the checkpoint then, whatever it signed again later. A line of one of ``keys`` that does not verify
+    raises."""
+    out = {}
+    for key in keys:
+        times = [verify_cosignature(note.text, sig, key) for sig in note.of_key(key)]
+        if times:
+            out[key.name] = min(times)
+    return out
 
 
 def _attempts(w: WitnessedWindow, trust: WitnessTrust, origin: str,
