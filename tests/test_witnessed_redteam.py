@@ -25,14 +25,17 @@ def test_hiding_an_on_time_cosignature_does_not_hide_a_draw(honest, loop, tmp_pa
     objs = windows(out)
     n = sum(1 for _ in (out / "log.jsonl").open("rb")) - 2
     hit = None
-    for i, o in enumerate(objs):
-        w = WitnessedWindow.from_json(o)
+    parsed = [WitnessedWindow.from_json(o) for o in objs]
+    drawn = {t for w in parsed for t in selected_steps(w, 0.25, n)}
+    for i, w in enumerate(parsed):
         sel = selected_steps(w, 0.25, n)
         # a step whose start state is a kept online state and not a checkpoint (which replay would start
         # from: a selected step's state is kept even where a checkpoint holds it, and the window's draw
-        # comes from a drand round, so which steps it selects differs from run to run)
-        if any((out / online_state_name(t)).exists() and not (out / checkpoint_name(t)).exists() for t in sel) \
-                and not w.final:
+        # comes from a drand round, so which steps it selects differs from run to run), and whose step
+        # before is drawn by no window (replay of that step would reach this one's start state, checked
+        # against its committed hash, and go on from it without the file)
+        if any((out / online_state_name(t)).exists() and not (out / checkpoint_name(t)).exists()
+               and t - 1 not in drawn for t in sel) and not w.final:
             hit = i, w, sel
             break
     assert hit is not None, "no window of the honest run selects a step with a kept state"
