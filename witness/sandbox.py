@@ -22,6 +22,7 @@ import os
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from pathlib import Path
 
 NOBODY = 65534
 SYSTEM = ("/usr", "/bin", "/lib", "/lib64", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl/certs")
+TMP_BYTES = 64 << 20  # the sandbox's private /tmp
 PIDS_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
 
 
@@ -109,28 +111,39 @@ def _drop_cgroup(group: Path) -> None:
         pass
 
 
-def command(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = ()) -> list[str]:
-    """The bwrap command line that runs ``argv`` in ``scratch`` (mounted at itself, writable), with
-    ``readonly`` folders and the Python this process runs on mounted read-only."""
+def command(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (),
+            env: dict[str, str] | None = None, scratch_bytes: int | None = None) -> list[str]:
+    """The bwrap command line that runs ``argv`` in ``scratch`` (mounted at itself, writable; or, with
+    ``scratch_bytes``, a tmpfs of that size at that path, which the host never sees), with ``readonly``
+    folders and the Python this process runs on mounted read-only, and only ``env`` (besides PATH and
+    HOME) in its environment."""
     args = [bwrap(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(NOBODY), "--gid",
             str(NOBODY), "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME",
             str(scratch), "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--proc", "/proc", "--dev", "/dev",
-            "--tmpfs", "/tmp"]
+            "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
+    for name, value in sorted((env or {}).items()):
+        args += ["--setenv", name, value]
     python = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), Path(sys.executable).resolve().parent}
     for path in [*SYSTEM, *sorted(str(p) for p in python), *(str(Path(p).resolve()) for p in readonly)]:
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
     scratch = scratch.resolve()
-    args += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch), "--", *argv]
+    if scratch_bytes is None:
+        args += ["--bind", str(scratch), str(scratch)]
+    else:
+        args += ["--size", str(scratch_bytes), "--tmpfs", str(scratch)]
+    # the sandbox's root and /dev are tmpfs too, which it could otherwise fill without end (memory, not
+    # disk): read-only once everything is mounted
+    args += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", str(scratch), "--", *argv]
     return args
 
 
-def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limits: Limits = Limits(),
-        stdin: bytes = b"") -> Result:
-    """Run ``argv`` in the sandbox, its scratch folder ``scratch`` (made if missing). Never raises for what
-    the command does: only ``SandboxError`` where no sandbox can be made."""
-    scratch.mkdir(parents=True, exist_ok=True)
-    args = command(argv, scratch, readonly)
+def _spawn(argv: Sequence[str], scratch: Path, readonly: Sequence[Path], limits: Limits,
+           env: dict[str, str] | None = None, scratch_bytes: int | None = None) -> tuple[subprocess.Popen, Path]:
+    """Start ``argv`` in the sandbox (its limits set in the child before bwrap), and its pids cgroup."""
+    if scratch_bytes is None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    args = command(argv, scratch, readonly, env, scratch_bytes)
     group = _pids_cgroup(limits.processes)
 
     def limit() -> None:  # in the child, before bwrap: the limits hold for everything it starts
@@ -140,10 +153,22 @@ def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limit
                             (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(what, (value, value))
 
-    started = time.monotonic()
     try:
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 preexec_fn=limit, start_new_session=True)
+    except BaseException:
+        _drop_cgroup(group)
+        raise
+    return proc, group
+
+
+def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limits: Limits = Limits(),
+        stdin: bytes = b"") -> Result:
+    """Run ``argv`` in the sandbox, its scratch folder ``scratch`` (made if missing). Never raises for what
+    the command does: only ``SandboxError`` where no sandbox can be made."""
+    started = time.monotonic()
+    proc, group = _spawn(argv, scratch, readonly, limits)
+    try:
         # its output is read as it comes and kept only up to the bound: a flood of it costs nothing here
         kept = [bytearray(), bytearray()]
         readers = [threading.Thread(target=_drain, args=(pipe, buf, limits.output_bytes), daemon=True)
@@ -168,6 +193,95 @@ def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limit
     finally:
         _drop_cgroup(group)
     return Result(proc.returncode, timed_out, bytes(kept[0]), bytes(kept[1]), time.monotonic() - started)
+
+
+class Conversation:
+    """A sandboxed process spoken to in frames: a request (a header and a payload) on its stdin, one
+    answer frame back on its stdout, each awaited at most ``timeout`` seconds and read only up to
+    ``frame_bytes``. Its scratch folder is a tmpfs of ``scratch_bytes`` of its own (nothing it writes
+    reaches the host's disk or is read back: only its answers cross). Its stderr is kept (bounded) for
+    the reason a failed process gives. ``close`` (or leaving the ``with`` block) kills it and all it
+    started. A frame is two 8-byte big-endian lengths, then the header's and the payload's bytes."""
+
+    def __init__(self, argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limits: Limits = Limits(),
+                 env: dict[str, str] | None = None, frame_bytes: int = 1 << 30, scratch_bytes: int = 64 << 20):
+        self.limits, self.frame_bytes = limits, frame_bytes
+        self.deadline = time.monotonic() + limits.wall_seconds
+        self.proc, self.group = _spawn(argv, scratch, readonly, limits, env, scratch_bytes)
+        self.stderr = bytearray()
+        self._frames: list[tuple[bytes, bytes] | None] = []
+        self._ready = threading.Condition()
+        threading.Thread(target=_drain, args=(self.proc.stderr, self.stderr, limits.output_bytes), daemon=True).start()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        """Split stdout into frames as they come; a frame over the bound or cut short ends the conversation."""
+        pipe = self.proc.stdout
+        while True:
+            frame = None
+            head = _exactly(pipe, 16)
+            if head is not None:
+                h, n = struct.unpack(">QQ", head)
+                if h + n <= self.frame_bytes:
+                    header, payload = _exactly(pipe, h), _exactly(pipe, n)
+                    frame = (header, payload) if header is not None and payload is not None else None
+            with self._ready:
+                self._frames.append(frame)
+                self._ready.notify_all()
+            if frame is None:
+                return
+
+    def ask(self, header: bytes, payload: bytes, timeout: float) -> tuple[bytes, bytes] | None:
+        """Send one request, and return the answer (header, payload); None if the process ended, sent
+        what is not a frame or too much, or did not answer in ``timeout`` seconds (or by the wall
+        limit): it is then killed."""
+        try:
+            self.proc.stdin.write(struct.pack(">QQ", len(header), len(payload)) + header + payload)  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, ValueError, OSError):
+            self.close()
+            return None
+        until = min(time.monotonic() + timeout, self.deadline)
+        with self._ready:
+            while not self._frames and time.monotonic() < until:
+                self._ready.wait(max(0.0, until - time.monotonic()))
+            frame = self._frames.pop(0) if self._frames else None
+        if frame is None:
+            self.close()
+        return frame
+
+    def why(self) -> str:
+        """What the process said on stderr last (its traceback's last lines), for a failure's message."""
+        text = bytes(self.stderr).decode("utf-8", "replace").strip().splitlines()
+        return " | ".join(text[-3:])[-600:]
+
+    def close(self) -> None:
+        """Kill the process and all it started."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _drop_cgroup(self.group)
+        self.proc.wait()
+
+    def __enter__(self) -> Conversation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _exactly(pipe, n: int) -> bytes | None:  # noqa: ANN001 - a binary pipe
+    """``n`` bytes from ``pipe``, or None where it ends first."""
+    parts, got = [], 0
+    while got < n:
+        chunk = pipe.read1(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 def _drain(pipe, buf: bytearray, limit: int) -> None:  # noqa: ANN001 - a binary pipe

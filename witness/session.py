@@ -12,7 +12,9 @@ from typing import TypeVar
 
 import torch
 
+from .bundle.state import load_state, state_tensors
 from .data.order import batch_indices, step_seed
+from .fingerprint.chunks import alias_groups
 from .fingerprint.probes import Fingerprint
 from .fingerprint.sketch import ParameterSketch
 from .task.base import StepOutput, Task
@@ -157,6 +159,23 @@ class TrainingSession:
     def sketch(self) -> list[float]:
         """Parameter sketch of the current model."""
         return self.sketcher(dict(self.model.named_parameters()))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The whole training state as flat named tensors (``bundle.state.state_tensors``)."""
+        return state_tensors(self.model, self.optimizer)
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put a flat state into the model and its optimizer (``bundle.state.load_state``)."""
+        load_state(self.model, self.optimizer, tensors)
+
+    def parameter_names(self) -> list[str]:
+        """The model's parameter names."""
+        return [n for n, _ in self.model.named_parameters()]
+
+    def aliases(self) -> list[tuple[str, ...]]:
+        """Tied weights, by the task's own model (``bundle.state.alias_groups``)."""
+        return alias_groups(self.model)
+
 
 
 def deterministic_device(device: str | torch.device) -> torch.device:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,12 +17,12 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from ..bundle.reader import Bundle, as_bundle
-from ..bundle.state import state_tensors
 from ..commit.hashing import same
 from ..commit.signing import key_fingerprint, public_key_from_hex
 from ..data.locate import by_content
 from ..data.order import derive_run_seed
 from ..errors import MalformedInput, RunRejected, VerificationError
+from ..methods.remote import MethodSandbox, open_session
 from ..session import (
     TrainingSession,
     describe_device,
@@ -102,15 +103,39 @@ def verify_round(verifier: Verifier, source: str | os.PathLike | Bundle, evidenc
         if response is None:
             raise MalformedInput("interactive mode needs the trainer's response (witness respond)")
         response = response if isinstance(response, Response) else Response(response)
-    task = task_of(bundle)
-    notes = list(bundle.notes)
-    checks = _trusted(bundle, task, trust, policy, notes)
     m = bundle.manifest
+    notes = list(bundle.notes)
     # the small files the task read (data_files) stand for the files with their content, for every
     # build of the task's parts in this audit (its model too), found when it first asks for one
-    with use_threads(m.threads, policy.threads, notes) as threads, by_content(m.raw.get("data_files") or {}):
+    with use_threads(m.threads, policy.threads, notes) as threads, by_content(m.raw.get("data_files") or {}), \
+            _method_box(bundle, trust, policy, threads) as box:
+        task = task_of(bundle, box)
+        checks = _trusted(bundle, task, trust, policy, notes)
+        if box is not None:
+            w = box.wheel
+            checks.append(f"the method {w.distribution} {w.version} (wheel sha256 {w.sha256[:16]}…) is the code the "
+                          "run pins, and ran only in the sandbox (no network, read-only system, its own scratch, "
+                          "limits on time, memory and processes); every state it reached was hashed here")
         audit = _Audit(verifier, bundle, task, replace(evidence, response=response), live, notes, checks, threads)
         return audit.run(challenges, nonce, started)
+
+
+@contextmanager
+def _method_box(bundle: Bundle, trust: Trust, policy: Policy, threads: int) -> Iterator[MethodSandbox | None]:
+    """The sandbox a submitted method's steps run in (``Trust.method``), or None for a registered task."""
+    if trust.method is None:
+        yield None
+        return
+    m = bundle.manifest
+    if policy.mode == "offline":
+        raise MalformedInput("a submitted method's run is verified from the samples its response or bundle carries, "
+                         "checked against the dataset's leaves: use --mode interactive or --mode online")
+    if m.chunked or m.world_size > 1:
+        raise MalformedInput("a submitted method is replayed in the sandbox for runs of one process without "
+                             "chunked openings; this run has " + ("chunked openings" if m.chunked else
+                                                                   f"{m.world_size} ranks"))
+    with MethodSandbox(trust.method, m.task, threads) as box:
+        yield box
 
 
 def _trusted(bundle: Bundle, task: Task, trust: Trust, policy: Policy, notes: list[str]) -> list[str]:
@@ -184,7 +209,7 @@ class _Audit:
                 self.notes.append(found)
             self.local = LocalSamples(dataset)
         data_checked = self._data_checked(found)
-        session = TrainingSession(self.task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, policy.device)
+        session = open_session(self.task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, policy.device)
         self._price_restarts(session)
         self.checks += check_records(self.bundle, self.task, session)
         moves, move_failure, failed_window = self._moves(session)
@@ -245,7 +270,7 @@ class _Audit:
         online = self.online
         if online is not None and online.attempts is not None:
             why = reseeded_same(self.task, self.m, len(self.bundle.steps),
-                                state_tensors(session.model, session.optimizer))
+                                session.state())
             if why is not None:
                 online.attempts, online.uncounted = None, why
 
@@ -254,7 +279,7 @@ class _Audit:
         if self.online is None or not self.m.chunked:
             return None, None, None
         # before any checkpoint is loaded: the session holds the state the seed gives
-        init = {k: v.clone() for k, v in state_tensors(session.model, session.optimizer).items()}
+        init = {k: v.clone() for k, v in session.state().items()}
         try:  # cheap, and before replay; a move out of bounds rejects the run with the rest of its verdict
             began = time.perf_counter()
             moves = check_moves(self.bundle, self.online, session.model, session.optimizer, init, self.pending)

@@ -14,17 +14,16 @@ from ..bundle.checkpoint import file_sha256, read_checkpoint
 from ..bundle.reader import Bundle
 from ..bundle.state import (
     check_aliases,
-    load_state,
     model_hash,
     state_distances,
     state_hash,
-    state_tensors,
 )
 from ..commit.hashing import same
 from ..data.dataset import Dataset, sample_hash
 from ..data.leaves import DatasetLeaves
 from ..errors import MalformedInput, VerificationError
-from ..fingerprint.chunks import ChunkLayout, alias_groups
+from ..fingerprint.chunks import ChunkLayout
+from ..methods.remote import MethodSandbox, RemoteTask
 from ..session import TrainingSession, bounded_threads, cpu_cores
 from ..task.base import Task
 from ..task.ranks import accumulation_replays
@@ -39,14 +38,23 @@ def probes_from_bundle(task: Task, bundle: Bundle) -> bool:
     return task.probes_are_samples and bundle.probes is not None and bundle.leaves is not None
 
 
-def task_of(bundle: Bundle) -> Task:
-    """The registered task the manifest names, with its recipe checked against the manifest."""
+def task_of(bundle: Bundle, box: MethodSandbox | None = None) -> Task:
+    """The registered task the manifest names (or the submitted method's, in ``box``), with its recipe
+    checked against the manifest."""
     m = bundle.manifest
-    check_task_source(m.task, m.task_source)  # exactly the code the run used, or exit 2 with what to install
-    try:
-        task = build_task(m.task, m.task_config)
-    except ValueError as e:
-        raise VerificationError(f"the manifest's recipe is not a registered one: {e}", check="manifest") from None
+    if box is not None:
+        if m.task_source != box.wheel.source():
+            raise MalformedInput(f"the run was not trained with the method {box.wheel.distribution} {box.wheel.version} "
+                                 f"(its files hash {box.wheel.files_sha256[:16]}…): the manifest pins "
+                                 f"{(m.task_source or {}).get('distribution')} {(m.task_source or {}).get('version')} "
+                                 f"({str((m.task_source or {}).get('files_sha256'))[:16]}…)")
+        task = RemoteTask(box, m.task_config)
+    else:
+        check_task_source(m.task, m.task_source)  # exactly the code the run used, or exit 2 with what to install
+        try:
+            task = build_task(m.task, m.task_config)
+        except ValueError as e:
+            raise VerificationError(f"the manifest's recipe is not a registered one: {e}", check="manifest") from None
     if task.config_json() != m.task_config:
         raise VerificationError("the manifest's task config is not in canonical form", check="manifest")
     if m.steps_planned != task.config.steps:
@@ -159,7 +167,7 @@ def check_records(bundle: Bundle, task: Task, session: TrainingSession) -> list[
 def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thresholds: dict[str, float]) -> list[str]:
     """Every checkpoint: file hash, state hash, and its fingerprint and sketch against the record."""
     m = bundle.manifest
-    seeded = state_tensors(session.model, session.optimizer)
+    seeded = session.state()
     init_check: str | None = "initial state regenerated from the seed"
     if not same(state_hash(seeded, m.state_digest), m.init_state_hash):
         if exact:
@@ -169,7 +177,7 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
     # (version 4's chunks open into the state hash itself)
     layout = ChunkLayout.of_model(session.model, m.online["chunk_bytes"], m.state_shards) \
         if m.chunked and not m.tree else None  # type: ignore[index]
-    aliases = alias_groups(session.model)  # tied weights, from the task's own model
+    aliases = session.aliases()  # tied weights, from the task's own model
     for step in bundle.checkpoint_steps():
         sh, fh = bundle.committed_checkpoint(step)  # type: ignore[misc]
         path = bundle.checkpoints[step]
@@ -182,7 +190,7 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         if step == 0 and init_check is None:  # first in the loop: the session still holds the seed's state
             init_check = _init_within_tolerance(tensors, seeded, session, thresholds)
         if step > 0:
-            load_state(session.model, session.optimizer, tensors)
+            session.load(tensors)
             check_state(bundle, session, step, exact, thresholds)
             leaves = bundle.steps[step - 1].state_leaves
             if leaves is not None and leaves != len(tensors):  # version 4: where its openings put each leaf
@@ -208,7 +216,7 @@ def _init_within_tolerance(committed: dict[str, torch.Tensor], seeded: dict[str,
     Another CPU draws the initial weights with other kernels (randn's last bits differ), so only
     the distance can be asked for; replays start from the committed state.
     """
-    parameters = {f"model.{n}" for n, _ in session.model.named_parameters()}
+    parameters = {f"model.{n}" for n in session.parameter_names()}
     try:
         d = state_distances(committed, seeded, parameters)
     except ValueError as e:

@@ -17,6 +17,7 @@ from ..errors import MalformedInput
 
 if TYPE_CHECKING:  # a Response reads tensors: imported where an audit needs one
     from ..commit.signing import SignedTreeHead
+    from ..methods.wheel import MethodWheel
     from .online import WitnessTrust
     from .response import Response
 
@@ -34,7 +35,8 @@ class Trust:
     (named witnesses and a drand chain) are whom online challenges are trusted from. The log must
     extend every one of the ``published_heads`` (heads the trainer published earlier: it cannot have
     been rewritten since). ``ticket`` is the r a ticket issuer handed out, and ``data_root`` the root
-    the run must have trained on.
+    the run must have trained on. ``method``: a submitted method's wheel (``methods.wheel``), the code
+    the run must have been trained with; its steps are then replayed only in the sandbox.
     """
 
     signer: str | None = None
@@ -43,6 +45,7 @@ class Trust:
     published_heads: Sequence[SignedTreeHead] = ()
     ticket: bytes | None = None
     data_root: bytes | None = None
+    method: MethodWheel | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "published_heads", tuple(self.published_heads))

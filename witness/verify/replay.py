@@ -21,12 +21,13 @@ import torch
 from ..bundle.checkpoint import read_checkpoint
 from ..bundle.reader import Bundle
 from ..bundle.schema import StepRecord
-from ..bundle.state import check_aliases, load_state, state_distances, state_hash, state_tensors
+from ..bundle.state import check_aliases, state_distances, state_hash
 from ..commit.hashing import same
 from ..data.dataset import Dataset
 from ..errors import MalformedInput, VerificationError
-from ..fingerprint.chunks import ChunkLayout, alias_groups
+from ..fingerprint.chunks import ChunkLayout
 from ..fingerprint.probes import relative_distance
+from ..methods.remote import open_session
 from ..session import TrainingSession, warn_mkl
 from ..task.base import Task
 from .challenges import ReplayChallenge
@@ -176,7 +177,7 @@ def check_state(bundle: Bundle, session: TrainingSession, step: int, exact: bool
                 thresholds: dict[str, float]) -> None:
     """The session's state must be the one recorded after ``step`` updates (hash at 0, else fingerprint)."""
     if step == 0:
-        got = state_hash(state_tensors(session.model, session.optimizer), bundle.manifest.state_digest)
+        got = state_hash(session.state(), bundle.manifest.state_digest)
         if not same(got, bundle.manifest.init_state_hash):
             raise VerificationError("the initial state is not the committed one", step=0, check="state")
         return
@@ -203,9 +204,9 @@ class Replayer:
         self.exact = exact
         self.thresholds = dict(DEFAULT_THRESHOLDS, **(thresholds or {}))
         warn_mkl()
-        self.session = TrainingSession(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
-        self.parameters = {f"model.{n}" for n, _ in self.session.model.named_parameters()}
-        self.aliases = alias_groups(self.session.model)  # tied weights: the task's model says which, not a bundle
+        self.session = open_session(task, m.run_seed, m.dataset_size, m.world_size, m.parallelism, device)
+        self.parameters = {f"model.{n}" for n in self.session.parameter_names()}
+        self.aliases = self.session.aliases()  # tied weights: the task's model says which, not a bundle
         # a chunked run's records commit their parameters' chunk root too: every state loaded or reached
         # must have it (a root a window's openings were checked against that is not its state's own
         # would let the openings show a trajectory the run did not take)
@@ -265,7 +266,7 @@ class Replayer:
 
     def load(self, step: int) -> None:
         """Start from the committed state after ``step`` updates, and check it against its record."""
-        load_state(self.session.model, self.session.optimizer, self.committed(step))
+        self.session.load(self.committed(step))
         self.position = self._replayed_from = step
         self._origin, self._pending = (step, self.bundle.committed_state(step).hex()), []  # type: ignore[union-attr]
         check_state(self.bundle, self.session, step, self.exact, self.thresholds)
@@ -335,12 +336,11 @@ class Replayer:
         if self.exact:
             self._compare_exact(rec, out.loss, out.grad_norm, fp.digest, fp.vector(), sk)
             if rec.state_hash is not None:
-                got = state_hash(state_tensors(self.session.model, self.session.optimizer),
-                                 self.bundle.manifest.state_digest)
+                got = state_hash(self.session.state(), self.bundle.manifest.state_digest)
                 if not same(got, rec.state_hash):
                     raise VerificationError("the replayed training state does not hash to the committed one "
                                             "(parameters, buffers or optimizer state differ)", step=t, check="replay")
-                self.check_param_root(t, state_tensors(self.session.model, self.session.optimizer))
+                self.check_param_root(t, self.session.state())
                 self._reached(t + 1, "hash")
         else:
             self._compare_tolerant(rec, out.loss, fp.vector(), sk, before, result)
@@ -348,7 +348,7 @@ class Replayer:
     def compare_state(self, step: int, result: ChallengeResult | None) -> None:
         """Tolerance mode: the whole replayed state against the committed one, over all coordinates."""
         want = self.committed(step)
-        got = state_tensors(self.session.model, self.session.optimizer)
+        got = self.session.state()
         try:
             d = state_distances(got, want, self.parameters)
         except ValueError as e:

@@ -30,8 +30,7 @@ def reseeded_same(task: Task, m: Manifest, steps: int, init: dict[str, torch.Ten
     """Why a run of this recipe under another run seed may be this very computation (the same initial
     state, ``init`` here, the same samples in its first batches and no randomness a step draws from
     its seed), or None where it is not."""
-    from ..bundle.state import state_tensors
-    from ..session import TrainingSession
+    from ..methods.remote import RemoteSession, open_session
 
     size = task.config.batch_size
     if size < m.dataset_size and m.dataset_size > EXACT_UP_TO:
@@ -41,11 +40,11 @@ def reseeded_same(task: Task, m: Manifest, steps: int, init: dict[str, torch.Ten
         if sorted(batch_indices(m.run_seed, t, size, m.dataset_size)) != \
                 sorted(batch_indices(other, t, size, m.dataset_size)):
             return None  # another seed trains on other samples
-    session = TrainingSession(task, other, m.dataset_size, m.world_size, m.parallelism, "cpu")
-    if not same(state_hash(state_tensors(session.model, session.optimizer), m.state_digest),
+    session = open_session(task, other, m.dataset_size, m.world_size, m.parallelism, "cpu")
+    if not same(state_hash(session.state(), m.state_digest),
                 state_hash(init, m.state_digest)):
         return None  # another seed starts from other weights
-    random = _draws_from_its_seed(task, session.model, (step_seed(m.run_seed, 0), step_seed(other, 0)))
+    random = None if isinstance(session, RemoteSession) else _draws_from_its_seed(task, session.model, (step_seed(m.run_seed, 0), step_seed(other, 0)))
     if random:
         return None  # another seed draws other dropout masks: other steps
     unknown = "" if random is False else " (whether a step draws from its seed could not be tried on the probes)"
