@@ -4,6 +4,7 @@ exhaust the machine or lie about its outputs is rejected, with the verifying pro
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from methods_helpers import ALL, method_source, train, wheel_bytes
 
 from witness import sandbox
+from witness.cli import main
 from witness.errors import MalformedInput, RunRejected
 from witness.methods import remote
 from witness.methods.wheel import read_wheel
@@ -59,6 +61,19 @@ def test_an_honest_method_is_replayed_in_the_sandbox_and_accepted(honest):
     assert "sandboxed_mlp" not in sys.modules  # the verifying process never imported the method
 
 
+def test_witness_verify_method_replays_in_the_sandbox(honest, tmp_path, capsys):
+    wheel, (bundle, response) = honest
+    path = tmp_path / "sandboxed_mlp-1.0-py3-none-any.whl"
+    path.write_bytes(wheel)
+    args = ["verify", str(bundle), "--mode", "interactive", "--response", str(response), "--nonce", b"r".hex(),
+            "--challenges", str(ALL), "--json", "--method", str(path)]
+    assert main(args) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["accepted"]
+    assert main([*args[:-1], str(tmp_path / "missing.whl")]) == 2
+    assert main([a for a in args if a != "interactive"][:2] + ["--method", str(path)]) == 2  # offline: refused
+    assert "use --mode interactive or --mode online" in capsys.readouterr().err
+
+
 def test_a_method_changed_after_the_run_is_refused(honest, tmp_path):
     wheel, run = honest
     changed = wheel_bytes(method_source().replace("the tiny MLP", "the tiny MLP, improved"))
@@ -76,7 +91,8 @@ SECRET = Path("/tmp/witness-test-server/server_key.pem")
 
 ATTACKS = {
     "socket": (f"""
-        import socket
+        import json
+import socket
         socket.create_connection(("127.0.0.1", {PORT}), timeout=3).sendall(b"the server's secrets")
     """, "Connection refused"),
     "reads the server's key": (f"""

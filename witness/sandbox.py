@@ -197,15 +197,16 @@ def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limit
 
 class Conversation:
     """A sandboxed process spoken to in frames: a request (a header and a payload) on its stdin, one
-    answer frame back on its stdout, each awaited at most ``timeout`` seconds and read only up to
-    ``frame_bytes``. Its scratch folder is a tmpfs of ``scratch_bytes`` of its own (nothing it writes
+    answer frame back on its stdout, each awaited at most ``timeout`` seconds, its header at most
+    ``header_bytes`` and its payload at most ``payload_bytes``. Its scratch folder is a tmpfs of ``scratch_bytes`` of its own (nothing it writes
     reaches the host's disk or is read back: only its answers cross). Its stderr is kept (bounded) for
     the reason a failed process gives. ``close`` (or leaving the ``with`` block) kills it and all it
     started. A frame is two 8-byte big-endian lengths, then the header's and the payload's bytes."""
 
     def __init__(self, argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limits: Limits = Limits(),
-                 env: dict[str, str] | None = None, frame_bytes: int = 1 << 30, scratch_bytes: int = 64 << 20):
-        self.limits, self.frame_bytes = limits, frame_bytes
+                 env: dict[str, str] | None = None, header_bytes: int = 1 << 20, payload_bytes: int = 1 << 30,
+                 scratch_bytes: int = 64 << 20):
+        self.limits, self.header_bytes, self.payload_bytes = limits, header_bytes, payload_bytes
         self.deadline = time.monotonic() + limits.wall_seconds
         self.proc, self.group = _spawn(argv, scratch, readonly, limits, env, scratch_bytes)
         self.stderr = bytearray()
@@ -222,7 +223,7 @@ class Conversation:
             head = _exactly(pipe, 16)
             if head is not None:
                 h, n = struct.unpack(">QQ", head)
-                if h + n <= self.frame_bytes:
+                if h <= self.header_bytes and n <= self.payload_bytes:
                     header, payload = _exactly(pipe, h), _exactly(pipe, n)
                     frame = (header, payload) if header is not None and payload is not None else None
             with self._ready:

@@ -35,6 +35,20 @@ def _print_verdict(verdict, args, failures: list[str] | None = None) -> None:
         print(verdict.summary())
 
 
+def _method(path: str | None):  # noqa: ANN202 - a MethodWheel or None
+    """The submitted method's wheel (``--method``), read strictly; never imported here."""
+    if path is None:
+        return None
+    from ..errors import MalformedInput
+    from ..methods.wheel import MAX_WHEEL_BYTES, read_wheel
+
+    with open(path, "rb") as f:
+        data = f.read(MAX_WHEEL_BYTES + 1)
+    if len(data) > MAX_WHEEL_BYTES:
+        raise MalformedInput(f"{path} is over the {MAX_WHEEL_BYTES} bytes a method's wheel may be")
+    return read_wheel(data)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Audit a bundle."""
     from ..commit.signing import read_public_key
@@ -73,7 +87,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     def audit():  # noqa: ANN202 - a Verdict; built here, so an unusable flag is exit 2 with the rest
         trust = Trust(signer=read_public_key(args.signer) if args.signer else None, beacon_key=beacon_key,
                       witnesses=witnesses, published_heads=[read_head(p) for p in args.published_head or []],
-                      ticket=args.ticket, data_root=args.data_root)
+                      ticket=args.ticket, data_root=args.data_root, method=_method(args.method))
         policy = Policy(mode=args.mode, challenges=challenges_q(args), confidence=args.confidence,
                         bad_fraction=args.bad_fraction, length=args.length, exact=not args.tolerance,
                         thresholds=thresholds, threads=args.threads, device=args.device, nonce=args.nonce)
@@ -251,6 +265,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--leaves", help="the dataset's leaves file (witness data commit), where the bundle carries "
                                     "no dataset.leaves: every batch root and the used-data trees are checked "
                                     "against it")
+    v.add_argument("--method", metavar="WHEEL",
+                   help="a submitted method's wheel (its task plugin): the run must pin exactly its code, and its "
+                        "steps are replayed only in a bubblewrap sandbox (interactive or online mode); the wheel "
+                        "is never installed or imported here")
     v.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     data_arg(v)
     v.set_defaults(func=cmd_verify)

@@ -42,6 +42,7 @@ LIMITS = sandbox.Limits(cpu_seconds=3600, memory_bytes=8 << 30, file_bytes=1 << 
                         wall_seconds=3600.0, output_bytes=64 << 10)
 STEP_SECONDS = 600.0  # one request (a step, a state) answered within this, or the method is stopped
 MAX_STATE_BYTES = 1 << 30
+MAX_ANSWER_BYTES = 64 << 20  # an answer's JSON (a schedule of a million steps is about 20 MB)
 SCRATCH_BYTES = 2 * MAX_STATE_BYTES  # its tmpfs: the state it writes before sending it, and room to spare
 
 
@@ -66,7 +67,7 @@ class MethodSandbox:
         argv = [sys.executable, "-m", "witness.methods.child", str(site), task, wheel.tasks[task], str(threads)]
         try:
             self.conversation = sandbox.Conversation(argv, self.home / "scratch", [site, package], limits or LIMITS, env,
-                                                     frame_bytes=MAX_STATE_BYTES + (1 << 20),
+                                                     header_bytes=MAX_ANSWER_BYTES, payload_bytes=MAX_STATE_BYTES,
                                                      scratch_bytes=SCRATCH_BYTES)
         except sandbox.SandboxError as e:
             shutil.rmtree(self.home, ignore_errors=True)

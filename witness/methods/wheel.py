@@ -114,13 +114,12 @@ def read_wheel(data: bytes) -> MethodWheel:
         raise MalformedInput("the wheel's METADATA names no Name or no Version")
     tasks = _tasks(files.get(f"{meta}/entry_points.txt"))
     tops = _top_level(files, meta)
-    unpacked = {n: b for n, b in files.items()}
     modules = {spec.split(":")[0].split(".")[0] for spec in tasks.values()}
     for module in sorted(modules):
-        if module not in tops:
+        if module not in tops or not any(n.startswith(f"{module}/") or n.split(".")[0] == module for n in files):
             raise MalformedInput(f"the wheel's task module {module!r} is not a package or module the wheel holds")
     return MethodWheel(hashlib.sha256(data).hexdigest(), dist, version, tasks, _files_sha256(files, sorted(tops)),
-                       unpacked)
+                       files)
 
 
 def _text(files: dict[str, bytes], name: str) -> str:
