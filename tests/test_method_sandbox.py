@@ -13,9 +13,10 @@ from methods_helpers import ALL, method_source, train, wheel_bytes
 
 from witness import sandbox
 from witness.cli import main
-from witness.errors import MalformedInput, RunRejected
+from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.methods import remote
 from witness.methods.wheel import read_wheel
+from witness.task import build_task
 from witness.verify.audit import Verifier
 from witness.verify.policy import Evidence, Policy, Trust
 
@@ -24,10 +25,10 @@ pytestmark = pytest.mark.skipif(sandbox.shutil.which("bwrap") is None, reason="u
 
 @pytest.fixture(autouse=True)
 def small_limits(monkeypatch):
-    """Limits a test can wait out: a step answered within 8 s, 3 GiB of address space, a 64 MiB scratch."""
+    """Limits a test can wait out: a step answered within 5 s, 3 GiB of address space, a 64 MiB scratch."""
     monkeypatch.setattr(remote, "LIMITS", sandbox.Limits(cpu_seconds=120, memory_bytes=3 << 30, file_bytes=16 << 20,
                                                          processes=32, wall_seconds=120, output_bytes=16 << 10))
-    monkeypatch.setattr(remote, "STEP_SECONDS", 8.0)
+    monkeypatch.setattr(remote, "STEP_SECONDS", 5.0)
     monkeypatch.setattr(remote, "SCRATCH_BYTES", 64 << 20)
 
 
@@ -72,6 +73,17 @@ def test_witness_verify_method_replays_in_the_sandbox(honest, tmp_path, capsys):
     assert main([*args[:-1], str(tmp_path / "missing.whl")]) == 2
     assert main([a for a in args if a != "interactive"][:2] + ["--method", str(path)]) == 2  # offline: refused
     assert "use --mode interactive or --mode online" in capsys.readouterr().err
+
+
+def test_offline_a_method_replays_from_the_dataset_the_verifier_holds(honest):
+    wheel, (bundle, _) = honest
+    config = json.loads((bundle / "log.jsonl").read_text().splitlines()[0])["task_config"]
+    held = build_task("tiny", config).dataset()  # the track's data, built by the verifier's own registered task
+    v = Verifier(Trust(method=read_wheel(wheel), dataset=held), Policy(challenges=2, nonce=b"n")).verify(bundle)
+    assert v.accepted and v.replayed_steps >= 2 and "verifier holds" in " ".join(v.notes), v.failures
+    other = build_task("tiny", {**config, "dataset_size": config["dataset_size"] // 2}).dataset()
+    with pytest.raises(VerificationError, match="not on the dataset the verifier holds"):
+        Verifier(Trust(method=read_wheel(wheel), dataset=other), Policy(challenges=2, nonce=b"n")).verify(bundle)
 
 
 def test_a_method_changed_after_the_run_is_refused(honest, tmp_path):

@@ -96,9 +96,30 @@ class MoveRules:
         return f"{self.optimizer} ({limits})" if limits else self.optimizer
 
 
+# Muon's orthogonalisation (torch.optim.Muon): five steps of x -> a x + b x^3 + c x^5 on the singular values of
+# the momentum scaled to Frobenius norm 1 (so each starts in [0, 1]), with (a, b, c) = (3.4445, -4.775, 2.0315).
+# In exact arithmetic (tests/test_muon_bound.py recomputes both): no value in [0, 1] goes past MUON_SUP in any
+# number of steps, and every value up to MUON_MARGIN_TO maps back under MUON_SUP, the margin a rounding error
+# would have to stay within for the bound to survive it.
+MUON_SUP = 1.2024
+MUON_MARGIN_TO = 1.2539
+
+
+def muon_refusal() -> str:
+    """Why no bound on one Muon step holds for every gradient (the bounded-move check refuses Muon)."""
+    return (f"Muon: in exact arithmetic its Newton-Schulz orthogonalisation keeps every singular value of the update "
+            f"at most {MUON_SUP} (its quintic maps [0, {MUON_MARGIN_TO}] into [0, {MUON_SUP}]), so a coordinate would "
+            f"move at most lr x adjust x {MUON_SUP} after the decay; but torch runs the iteration in bfloat16, and the "
+            "worst case of one step's rounding of the Gram matrix A, 2^-8 (|b| + 2|c| |A|) |A|_F >= 0.06, is past "
+            f"that margin of {MUON_MARGIN_TO - MUON_SUP:.3f} for a matrix of any size (torch's own updates do exceed the "
+            "exact bound): no bound holds for every gradient, so the bounded-move check needs torch's Adam or AdamW")
+
+
 def move_rules(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> MoveRules | str:
     """The rule of every parameter of ``model`` under ``optimizer``, or why no bound holds."""
     kind = type(optimizer)
+    if kind.__name__ == "Muon" and kind.__module__.startswith("torch.optim"):
+        return muon_refusal()
     if kind not in (torch.optim.AdamW, torch.optim.Adam):
         why = ("its momentum sums the gradients, so a step is bounded only given a bound on the gradient"
                if isinstance(optimizer, torch.optim.SGD) else "no bound that holds for any gradient is derived for it")

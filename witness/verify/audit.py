@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..bundle.reader import Bundle, as_bundle
 from ..commit.hashing import same
 from ..commit.signing import key_fingerprint, public_key_from_hex
+from ..data.dataset import Dataset
 from ..data.locate import by_content
 from ..data.order import derive_run_seed
 from ..errors import MalformedInput, RunRejected, VerificationError
@@ -127,9 +128,10 @@ def _method_box(bundle: Bundle, trust: Trust, policy: Policy, threads: int) -> I
         yield None
         return
     m = bundle.manifest
-    if policy.mode == "offline":
+    if policy.mode == "offline" and trust.dataset is None:
         raise MalformedInput("a submitted method's run is verified from the samples its response or bundle carries, "
-                         "checked against the dataset's leaves: use --mode interactive or --mode online")
+                             "checked against the dataset's leaves (use --mode interactive or --mode online), or "
+                             "offline from a dataset the verifier holds (Trust.dataset)")
     if m.chunked or m.world_size > 1:
         raise MalformedInput("a submitted method is replayed in the sandbox for runs of one process without "
                              "chunked openings; this run has " + ("chunked openings" if m.chunked else
@@ -204,7 +206,7 @@ class _Audit:
             self.online = check_online(self.bundle, self.trust.online)
         found = None
         if policy.mode == "offline":
-            dataset, found = committed_dataset(self.task, m)
+            dataset, found = self._offline_dataset()
             if found is not None:
                 self.notes.append(found)
             self.local = LocalSamples(dataset)
@@ -248,6 +250,17 @@ class _Audit:
         if verdict.failures:
             raise RunRejected(verdict.failures, verdict)
         return verdict
+
+    def _offline_dataset(self) -> tuple[Dataset, str | None]:
+        """The data an offline audit replays from: the verifier's own (``Trust.dataset``), which must be the
+        committed one, or the one the task names, found here."""
+        given, m = self.trust.dataset, self.m
+        if given is None:
+            return committed_dataset(self.task, m)
+        if len(given) != m.dataset_size or not same(given.commitment_root(m.data_commitment), m.data_root):
+            raise VerificationError(f"the run trained on the data whose root is {m.data_root.hex()}, not on the "
+                                    "dataset the verifier holds", check="data root")
+        return given, "replayed from the dataset the verifier holds (its root is the run's)"
 
     def _data_checked(self, found: str | None) -> str | None:
         """What the run's data root was checked against, or None where only the trainer vouches for it:

@@ -17,6 +17,7 @@ from ..errors import MalformedInput
 
 if TYPE_CHECKING:  # a Response reads tensors: imported where an audit needs one
     from ..commit.signing import SignedTreeHead
+    from ..data.dataset import Dataset
     from ..methods.wheel import MethodWheel
     from .online import WitnessTrust
     from .response import Response
@@ -36,7 +37,9 @@ class Trust:
     extend every one of the ``published_heads`` (heads the trainer published earlier: it cannot have
     been rewritten since). ``ticket`` is the r a ticket issuer handed out, and ``data_root`` the root
     the run must have trained on. ``method``: a submitted method's wheel (``methods.wheel``), the code
-    the run must have been trained with; its steps are then replayed only in the sandbox.
+    the run must have been trained with; its steps are then replayed only in the sandbox. ``dataset``:
+    the training data the verifier holds (a leaderboard's track's), which an offline audit replays from
+    instead of the data the task names (a submitted method names none the verifier would read).
     """
 
     signer: str | None = None
@@ -46,6 +49,7 @@ class Trust:
     ticket: bytes | None = None
     data_root: bytes | None = None
     method: MethodWheel | None = None
+    dataset: Dataset | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "published_heads", tuple(self.published_heads))
