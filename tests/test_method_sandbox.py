@@ -103,8 +103,7 @@ SECRET = Path("/tmp/witness-test-server/server_key.pem")
 
 ATTACKS = {
     "socket": (f"""
-        import json
-import socket
+        import socket
         socket.create_connection(("127.0.0.1", {PORT}), timeout=3).sendall(b"the server's secrets")
     """, "Connection refused"),
     "reads the server's key": (f"""

@@ -36,6 +36,7 @@ NOBODY = 65534
 SYSTEM = ("/usr", "/bin", "/lib", "/lib64", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl/certs")
 TMP_BYTES = 64 << 20  # the sandbox's private /tmp
 PIDS_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
+MEMORY_ROOTS = (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
 
 
 class SandboxError(Exception):
@@ -48,6 +49,7 @@ class Limits:
 
     cpu_seconds: int = 600
     memory_bytes: int = 4 << 30  # address space of each process
+    resident_bytes: int = 4 << 30  # memory of all its processes together, its tmpfs pages included (a cgroup)
     file_bytes: int = 1 << 30  # the largest file it may write
     processes: int = 64  # tasks (processes and threads) alive at once
     wall_seconds: float = 900.0
@@ -74,9 +76,10 @@ def bwrap() -> str:
     return found
 
 
-def _pids_cgroup(limit: int) -> Path:
-    """A fresh cgroup with a pids limit (v1's pids controller or v2's), which this process may write."""
-    for root in PIDS_ROOTS:
+def _cgroup(roots: Sequence[Path], settings: Sequence[tuple[str, ...]], what: str) -> Path:
+    """A fresh cgroup under the first of ``roots`` where this process may make one and write, in order, one
+    of each of ``settings``' alternatives (file, value, file, value, ...: v1's names or v2's)."""
+    for root in roots:
         if not (root / "cgroup.procs").exists():
             continue
         group = root / f"witness-sandbox-{uuid.uuid4().hex[:12]}"
@@ -84,13 +87,40 @@ def _pids_cgroup(limit: int) -> Path:
             group.mkdir()
         except OSError:
             continue
-        try:
-            (group / "pids.max").write_text(str(limit))
-            return group
-        except OSError:
-            group.rmdir()
-    raise SandboxError("no pids cgroup can be made here (the sandbox's limit on processes needs one): run the "
+        for option in settings:
+            pairs = list(zip(option[::2], option[1::2], strict=True))
+            if all((group / name).exists() for name, _ in pairs[:1]):
+                try:
+                    for name, value in pairs:
+                        if (group / name).exists():
+                            (group / name).write_text(value)
+                    return group
+                except OSError:
+                    pass
+        _drop_cgroup(group)
+    raise SandboxError(f"no {what} cgroup can be made here (the sandbox's limit on {what} needs one): run the "
                        "workers as root, or where /sys/fs/cgroup is writable")
+
+
+def _cgroups(limits: Limits) -> list[Path]:
+    """A pids cgroup and a memory cgroup (one cgroup for both under v2) holding the sandbox's limits."""
+    pids = _cgroup(PIDS_ROOTS, [("pids.max", str(limits.processes))], "processes")
+    memory = str(limits.resident_bytes)
+    if (pids / "memory.max").exists():  # v2: one cgroup holds both (a process is in one group of a hierarchy)
+        try:
+            (pids / "memory.max").write_text(memory)
+            if (pids / "memory.swap.max").exists():
+                (pids / "memory.swap.max").write_text("0")
+            return [pids]
+        except OSError:
+            pass
+    try:  # v1: memory and memory+swap (no swap beyond it); v2: memory.max and no swap
+        mem = _cgroup(MEMORY_ROOTS, [("memory.limit_in_bytes", memory, "memory.memsw.limit_in_bytes", memory),
+                                     ("memory.max", memory, "memory.swap.max", "0")], "memory")
+    except SandboxError:
+        _drop_cgroup(pids)
+        raise
+    return [pids, mem]
 
 
 def _drop_cgroup(group: Path) -> None:
@@ -139,16 +169,17 @@ def command(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (),
 
 
 def _spawn(argv: Sequence[str], scratch: Path, readonly: Sequence[Path], limits: Limits,
-           env: dict[str, str] | None = None, scratch_bytes: int | None = None) -> tuple[subprocess.Popen, Path]:
-    """Start ``argv`` in the sandbox (its limits set in the child before bwrap), and its pids cgroup."""
+           env: dict[str, str] | None = None, scratch_bytes: int | None = None) -> tuple[subprocess.Popen, list[Path]]:
+    """Start ``argv`` in the sandbox (its limits set in the child before bwrap), and its cgroups."""
     if scratch_bytes is None:
         scratch.mkdir(parents=True, exist_ok=True)
     args = command(argv, scratch, readonly, env, scratch_bytes)
-    group = _pids_cgroup(limits.processes)
+    groups = _cgroups(limits)
 
     def limit() -> None:  # in the child, before bwrap: the limits hold for everything it starts
-        with open(group / "cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
+        for group in groups:
+            with open(group / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
         for what, value in ((resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, limits.memory_bytes),
                             (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(what, (value, value))
@@ -157,9 +188,10 @@ def _spawn(argv: Sequence[str], scratch: Path, readonly: Sequence[Path], limits:
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 preexec_fn=limit, start_new_session=True)
     except BaseException:
-        _drop_cgroup(group)
+        for group in groups:
+            _drop_cgroup(group)
         raise
-    return proc, group
+    return proc, groups
 
 
 def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limits: Limits = Limits(),
@@ -167,7 +199,7 @@ def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limit
     """Run ``argv`` in the sandbox, its scratch folder ``scratch`` (made if missing). Never raises for what
     the command does: only ``SandboxError`` where no sandbox can be made."""
     started = time.monotonic()
-    proc, group = _spawn(argv, scratch, readonly, limits)
+    proc, groups = _spawn(argv, scratch, readonly, limits)
     try:
         # its output is read as it comes and kept only up to the bound: a flood of it costs nothing here
         kept = [bytearray(), bytearray()]
@@ -186,12 +218,14 @@ def run(argv: Sequence[str], scratch: Path, readonly: Sequence[Path] = (), limit
         except subprocess.TimeoutExpired:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
-            _drop_cgroup(group)
+            for group in groups:
+                _drop_cgroup(group)
             proc.wait()
         for t in readers:
             t.join(5)
     finally:
-        _drop_cgroup(group)
+        for group in groups:
+            _drop_cgroup(group)
     return Result(proc.returncode, timed_out, bytes(kept[0]), bytes(kept[1]), time.monotonic() - started)
 
 
@@ -208,17 +242,23 @@ class Conversation:
                  scratch_bytes: int = 64 << 20):
         self.limits, self.header_bytes, self.payload_bytes = limits, header_bytes, payload_bytes
         self.deadline = time.monotonic() + limits.wall_seconds
-        self.proc, self.group = _spawn(argv, scratch, readonly, limits, env, scratch_bytes)
+        self.proc, self.groups = _spawn(argv, scratch, readonly, limits, env, scratch_bytes)
         self.stderr = bytearray()
         self._frames: list[tuple[bytes, bytes] | None] = []
+        self._wanted = 0  # answers asked for and not yet read: the reader reads no more than these
         self._ready = threading.Condition()
         threading.Thread(target=_drain, args=(self.proc.stderr, self.stderr, limits.output_bytes), daemon=True).start()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        """Split stdout into frames as they come; a frame over the bound or cut short ends the conversation."""
+        """Read one frame for each answer asked for (what the process writes unasked waits in the pipe, holding
+        nothing here); a frame over the bounds or cut short ends the conversation."""
         pipe = self.proc.stdout
         while True:
+            with self._ready:
+                while not self._wanted:
+                    self._ready.wait()
+                self._wanted -= 1
             frame = None
             head = _exactly(pipe, 16)
             if head is not None:
@@ -236,13 +276,27 @@ class Conversation:
         """Send one request, and return the answer (header, payload); None if the process ended, sent
         what is not a frame or too much, or did not answer in ``timeout`` seconds (or by the wall
         limit): it is then killed."""
-        try:
-            self.proc.stdin.write(struct.pack(">QQ", len(header), len(payload)) + header + payload)  # type: ignore[union-attr]
-            self.proc.stdin.flush()  # type: ignore[union-attr]
-        except (BrokenPipeError, ValueError, OSError):
-            self.close()
-            return None
         until = min(time.monotonic() + timeout, self.deadline)
+        sent: list[bool] = []
+
+        def send() -> None:  # a process that stops reading its stdin blocks the write: it waits in a thread
+            try:
+                self.proc.stdin.write(struct.pack(">QQ", len(header), len(payload)) + header)  # type: ignore[union-attr]
+                self.proc.stdin.write(payload)  # type: ignore[union-attr]
+                self.proc.stdin.flush()  # type: ignore[union-attr]
+                sent.append(True)
+            except (BrokenPipeError, ValueError, OSError):
+                pass
+
+        with self._ready:
+            self._wanted += 1
+            self._ready.notify_all()
+        writer = threading.Thread(target=send, daemon=True)
+        writer.start()
+        writer.join(max(0.0, until - time.monotonic()))
+        if not sent:
+            self.close()  # its stdin closes with it: the blocked write ends
+            return None
         with self._ready:
             while not self._frames and time.monotonic() < until:
                 self._ready.wait(max(0.0, until - time.monotonic()))
@@ -263,7 +317,8 @@ class Conversation:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        _drop_cgroup(self.group)
+        for group in self.groups:
+            _drop_cgroup(group)
         self.proc.wait()
 
     def __enter__(self) -> Conversation:
@@ -274,15 +329,15 @@ class Conversation:
 
 
 def _exactly(pipe, n: int) -> bytes | None:  # noqa: ANN001 - a binary pipe
-    """``n`` bytes from ``pipe``, or None where it ends first."""
-    parts, got = [], 0
+    """``n`` bytes from ``pipe`` (read into one buffer), or None where it ends first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
     while got < n:
-        chunk = pipe.read1(min(n - got, 1 << 20))
-        if not chunk:
+        k = pipe.readinto(view[got:])
+        if not k:
             return None
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
+        got += k
+    return bytes(buf) if n < 1 << 20 else buf  # type: ignore[return-value] - a large payload is not copied
 
 
 def _drain(pipe, buf: bytearray, limit: int) -> None:  # noqa: ANN001 - a binary pipe

@@ -164,8 +164,8 @@ class TrainingSession:
         """The whole training state as flat named tensors (``bundle.state.state_tensors``)."""
         return state_tensors(self.model, self.optimizer)
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Put a flat state into the model and its optimizer (``bundle.state.load_state``)."""
+    def load(self, tensors: dict[str, torch.Tensor], step: int | None = None) -> None:
+        """Put a flat state (the one after ``step`` updates) into the model and its optimizer."""
         load_state(self.model, self.optimizer, tensors)
 
     def parameter_names(self) -> list[str]:

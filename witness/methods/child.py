@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     """Serve requests until stdin closes."""
     site, name, spec, threads = argv
     torch.set_num_threads(int(threads))
-    sys.path.insert(0, site)
+    sys.path.append(site)  # after everything installed: the method's names cannot shadow a module (remote.check_names)
     module, _, attr = spec.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, Task)) or getattr(cls, "name", None) != name:

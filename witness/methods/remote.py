@@ -12,6 +12,7 @@ has nothing to copy. A method that fails, hangs, floods, or stops answering is a
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import math
 import os
@@ -50,29 +51,52 @@ class MethodFailed(VerificationError):
     """The submitted method failed, hung or lied in the sandbox: its run is rejected."""
 
 
+def check_names(wheel: MethodWheel) -> None:
+    """Refuse a method whose packages are named like a module the sandbox's Python already finds (the standard
+    library's, witness's, torch's, any installed distribution's): that one, not the pinned code, would run."""
+    for top in wheel.tops:
+        if top in sys.stdlib_module_names or top in sys.builtin_module_names or importlib.util.find_spec(top):
+            raise MalformedInput(f"the method's package {top!r} has the name of a module installed where it is "
+                                 "replayed, which would run instead of the method's own code: rename it")
+
+
 class MethodSandbox:
-    """One sandboxed process of a method's wheel, its task built from the manifest's recipe."""
+    """One sandboxed process of a method's wheel (its task built from the manifest's recipe by ``describe``),
+    and the other processes opened for its sessions (``spawn``), all closed with it."""
 
     def __init__(self, wheel: MethodWheel, task: str, threads: int, limits: sandbox.Limits | None = None):
         if task not in wheel.tasks:
             raise MalformedInput(f"the method {wheel.distribution} {wheel.version} offers no task {task!r} (it offers "
                                  f"{', '.join(sorted(wheel.tasks))})")
-        self.wheel, self.task_name = wheel, task
+        check_names(wheel)
+        self.wheel, self.task_name, self.threads, self.limits = wheel, task, threads, limits
         self.home = Path(tempfile.mkdtemp(prefix="witness-method-"))
-        site = wheel.install(self.home / "site")
+        self.children: list[MethodSandbox] = []
         package = Path(__file__).resolve().parent.parent
-        env = {"PYTHONPATH": f"{site}{os.pathsep}{package.parent}", "OMP_NUM_THREADS": str(threads)}
+        env = {"OMP_NUM_THREADS": str(threads)}
         if os.environ.get("MKL_CBWR"):  # the reproducible mode the run was recorded under
             env["MKL_CBWR"] = os.environ["MKL_CBWR"]
-        argv = [sys.executable, "-m", "witness.methods.child", str(site), task, wheel.tasks[task], str(threads)]
         try:
+            site = wheel.install(self.home / "site")
+            # -I: no PYTHONPATH, user site or sitecustomize of the method's; the wheel's folder is appended to
+            # sys.path by the child, after everything installed
+            argv = [sys.executable, "-I", "-B", "-m", "witness.methods.child", str(site), task, wheel.tasks[task],
+                    str(threads)]
             self.conversation = sandbox.Conversation(argv, self.home / "scratch", [site, package], limits or LIMITS, env,
                                                      header_bytes=MAX_ANSWER_BYTES, payload_bytes=MAX_STATE_BYTES,
                                                      scratch_bytes=SCRATCH_BYTES)
         except sandbox.SandboxError as e:
             shutil.rmtree(self.home, ignore_errors=True)
             raise MalformedInput(f"no sandbox for the submitted method here: {e}") from None
-        self.sessions = 0
+        except OSError as e:
+            shutil.rmtree(self.home, ignore_errors=True)
+            raise MalformedInput(f"the method's wheel cannot be unpacked: {e}") from None
+
+    def spawn(self) -> MethodSandbox:
+        """Another process of the same method (closed with this one)."""
+        child = MethodSandbox(self.wheel, self.task_name, self.threads, self.limits)
+        self.children.append(child)
+        return child
 
     def call(self, op: str, payload: bytes = b"", **args: Any) -> tuple[dict, bytes]:
         """One request; its answer's header (a JSON object) and payload, or ``MethodFailed``."""
@@ -102,7 +126,10 @@ class MethodSandbox:
             raise MethodFailed(f"the method sent a state that is not one: {e}", check="method") from None
 
     def close(self) -> None:
-        """Stop the method, and remove what it was given."""
+        """Stop the method (and the processes spawned from it), and remove what it was given."""
+        for child in self.children:
+            child.close()
+        self.children = []
         self.conversation.close()
         shutil.rmtree(self.home, ignore_errors=True)
 
@@ -114,11 +141,14 @@ class MethodSandbox:
 
 
 def _floats(obj: object, n: int | None, what: str) -> tuple[float, ...]:
-    if not isinstance(obj, list) or (n is not None and len(obj) != n) or \
-            not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in obj):
-        raise MethodFailed(f"the method's {what} is not a list of {n if n is not None else 'some'} numbers",
-                           check="method")
-    return tuple(float(x) for x in obj)
+    try:
+        if isinstance(obj, list) and (n is None or len(obj) == n) and \
+                all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in obj):
+            return tuple(float(x) for x in obj)
+    except OverflowError:  # an integer of hundreds of digits: JSON bounds none
+        pass
+    raise MethodFailed(f"the method's {what} is not a list of {n if n is not None else 'some'} numbers",
+                       check="method")
 
 
 class RemoteSchedule:
@@ -140,8 +170,9 @@ class RemoteTask:
 
     rebuilds_data = False  # its data is the one the verifier names, never one it generates
 
-    def __init__(self, box: MethodSandbox, config: dict, described: dict | None = None):
-        self.box, self.name = box, box.task_name
+    def __init__(self, box: MethodSandbox, config: dict, described: dict | None = None,
+                 probes: list[str] | None = None):
+        self.box, self.name, self.config_given, self.probes_given = box, box.task_name, config, probes
         d = described if described is not None else box.call("describe", config=config)[0]
         try:
             self.config_json_ = d["config_json"]
@@ -157,14 +188,14 @@ class RemoteTask:
             self.document_rule = d["document_rule"]
             if self.document_rule not in RULES:
                 raise TypeError(f"document rule {str(self.document_rule)[:40]!r}")
-            self.flops = float(d["flops_per_step"])
+            self.flops = _floats([d["flops_per_step"]], 1, "flops per step")[0]
             self.schedule = RemoteSchedule(_floats(d["lrs"], steps, "learning-rate schedule"))
             self.parameters = [str(n) for n in d["parameters"]]
             self.aliases = [tuple(str(n) for n in g) for g in d["aliases"]]
             self._probe_bytes = None if d["probe_bytes"] is None else [_b64(p) for p in d["probe_bytes"]]
             self._probe_hash = None if d["probe_hash"] is None else bytes.fromhex(d["probe_hash"])
             self._spec = d["fingerprint_spec"]
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MethodFailed(f"the method described its recipe wrongly: {e}", check="method") from None
 
     def config_json(self) -> dict:
@@ -173,8 +204,17 @@ class RemoteTask:
 
     def with_probes(self, probes: list[bytes]) -> RemoteTask:
         """The task with the bundle's probes (its first training samples) in place of its own."""
-        d, _ = self.box.call("probes", probes=[base64.b64encode(p).decode() for p in probes])
-        return RemoteTask(self.box, self.config_json_, d)
+        given = [base64.b64encode(p).decode() for p in probes]
+        d, _ = self.box.call("probes", probes=given)
+        return RemoteTask(self.box, self.config_given, d, given)
+
+    def open_box(self) -> MethodSandbox:
+        """A fresh process of the method with this task built in it (for a session of its own)."""
+        box = self.box.spawn()
+        box.call("describe", config=self.config_given)
+        if self.probes_given is not None:
+            box.call("probes", probes=self.probes_given)
+        return box
 
     def probe_bytes(self) -> list[bytes]:
         """The committed probe inputs."""
@@ -214,18 +254,34 @@ def _b64(text: str) -> bytes:
 
 
 class RemoteSession:
-    """``TrainingSession``'s part that the verifier uses, with the method's steps run in the sandbox."""
+    """``TrainingSession``'s part that the verifier uses, with the method's steps run in the sandbox.
+
+    Each session has a process of its own, and a process is never given a committed state that lies after
+    one it is then asked to step from: it could keep the later one and answer with it instead of stepping
+    (a process that was shown a later state is replaced by a fresh one before the earlier state is loaded)."""
 
     def __init__(self, task: RemoteTask, run_seed: bytes, dataset_size: int, world_size: int = 1,
                  parallelism: str = "none"):
-        self.task, self.box, self.run_seed, self.dataset_size = task, task.box, run_seed, dataset_size
-        self.box.sessions += 1
-        self.id = self.box.sessions
-        _, payload = self.box.call("session", session=self.id, run_seed=run_seed.hex(), dataset_size=dataset_size,
-                                   world_size=world_size, parallelism=parallelism)
+        self.task, self.run_seed, self.dataset_size = task, run_seed, dataset_size
+        self.args = {"run_seed": run_seed.hex(), "dataset_size": dataset_size, "world_size": world_size,
+                     "parallelism": parallelism}
+        self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
+        self.box: MethodSandbox | None = None
+        self._start()
+
+    def _start(self) -> None:
+        """A fresh process, its session started from the run seed."""
+        if self.box is not None:
+            self.box.close()
+        self.box = self.task.open_box()
+        self.id, self.given = 1, -1  # the latest step of a committed state this process was given
+        _, payload = self.box.call("session", session=self.id, **self.args)
         self._state: dict[str, torch.Tensor] | None = self.box.state(payload)
         self._fingerprint: Fingerprint | None = None
-        self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
+        missing = [n for n in self.task.parameters if f"model.{n}" not in self._state]
+        if not self.task.parameters or missing:
+            raise MethodFailed("the method's parameters (as it described them) are not its model's: "
+                               + (f"{missing[0]} is not in its state" if missing else "it named none"), check="method")
 
     def batch_indices(self, step: int) -> list[int]:
         """The committed batch of ``step``: witness's own data order, from the run seed."""
@@ -243,8 +299,12 @@ class RemoteSession:
         """Tied weights, by the method's model."""
         return list(self.task.aliases)
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Put a committed state into the method's session."""
+    def load(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """Put the committed state after ``step`` updates into the method's session."""
+        if step < self.given:
+            self._start()
+        self.given = max(self.given, step)
+        assert self.box is not None
         path = self.box.home / "load.safetensors"
         write_state(path, tensors, 0, sync=False)
         self.box.call("load", path.read_bytes(), session=self.id)

@@ -40,6 +40,7 @@ class MethodWheel:
     tasks: dict[str, str]
     files_sha256: str
     files: dict[str, bytes]  # what is unpacked: relative path -> bytes
+    tops: tuple[str, ...] = ()  # its top-level packages and modules
 
     def source(self) -> dict:
         """The manifest's ``task_source`` that a run of this method commits."""
@@ -114,12 +115,31 @@ def read_wheel(data: bytes) -> MethodWheel:
         raise MalformedInput("the wheel's METADATA names no Name or no Version")
     tasks = _tasks(files.get(f"{meta}/entry_points.txt"))
     tops = _top_level(files, meta)
+    _only_pinned_code(files, meta, tops)
     modules = {spec.split(":")[0].split(".")[0] for spec in tasks.values()}
     for module in sorted(modules):
         if module not in tops or not any(n.startswith(f"{module}/") or n.split(".")[0] == module for n in files):
             raise MalformedInput(f"the wheel's task module {module!r} is not a package or module the wheel holds")
     return MethodWheel(hashlib.sha256(data).hexdigest(), dist, version, tasks, _files_sha256(files, sorted(tops)),
-                       files)
+                       files, tuple(sorted(tops)))
+
+
+def _only_pinned_code(files: dict[str, bytes], meta: str, tops: set[str]) -> None:
+    """Every file the wheel installs is one the pin covers: under its top-level packages and modules (or its
+    .dist-info), never compiled bytecode (Python may run a .pyc without reading the source beside it, and
+    the pin leaves caches out), and no name is both a file and a folder."""
+    folders = {"/".join(n.split("/")[:i]) for n in files for i in range(1, n.count("/") + 1)}
+    for name in files:
+        parts = name.split("/")
+        if name in folders:
+            raise MalformedInput(f"the wheel holds {name!r} both as a file and as a folder")
+        if "__pycache__" in parts or name.endswith((".pyc", ".pyo")):
+            raise MalformedInput(f"the wheel holds compiled bytecode ({name!r}): a method ships its sources, which "
+                                 "its pin covers")
+        top = parts[0] if len(parts) > 1 else parts[0].split(".")[0]
+        if parts[0] != meta and top not in tops:
+            raise MalformedInput(f"the wheel installs {name!r}, outside its packages ({', '.join(sorted(tops))}) and "
+                                 "its .dist-info: the pin would not cover it")
 
 
 def _text(files: dict[str, bytes], name: str) -> str:

@@ -190,7 +190,7 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         if step == 0 and init_check is None:  # first in the loop: the session still holds the seed's state
             init_check = _init_within_tolerance(tensors, seeded, session, thresholds)
         if step > 0:
-            session.load(tensors)
+            session.load(tensors, step)
             check_state(bundle, session, step, exact, thresholds)
             leaves = bundle.steps[step - 1].state_leaves
             if leaves is not None and leaves != len(tensors):  # version 4: where its openings put each leaf

@@ -266,7 +266,7 @@ class Replayer:
 
     def load(self, step: int) -> None:
         """Start from the committed state after ``step`` updates, and check it against its record."""
-        self.session.load(self.committed(step))
+        self.session.load(self.committed(step), step)
         self.position = self._replayed_from = step
         self._origin, self._pending = (step, self.bundle.committed_state(step).hex()), []  # type: ignore[union-attr]
         check_state(self.bundle, self.session, step, self.exact, self.thresholds)
