@@ -94,6 +94,11 @@ def test_browse_sort_open_a_run_and_see_the_rejected_one(site, tmp_path):
         page.click("#sort-metric")  # and back
         page.wait_for_url("**order=desc**")
         assert _metrics(page)[0] >= _metrics(page)[1]
+        # the methods: each account's certified runs pooled; one seed each of the 3 a method needs, so none
+        # is ranked yet, and the page names the test a method must pass to count as an improvement
+        methods = page.locator("#methods tr.method").all_inner_texts()
+        assert len(methods) == 2 and all("1 of 3" in m and "not ranked yet" in m for m in methods), methods
+        assert "Welch's t-test" in page.inner_text("body")
         # the record history is drawn by the server, and the browser renders it
         # (wait_for_function polls through eval, which the pages' CSP refuses when it has to poll)
         page.eval_on_selector("#history-plot", "img => img.decode()")  # resolves once the image is in

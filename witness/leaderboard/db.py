@@ -71,6 +71,8 @@ class Track(Base):
     # a witnessed track's trust (canonical JSON: its witnesses' note keys and quorum, the operator log's
     # key, the drand chain and its endpoint); None: its online challenges come from the server's beacon
     witnessed_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the certified seeds a method needs to enter the ranking of methods (witness.leaderboard.ranking)
+    min_seeds: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
 
 
 class Run(Base):

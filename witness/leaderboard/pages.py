@@ -18,6 +18,7 @@ from . import board
 from .db import Account, Run, Track
 from .deps import DB, RunId
 from .online import online_progress
+from .ranking import ALPHA, TEST
 from .service import ApiError, Leaderboard
 from .views import (
     CSP,
@@ -32,6 +33,7 @@ from .views import (
     fraction_down,
     history,
     history_svg,
+    methods,
     number,
     percent_down,
     percent_up,
@@ -88,7 +90,7 @@ def add_pages(app: FastAPI, lb: Leaderboard, html: Callable[..., HTMLResponse], 
                            .order_by(Run.id.desc()).limit(PAGE_SIZE)).all()
         return html("track.html", track=t, rows=rows, total=total, sort=sort, order=order,
                     since=since or "", until=until or "", page=page, pages=max(1, -(-total // PAGE_SIZE)),
-                    ranks=ranks(s, t), recipe=json.loads(t.config_json),
+                    ranks=ranks(s, t), recipe=json.loads(t.config_json), methods=methods(s, t), test=TEST, alpha=ALPHA,
                     rejected=[(r, a) for r, a in others if r.status in ("rejected", "revoked")],
                     waiting=[(r, a) for r, a in others if r.status not in ("rejected", "revoked")],
                     online={r.id: online_progress(s, r) for r, _ in others if r.online_p is not None},

@@ -32,6 +32,8 @@ class TrackSpec:
     # server's configured ones), at least ``quorum`` of them (default: all) for each window.
     witnesses: tuple[str, ...] = ()
     quorum: int | None = None
+    # certified seeds a method needs to enter the ranking of methods (``ranking``)
+    min_seeds: int = 3
 
     def resolve(self, witnessing: Witnessing | None = None) -> dict:
         """The row the database stores: exact recipe, dataset root, evaluation split, and a witnessed
@@ -50,6 +52,7 @@ class TrackSpec:
             "description": self.description,
             "online_p": self.online_p,
             "witnessed_json": self._witnessed(witnessing),
+            "min_seeds": self.min_seeds,
         }
 
     def _witnessed(self, witnessing: Witnessing | None) -> str | None:
@@ -104,8 +107,9 @@ DEFAULT_TRACKS = (
 def parse_track(text: str) -> TrackSpec:
     """``NAME=TASK[:KEY=VALUE,...][@METRIC[+|-]]``, e.g. ``quick=tiny:steps=20@accuracy+``; the fields
     ``online=P`` (online challenges required, with at least probability P), ``witnesses=A+B`` and
-    ``quorum=K`` (those challenges drawn by drand and cosigned by K of the named witnesses) and
-    ``max_upload=BYTES`` (the track's upload limit) are not the recipe's."""
+    ``quorum=K`` (those challenges drawn by drand and cosigned by K of the named witnesses),
+    ``max_upload=BYTES`` (the track's upload limit) and ``seeds=N`` (certified seeds a method needs to be
+    ranked) are not the recipe's."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
         raise ValueError(f"a track is NAME=TASK[:KEY=VALUE,...][@METRIC+|-], not {text!r}")
@@ -136,8 +140,11 @@ def parse_track(text: str) -> TrackSpec:
     limit = config.pop("max_upload", None)
     if limit is not None and (type(limit) is not int or not 1 <= limit <= 1 << 50):
         raise ValueError(f"max_upload=BYTES takes a positive number of bytes, not {limit!r}")
+    seeds = config.pop("seeds", 3)
+    if type(seeds) is not int or not 1 <= seeds <= 100:
+        raise ValueError(f"seeds=N takes 1 to 100 certified seeds, not {seeds!r}")
     build_task(task, config)  # fails now, not at the first submission
     about = f"{task} with {config or 'its default recipe'}" + (f", audited online (p >= {online:g})" if online else "") \
         + (f", drawn by drand and cosigned by {quorum or len(witnesses)} of {', '.join(witnesses)}" if witnesses else "")
     return TrackSpec(name, task, config, metric, higher, about, None if online is None else float(online), limit,
-                     witnesses or (), quorum)
+                     witnesses or (), quorum, seeds)

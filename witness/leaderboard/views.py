@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from ..store import EVALUATION, archive_key, evaluation_key, model_key, plot_key
 from .db import Account, ChallengeRow, Head, Round, Run, Track
+from .ranking import MethodEntry, Seed, rank_methods
 from .service import ApiError, Leaderboard
 
 PAGE_SIZE = 100
@@ -59,6 +60,24 @@ def table(s: Session, track: Track, sort: str, order: str | None, status: str, s
     q = q.order_by(col.is_(None), col.desc() if order == "desc" else col.asc(), Run.id)
     rows = s.execute(q.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)).all()
     return [(r, a) for r, a in rows], total
+
+
+def methods(s: Session, track: Track) -> list[MethodEntry]:
+    """The track's methods (on a track of one recipe, each account's runs), ranked by their certified seeds
+    (``ranking``), with the runs each account started and never submitted."""
+    entries: dict[str, MethodEntry] = {}
+    rows = s.execute(select(Account.name, Run.id, Run.metric_value, Run.decided_ms).select_from(Run)
+                     .join(Account, Run.account_id == Account.id).where(Run.track == track.name, Run.status == "certified", Run.metric_value.is_not(None))
+                     .order_by(Run.id)).all()
+    for name, run_id, value, decided in rows:
+        entries.setdefault(name, MethodEntry(name, [])).seeds.append(Seed(run_id, value, decided or 0))
+    for name, count in s.execute(select(Account.name, func.count()).select_from(Run)
+                                 .join(Account, Run.account_id == Account.id)
+                                 .where(Run.track == track.name, Run.submitted_ms.is_(None))
+                                 .group_by(Account.name)).all():
+        if name in entries:
+            entries[name].unsubmitted = count
+    return rank_methods(list(entries.values()), track.higher_is_better, track.min_seeds)
 
 
 def ranks(s: Session, track: Track) -> dict[int, int]:
