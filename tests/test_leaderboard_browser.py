@@ -83,6 +83,12 @@ def test_browse_sort_open_a_run_and_see_the_rejected_one(site, tmp_path):
         assert page.inner_text("#sort-bound").startswith("bound (≥ 5 % bad steps)")
         assert "at least 5 % of its steps" in page.inner_text("#bound-explained")
         assert page.locator("#runs td.bound").all_inner_texts() == ["100 %", "100 %"]
+        # every entry links the exclusion proof that its evaluation split was never trained on
+        assert page.locator("#runs td.clean").all_inner_texts() == ["proven", "proven"]
+        proof = page.locator("#runs td.clean a").first.get_attribute("href")
+        contamination = httpx.get(url + proof, follow_redirects=True).json()["contamination"]
+        assert proof.endswith("/download/evaluation.json") and contamination["clean"] and contamination["documents"]
+        assert all(d["absence"] for d in contamination["documents"])
         # the ranking holds the two certified runs, best accuracy first, ranked 1 and 2 (or 1 and 1)
         values = _metrics(page)
         assert len(values) == 2 and values[0] >= values[1]
