@@ -14,7 +14,7 @@ from methods_helpers import ALL, method_source, train, wheel_bytes
 from witness import sandbox
 from witness.cli import main
 from witness.errors import MalformedInput, RunRejected, VerificationError
-from witness.methods import remote
+from witness.methods import process
 from witness.methods.wheel import read_wheel
 from witness.task import build_task
 from witness.verify.audit import Verifier
@@ -26,10 +26,10 @@ pytestmark = pytest.mark.skipif(sandbox.shutil.which("bwrap") is None, reason="u
 @pytest.fixture(autouse=True)
 def small_limits(monkeypatch):
     """Limits a test can wait out: a step answered within 5 s, 3 GiB of address space, a 64 MiB scratch."""
-    monkeypatch.setattr(remote, "LIMITS", sandbox.Limits(cpu_seconds=120, memory_bytes=3 << 30, file_bytes=16 << 20,
+    monkeypatch.setattr(process, "LIMITS", sandbox.Limits(cpu_seconds=120, memory_bytes=3 << 30, file_bytes=16 << 20,
                                                          processes=32, wall_seconds=120, output_bytes=16 << 10))
-    monkeypatch.setattr(remote, "STEP_SECONDS", 5.0)
-    monkeypatch.setattr(remote, "SCRATCH_BYTES", 64 << 20)
+    monkeypatch.setattr(process, "STEP_SECONDS", 5.0)
+    monkeypatch.setattr(process, "SCRATCH_BYTES", 64 << 20)
 
 
 def verify(wheel: bytes, run: tuple[Path, Path]):

@@ -246,6 +246,7 @@ class Conversation:
         self.stderr = bytearray()
         self._frames: list[tuple[bytes, bytes] | None] = []
         self._wanted = 0  # answers asked for and not yet read: the reader reads no more than these
+        self._closed = False
         self._ready = threading.Condition()
         threading.Thread(target=_drain, args=(self.proc.stderr, self.stderr, limits.output_bytes), daemon=True).start()
         threading.Thread(target=self._read, daemon=True).start()
@@ -256,16 +257,21 @@ class Conversation:
         pipe = self.proc.stdout
         while True:
             with self._ready:
-                while not self._wanted:
+                while not self._wanted and not self._closed:
                     self._ready.wait()
+                if self._closed:
+                    return
                 self._wanted -= 1
             frame = None
-            head = _exactly(pipe, 16)
-            if head is not None:
-                h, n = struct.unpack(">QQ", head)
-                if h <= self.header_bytes and n <= self.payload_bytes:
-                    header, payload = _exactly(pipe, h), _exactly(pipe, n)
-                    frame = (header, payload) if header is not None and payload is not None else None
+            try:
+                head = _exactly(pipe, 16)
+                if head is not None:
+                    h, n = struct.unpack(">QQ", head)
+                    if h <= self.header_bytes and n <= self.payload_bytes:
+                        header, payload = _exactly(pipe, h), _exactly(pipe, n)
+                        frame = (header, payload) if header is not None and payload is not None else None
+            except (OSError, ValueError):  # its pipe closed under it: the conversation is over
+                frame = None
             with self._ready:
                 self._frames.append(frame)
                 self._ready.notify_all()
@@ -320,6 +326,14 @@ class Conversation:
         for group in self.groups:
             _drop_cgroup(group)
         self.proc.wait()
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                pipe.close()  # type: ignore[union-attr]
+            except (OSError, ValueError):  # a pipe a blocked writer holds: closed once it fails
+                pass
 
     def __enter__(self) -> Conversation:
         return self

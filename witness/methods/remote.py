@@ -1,143 +1,39 @@
 """Outside the sandbox: a submitted method's task and sessions, as the verifier uses them, with every
-step run by ``witness.methods.child`` in bubblewrap (``witness.sandbox``).
+step run by ``witness.methods.child`` in bubblewrap (``witness.methods.process``).
 
 What crosses back is only data, read strictly: the recipe's description, losses, fingerprints and
 whole states (in the checkpoint format, bounded). Everything judged is computed here by witness's own
-code: the state hashes replay is held to, the parameter sketch, the data order. The child is sent no
-record of the run, so a method that would rather report what the verifier expects than compute it
-has nothing to copy. A method that fails, hangs, floods, or stops answering is a rejection
-(``MethodFailed``); a sandbox this machine cannot make is unusable input (exit 2), never a verdict.
+code: the state hashes replay is held to, the parameter sketch, the data order. The method is sent no
+record of the run, and committed states only in the order of their steps (``MethodSandbox.show``), so
+a method that would rather report what the verifier expects than compute it has nothing to copy. A
+method that fails, hangs, floods, or stops answering is a rejection (``MethodFailed``); a sandbox this
+machine cannot make is unusable input (exit 2), never a verdict.
 """
 
 from __future__ import annotations
 
 import base64
-import importlib.util
-import json
 import math
-import os
-import shutil
 import struct
-import sys
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from .. import sandbox
-from ..bundle.checkpoint import read_checkpoint, write_state
-from ..commit.hashing import load_json
+from ..bundle.checkpoint import write_state
 from ..data.order import batch_indices
 from ..errors import MalformedInput, VerificationError
 from ..fingerprint.probes import Fingerprint
 from ..fingerprint.sketch import ParameterSketch
 from ..session import TrainingSession
 from ..task.base import StepOutput
-from .wheel import MethodWheel
+from .process import MethodFailed, MethodSandbox, Process
 
 RULES = ("self", "prefix32")
-# what one replay of a method may use: generous for a small model on the CPU, and the same for every method
-LIMITS = sandbox.Limits(cpu_seconds=3600, memory_bytes=8 << 30, file_bytes=1 << 30, processes=64,
-                        wall_seconds=3600.0, output_bytes=64 << 10)
-STEP_SECONDS = 600.0  # one request (a step, a state) answered within this, or the method is stopped
-MAX_STATE_BYTES = 1 << 30
-MAX_ANSWER_BYTES = 64 << 20  # an answer's JSON (a schedule of a million steps is about 20 MB)
-SCRATCH_BYTES = 2 * MAX_STATE_BYTES  # its tmpfs: the state it writes before sending it, and room to spare
+# what a description may say: a recipe a verifier can take in (the manifest must say the same)
+MAX_STEPS, MAX_BATCH, MAX_DIMS, MAX_PROBES = 1 << 24, 1 << 20, 4096, 4096
 
-
-class MethodFailed(VerificationError):
-    """The submitted method failed, hung or lied in the sandbox: its run is rejected."""
-
-
-def check_names(wheel: MethodWheel) -> None:
-    """Refuse a method whose packages are named like a module the sandbox's Python already finds (the standard
-    library's, witness's, torch's, any installed distribution's): that one, not the pinned code, would run."""
-    for top in wheel.tops:
-        if top in sys.stdlib_module_names or top in sys.builtin_module_names or importlib.util.find_spec(top):
-            raise MalformedInput(f"the method's package {top!r} has the name of a module installed where it is "
-                                 "replayed, which would run instead of the method's own code: rename it")
-
-
-class MethodSandbox:
-    """One sandboxed process of a method's wheel (its task built from the manifest's recipe by ``describe``),
-    and the other processes opened for its sessions (``spawn``), all closed with it."""
-
-    def __init__(self, wheel: MethodWheel, task: str, threads: int, limits: sandbox.Limits | None = None):
-        if task not in wheel.tasks:
-            raise MalformedInput(f"the method {wheel.distribution} {wheel.version} offers no task {task!r} (it offers "
-                                 f"{', '.join(sorted(wheel.tasks))})")
-        check_names(wheel)
-        self.wheel, self.task_name, self.threads, self.limits = wheel, task, threads, limits
-        self.home = Path(tempfile.mkdtemp(prefix="witness-method-"))
-        self.children: list[MethodSandbox] = []
-        package = Path(__file__).resolve().parent.parent
-        env = {"OMP_NUM_THREADS": str(threads)}
-        if os.environ.get("MKL_CBWR"):  # the reproducible mode the run was recorded under
-            env["MKL_CBWR"] = os.environ["MKL_CBWR"]
-        try:
-            site = wheel.install(self.home / "site")
-            # -I: no PYTHONPATH, user site or sitecustomize of the method's; the wheel's folder is appended to
-            # sys.path by the child, after everything installed
-            argv = [sys.executable, "-I", "-B", "-m", "witness.methods.child", str(site), task, wheel.tasks[task],
-                    str(threads)]
-            self.conversation = sandbox.Conversation(argv, self.home / "scratch", [site, package], limits or LIMITS, env,
-                                                     header_bytes=MAX_ANSWER_BYTES, payload_bytes=MAX_STATE_BYTES,
-                                                     scratch_bytes=SCRATCH_BYTES)
-        except sandbox.SandboxError as e:
-            shutil.rmtree(self.home, ignore_errors=True)
-            raise MalformedInput(f"no sandbox for the submitted method here: {e}") from None
-        except OSError as e:
-            shutil.rmtree(self.home, ignore_errors=True)
-            raise MalformedInput(f"the method's wheel cannot be unpacked: {e}") from None
-
-    def spawn(self) -> MethodSandbox:
-        """Another process of the same method (closed with this one)."""
-        child = MethodSandbox(self.wheel, self.task_name, self.threads, self.limits)
-        self.children.append(child)
-        return child
-
-    def call(self, op: str, payload: bytes = b"", **args: Any) -> tuple[dict, bytes]:
-        """One request; its answer's header (a JSON object) and payload, or ``MethodFailed``."""
-        answer = self.conversation.ask(json.dumps({"op": op, **args}).encode(), payload, STEP_SECONDS)
-        if answer is None:
-            why = self.conversation.why()
-            raise MethodFailed(f"the method {self.wheel.distribution} {self.wheel.version} stopped answering in the "
-                               f"sandbox ({op}: it ended, hung past its limits, or sent what is not an answer)"
-                               + (f": {why}" if why else ""), check="method")
-        try:
-            header = load_json(answer[0])
-        except ValueError:
-            header = None
-        if not isinstance(header, dict):
-            raise MethodFailed(f"the method answered {op} with what is not a JSON object", check="method")
-        if "error" in header:
-            raise MethodFailed(f"the method failed in the sandbox ({op}): {str(header['error'])[:600]}", check="method")
-        return header, answer[1]
-
-    def state(self, payload: bytes) -> dict[str, torch.Tensor]:
-        """A state the method sent, read as strictly as a checkpoint from a stranger."""
-        path = self.home / "state.safetensors"  # never mounted in the sandbox
-        path.write_bytes(payload)
-        try:
-            return read_checkpoint(path)
-        except MalformedInput as e:
-            raise MethodFailed(f"the method sent a state that is not one: {e}", check="method") from None
-
-    def close(self) -> None:
-        """Stop the method (and the processes spawned from it), and remove what it was given."""
-        for child in self.children:
-            child.close()
-        self.children = []
-        self.conversation.close()
-        shutil.rmtree(self.home, ignore_errors=True)
-
-    def __enter__(self) -> MethodSandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+__all__ = ["MethodFailed", "MethodSandbox", "RemoteSession", "RemoteTask", "open_session"]
 
 
 def _floats(obj: object, n: int | None, what: str) -> tuple[float, ...]:
@@ -149,6 +45,13 @@ def _floats(obj: object, n: int | None, what: str) -> tuple[float, ...]:
         pass
     raise MethodFailed(f"the method's {what} is not a list of {n if n is not None else 'some'} numbers",
                        check="method")
+
+
+def _count(value: object, most: int, what: str, least: int = 1) -> int:
+    if type(value) is not int or not least <= value <= most:
+        raise MethodFailed(f"the method's {what} is {str(value)[:40]}, not a whole number from {least} to {most}",
+                           check="method")
+    return value
 
 
 class RemoteSchedule:
@@ -170,19 +73,27 @@ class RemoteTask:
 
     rebuilds_data = False  # its data is the one the verifier names, never one it generates
 
-    def __init__(self, box: MethodSandbox, config: dict, described: dict | None = None,
+    def __init__(self, method: MethodSandbox, config: dict, described: dict | None = None,
                  probes: list[str] | None = None):
-        self.box, self.name, self.config_given, self.probes_given = box, box.task_name, config, probes
-        d = described if described is not None else box.call("describe", config=config)[0]
+        self.method, self.name, self.config_given, self.probes_given = method, method.task_name, config, probes
+        if described is None:
+            p = method.process()
+            described = p.call("describe", config=config)[0]
+            p.close()
+        self._read(described)
+
+    def _read(self, d: dict) -> None:
         try:
             self.config_json_ = d["config_json"]
-            steps, batch = d["steps"], d["batch_size"]
-            ints = (steps, batch, d["sketch_dims"], d["fingerprint_dims"], d["probes"] + 1, d["grad_accum"])
-            if not all(type(x) is int and 0 < x < 1 << 40 for x in ints) or not isinstance(self.config_json_, dict):
-                raise TypeError("a count is not a positive integer")
+            if not isinstance(self.config_json_, dict):
+                raise TypeError("its config is not an object")
+            steps, batch = _count(d["steps"], MAX_STEPS, "steps"), _count(d["batch_size"], MAX_BATCH, "batch size")
+            sketch, dims = _count(d["sketch_dims"], MAX_DIMS, "sketch size"), \
+                _count(d["fingerprint_dims"], MAX_DIMS, "fingerprint size")
             self.config = SimpleNamespace(**{**self.config_json_, "steps": steps, "batch_size": batch,
-                                             "sketch_dims": d["sketch_dims"], "fingerprint_dims": d["fingerprint_dims"]})
-            self.probes, self.grad_accum = d["probes"], d["grad_accum"]
+                                             "sketch_dims": sketch, "fingerprint_dims": dims})
+            self.probes = _count(d["probes"], MAX_PROBES, "probe count", least=0)
+            self.grad_accum = _count(d["grad_accum"], batch, "gradient accumulation")
             self.precision, self.compiles = str(d["precision"]), bool(d["compiles"])
             self.probes_are_samples = bool(d["probes_are_samples"])
             self.document_rule = d["document_rule"]
@@ -192,11 +103,22 @@ class RemoteTask:
             self.schedule = RemoteSchedule(_floats(d["lrs"], steps, "learning-rate schedule"))
             self.parameters = [str(n) for n in d["parameters"]]
             self.aliases = [tuple(str(n) for n in g) for g in d["aliases"]]
-            self._probe_bytes = None if d["probe_bytes"] is None else [_b64(p) for p in d["probe_bytes"]]
-            self._probe_hash = None if d["probe_hash"] is None else bytes.fromhex(d["probe_hash"])
-            self._spec = d["fingerprint_spec"]
+            self._probe_bytes, self._probe_hash, self._spec = None, None, None
+            if d["probe_bytes"] is not None or d["probe_hash"] is not None or d["fingerprint_spec"] is not None:
+                self._probes_described(d)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MethodFailed(f"the method described its recipe wrongly: {e}", check="method") from None
+
+    def _probes_described(self, d: dict) -> None:
+        """Its probes, their hash and its fingerprint's spec: all three, and the spec the sizes it described."""
+        probes, spec = [_b64(p) for p in d["probe_bytes"]], d["fingerprint_spec"]
+        digest = bytes.fromhex(d["probe_hash"])
+        if len(digest) != 32 or not isinstance(spec, dict) or len(probes) > MAX_PROBES:
+            raise TypeError("its probes, their hash and its fingerprint's spec do not go together")
+        if spec.get("probes") != len(probes) or spec.get("projection_dims") != self.config.fingerprint_dims or \
+                spec.get("sketch_dims") != self.config.sketch_dims:
+            raise TypeError("its fingerprint's spec is not the sizes it described")
+        self._probe_bytes, self._probe_hash, self._spec = probes, digest, spec
 
     def config_json(self) -> dict:
         """The recipe as the method reads it back."""
@@ -205,16 +127,19 @@ class RemoteTask:
     def with_probes(self, probes: list[bytes]) -> RemoteTask:
         """The task with the bundle's probes (its first training samples) in place of its own."""
         given = [base64.b64encode(p).decode() for p in probes]
-        d, _ = self.box.call("probes", probes=given)
-        return RemoteTask(self.box, self.config_given, d, given)
+        p = self.method.process()
+        p.call("describe", config=self.config_given)
+        d, _ = p.call("probes", probes=given)
+        p.close()
+        return RemoteTask(self.method, self.config_given, d, given)
 
-    def open_box(self) -> MethodSandbox:
-        """A fresh process of the method with this task built in it (for a session of its own)."""
-        box = self.box.spawn()
-        box.call("describe", config=self.config_given)
+    def open_process(self) -> Process:
+        """A fresh process of the method with this task built in it (for a session)."""
+        p = self.method.process()
+        p.call("describe", config=self.config_given)
         if self.probes_given is not None:
-            box.call("probes", probes=self.probes_given)
-        return box
+            p.call("probes", probes=self.probes_given)
+        return p
 
     def probe_bytes(self) -> list[bytes]:
         """The committed probe inputs."""
@@ -225,8 +150,7 @@ class RemoteTask:
     def probe_hash(self) -> bytes:
         """The method's commitment to its probes."""
         self.probe_bytes()
-        assert self._probe_hash is not None
-        return self._probe_hash
+        return self._probe_hash  # type: ignore[return-value]
 
     def fingerprint_spec(self) -> dict:
         """What its fingerprint holds."""
@@ -256,9 +180,12 @@ def _b64(text: str) -> bytes:
 class RemoteSession:
     """``TrainingSession``'s part that the verifier uses, with the method's steps run in the sandbox.
 
-    Each session has a process of its own, and a process is never given a committed state that lies after
-    one it is then asked to step from: it could keep the later one and answer with it instead of stepping
-    (a process that was shown a later state is replaced by a fresh one before the earlier state is loaded)."""
+    ``one_way``: a committed state is given to the method only to step from (``load``); anything else the
+    verifier checks of a committed state (its sketch) it computes here (``sketch_of``). A session whose
+    process was closed (another session's opened) starts a fresh one when next asked, and loads again the
+    state it last loaded."""
+
+    one_way = True
 
     def __init__(self, task: RemoteTask, run_seed: bytes, dataset_size: int, world_size: int = 1,
                  parallelism: str = "none"):
@@ -266,22 +193,31 @@ class RemoteSession:
         self.args = {"run_seed": run_seed.hex(), "dataset_size": dataset_size, "world_size": world_size,
                      "parallelism": parallelism}
         self.sketcher = ParameterSketch(run_seed, task.config.sketch_dims)
-        self.box: MethodSandbox | None = None
-        self._start()
-
-    def _start(self) -> None:
-        """A fresh process, its session started from the run seed."""
-        if self.box is not None:
-            self.box.close()
-        self.box = self.task.open_box()
-        self.id, self.given = 1, -1  # the latest step of a committed state this process was given
-        _, payload = self.box.call("session", session=self.id, **self.args)
-        self._state: dict[str, torch.Tensor] | None = self.box.state(payload)
+        self.proc: Process | None = None
+        self.loaded: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.stepped = False  # it stepped since its last load: its process holds a state nothing can give it again
         self._fingerprint: Fingerprint | None = None
-        missing = [n for n in self.task.parameters if f"model.{n}" not in self._state]
+        self._state: dict[str, torch.Tensor] | None = None
+        self._process()
+
+    def _process(self) -> Process:
+        """This session's process, started afresh where it was closed."""
+        if self.proc is not None and not self.proc.closed:
+            return self.proc
+        if self.stepped:
+            raise RuntimeError("a session's process was closed between its steps (the audit opened another session "
+                               "in the middle of a segment)")
+        p = self.proc = self.task.open_process()
+        _, payload = p.call("session", session=1, **self.args)
+        seeded = self.task.method.state(payload)
+        missing = [n for n in self.task.parameters if f"model.{n}" not in seeded]
         if not self.task.parameters or missing:
             raise MethodFailed("the method's parameters (as it described them) are not its model's: "
                                + (f"{missing[0]} is not in its state" if missing else "it named none"), check="method")
+        self._state, self._fingerprint = seeded, None
+        if self.loaded is not None:
+            self._send(*self.loaded)
+        return p
 
     def batch_indices(self, step: int) -> list[int]:
         """The committed batch of ``step``: witness's own data order, from the run seed."""
@@ -301,19 +237,25 @@ class RemoteSession:
 
     def load(self, tensors: dict[str, torch.Tensor], step: int) -> None:
         """Put the committed state after ``step`` updates into the method's session."""
-        if step < self.given:
-            self._start()
-        self.given = max(self.given, step)
-        assert self.box is not None
-        path = self.box.home / "load.safetensors"
+        self.loaded, self.stepped = (step, {k: v.clone() for k, v in tensors.items()}), False
+        if self.proc is None or self.proc.closed:
+            self._process()  # which loads it
+        else:
+            self._send(*self.loaded)
+
+    def _send(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        assert self.proc is not None
+        self.task.method.show(step)
+        path = self.task.method.home / "load.safetensors"
         write_state(path, tensors, 0, sync=False)
-        self.box.call("load", path.read_bytes(), session=self.id)
+        self.proc.call("load", path.read_bytes(), session=1)
         self._state, self._fingerprint = {k: v.clone() for k, v in tensors.items()}, None
 
     def step(self, step: int, samples: list[bytes]) -> StepOutput:
         """One step of the method on the samples given, in the sandbox."""
         body = struct.pack(">I", len(samples)) + b"".join(struct.pack(">Q", len(s)) + s for s in samples)
-        d, _ = self.box.call("step", body, session=self.id, step=step)
+        d, _ = self._process().call("step", body, session=1, step=step)
+        self.loaded, self.stepped = None, True
         self._state = None
         self._fingerprint = self._parse_fingerprint(d)
         loss, gn = _floats([d.get("loss"), d.get("grad_norm")], 2, "loss and gradient norm")
@@ -322,7 +264,7 @@ class RemoteSession:
     def fingerprint(self) -> Fingerprint:
         """The method's model's fingerprint on its probes (computed in the sandbox)."""
         if self._fingerprint is None:
-            self._fingerprint = self._parse_fingerprint(self.box.call("fingerprint", session=self.id)[0])
+            self._fingerprint = self._parse_fingerprint(self._process().call("fingerprint", session=1)[0])
         return self._fingerprint
 
     def _parse_fingerprint(self, d: dict) -> Fingerprint:
@@ -337,16 +279,19 @@ class RemoteSession:
     def state(self) -> dict[str, torch.Tensor]:
         """The session's whole state, sent back by the method and read strictly here."""
         if self._state is None:
-            self._state = self.box.state(self.box.call("state", session=self.id)[1])
+            self._state = self.task.method.state(self._process().call("state", session=1)[1])
         return self._state
 
     def sketch(self) -> list[float]:
         """The parameter sketch, computed here from the state the method sent."""
-        state = self.state()
+        return self.sketch_of(self.state())
+
+    def sketch_of(self, state: dict[str, torch.Tensor]) -> list[float]:
+        """The parameter sketch of a state, computed here."""
         try:
             return self.sketcher({n: state[f"model.{n}"] for n in self.task.parameters})
         except KeyError as e:
-            raise MethodFailed(f"the method's state lacks its parameter {e}", check="method") from None
+            raise MethodFailed(f"the state lacks the method's parameter {e}", check="method") from None
 
 
 def open_session(task: Any, run_seed: bytes, dataset_size: int, world_size: int = 1,  # noqa: ANN401 - either kind

@@ -129,6 +129,9 @@ def _only_pinned_code(files: dict[str, bytes], meta: str, tops: set[str]) -> Non
     .dist-info), never compiled bytecode (Python may run a .pyc without reading the source beside it, and
     the pin leaves caches out), and no name is both a file and a folder."""
     folders = {"/".join(n.split("/")[:i]) for n in files for i in range(1, n.count("/") + 1)}
+    for top in tops:  # pkg.py beside pkg/ would hash like pkg/pkg.py, and never run (the package shadows it)
+        if top in folders and any("/" not in n and n.split(".")[0] == top for n in files):
+            raise MalformedInput(f"the wheel holds {top!r} both as a package and as a module")
     for name in files:
         parts = name.split("/")
         if name in folders:

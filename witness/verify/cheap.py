@@ -23,12 +23,13 @@ from ..data.dataset import Dataset, sample_hash
 from ..data.leaves import DatasetLeaves
 from ..errors import MalformedInput, VerificationError
 from ..fingerprint.chunks import ChunkLayout
+from ..fingerprint.probes import relative_distance
 from ..methods.remote import MethodSandbox, RemoteTask
 from ..session import TrainingSession, bounded_threads, cpu_cores
 from ..task.base import Task
 from ..task.ranks import accumulation_replays
 from ..task.registry import build_task, check_task_source
-from .replay import check_state, limit_for
+from .replay import check_state, limit_for, same_floats
 from .usage import committed_leaves
 
 
@@ -189,7 +190,11 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
         check_aliases(aliases, tensors, f"the checkpoint {path.name}", step=step)
         if step == 0 and init_check is None:  # first in the loop: the session still holds the seed's state
             init_check = _init_within_tolerance(tensors, seeded, session, thresholds)
-        if step > 0:
+        if step > 0 and getattr(session, "one_way", False):
+            # a submitted method is shown a committed state only to step from, in the order of the steps
+            # (methods.process): its sketch is checked here, its fingerprint where replay starts from it
+            _check_sketch(bundle, session.sketch_of(tensors), step, exact, thresholds)
+        elif step > 0:
             session.load(tensors, step)
             check_state(bundle, session, step, exact, thresholds)
             leaves = bundle.steps[step - 1].state_leaves
@@ -206,6 +211,13 @@ def check_checkpoints(bundle: Bundle, session: TrainingSession, exact: bool, thr
     if init_check is None:  # fail closed: the reader refuses a bundle without its initial checkpoint
         raise MalformedInput("the bundle has no initial checkpoint to compare the seed's state with")
     return [f"{init_check}; {len(bundle.checkpoints)} checkpoint(s) hashed and fingerprinted"]
+
+
+def _check_sketch(bundle: Bundle, sketch: list[float], step: int, exact: bool, thresholds: dict[str, float]) -> None:
+    """A checkpoint's parameter sketch against its record's (exactly, or within the threshold)."""
+    want = bundle.steps[step - 1].sketch
+    if not (same_floats(sketch, want) if exact else relative_distance(sketch, want) <= thresholds["sketch"]):
+        raise VerificationError("the checkpoint does not match the recorded sketch", step=step - 1, check="state")
 
 
 def _init_within_tolerance(committed: dict[str, torch.Tensor], seeded: dict[str, torch.Tensor],
