@@ -188,3 +188,38 @@ def test_a_method_that_reports_outputs_instead_of_computing_them_is_rejected(hon
     failures = e.value.verdict.failures
     assert failures and all("found" not in f for f in failures), failures
     assert any("replayed loss 2.5 differs" in f for f in failures), failures
+
+
+def test_an_online_run_of_a_method_replays_its_selected_steps_in_the_sandbox(tmp_path, monkeypatch):
+    """The leaderboard's mode: a beacon selects steps while the run trains; the verifier, which never imports
+    the method, replays exactly the selected steps in the sandbox. (Chunked openings are not yet checked for a
+    method: its optimizer's bounded-move rule would be its own word.)"""
+    import dataclasses
+    import importlib
+    import sys
+
+    from test_online import SPEC, Beacon
+
+    from witness.commit.signing import generate_key
+    from witness.record import Commitments, Online
+    from witness.record.recorder import Recorder
+    from witness.task import registry
+
+    wheel = wheel_bytes(method_source())
+    beacon = Beacon(tmp_path)
+    site = read_wheel(wheel).install(tmp_path / "trainer-site")
+    with monkeypatch.context() as m:  # the trainer's process has the method installed; the verifier's not
+        m.syspath_prepend(str(site))
+        task = build_task("sandboxed-mlp", {"steps": 16})
+        rec = Recorder.create(task, tmp_path / "run", generate_key(), r=b"\x07" * 32,
+                              commit=Commitments(checkpoint_every=8),
+                              online=Online(beacon=beacon.link(), spec=dataclasses.replace(SPEC, chunks=0)))
+        rec.train(progress=False)
+    sys.modules.pop("sandboxed_mlp", None)
+    registry._built.cache_clear()
+    importlib.invalidate_caches()
+    v = Verifier(Trust(beacon_key=beacon.public_key, method=read_wheel(wheel)), Policy(mode="online")).verify(
+        tmp_path / "run")
+    selected = v.online["selected"]
+    assert v.accepted and selected and v.distinct_steps == len(selected), (v.failures, selected)
+    assert any("ran only in the sandbox" in c for c in v.checks)
