@@ -151,7 +151,11 @@ def check_records(bundle: Bundle, task: Task, session: TrainingSession) -> list[
         if rec.sketch == prev_sketch and rec.lr > 0 and not skipped and not diverged:
             raise VerificationError("the parameters did not change: the optimizer did not step", step=t, check="record")
         prev_sketch = rec.sketch
-    checks.append(f"learning-rate schedule recomputed for all {len(bundle.steps)} steps")
+    if getattr(session, "one_way", False):  # a submitted method's schedule is its own word; replay holds it to it
+        checks.append(f"learning rates of all {len(bundle.steps)} steps are the ones the method describes (its own "
+                      "word: replay checks the states its code reaches, not the rate it used)")
+    else:
+        checks.append(f"learning-rate schedule recomputed for all {len(bundle.steps)} steps")
     checks.append(f"data order recomputed from the run seed for all {len(bundle.steps)} steps")
     if bundle.end is not None:
         last = bundle.steps[-1]
