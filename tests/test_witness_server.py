@@ -257,8 +257,10 @@ def test_inconsistent_checkpoints_are_422s_and_the_first_fork_is_kept(http):
     # a consistency proof that does not verify: kept, as "proof"
     r = http.post(f"{P}/add-checkpoint", content=body(5, run.proof(5, 8), run.note(8, root=forger.log.root(8))))
     assert r.status_code == 422
-    # a second root for the cosigned size: refused, and not kept again (the first fork stays)
-    assert add(http, run, 5, 5, root=forger.log.root(5)).status_code == 422
+    # a second root for the cosigned size: refused (409, as tlog-witness says), and not kept again (the first
+    # fork stays)
+    r = add(http, run, 5, 5, root=forger.log.root(5))
+    assert r.status_code == 409 and r.text == "5\n" and r.headers["content-type"] == "text/x.tlog.size"
     r = add(http, run, 0, 5, root=forger.log.root(5))  # whatever the old size, it is one
     assert r.status_code == 409 and r.text == "5\n"
     log = http.get(f"{P}/witness/logs/{origin_hash(run.origin)}").json()
@@ -275,8 +277,8 @@ def test_a_second_root_for_the_latest_size_is_kept_as_proof_of_a_fork(http):
     run, forger = Run(), Run()
     register(http, run)
     cosignature(add(http, run, 0, 6))
-    assert add(http, run, 6, 6, root=forger.log.root(6)).status_code == 422
-    assert add(http, run, 6, 6, root=forger.log.root(7)).status_code == 422
+    assert add(http, run, 6, 6, root=forger.log.root(6)).status_code == 409  # tlog-witness: 409 Conflict
+    assert add(http, run, 6, 6, root=forger.log.root(7)).status_code == 409
     fork = http.get(f"{P}/witness/logs/{origin_hash(run.origin)}").json()["fork"]
     assert fork["kind"] == "root" and Checkpoint.parse(parse_note(fork["other"].encode()).text).root \
         == forger.log.root(6)

@@ -233,8 +233,8 @@ class Witness:
         latest = bytes.fromhex(seen_root) if seen_root else None  # None: nothing cosigned yet
         if latest is not None and cp.size == seen_size and not same(cp.root, latest):
             self._fork(s, row, "root", cp, signed)  # a second root for one size, signed: kept whatever old says
-            raise WitnessConflict(seen_size) if old != seen_size else \
-                BeaconRefused(422, f"the log signed another root for size {cp.size}, which this witness cosigned")
+            # tlog-witness: a root other than the cosigned one at its size is a 409 Conflict (with the latest size)
+            raise WitnessConflict(seen_size)
         if old != seen_size:
             raise WitnessConflict(seen_size)
         if cp.size == 0 and not same(cp.root, EMPTY_ROOT):
