@@ -238,3 +238,17 @@ def test_drands_discovery_routes_name_the_chain_and_its_health(local, served):
         assert r.status_code == 200 and set(body) == {"current", "expected"}
         assert body["expected"] - 1 <= body["current"] <= body["expected"] and body["current"] >= 1000
     assert httpx.get(f"{served}/{'00' * 32}/health").status_code == 400  # a chain it does not serve
+
+
+def test_cli_on_a_taken_port_says_so_in_one_line(tmp_path: Path):
+    """``witness drand serve --port <taken>``: one line naming the port, exit 2, no traceback (issue 52, item 8)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "witness.cli", "drand", "serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"did not start on 127.0.0.1:{port} (is the port taken?)" in done.stderr

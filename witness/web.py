@@ -3,6 +3,7 @@ body limit, a JSON nesting limit, and uvicorn in a background thread."""
 
 from __future__ import annotations
 
+import errno
 import re
 import threading
 import time
@@ -190,7 +191,8 @@ def start_uvicorn(app, host: str = "127.0.0.1", port: int = 0,  # noqa: ANN001 -
     deadline = time.monotonic() + 30
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start on {host}:{port} (is the port taken?)")
+            # an OSError: the commands say it in one line and exit 2 (uvicorn has logged the reason)
+            raise OSError(errno.EADDRINUSE, f"the server did not start on {host}:{port} (is the port taken?)")
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     return server, thread, f"http://{host}:{port}"
