@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from ..commit.hashing import canonical_json
@@ -62,12 +63,25 @@ def started_without_steps(root: Path) -> bool:
     return not log.exists() or log.read_bytes().count(b"\n") <= 1  # the manifest at most
 
 
-def read_lines(path: Path) -> list[bytes]:
-    """Complete lines of a JSON-lines file (a torn last line is dropped)."""
+MAX_LINES_BYTES = 1 << 33  # a run's own log of millions of steps; a journal is far smaller
+
+
+def read_lines(path: Path, limit: int = MAX_LINES_BYTES) -> list[bytes]:
+    """Complete lines of a JSON-lines file of a run's folder (a torn last line is dropped). A file that is not a
+    regular one (a FIFO would hang the read, /dev/zero fill memory) or is over ``limit`` bytes (a sparse file)
+    is a ``ValueError`` that says so."""
     if not path.exists():
         return []
-    parts = path.read_bytes().split(b"\n")
-    return parts[:-1]
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file: the run's folder holds only files it wrote")
+    if st.st_size > limit:
+        raise ValueError(f"{path} is {st.st_size} bytes, over the {limit} a run writes there")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} grew past {limit} bytes while it was read")
+    return data.split(b"\n")[:-1]
 
 
 def truncate_lines(path: Path, keep: int) -> None:

@@ -54,6 +54,8 @@ from .link import (
     OnlineSpec,
 )
 
+MAX_JOURNAL_BYTES = 64 << 20  # cosigned checkpoints waiting for their rounds: a few KiB each
+
 # the settings and the buffers, importable from here as before
 __all__ = ["DEFAULT_BAD_FRACTION", "DEFAULT_CHUNKS", "DEFAULT_CONFIDENCE", "DEFAULT_EVERY", "DRAND_EVERY", "DRAND_RING",
            "BeaconLink", "OnlineChallenges", "OnlineSpec", "StatePool"]
@@ -148,7 +150,7 @@ class OnlineChallenges(KeptFiles):
         from ..beacon.windows import PendingWindow
 
         path = self.out / COSIGNED
-        for line in read_lines(path) if path.exists() else []:
+        for line in read_lines(path, MAX_JOURNAL_BYTES) if path.exists() else []:
             try:
                 pending = PendingWindow.from_json(parse_canonical_json(line))
             except ValueError:
