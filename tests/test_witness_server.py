@@ -624,3 +624,28 @@ def test_a_configured_log_is_cosigned_through_add_checkpoint_alone(tmp_path):
         Witness(generate_key(), NAME, known=(vkey, vkey))
     with pytest.raises(ValueError):
         WitnessClient("http://127.0.0.1:9", ask_key=False)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_parallel_forks_of_one_size_are_each_a_409_and_kept_once(backend, tmp_path, monkeypatch):
+    """Two other roots for the cosigned size, sent at once: both reach the fork's record before either
+    committed it (held there together); each is refused as a conflict, never a 500 (issue 52, item 1)."""
+    witness, factory, engine = _witness(backend, tmp_path)
+    run, forgers = Run(), (Run(), Run())
+    with factory() as s:
+        witness.register(s, run.manifest.decode())
+    with factory() as s:
+        witness.add_checkpoint(s, body(0, [], run.note(5)))
+    barrier = threading.Barrier(2, timeout=30)
+    keep = Witness._fork
+
+    def together(self, *args):  # noqa: ANN001, ANN002, ANN202
+        barrier.wait()
+        return keep(self, *args)
+
+    monkeypatch.setattr(Witness, "_fork", together)
+    out = both([partial(_submit, witness, factory, body(5, [], run.note(5, root=f.log.root(5)))) for f in forgers])
+    assert all(isinstance(o, WitnessConflict) and o.latest == 5 for o in out), out
+    with factory() as s:
+        assert s.query(WitnessFork).count() == 1
+    engine.dispose()

@@ -272,11 +272,11 @@ class Witness:
         """Keep the log's first refused fork (a proof of misbehaviour, as tlog-witness allows)."""
         if row.forked:
             return
-        s.add(WitnessFork(log_id=row.id, kind=kind, size=cp.size, latest_note=row.note or "",
-                          other_note=Note(cp.text(), (signed,)).encode().decode(), received_ms=now_ms()))
-        s.execute(update(WitnessLog).where(WitnessLog.id == row.id).values(forked=True)
-                  .execution_options(synchronize_session=False))
-        try:
+        try:  # the insert is flushed by the update: both inside, where another request's first fork is met
+            s.add(WitnessFork(log_id=row.id, kind=kind, size=cp.size, latest_note=row.note or "",
+                              other_note=Note(cp.text(), (signed,)).encode().decode(), received_ms=now_ms()))
+            s.execute(update(WitnessLog).where(WitnessLog.id == row.id).values(forked=True)
+                      .execution_options(synchronize_session=False))
             s.commit()
         except IntegrityError:  # another request kept the first one
             s.rollback()
