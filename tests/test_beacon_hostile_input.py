@@ -190,3 +190,48 @@ def test_the_rate_limit_counts_an_ipv6_host_by_its_slash_64():
     assert client_key("2001:db8::1") == client_key("2001:db8::ffff:1") == "2001:db8::/64"
     assert client_key("2001:db8:0:1::1") != client_key("2001:db8::1")
     assert client_key("10.0.0.1") == "10.0.0.1"
+
+
+def test_several_worker_processes_keep_the_header_timeout(tmp_path):
+    """``beacon serve --workers 2``: each worker process closes a connection that trickles its headers, as one
+    process does (the limit travels to them by name and environment; issue 52, item 4)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "witness.cli", "beacon", "serve", "--port", str(port), "--workers",
+                             "2", "--header-timeout", "1", "--db", str(tmp_path / "b.db"), "--key",
+                             str(tmp_path / "k.pem")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/api/beacon/key", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.3)
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(6)]
+        for c in socks:  # spread over both workers by the kernel; each trickles and never ends its headers
+            c.sendall(b"GET /api/beacon/key HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        for c in socks:
+            c.settimeout(8)
+            try:
+                while c.recv(65536):
+                    pass
+            except ConnectionResetError:
+                pass
+            c.close()
+        assert time.monotonic() - started < 8  # every one closed by the timeout, none left open
+        assert httpx.get(f"{url}/api/beacon/key", timeout=5).status_code == 200  # and the server serves on
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -4,6 +4,7 @@ body limit, a JSON nesting limit, and uvicorn in a background thread."""
 from __future__ import annotations
 
 import errno
+import os
 import re
 import threading
 import time
@@ -177,6 +178,14 @@ def timed_http(header_timeout: float = HEADER_TIMEOUT) -> type:
             super().connection_lost(exc)
 
     return TimedH11Protocol
+
+
+def __getattr__(name: str) -> type:
+    """``witness.web:TimedHTTP``: the header-timed protocol by name, for uvicorn's worker processes (which
+    get a pickled config, so a class made at run time cannot travel); its limit from the environment."""
+    if name == "TimedHTTP":
+        return timed_http(float(os.environ.get("WITNESS_HEADER_TIMEOUT", HEADER_TIMEOUT)))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def start_uvicorn(app, host: str = "127.0.0.1", port: int = 0,  # noqa: ANN001 - ASGI app

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .args import parsed, positive
+from .args import parsed, positive, seconds
 
 DEFAULT_DB = "beacon.db"
 DEFAULT_BEACON_KEY = "beacon_key.pem"
@@ -37,8 +37,8 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
           + (f", {args.workers} worker processes" if args.workers > 1 else "") + ")", file=sys.stderr, flush=True)
     # headers in within a time limit (a client that trickles them holds a connection no longer), and
     # no X-Forwarded-For taken from anyone: the rate limit counts the address that connected
-    served = {"host": args.host, "port": args.port, "log_level": "warning", "http": timed_http(),
-              "proxy_headers": False}
+    served = {"host": args.host, "port": args.port, "log_level": "warning",
+              "http": timed_http(args.header_timeout), "proxy_headers": False}
     if args.workers == 1:
         uvicorn.run(app, **served)
         return 0
@@ -48,9 +48,10 @@ def cmd_beacon_serve(args: argparse.Namespace) -> int:
                       WITNESS_BEACON_PER_MINUTE=str(args.per_minute), WITNESS_BEACON_NAME=args.name or "",
                       WITNESS_BEACON_COSIGNER_KEY=str(Path(args.cosigner_key).resolve()) if cosigner else "",
                       WITNESS_BEACON_LOGS=" ".join(k.vkey() for k in args.log))
-    # (uvicorn hands its workers a pickled config: the header timer, a class made at run time, stays
-    # with the single process)
-    served.pop("http")
+    # uvicorn hands its workers a pickled config: each imports the header timer by name, and reads its
+    # limit from the environment (witness.web.TimedHTTP)
+    os.environ["WITNESS_HEADER_TIMEOUT"] = str(args.header_timeout)
+    served["http"] = "witness.web:TimedHTTP"
     uvicorn.run("witness.beacon.app:served_app", factory=True, workers=args.workers, **served)
     return 0
 
@@ -119,6 +120,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--per-minute", type=positive, default=1200,
                    help="requests a minute one client address may make of a worker process (default 1200, in "
                         "bursts of 200)")
+    s.add_argument("--header-timeout", type=seconds, default=10.0, metavar="S",
+                   help="seconds a connection may take to send a request's headers (default 10, witness.web's "
+                        "HEADER_TIMEOUT); a client that trickles them is disconnected")
     s.add_argument("--workers", type=positive, default=1,
                    help="server processes (default 1; on PostgreSQL, one per core scales it out)")
     s.add_argument("--key", default=DEFAULT_BEACON_KEY,
