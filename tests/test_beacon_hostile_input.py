@@ -235,3 +235,41 @@ def test_several_worker_processes_keep_the_header_timeout(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_stalled_or_abandoned_body_is_answered_and_logs_no_traceback(tmp_path, monkeypatch, caplog):
+    """A body that stalls gets a 408 and its connection closed (it held it for ever before); one larger than
+    add-checkpoint's bound is refused before more than that is buffered; a client gone mid-body leaves no
+    traceback in the server's log (issue 52, items 3 and 6)."""
+    import logging
+    import socket
+    import time
+
+    from witness import web
+    from witness.beacon.witness import MAX_BODY
+
+    monkeypatch.setattr(web, "BODY_IDLE", 1.0)
+    server, thread, url = web.start_uvicorn(create_app(f"sqlite:///{tmp_path / 'b.db'}", generate_key()))
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        with caplog.at_level(logging.WARNING):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /api/beacon/add-checkpoint HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"old 0\n")
+            started, got = time.monotonic(), b""
+            while chunk := s.recv(65536):
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 408") and b"stalled" in got and time.monotonic() - started < 5
+            s.close()
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /api/beacon/add-checkpoint HTTP/1.1\r\nHost: x\r\nContent-Length: 900000\r\n\r\n"
+                      + b"x" * (MAX_BODY + 1))
+            assert s.recv(65536).startswith(b"HTTP/1.1 413")
+            s.close()
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)  # gone after 10 of 1000 bytes
+            s.sendall(b"POST /api/beacon/add-checkpoint HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nold 0\nabc")
+            s.close()
+            time.sleep(1.5)
+        assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()], \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        web.stop_uvicorn(server, thread)

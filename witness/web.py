@@ -3,6 +3,7 @@ body limit, a JSON nesting limit, and uvicorn in a background thread."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import re
@@ -16,29 +17,41 @@ from starlette.responses import JSONResponse
 from .commit.hashing import MAX_JSON_DEPTH
 
 MAX_JSON_BODY = 1 << 20
+BODY_IDLE = 30.0  # seconds a request body may stall between two of its pieces
 
 
 class BodyLimit:
-    """ASGI middleware: request bodies over ``limit`` bytes get a 413, and bodies nested deeper
-    than ``depth`` a 400, before anything parses them (paths that match a regular expression in
+    """ASGI middleware: request bodies over ``limit`` bytes (or the limit of the first of ``paths``,
+    (regular expression, bytes) pairs, that a path matches in full) get a 413, bodies nested deeper than
+    ``depth`` a 400, and a body of which nothing arrives for ``idle`` seconds a 408, before anything
+    parses them; a client gone mid-body is answered nothing (paths that match a regular expression in
     ``exempt`` in full stream their bodies under limits of their own)."""
 
     def __init__(self, app, limit: int = MAX_JSON_BODY, exempt: tuple[str, ...] = (),  # noqa: ANN001 - ASGI app
-                 depth: int = MAX_JSON_DEPTH):
+                 depth: int = MAX_JSON_DEPTH, paths: tuple[tuple[str, int], ...] = (), idle: float | None = None):
         self.app, self.limit, self.depth = app, limit, depth
+        self.idle = BODY_IDLE if idle is None else idle
         self.exempt = [re.compile(p) for p in exempt]
+        self.paths = [(re.compile(p), n) for p, n in paths]
 
     async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI signature
         if scope["type"] != "http" or any(p.fullmatch(scope["path"]) for p in self.exempt):
             return await self.app(scope, receive, send)
+        limit = next((n for p, n in self.paths if p.fullmatch(scope["path"])), self.limit)
         # Read the whole (small) body first, so an oversized one gets a 413 before any parsing.
         messages, seen = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle)
+            except asyncio.TimeoutError:
+                return await JSONResponse({"detail": f"the request body stalled: nothing arrived for {self.idle:g} s"},
+                                          408, headers={"Connection": "close"})(scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return None  # the client left mid-body: no one to answer, nothing to run
             messages.append(message)
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                return await JSONResponse({"detail": f"request body over {self.limit} bytes"}, 413)(scope, receive, send)
+            if seen > limit:
+                return await JSONResponse({"detail": f"request body over {limit} bytes"}, 413)(scope, receive, send)
             if message["type"] != "http.request" or not message.get("more_body"):
                 break
 
