@@ -252,3 +252,47 @@ def test_cli_on_a_taken_port_says_so_in_one_line(tmp_path: Path):
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"did not start on 127.0.0.1:{port} (is the port taken?)" in done.stderr
+
+
+def test_an_endpoint_that_trickles_its_headers_costs_one_attempt_not_the_run(tmp_path: Path):
+    """An endpoint that sends its response headers a byte at a time (each read gets something, so no read
+    times out): a round is given up within the patience, not waited for without end (issue 52, item 2)."""
+    import socket
+    import threading
+
+    chain = LocalDrand(seed=b"t" * 32, period=1).chain
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            server.settimeout(0.5)
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 1000:
+                    if stop.is_set():
+                        break
+                    try:
+                        conn.sendall(bytes([byte]))
+                    except OSError:
+                        break
+                    time.sleep(0.2)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        with DrandClient(url, chain, timeout=1.0, patience=3.0) as client, \
+                pytest.raises(DrandError, match="gave no round"):
+            client.fetch(current_round(chain, time.time()))
+        assert time.monotonic() - started < 12
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()

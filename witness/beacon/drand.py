@@ -10,6 +10,7 @@ endpoint says about itself.
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import httpx
@@ -147,8 +148,29 @@ class DrandClient:
         return signature, randomness
 
     def _get(self, path: str) -> tuple[int, bytes]:
-        """One GET, its whole answer read within ``timeout`` seconds and ``MAX_DRAND_ANSWER`` bytes."""
+        """One GET, its whole answer (headers too) read within ``timeout`` seconds and ``MAX_DRAND_ANSWER``
+        bytes. httpx bounds each read, not the answer: an endpoint that trickles its headers a byte at a time
+        would hold it for ever, so the GET runs in a thread of its own, left behind at the deadline."""
         ends = time.monotonic() + self.timeout
+        done: list = []
+
+        def attempt() -> None:
+            try:
+                done.append(self._read(path, ends))
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller below
+                done.append(e)
+
+        worker = threading.Thread(target=attempt, daemon=True, name="drand-get")
+        worker.start()
+        worker.join(self.timeout + 1.0)
+        if not done:  # still reading: one attempt spent, never the patience
+            raise httpx.ReadTimeout(f"no whole answer to {path[:80]} in {self.timeout:.0f} s")
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0]
+
+    def _read(self, path: str, ends: float) -> tuple[int, bytes]:
+        """The GET of ``_get``, its body's reads held to ``ends``."""
         # the size bound is on the bytes sent: a compressed answer could inflate far past it
         with self.http.stream("GET", self.url + path, headers={"Accept-Encoding": "identity"}) as resp:
             encoding = resp.headers.get("content-encoding", "identity").strip().lower()
