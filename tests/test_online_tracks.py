@@ -335,3 +335,33 @@ def test_an_accounts_abandoned_attempts_are_priced_into_its_certified_bound(serv
     from witness.commit.beacon import online_bound
 
     assert r["bound"] == pytest.approx(online_bound(v["online"]["p"], lb.settings.bad_fraction, 100, 0, 1))
+
+
+def test_openings_that_are_not_a_safetensors_file_are_what_the_rejection_names(server, tmp_path, monkeypatch):
+    """A window's openings uploaded as something else: the run is rejected while it trains, and the reason
+    and the signed decision name that window's openings file, not the run's log (issue 52, item 9)."""
+    lb, tc = server
+    keep = C.publish_kept
+
+    def garbled(bounded, run_id, kind, step, path):  # noqa: ANN001, ANN202
+        if kind == "chunks":
+            path = path.with_name(path.name + ".garbled")
+            path.write_bytes(b"these are not a window's openings")
+        return keep(bounded, run_id, kind, step, path)
+
+    monkeypatch.setattr(C, "publish_kept", garbled)
+    mallory = register(tc, "mallory")
+    rec = _online_recorder(tc, mallory, "live", tmp_path / "run", p=0.5)
+    _steps_of(rec, range(12))
+    rec.online.wait()
+    assert work(lb, once=True) == 1
+    with lb.Session() as s:
+        run = s.scalars(select(Run)).one()
+    assert run.status == "rejected" and "are not a safetensors file" in run.reason, run.reason
+    assert "(the chunk openings of a window)" in run.reason
+    from witness.leaderboard.certification import check_certification
+
+    cert = check_certification(tc.get(f"/api/runs/{run.id}/certification").json(), lb.public_key)
+    assert cert.decision == "rejected" and "-chunks-" in cert.subjects[0]["name"], cert.subjects
+    rec.online.close()
+    rec.online._worker.shutdown(wait=True)

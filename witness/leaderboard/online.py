@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sqlalchemy import select, update
 
+from ..bundle.checkpoint import safetensors_header
 from ..bundle.layout import (
     HEADS,
     LEAVES,
@@ -30,7 +31,7 @@ from ..bundle.layout import (
     online_state_name,
 )
 from ..commit.signing import SignedTreeHead
-from ..errors import RunRejected, VerificationError
+from ..errors import MalformedInput, RunRejected, VerificationError
 from ..store import link_or_copy, online_key, online_prefix
 from ..task.registry import build_task
 from ..verify.audit import LiveRound, Verifier, verify_round
@@ -131,15 +132,19 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
         # yet (the beacon commits its statement first), and those wait for their uploads too
         planned = run_manifest(s, run.id)["steps_planned"]
         others = set(range(planned)) - {row.step for row in ready}
-        verdict, failures = None, []
+        verdict, failures, unreadable = None, [], None
         with tempfile.TemporaryDirectory(dir=lb.store.root / "incoming", prefix="live-") as tmp:
             try:
                 bundle = live_bundle(lb, s, run, ready, Path(tmp) / "bundle", windows)
-                # windows whose openings are not here (checked by an earlier round, or still coming) wait
-                trust = Trust(signer=acct.public_key, ticket=bytes.fromhex(run.r), **lb.online_trust(s, run))
-                policy = Policy(mode="online", bad_fraction=lb.settings.bad_fraction)
-                verdict = verify_round(Verifier(trust, policy), bundle, None,
-                                       LiveRound(skip=others, pending_openings=True))
+                unreadable = _unreadable_openings(Path(tmp) / "bundle", windows)
+                if unreadable is not None:
+                    failures = [unreadable[1]]
+                else:
+                    # windows whose openings are not here (checked by an earlier round, or still coming) wait
+                    trust = Trust(signer=acct.public_key, ticket=bytes.fromhex(run.r), **lb.online_trust(s, run))
+                    policy = Policy(mode="online", bad_fraction=lb.settings.bad_fraction)
+                    verdict = verify_round(Verifier(trust, policy), bundle, None,
+                                           LiveRound(skip=others, pending_openings=True))
             except RunRejected as e:
                 verdict, failures = e.verdict, list(e.failures)
             except VerificationError as e:  # MalformedInput too: an upload the audit cannot read
@@ -173,7 +178,8 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
                                    distances_json=json.dumps(r.distances), failure=r.failure))
         failed = {t for t, r in results.items() if not r.passed}
         # a window's openings that did not hold (a coordinate out of bounds, a path to another root): the window
-        moved = (verdict.moves or {}).get("failed_window") if verdict is not None and failures else None
+        moved = unreadable[0] if unreadable is not None else \
+            (verdict.moves or {}).get("failed_window") if verdict is not None and failures else None
         if failures and failed and not failed & {row.step for row, _ in replayed} and moved is None:
             failures = []  # the steps that failed were another round's to decide: it rejects the run on them
         passed = not failures
@@ -220,6 +226,20 @@ def process_online(lb: Leaderboard, job: Job, worker: str) -> None:
             s.rollback()
             return
         s.commit()
+
+
+def _unreadable_openings(bundle: Path, windows: list[OnlineWindow]) -> tuple[int, str] | None:
+    """The size of the first window whose uploaded openings are not a safetensors file, and why: the audit
+    would refuse them as unreadable input, and the decision must name that file, not the run's log."""
+    for w in windows:
+        path = bundle / online_chunks_name(w.size)
+        if not path.exists():  # past the signed log: this round leaves it
+            continue
+        try:
+            safetensors_header(path)
+        except MalformedInput as e:
+            return w.size, f"the chunk openings of the window closing at size {w.size} are not a safetensors file: {e}"
+    return None
 
 
 def _close(s, job: Job, worker: str) -> None:  # noqa: ANN001 - a Session
