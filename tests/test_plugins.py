@@ -185,3 +185,48 @@ def test_a_plugin_run_resumes_and_a_track_can_name_a_plugin_task(site, tmp_path,
     assert _verify(tmp_path / "run", capsys)[0] == 0
     track = parse_track("mine=plugin-mlp:steps=12@accuracy+")
     assert track.task == "plugin-mlp" and track.resolve()["data_root"] == task.dataset().root.hex()
+
+
+TIME_MAJOR = '''"""A plugin whose outputs on its probes come classes first: [classes, probes], not [probes, classes]."""
+
+import torch
+
+from witness.task.generic import GenericTask
+
+
+class TimeMajor(GenericTask):
+    """Trains as any classifier; its fingerprint's outputs are transposed."""
+
+    name = "time-major"
+
+    def make_model(self):
+        return torch.nn.Linear(3, 5)
+
+    def make_dataset(self):
+        return [{"x": torch.full((3,), float(i)), "y": torch.tensor(i % 5)} for i in range(64)]
+
+    def predict(self, model, batch):
+        out = model(batch["x"])
+        return out if torch.is_grad_enabled() else out.T  # the probes (no grad) on the wrong axis
+'''
+
+
+def test_a_plugin_whose_outputs_have_another_layout_is_refused_when_it_records(tmp_path, monkeypatch, capsys):
+    """Its run would record and self-check, then every audit would refuse its fingerprints' size: it is
+    refused at its first fingerprint instead, saying which layout it needs (issue 52, loops item 1)."""
+    site = tmp_path / "site"
+    (site / "witness_time_major").mkdir(parents=True)
+    (site / "witness_time_major" / "__init__.py").write_text(TIME_MAJOR)
+    info = site / "witness_time_major-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: witness-time-major\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[witness.tasks]\ntime-major = witness_time_major:TimeMajor\n")
+    monkeypatch.syspath_prepend(str(site))
+    try:
+        code = main(["train", "--task", "time-major", "--steps", "4", "--quiet", "--key", str(tmp_path / "k.pem"),
+                     "--out", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert code == 2 and "the shape [5, 8]" in err and "[probes, ..., width]" in err, err
+    finally:
+        sys.modules.pop("witness_time_major", None)
+        registry._built.cache_clear()

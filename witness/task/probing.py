@@ -66,9 +66,20 @@ class TaskProbes:
         """The fingerprint of probe outputs, however they were obtained (a model, or an endpoint)."""
         if self._probes is None:
             self._probes = self.probe_tensors()
+        count = len(self.probe_bytes())
+        # a layout other than [probes, ..., width] would record fingerprints every audit then refuses: said here,
+        # where the run records its first one
+        if outputs.dim() < 2 or outputs.shape[0] != count:
+            raise ValueError(f"task {self.name!r}: its outputs on its {count} probes have the shape "
+                             f"{list(outputs.shape)}; a fingerprint takes them as [probes, ..., width], the probes "
+                             "on the first axis (its predict or probe_outputs returns another layout)")
+        losses = self.probe_losses(outputs, self._probes)
+        if tuple(losses.shape) != (count,):
+            raise ValueError(f"task {self.name!r}: its probe losses have the shape {list(losses.shape)}, not one "
+                             f"number for each of its {count} probes (its example_losses or probe_losses)")
         if self._proj is None:
             self._proj = projection_matrix(self.probe_hash(), outputs.shape[-1], self.config.fingerprint_dims)
-        return fingerprint_from_outputs(outputs, self.probe_losses(outputs, self._probes), self._proj)
+        return fingerprint_from_outputs(outputs, losses, self._proj)
 
     # --- evaluation ---------------------------------------------------------------------
     def eval_dataset(self) -> Dataset:
