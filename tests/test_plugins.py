@@ -97,6 +97,13 @@ def test_a_plugin_task_is_discovered_trained_and_verified(site, tmp_path, capsys
     code, err = _verify(out, capsys)
     assert code == 2 and "not the ones the run used" in err, err
 
+    # installed, but its code does not import: its own error, not "not installed" (issue 52, loops item 2)
+    (pkg / "__init__.py").write_text("import witness_no_such_dependency\n" + PLUGIN)
+    sys.modules.pop("witness_plugin_demo", None)
+    code, err = _verify(out, capsys)
+    assert code == 2 and "ModuleNotFoundError" in err and "witness_no_such_dependency" in err, err
+    assert "not installed" not in err
+
 
 def test_the_manifest_cannot_move_a_task_between_builtin_and_plugin(site):
     with pytest.raises(MalformedInput, match="built into witness"):

@@ -152,7 +152,9 @@ def check_task_source(name: str, committed: dict | None) -> None:
         raise MalformedInput(f"task {name!r} is built into witness, but the manifest names plugin {want.distribution}")
     try:
         have = task_source(name)
-    except ValueError:
+    except ValueError as e:
+        if name in _plugins():  # installed, and its code does not import: its own error says why
+            raise MalformedInput(f"{e} (the run's task comes from {want.distribution} {want.version})") from None
         raise MalformedInput(f"the run's task {name!r} comes from the plugin {want.distribution} {want.version}, "
                              f"which is not installed here: {want.pip()}") from None
     assert have is not None
