@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from witness.cli import main
+from witness.errors import MalformedInput
 from witness.verify.respond import respond
 
 LONG = "x" * 5000
@@ -146,3 +147,45 @@ def test_a_dropout_that_is_no_probability_is_refused_before_training(tmp_path, c
     err = capsys.readouterr().err
     assert "dropout is a probability in [0, 1)" in err or "config field dropout of task tinygpt is out of range" in err
     assert not (tmp_path / "r").exists()  # refused before anything was written, not blamed on the optimizer
+
+
+def test_a_crash_is_exit_2_never_the_rejections_1(tmp_path, capsys, monkeypatch):
+    """An error nothing foresaw (a task's own loader raising KeyError, say) ends any command with 2 and its
+    traceback: 1 is a rejection's, which a crash never is (issue 52, loops item 3)."""
+    from witness.cli import build_parser
+
+    def crash(args):  # noqa: ANN001, ANN202
+        raise KeyError("gpt2")
+
+    monkeypatch.setattr("witness.cli.build_parser", lambda: _with_verify(build_parser(), crash))
+    code = main(["verify", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and "KeyError: 'gpt2'" in err and "nothing was decided (exit 2)" in err
+
+
+def _with_verify(parser, func):  # noqa: ANN001, ANN202
+    """``parser`` with ``verify`` running ``func``."""
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    sub.choices["verify"].set_defaults(func=func)
+    return parser
+
+
+def test_data_the_tasks_loader_chokes_on_is_not_the_data(monkeypatch):
+    """Looking for the committed data, a loader that raises anything means it is not here: unusable input,
+    said with the loader's error (a folder named like a transformers model type made one raise KeyError, and
+    verify died; issue 52, loops item 3)."""
+    from types import SimpleNamespace
+
+    from witness.verify import finddata
+
+    class Loader:
+        @classmethod
+        def from_config(cls, config):  # noqa: ANN001, ANN206
+            return cls()
+
+        def dataset(self):  # noqa: ANN202
+            raise KeyError("gpt2")
+
+    m = SimpleNamespace(task_config={}, dataset_size=4, data_root=b"\0" * 32, data_commitment="v1", raw={})
+    with pytest.raises(MalformedInput, match="KeyError"):
+        finddata.committed_dataset(Loader(), m)

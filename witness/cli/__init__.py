@@ -105,4 +105,11 @@ def _main(argv: list[str] | None) -> int:
             where = "the beacon" if getattr(args, "beacon", None) else "the leaderboard"
             print(f"cannot reach {where}: {e}", file=sys.stderr)
             return 2
-        raise
+        # a crash is never a verdict: exit 1 is a rejection's, so an unforeseen error is 2, with its traceback
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: witness {args.command} stopped on an error it did not foresee ({type(e).__name__}: "
+              f"{one_line(str(e))}); nothing was decided (exit 2). Please report it with the traceback above",
+              file=sys.stderr)
+        return 2

@@ -47,11 +47,13 @@ def _committed_dataset(task: Task, m: Manifest, pins: dict) -> tuple[Dataset, st
             problem = str(e) if e.args and any(n in str(e) for n in pins) else "missing"
         except (OSError, ValueError) as e:
             problem = str(e)
+        except Exception as e:  # noqa: BLE001 - the task's own loader failing on what is here: not the data
+            problem = f"{type(e).__name__}: {e}"
     if not names:  # built already (a cached task): ask a fresh one which names it reads
         with asked() as names:
             try:
                 type(task).from_config(m.task_config).dataset()
-            except (OSError, ValueError):
+            except Exception:  # noqa: BLE001 - asked only which names it reads; what it raised is said above
                 pass
     for name in [n for n in names if n not in pins]:  # a pinned one was looked for by its content
         for path in candidates(name):
@@ -60,7 +62,7 @@ def _committed_dataset(task: Task, m: Manifest, pins: dict) -> tuple[Dataset, st
                     dataset = type(task).from_config(m.task_config).dataset()
                     if not _matches(dataset, m):
                         continue
-                except (OSError, ValueError):
+                except Exception:  # noqa: BLE001 - a folder the task's own loader chokes on is just not the data
                     continue
             return dataset, f"the committed dataset is {path} (found by its root; the recipe names {name!r})"
     want = f"root {m.data_root.hex()[:16]}…, {m.dataset_size} samples"
