@@ -48,3 +48,22 @@ def test_every_command_the_readme_names_exists_and_has_help(capsys):
             main([*cmd, "--help"])
         assert e.value.code == 0, cmd
         assert "usage: witness" in capsys.readouterr().out
+
+
+def test_verify_help_and_the_readme_give_the_same_default_confidence(capsys):
+    """Both say what a verify with neither --confidence nor --challenges does: q for 99 %, weak below 90 %; and
+    those are the figures the code uses (issue 52, loops item 5)."""
+    import pytest
+
+    from witness.cli import main
+    from witness.verify.challenges import WEAK_BOUND
+    from witness.verify.policy import DEFAULT_CONFIDENCE
+
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    readme = " ".join(README.read_text().split())
+    for text in (shown, readme):
+        assert f"q is chosen for {DEFAULT_CONFIDENCE:.0%}".replace("%", " %") in text or \
+            f"chooses q for {DEFAULT_CONFIDENCE:.0%}".replace("%", " %") in text, text[:200]
+        assert f"below {WEAK_BOUND:.0%}".replace("%", " %") in text

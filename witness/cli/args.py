@@ -133,7 +133,9 @@ def data_arg(p: argparse.ArgumentParser) -> None:
 def challenge_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--challenges", type=positive, help="number of replay challenges q")
-    g.add_argument("--confidence", type=fraction, help="choose q so that detection >= C (default 0.99)")
+    g.add_argument("--confidence", type=fraction,
+                   help="choose q so that detection >= C, and call an accepted audit weak below C; with neither "
+                        "--confidence nor --challenges, q is chosen for 99 %% and a bound below 90 %% is weak")
     p.add_argument("--bad-fraction", type=fraction, default=None, help="fraction f of bad steps to detect (default 0.05)")
     p.add_argument("--length", type=positive, default=1, help="steps replayed per challenge (default 1)")
     p.add_argument("--nonce", type=hex_bytes, help="the verifier's nonce (hex); random by default")
