@@ -93,7 +93,7 @@ def test_an_evaluation_envelope_resigned_by_an_unknown_key(run, tmp_path, capsys
     stranger = generate_key()
     stranger_hex = public_hex(stranger.public_key())
     forged = _write(tmp_path / "cert.dsse.json", envelope(_statement(d / "cert.json.dsse.json"), stranger))
-    code, out, err = _cli(capsys, "verify-eval", forged, "--bundle", bundle, "--spot", "2")
+    code, out, err = _cli(capsys, "verify-eval", forged, "--bundle", bundle, "--spot", "2", "--allow-weak")
     assert code == 0, err
     # who made the certificate is its evaluator (its signature on the certificate is checked); the
     # stranger's envelope only carries it, and says so
@@ -102,7 +102,7 @@ def test_an_evaluation_envelope_resigned_by_an_unknown_key(run, tmp_path, capsys
     assert evaluator in warning and "proves nothing about who made it" in warning
     assert f"envelope is signed by key {stranger_hex}, not by its evaluator" in err
     # pinned to the evaluator's key: the stranger's envelope is refused, naming the key
-    code, out, err = _cli(capsys, "verify-eval", forged, "--bundle", bundle, "--spot", "2", "--signer", evaluator)
+    code, out, err = _cli(capsys, "verify-eval", forged, "--bundle", bundle, "--spot", "2", "--allow-weak", "--signer", evaluator)
     assert code == 1 and "no signature on the envelope by the expected key" in err and evaluator in err, err
     assert not _warnings(err)
 
@@ -112,7 +112,7 @@ def test_an_evaluators_certificate_rewrapped_under_the_runs_key_is_not_pinned_by
     The run's key pins the envelope, not the certificate's maker, which nothing pins: a WARNING."""
     d, bundle, trainer, evaluator, trainer_key = run
     rewrapped = _write(tmp_path / "cert.dsse.json", envelope(_statement(d / "cert.json.dsse.json"), trainer_key))
-    code, out, err = _cli(capsys, "verify-eval", rewrapped, "--bundle", bundle, "--spot", "2")
+    code, out, err = _cli(capsys, "verify-eval", rewrapped, "--bundle", bundle, "--spot", "2", "--allow-weak")
     assert code == 0 and f"signed by key {evaluator} (which nothing pins)" in out, out
     assert evaluator in _warnings(err)[0] and f"envelope is signed by key {trainer}" in err
     # witness report names the maker and warns the same way
@@ -160,9 +160,9 @@ def test_an_evaluation_envelope_with_a_hash_keyid(run, tmp_path, capsys):
     env = json.loads((d / "cert.json.dsse.json").read_text())
     env["signatures"][0]["keyid"] = sslib_keyid(evaluator)
     path = _write(tmp_path / "cert.dsse.json", env)
-    code, out, err = _cli(capsys, "verify-eval", path, "--bundle", bundle, "--spot", "2", "--signer", evaluator)
+    code, out, err = _cli(capsys, "verify-eval", path, "--bundle", bundle, "--spot", "2", "--allow-weak", "--signer", evaluator)
     assert code == 0 and f"signed by key {evaluator} (pinned by --signer)" in out and not _warnings(err), (out, err)
-    code, out, _ = _cli(capsys, "verify-eval", path, "--bundle", bundle, "--spot", "2", "--signer", evaluator,
+    code, out, _ = _cli(capsys, "verify-eval", path, "--bundle", bundle, "--spot", "2", "--allow-weak", "--signer", evaluator,
                         "--json")
     verdict = json.loads(out)
     assert code == 0 and verdict["signer_key"] == evaluator and verdict["signer_pinned_by"] == "--signer"
@@ -210,13 +210,13 @@ def test_the_honest_path_prints_its_signer(run, capsys):
     assert trainer in _warnings(err)[0]
     # an evaluation by a third party: its key is printed; pinned, no warning; unpinned, a warning
     for cert in ("cert.json.dsse.json", "cert.json"):
-        code, out, err = _cli(capsys, "verify-eval", d / cert, "--bundle", bundle, "--spot", "2", "--signer",
+        code, out, err = _cli(capsys, "verify-eval", d / cert, "--bundle", bundle, "--spot", "2", "--allow-weak", "--signer",
                               evaluator)
         assert code == 0 and f"signed by key {evaluator} (pinned by --signer)" in out and not _warnings(err), err
-        code, out, err = _cli(capsys, "verify-eval", d / cert, "--bundle", bundle, "--spot", "2")
+        code, out, err = _cli(capsys, "verify-eval", d / cert, "--bundle", bundle, "--spot", "2", "--allow-weak")
         assert code == 0 and evaluator in out and evaluator in _warnings(err)[0], err
         # the trainer's key does not stand in for the evaluator's
-        code, _, err = _cli(capsys, "verify-eval", d / cert, "--bundle", bundle, "--spot", "2", "--signer", trainer)
+        code, _, err = _cli(capsys, "verify-eval", d / cert, "--bundle", bundle, "--spot", "2", "--allow-weak", "--signer", trainer)
         assert code == 1 and trainer in err, err
 
 

@@ -71,7 +71,7 @@ def cmd_verify_eval(args: argparse.Namespace) -> int:
                           bundle.manifest.state_digest)
         return verdict
 
-    code = report_verdict(args, audit)
+    code = report_verdict(args, audit, weak_fails=not args.allow_weak)  # fail closed on weak spot checks, as verify
     if code == 0 and not signer["pinned"]:  # an accepted certificate is what a reader may rely on
         print(unpinned_warning(signer["what"], signer["key"], "the run's key"), file=sys.stderr)
     if code == 0 and signer.get("carrier"):
@@ -133,6 +133,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ve.add_argument("--forged-fraction", type=fraction, default=0.05, help="fraction g of forged results to detect")
     ve.add_argument("--nonce", type=hex_bytes, help="the verifier's nonce that picks the spot checks (hex); random by default")
     ve.add_argument("--tolerance", action="store_true", help="re-run the spot checks within thresholds (other hardware)")
+    ve.add_argument("--allow-weak", action="store_true",
+                    help="exit 0 for an accepted certificate whose spot checks' bound is below 90 %%, instead of 3")
     ve.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     ve.add_argument("--model", help="also check that the signed envelope names this released model file")
     ve.add_argument("--signer", help="the evaluator's key, which must have signed the certificate and its envelope: "

@@ -15,7 +15,7 @@ from ..bundle.state import load_state
 from ..commit.hashing import canonical_json, same, tagged_hash
 from ..errors import RunRejected, VerificationError
 from ..task.base import Task
-from ..verify.challenges import sample_indices, weak_bound_warning
+from ..verify.challenges import WEAK_BOUND, sample_indices, weak_bound_warning
 from ..verify.cheap import task_of
 from ..verify.data_queries import run_commitments
 from ..verify.usage import check_data_usage, check_document_rule, committed_leaves
@@ -80,9 +80,19 @@ class EvalVerdict:
     signer_key: str | None = None  # the key (hex) whose signature on the certificate was checked, where known
     signer_pinned_by: str | None = None  # what pins it (--signer, the run's key); None: nothing does
 
+    @property
+    def floor(self) -> float:
+        """The bound below which an accepted check is weak (as ``verify``'s, when no confidence was asked)."""
+        return WEAK_BOUND
+
+    @property
+    def outcome(self) -> str:
+        """accepted, weak (its spot checks' bound below ``floor``) or rejected."""
+        return "rejected" if not self.accepted else "weak" if self.detection_probability < self.floor else "accepted"
+
     def to_json(self) -> dict:
         """The ``--json`` form."""
-        return asdict(self)
+        return asdict(self) | {"verdict": self.outcome}
 
     def summary(self) -> str:
         """Readable lines."""
