@@ -14,7 +14,7 @@ from witness.bundle.checkpoint import read_checkpoint
 from witness.bundle.reader import open_bundle
 from witness.cli import main
 from witness.commit.signing import generate_key
-from witness.errors import RunRejected, VerificationError
+from witness.errors import MalformedInput, RunRejected, VerificationError
 from witness.evals.certificate import check_certificate, results_root
 from witness.evals.evaluate import draw_spots, evaluate, verify_eval
 from witness.evals.identity import identify
@@ -246,3 +246,13 @@ def test_the_serve_and_export_commands(run, tmp_path, capsys):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_certificate_of_no_examples_is_refused(run):
+    """A certificate of 0 evaluation examples certifies nothing: refused as such, whoever signed it
+    (issue 52, loops item 5)."""
+    bundle, cert, key, _ = run
+    empty = resign_certificate(dict(cert, eval_set=dict(cert["eval_set"], size=0),
+                                    results={"root": cert["results"]["root"], "count": 0, "examples": []}), key)
+    with pytest.raises(MalformedInput, match="0 evaluation examples: it certifies nothing"):
+        verify_eval(empty, bundle, spots=3, nonce=b"x")

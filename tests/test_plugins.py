@@ -237,3 +237,45 @@ def test_a_plugin_whose_outputs_have_another_layout_is_refused_when_it_records(t
     finally:
         sys.modules.pop("witness_time_major", None)
         registry._built.cache_clear()
+
+
+NO_EVAL = '''"""A plugin with no evaluation split."""
+
+import torch
+
+from witness.task.generic import GenericTask
+
+
+class NoEval(GenericTask):
+    """A linear classifier; make_eval_dataset left as it is (no examples)."""
+
+    name = "no-eval"
+
+    def make_model(self):
+        return torch.nn.Linear(3, 5)
+
+    def make_dataset(self):
+        return [{"x": torch.full((3,), float(i)), "y": torch.tensor(i % 5)} for i in range(64)]
+'''
+
+
+def test_evaluating_a_task_without_an_evaluation_split_is_refused(tmp_path, monkeypatch, capsys):
+    """``witness eval`` of a task whose evaluation split is empty: a certificate of 0 examples would certify
+    nothing, so none is made (issue 52, loops item 5)."""
+    site = tmp_path / "site"
+    (site / "witness_no_eval").mkdir(parents=True)
+    (site / "witness_no_eval" / "__init__.py").write_text(NO_EVAL)
+    info = site / "witness_no_eval-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: witness-no-eval\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[witness.tasks]\nno-eval = witness_no_eval:NoEval\n")
+    monkeypatch.syspath_prepend(str(site))
+    try:
+        key, out = tmp_path / "k.pem", tmp_path / "run"
+        assert main(["train", "--task", "no-eval", "--steps", "4", "--quiet", "--key", str(key), "--out", str(out)]) == 0
+        capsys.readouterr()
+        assert main(["eval", str(out), "--out", str(tmp_path / "cert.json"), "--key", str(key), "--quiet"]) == 2
+        assert "nothing to certify" in capsys.readouterr().err and not (tmp_path / "cert.json").exists()
+    finally:
+        sys.modules.pop("witness_no_eval", None)
+        registry._built.cache_clear()

@@ -126,6 +126,8 @@ def check_certificate(cert: Any, aggregates_of, *, head: SignedTreeHead | None =
     if not isinstance(cert["aggregates"], dict) or not isinstance(cert["near_duplicates"], dict):
         raise MalformedInput("certificate: aggregates and near_duplicates must be objects")
     eval_root, eval_size = parse_hex(es["root"], "eval_set.root"), _count(es["size"], "eval_set.size")
+    if eval_size == 0 or _count(res["count"], "results.count") == 0:
+        raise MalformedInput("the certificate is of 0 evaluation examples: it certifies nothing")
     sth = SignedTreeHead.from_json(run["tree_head"])
     sth.verify(public_key_from_hex(run["public_key"]))
     if public_key is not None and run["public_key"] != public_key:

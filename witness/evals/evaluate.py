@@ -38,6 +38,9 @@ def evaluate(bundle_dir: str | os.PathLike, key: Ed25519PrivateKey, progress: bo
     bundle = open_bundle(bundle_dir)
     run, task = run_commitments(bundle)
     eval_set = task.eval_dataset()
+    if len(eval_set) == 0:
+        raise ValueError(f"task {task.name!r} has no evaluation split (its make_eval_dataset or eval_dataset gives "
+                         "0 examples): there is nothing to certify")
     docs = eval_set.documents_list()
     dirty = contaminated([(n, h) for n, h, _ in docs], run.usage.documents)
     if dirty:
