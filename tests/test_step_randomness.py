@@ -246,22 +246,35 @@ def test_gradient_accumulation_in_the_users_loop_replays_exactly(site, tmp_path,
 def test_the_recorder_says_when_its_fixed_cost_dominates_and_what_state_every_buys(tmp_path, capsys):
     from witness.commit.signing import generate_key
     from witness.record import Commitments, Recorder
+    from witness.record.records import HASH, PROBES
     from witness.task import build_task
 
     rec = Recorder.create(build_task("tiny", {"steps": 30}), tmp_path / "r", generate_key(), r=b"\x01" * 32)
     rec.train(progress=False)
+    assert "witnessing cost" in capsys.readouterr().err  # every loop's closing line
+    assert rec.part_seconds[PROBES] > 0 and rec.part_seconds[HASH] > 0  # measured, part by part
     c = rec.cost()
     assert c["step_seconds"] > 0 and c["record_seconds"] > 0 and 0 < c["share"] < 1
     assert (c["hint"] is not None) == (c["per_step"] > 0.05)
     # where the record costs more than 5 % of the step (the share here depends on the machine's load,
     # so it is set), the hint names a --state-every and what the audit pays for it
     rec.step_seconds = c["record_seconds"] / 0.2  # 20 % of a step: every 4 steps brings it to 5 %
+    measured = dict(rec.part_seconds)
+    rec.part_seconds = dict(measured, **{HASH: c["record_seconds"] * 0.7})  # where the hash is the most of it
     c = rec.cost()
+    assert c["largest"] == HASH and "most of it the hash of the whole state" in c["hint"]
     assert c["state_every_hint"] == 4 and "--state-every 4" in c["hint"] and "up to 4 steps a challenge" in c["hint"]
     assert "2.5x its cost now" in c["hint"]
+    # where the probes' forward is (issue 52, loops item 5: the hint blamed the hash all the same)
+    rec.part_seconds = dict(measured, **{HASH: 0.0, PROBES: c["record_seconds"] * 0.7})
+    c = rec.cost()
+    assert c["largest"] == PROBES and "most of it the probes' forward" in c["hint"] and c["state_every_hint"] is None
+    assert "--state-every" not in c["hint"] and "fewer or shorter probes" in c["hint"]
+    assert "its largest part: the probes' forward" in rec.closing_line()
     rec.step_seconds = c["record_seconds"] / 0.04
     assert rec.cost()["hint"] is None
     sparse = Recorder.create(build_task("tiny", {"steps": 30}), tmp_path / "s", generate_key(), r=b"\x01" * 32,
                              commit=Commitments(checkpoint_every=10, state_every=10))
     sparse.train(progress=False)
-    assert sparse.cost()["hint"] is None
+    c = sparse.cost()  # the hash every 10 steps: whatever the recorder's cost, --state-every is not the way out
+    assert c["state_every_hint"] is None and (c["hint"] is None or "--state-every" not in c["hint"])

@@ -39,7 +39,7 @@ from ..data.usage import used_roots
 from ..task.base import Task, micro_seed, model_device, scaler_of, step_randomness, to_device
 from .loop import Batches, Hooked
 from .options import Commitments, HeadCallback, Online, SelfChecking, Training, option
-from .records import Records
+from .records import HASH, PROBES, Records
 from .selfcheck import SelfCheck, check_steps
 from .start import begin, challenges, reopen
 
@@ -230,6 +230,7 @@ class Recorder(Records):
             self.self_check.close()
             if self.self_check.checked:  # in your own loop too: it ran, at this cost
                 print(self.self_check.summary(), file=sys.stderr)
+        print(self.closing_line(), file=sys.stderr)  # in your own loop too: what witnessing cost, and where
         return head
 
     def train(self, progress: bool = True) -> SignedTreeHead:
@@ -273,17 +274,32 @@ class Recorder(Records):
         total = self.step_seconds + record
         share = record / total if total > 0 else 0.0
         per_step = record / self.step_seconds if self.step_seconds > 0 else 0.0
+        parts = dict(self.part_seconds)
+        largest = max(parts, key=parts.__getitem__) if any(parts.values()) else None
         hint, k = None, None
-        if per_step > HINT_OVER and self.state_every == 1 and self.task.config.steps > 1:
-            # most of the fixed cost is the hash of the whole state; every K steps it is paid 1/K as often
-            k = min(max(2, math.ceil(per_step / HINT_OVER)), self.task.config.steps)
+        if per_step > HINT_OVER:
             hint = (f"the recorder's fixed cost is {100 * per_step:.0f}% of a training step ({record:.2f} s against "
-                    f"{self.step_seconds:.2f} s of steps), most of it the hash of the whole state at every step: "
-                    f"--state-every {k} (Commitments(state_every={k})) commits it every {k} steps instead; the "
-                    f"cheap audit then replays up to {k} steps a challenge (about {(k + 1) / 2:g} on average, "
-                    f"{(k + 1) / 2:g}x its cost now for the same confidence)")
+                    f"{self.step_seconds:.2f} s of steps)")
+            if largest is not None:  # measured, never assumed (the probes' forward can outweigh the hash)
+                hint += f", most of it {largest} ({100 * parts[largest] / max(record, parts[largest]):.0f}%)"
+            if largest == HASH and self.state_every == 1 and self.task.config.steps > 1:
+                # every K steps the hash is paid 1/K as often
+                k = min(max(2, math.ceil(per_step / HINT_OVER)), self.task.config.steps)
+                hint += (f": --state-every {k} (Commitments(state_every={k})) commits it every {k} steps instead; the "
+                         f"cheap audit then replays up to {k} steps a challenge (about {(k + 1) / 2:g} on average, "
+                         f"{(k + 1) / 2:g}x its cost now for the same confidence)")
+            elif largest == PROBES:
+                hint += (": a recipe with fewer or shorter probes makes each record cheaper (the fingerprint then "
+                         "looks at less of the model's behaviour)")
         return {"step_seconds": self.step_seconds, "record_seconds": record, "share": share, "per_step": per_step,
-                "state_every_hint": k, "hint": hint}
+                "parts": parts, "largest": largest, "state_every_hint": k, "hint": hint}
+
+    def closing_line(self) -> str:
+        """What witnessing this loop cost, and its largest part (every witnessed loop ends with it)."""
+        c = self.cost()
+        largest = f"; its largest part: {c['largest']}" if c["largest"] else ""
+        return (f"witnessing cost {100 * c['share']:.1f}% of the run's time ({c['record_seconds']:.2f} s recording "
+                f"against {c['step_seconds']:.2f} s of training steps){largest}")
 
 
 def start_run(task: str, settings: dict, out: str, *, model: torch.nn.Module,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +60,12 @@ def tree_fields(tree: ChunkTree | StateLeaves | bytes) -> dict:
     return {"param_root": (tree if isinstance(tree, bytes) else tree.root).hex()}
 
 
+# the recorder's parts, as the closing line names them
+PROBES = "the probes' forward (the fingerprint)"
+SKETCH = "the parameter sketch"
+HASH = "the hash of the whole state"
+CHECKPOINT = "writing checkpoints"
+
 class Records:
     """Appends a run's step records, commits the states they name, and signs the heads.
 
@@ -91,6 +97,8 @@ class Records:
         self.self_check: SelfCheck | None = None  # replays a few steps as they are recorded (create's)
         # where the time goes: the loop's steps, and the recorder's work on their records
         self.step_seconds = self.record_seconds = 0.0
+        # the recorder's parts that are measured on the loop's own time (a hash overlapped with training is not)
+        self.part_seconds = {PROBES: 0.0, SKETCH: 0.0, HASH: 0.0, CHECKPOINT: 0.0}
         self._left: float | None = None
         self._aside = 0.0  # the recorder's own work between two records (the self-check's copy)
 
@@ -174,7 +182,9 @@ class Records:
             self.online.drain()
             if self.online.spec.chunks:  # refused before it is signed, rather than by every verifier
                 one_rate(self.optimizer, step, out.lr)
+        began = time.perf_counter()
         fp = fingerprint if fingerprint is not None else self.session.fingerprint()
+        self.part_seconds[PROBES] += time.perf_counter() - began
         record: dict[str, Any] = {
             "type": "step",
             "step": step,
@@ -184,7 +194,7 @@ class Records:
             "lr": out.lr,
             "grad_norm": out.grad_norm,
             "fingerprint": fp.to_json(),
-            "sketch": sketch if sketch is not None else self.session.sketch(),
+            "sketch": sketch if sketch is not None else self._timed(SKETCH, self.session.sketch),
         }
         record |= tree or {}
         done = step + 1
@@ -221,7 +231,8 @@ class Records:
                 self.next_step = done
                 return
             if checkpoint:
-                sh, fh = save_checkpoint(self.out / checkpoint_name(done), state, done, self.digest)
+                sh, fh = self._timed(CHECKPOINT, save_checkpoint, self.out / checkpoint_name(done), state, done,
+                                     self.digest)
                 if record.get("state_hash", sh.hex()) != sh.hex():  # (the state tree hashed the same state)
                     raise RuntimeError(f"the state after step {step} hashed two ways")
                 record["state_hash"], record["checkpoint_sha256"] = sh.hex(), fh.hex()
@@ -229,9 +240,18 @@ class Records:
                 # an online run hashes the ring's copy it just made, whose buffers it knows already
                 kept = self.online.state_hash(done, self.digest) if self.online is not None and \
                     self.online.shard is None else None
-                record["state_hash"] = (kept if kept is not None else state_hash(state, self.digest)).hex()
+                record["state_hash"] = (kept if kept is not None else
+                                        self._timed(HASH, state_hash, state, self.digest)).hex()
         self._append_step(record)
         self.next_step = done
+
+    def _timed(self, part: str, f: Callable[..., Any], *args: Any) -> Any:  # noqa: ANN401 - what ``f`` returns
+        """``f(*args)``, its time added to the recorder's ``part``."""
+        began = time.perf_counter()
+        try:
+            return f(*args)
+        finally:
+            self.part_seconds[part] += time.perf_counter() - began
 
     def _append_step(self, record: dict) -> None:
         """Append a step record (or, resuming, check it against the one signed before), then stream
