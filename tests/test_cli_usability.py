@@ -140,6 +140,11 @@ def test_the_report_command_checks_the_certificate_it_plots(honest_bundle, tmp_p
     assert main(["report", str(honest_bundle), "--out", str(tmp_path / "r"), "--eval", str(tmp_path / "cert.json"),
                  "--spot", "5"]) == 0
     assert "certified evaluation loss" in (tmp_path / "r" / "report.html").read_text()
+    # and the run's own verdict, from the audit verify runs by default (issue 52, loops item 5)
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "## Verdict" in md and "ACCEPTED" in md, md[:400]
+    assert main(["report", str(honest_bundle), "--out", str(tmp_path / "r3"), "--no-verify"]) == 0
+    assert "## Verdict" not in (tmp_path / "r3" / "report.md").read_text()
     cert["aggregates"]["accuracy"] = 1.0  # a better score than the model earned
     (tmp_path / "cert.json").write_bytes(canonical_json(cert))
     assert main(["report", str(honest_bundle), "--out", str(tmp_path / "r2"), "--eval", str(tmp_path / "cert.json")]) == 1

@@ -264,7 +264,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..report import write_report
 
     bundle = open_bundle(args.bundle)
-    evaluation, verdict_text = None, ""
+    evaluation, verdict_text, challenged, rejected = None, "", None, False
+    if not args.no_verify:  # the report shows the run's verdict: the offline audit at verify's defaults
+        from ..errors import RunRejected
+        from ..verify import Policy, Verifier
+
+        try:
+            verdict = Verifier(policy=Policy()).verify(bundle)
+        except RunRejected as e:
+            if e.verdict is None:
+                raise
+            verdict, rejected = e.verdict, True
+        verdict_text, challenged = verdict.summary(), [(r.step, r.passed) for r in verdict.results]
     if args.eval:
         from ..commit.dsse import read_json_or_envelope
         from ..evals.evaluate import name_signer, verify_eval
@@ -275,10 +286,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         ev = verify_eval(cert, bundle, spots=args.spot)
         if not name_signer(ev, cert, bundle.manifest.public_key):  # the report names who made it, as verify-eval
             print(unpinned_warning("the certificate", ev.signer_key, "the run's key"), file=sys.stderr)
-        evaluation, verdict_text = ev.aggregates, ev.summary()
-    out = write_report(bundle, args.out, verdict_text, evaluation=evaluation)
-    print(f"wrote {out / 'report.md'} and {out / 'report.html'}")
-    return 0
+        evaluation, verdict_text = ev.aggregates, "\n\n".join(filter(None, [verdict_text, ev.summary()]))
+    out = write_report(bundle, args.out, verdict_text, challenged, evaluation=evaluation)
+    print(f"wrote {out / 'report.md'} and {out / 'report.html'}" + (" (the run is REJECTED: see its verdict)"
+                                                                    if rejected else ""))
+    return 1 if rejected else 0
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -364,5 +376,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--out", required=True, help="the folder to write report.md, report.html and the plots into")
     rp.add_argument("--eval", help="an evaluation certificate of the run: checked, then its metrics are plotted")
     rp.add_argument("--spot", type=positive, default=100, help="examples the certificate's check re-runs (default 100)")
+    rp.add_argument("--no-verify", action="store_true",
+                    help="leave the run's verdict out (by default the offline audit runs, as witness verify does with "
+                         "its defaults, and the report shows its verdict; exit 1 if it rejects the run)")
     rp.set_defaults(func=cmd_report)
 
