@@ -53,6 +53,7 @@ def test_include_exclude_and_check(gpt, tmp_path, capsys):
     key = tmp_path / "k.pem"
     assert _run("data", "include", out, "--file", used, "--out", tmp_path / "inc.json", "--key", key) == 0
     assert _run("data", "exclude", out, "--file", unused, "--out", tmp_path / "exc.json", "--key", key) == 0
+    assert "scope" not in json.loads((tmp_path / "exc.json").read_text())  # a document of the dataset: no caveat
     assert _run("data", "include", out, "--file", unused, "--out", tmp_path / "x.json", "--key", key) == 1
     assert "never used" in capsys.readouterr().err
     assert _run("data", "exclude", out, "--file", used, "--out", tmp_path / "x.json", "--key", key) == 1

@@ -63,6 +63,12 @@ def test_check_prints_a_valid_line_then_the_whole_json(tiny, tmp_path, capsys):
     # --json: the JSON object alone, for a script
     code, out, _ = _cli(capsys, "data", "check", tmp_path / "exc.json", "--bundle", bundle, "--json")
     assert code == 0 and json.loads(out)["valid"] is True and json.loads(out)["kind"] == "exclusion"
+    # "never in tiny" is no document of the run's dataset: the proof itself carries the caveat, signed, and its
+    # check shows it (issue 52, loops item 5); a proof that names another scope is refused
+    proof = json.loads((tmp_path / "exc.json").read_text())
+    assert proof["scope"] == "bytes" and "not a fragment of a used document" in json.loads(out)["scope"]
+    (tmp_path / "other.json").write_text(json.dumps(dict(proof, scope="document")))
+    assert _cli(capsys, "data", "check", tmp_path / "other.json", "--bundle", bundle)[0] == 2
 
 
 def test_check_prints_one_invalid_line_and_keeps_its_exit_codes(tiny, tmp_path, capsys):

@@ -59,14 +59,15 @@ def cmd_data(args: argparse.Namespace) -> int:
         if document in run.usage.documents:
             print(f"document {document.hex()} WAS used by this run (try: witness data include)", file=sys.stderr)
             return 1
-        doc = prove_exclusion(run, document)
+        from ..verify.data_queries import known_document
+
+        known = known_document(run, document)
+        doc = prove_exclusion(run, document, bytes_only=not known)  # the caveat goes into the proof itself
         print(f"document {document.hex()} was never used by this run")
     _write_proof(doc, Path(args.out), released_model(args.bundle, args.model, Path(args.out)), args.key)
     if args.data_command == "exclude":
-        from ..verify.data_queries import known_document
-
-        if not known_document(run, document):
-            print("note: no document of the run's dataset has exactly these bytes, so this proves only that the run "
+        if not known:
+            print("note (written into the proof as its scope): no document of the run's dataset has exactly these bytes, so this proves only that the run "
                   "never trained on a document with exactly these bytes; a fragment of a used document, or a window "
                   "shifted against the dataset's, is not covered: `witness data find` finds the documents and "
                   "samples that contain a text", file=sys.stderr)

@@ -128,11 +128,19 @@ def prove_inclusion(run: RunCommitments, document: bytes) -> dict:
     return doc
 
 
-def prove_exclusion(run: RunCommitments, document: bytes) -> dict:
-    """Exclusion proof for a document the run never used; ValueError if it was used."""
+BYTES_ONLY = ("these bytes are not one of the run's dataset's documents (as its maker found): the proof covers "
+              "exactly these bytes as a whole document, not a fragment of a used document or a window shifted "
+              "against the dataset's")
+
+
+def prove_exclusion(run: RunCommitments, document: bytes, bytes_only: bool = False) -> dict:
+    """Exclusion proof for a document the run never used; ValueError if it was used. ``bytes_only``: the bytes
+    are no document of the run's dataset, and the proof says so (``scope: bytes``), its caveat with it."""
     absent = run.usage.documents.prove_absent(document)
     doc = _header(run, "exclusion", document)
     doc["absence"] = pair_to_json(absent)
+    if bytes_only:
+        doc["scope"] = "bytes"
     return doc
 
 
@@ -166,6 +174,10 @@ def check_proof(proof: Any, *, document_rule: str | RuleOf, head: SignedTreeHead
     kind = _get(proof, "kind", str, "proof")
     allowed = {"format", "version", "kind", "document", "public_key", "tree_head"}
     allowed |= {"member", "uses"} if kind == "inclusion" else {"absence"} if kind == "exclusion" else set()
+    if kind == "exclusion" and "scope" in proof:  # its maker's caveat: the bytes are no document of the dataset
+        if proof["scope"] != "bytes":
+            raise MalformedInput("an exclusion proof's scope is \"bytes\" where it names one")
+        allowed |= {"scope"}
     if kind not in ("inclusion", "exclusion") or set(proof) != allowed:
         raise MalformedInput("the proof has missing or unexpected fields")
     document = parse_hex(proof["document"], "document")
@@ -209,6 +221,8 @@ def check_proof(proof: Any, *, document_rule: str | RuleOf, head: SignedTreeHead
         summary["task"] = task
     if kind == "exclusion":
         verify_absent(document, pair_from_json(proof["absence"], size, "absence"), root, size)
+        if "scope" in proof:
+            summary["scope"] = BYTES_ONLY
         return summary
 
     verify_member(document, pair_from_json(proof["member"], size, "member"), root, size)
