@@ -53,8 +53,9 @@ def method_source(evil: str = "") -> str:
                           '    """What the method does when it is replayed."""\n' + textwrap.indent(textwrap.dedent(evil), "    "))
 
 
-def wheel_bytes(source: str, version: str = "1.0", dist: str = "sandboxed-mlp") -> bytes:
-    """A wheel as a build backend writes it: the package, and its .dist-info with the entry point."""
+def wheel_bytes(source: str, version: str = "1.0", dist: str = "sandboxed-mlp", extra: dict | None = None) -> bytes:
+    """A wheel as a build backend writes it: the package, and its .dist-info with the entry point (and the
+    ``extra`` files, name -> bytes, in the archive and its RECORD)."""
     info = f"sandboxed_mlp-{version}.dist-info"
     files = {
         "sandboxed_mlp/__init__.py": source.encode(),
@@ -62,6 +63,7 @@ def wheel_bytes(source: str, version: str = "1.0", dist: str = "sandboxed-mlp") 
         f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         f"{info}/entry_points.txt": b"[witness.tasks]\nsandboxed-mlp = sandboxed_mlp:Method\n",
         f"{info}/top_level.txt": b"sandboxed_mlp\n",
+        **(extra or {}),
     }
     record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
                      f"{len(data)}\n" for name, data in files.items()) + f"{info}/RECORD,,\n"

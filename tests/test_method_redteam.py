@@ -197,33 +197,14 @@ def test_rt_method_copies_committed_states_it_was_shown_and_is_accepted(small_li
 
 # --- the pin does not bind the code that runs -----------------------------------------------------------
 
-import base64  # noqa: E402
-import hashlib  # noqa: E402
-import io  # noqa: E402
 import py_compile  # noqa: E402
-import zipfile  # noqa: E402
 
 from methods_helpers import method_source  # noqa: E402
 
 
 def wheel_plus(source: str, extra: dict[str, bytes]) -> bytes:
     """methods_helpers.wheel_bytes with more files in the archive (and in its RECORD)."""
-    info = "sandboxed_mlp-1.0.dist-info"
-    files = {
-        "sandboxed_mlp/__init__.py": source.encode(),
-        f"{info}/METADATA": b"Metadata-Version: 2.1\nName: sandboxed-mlp\nVersion: 1.0\n",
-        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        f"{info}/entry_points.txt": b"[witness.tasks]\nsandboxed-mlp = sandboxed_mlp:Method\n",
-        f"{info}/top_level.txt": b"sandboxed_mlp\n",
-        **extra,
-    }
-    record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
-                     f"{len(data)}\n" for name, data in files.items()) + f"{info}/RECORD,,\n"
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        for name, data in {**files, f"{info}/RECORD": record.encode()}.items():
-            z.writestr(name, data)
-    return buf.getvalue()
+    return wheel_bytes(source, extra=extra)
 
 
 MARK = "UNPINNED CODE RAN IN THE SANDBOX"

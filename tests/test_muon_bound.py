@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import torch
+from plugin_site import installed
 from test_online import SPEC, Beacon, online
 
 from witness.commit.signing import generate_key
 from witness.fingerprint.moves import MUON_MARGIN_TO, MUON_SUP, move_rules
 from witness.record import Commitments, Online
 from witness.record.recorder import Recorder
-from witness.task import build_task, registry
+from witness.task import build_task
 
 A, B, C = 3.4445, -4.775, 2.0315  # torch.optim.Muon's default Newton-Schulz coefficients
 
@@ -118,17 +118,8 @@ class MuonMLP(TinyTask):
 @pytest.fixture
 def muon_plugin(tmp_path, monkeypatch):
     """The Muon task, installed as a plugin on a folder of sys.path."""
-    site = tmp_path / "site"
-    (site / "witness_muon_demo").mkdir(parents=True)
-    (site / "witness_muon_demo" / "__init__.py").write_text(PLUGIN)
-    info = site / "witness_muon_demo-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: witness-muon-demo\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[witness.tasks]\nmuon-mlp = witness_muon_demo:MuonMLP\n")
-    monkeypatch.syspath_prepend(str(site))
-    yield
-    sys.modules.pop("witness_muon_demo", None)
-    registry._built.cache_clear()
+    with installed(monkeypatch, tmp_path, "witness_muon_demo", "muon-mlp", "MuonMLP", PLUGIN):
+        yield
 
 
 RUNS = 50

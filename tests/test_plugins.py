@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plugin_site import installed
 
 from witness.cli import main
 from witness.errors import MalformedInput
@@ -221,22 +222,11 @@ class TimeMajor(GenericTask):
 def test_a_plugin_whose_outputs_have_another_layout_is_refused_when_it_records(tmp_path, monkeypatch, capsys):
     """Its run would record and self-check, then every audit would refuse its fingerprints' size: it is
     refused at its first fingerprint instead, saying which layout it needs (issue 52, loops item 1)."""
-    site = tmp_path / "site"
-    (site / "witness_time_major").mkdir(parents=True)
-    (site / "witness_time_major" / "__init__.py").write_text(TIME_MAJOR)
-    info = site / "witness_time_major-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: witness-time-major\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[witness.tasks]\ntime-major = witness_time_major:TimeMajor\n")
-    monkeypatch.syspath_prepend(str(site))
-    try:
+    with installed(monkeypatch, tmp_path, "witness_time_major", "time-major", "TimeMajor", TIME_MAJOR):
         code = main(["train", "--task", "time-major", "--steps", "4", "--quiet", "--key", str(tmp_path / "k.pem"),
                      "--out", str(tmp_path / "run")])
         err = capsys.readouterr().err
         assert code == 2 and "the shape [5, 8]" in err and "[probes, ..., width]" in err, err
-    finally:
-        sys.modules.pop("witness_time_major", None)
-        registry._built.cache_clear()
 
 
 NO_EVAL = '''"""A plugin with no evaluation split."""
@@ -262,20 +252,9 @@ class NoEval(GenericTask):
 def test_evaluating_a_task_without_an_evaluation_split_is_refused(tmp_path, monkeypatch, capsys):
     """``witness eval`` of a task whose evaluation split is empty: a certificate of 0 examples would certify
     nothing, so none is made (issue 52, loops item 5)."""
-    site = tmp_path / "site"
-    (site / "witness_no_eval").mkdir(parents=True)
-    (site / "witness_no_eval" / "__init__.py").write_text(NO_EVAL)
-    info = site / "witness_no_eval-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: witness-no-eval\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[witness.tasks]\nno-eval = witness_no_eval:NoEval\n")
-    monkeypatch.syspath_prepend(str(site))
-    try:
+    with installed(monkeypatch, tmp_path, "witness_no_eval", "no-eval", "NoEval", NO_EVAL):
         key, out = tmp_path / "k.pem", tmp_path / "run"
         assert main(["train", "--task", "no-eval", "--steps", "4", "--quiet", "--key", str(key), "--out", str(out)]) == 0
         capsys.readouterr()
         assert main(["eval", str(out), "--out", str(tmp_path / "cert.json"), "--key", str(key), "--quiet"]) == 2
         assert "nothing to certify" in capsys.readouterr().err and not (tmp_path / "cert.json").exists()
-    finally:
-        sys.modules.pop("witness_no_eval", None)
-        registry._built.cache_clear()
