@@ -23,7 +23,7 @@ from ..data.dataset import Dataset
 from ..data.locate import by_content
 from ..data.order import derive_run_seed
 from ..errors import MalformedInput, RunRejected, VerificationError
-from ..methods.remote import MethodSandbox, open_session
+from ..methods.remote import MethodFailed, MethodSandbox, open_session
 from ..session import (
     TrainingSession,
     describe_device,
@@ -389,6 +389,10 @@ class _Audit:
                     result.failure += f" (replayed at {self.threads} thread(s); the run recorded {self.m.threads})"
                 if result.failure not in verdict.failures:  # replays of one segment meet the same bad step
                     verdict.failures.append(result.failure)
+                if isinstance(e, MethodFailed):  # the run is rejected: a method that hangs costs one timeout, not q
+                    result.replayed_steps = replayer.steps_run - before
+                    verdict.results.append(result)
+                    break
             result.replayed_steps = replayer.steps_run - before
             verdict.results.append(result)
 
