@@ -38,7 +38,7 @@ SCRATCH = Path("state.safetensors")
 
 
 def read_samples(data: bytes) -> list[bytes]:
-    """Samples packed by ``remote.pack_samples``: a count, then each sample's length and bytes."""
+    """Samples as ``RemoteSession.step`` packs them: a count, then each sample's length and bytes."""
     (count,) = struct.unpack_from(">I", data, 0)
     out, at = [], 4
     for _ in range(min(count, MAX_SAMPLES)):
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     """Serve requests until stdin closes."""
     site, name, spec, threads = argv
     torch.set_num_threads(int(threads))
-    sys.path.append(site)  # after everything installed: the method's names cannot shadow a module (remote.check_names)
+    sys.path.append(site)  # after everything installed: the method's names cannot shadow a module (process.check_names)
     module, _, attr = spec.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, Task)) or getattr(cls, "name", None) != name:
