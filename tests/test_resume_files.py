@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from witness.bundle import layout
 from witness.bundle.writer import read_lines
-from witness.record import online
 
 
 def _train(out, key, *extra):
@@ -35,8 +35,8 @@ def test_resume_refuses_a_log_that_is_not_a_file(tmp_path, kind):
 def test_the_journal_of_cosigned_checkpoints_is_read_within_its_bound(tmp_path):
     journal = tmp_path / "cosigned.jsonl"
     with open(journal, "wb") as f:  # sparse: its size is what a stat says, and nothing is read
-        f.truncate(online.MAX_JOURNAL_BYTES + 1)
+        f.truncate(layout.MAX_JOURNAL_BYTES + 1)
     with pytest.raises(ValueError, match="over the"):
-        read_lines(journal, online.MAX_JOURNAL_BYTES)
+        read_lines(journal, layout.MAX_JOURNAL_BYTES)
     journal.write_bytes(b'{"a":1}\n{"b":')
-    assert read_lines(journal, online.MAX_JOURNAL_BYTES) == [b'{"a":1}']  # a torn last line is dropped
+    assert read_lines(journal, layout.MAX_JOURNAL_BYTES) == [b'{"a":1}']  # a torn last line is dropped

@@ -79,6 +79,7 @@ STATEMENTS = f"{ONLINE}/statements.jsonl"
 # resume settles: a witness keeps only the latest checkpoint, so a lost cosignature cannot be asked
 # for again); removed when the run finishes, never read by a verifier
 COSIGNED = f"{ONLINE}/cosigned.jsonl"
+MAX_JOURNAL_BYTES = 64 << 20  # cosigned checkpoints waiting for their rounds: a few KiB each
 ONLINE_STATES = f"{ONLINE}/states"
 ONLINE_SAMPLES = f"{ONLINE}/samples"
 # a run that commits its parameters' chunks: for every window, the chunks its beta opens of every

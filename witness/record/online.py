@@ -29,6 +29,7 @@ import torch
 
 from ..bundle.layout import (
     COSIGNED,
+    MAX_JOURNAL_BYTES,
     STATEMENTS,
     online_chunks_name,
     online_samples_name,
@@ -53,8 +54,6 @@ from .link import (
     BeaconLink,
     OnlineSpec,
 )
-
-MAX_JOURNAL_BYTES = 64 << 20  # cosigned checkpoints waiting for their rounds: a few KiB each
 
 # the settings and the buffers, importable from here as before
 __all__ = ["DEFAULT_BAD_FRACTION", "DEFAULT_CHUNKS", "DEFAULT_CONFIDENCE", "DEFAULT_EVERY", "DRAND_EVERY", "DRAND_RING",
@@ -114,10 +113,8 @@ class OnlineChallenges(KeptFiles):
     # --- statements -----------------------------------------------------------------------
     def load(self) -> None:
         """The statements already received (a resume): the file's intact lines, then the beacon's own list."""
-        path = self.out / STATEMENTS
-        lines = read_lines(path) if path.exists() else []
-        kept = []
-        for line in lines:
+        path, kept = self.out / STATEMENTS, []
+        for line in read_lines(path) if path.exists() else []:
             try:
                 st = self.link.check(parse_canonical_json(line), self.log)
             except Exception:  # noqa: BLE001 - a line torn by the crash ends what was kept

@@ -226,11 +226,11 @@ class Recorder(Records):
         if self.online is not None:
             self.online.finish()  # every statement received, every selected state written
         self.writer.close()
+        print(self.closing_line(), file=sys.stderr)  # in your own loop too: what witnessing cost, and where
         if self.self_check is not None:
             self.self_check.close()
-            if self.self_check.checked:  # in your own loop too: it ran, at this cost
+            if self.self_check.checked:  # in your own loop too: it ran, at this cost (its line stays the last)
                 print(self.self_check.summary(), file=sys.stderr)
-        print(self.closing_line(), file=sys.stderr)  # in your own loop too: what witnessing cost, and where
         return head
 
     def train(self, progress: bool = True) -> SignedTreeHead:
