@@ -413,7 +413,7 @@ def test_the_migrations_build_exactly_the_models_schema(server):
         table.to_metadata(models)
     with lb.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), models) == []
-        assert MigrationContext.configure(conn).get_current_revision() == "0011"
+        assert MigrationContext.configure(conn).get_current_revision() == "0012"
 
 
 def test_a_weakly_anchored_run_is_rejected(server, tmp_path):

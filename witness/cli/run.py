@@ -359,6 +359,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "before step 0")
     t.add_argument("--leaderboard", metavar="URL", help="take the run ticket from this leaderboard and stream heads to it")
     t.add_argument("--track", help="the leaderboard track (its recipe replaces --task, --steps and --config)")
+    t.add_argument("--method", type=int, metavar="N",
+                   help="on a contest track: your method N (`witness leaderboard method`), whose wheel is installed here")
     t.add_argument("--token", help="leaderboard API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")
     from ..leaderboard.cli import run_info_flags
 

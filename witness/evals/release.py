@@ -32,11 +32,12 @@ def final_model_tensors(bundle: Bundle, needed_for: str = "a final model") -> di
     return {k: v for k, v in tensors.items() if k.startswith("model.")}
 
 
-def export_model(bundle: Bundle, path: str | os.PathLike) -> dict:
+def export_model(bundle: Bundle, path: str | os.PathLike, aliases: list[tuple[str, ...]] | None = None) -> dict:
     """Write the run's final model (``state_dict`` names, no optimizer) to ``path``; its in-toto subject.
-    Tied names are written each with the one tensor's bytes (a final state whose tied names differ is refused)."""
+    Tied names are written each with the one tensor's bytes (a final state whose tied names differ is refused);
+    ``aliases``: the tied names, where the registered task cannot say (a submitted method's, from the sandbox)."""
     tensors = final_model_tensors(bundle, "a final model to release")
-    check_tied(bundle, tensors, "the final checkpoint")
+    check_tied(bundle, tensors, "the final checkpoint", aliases)
     model = {k[len("model."):]: v.contiguous() for k, v in tensors.items()}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

@@ -37,9 +37,13 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise MalformedInput(f"{p} is not a safetensors weights file: {e}") from None
 
 
-def check_tied(bundle: Bundle, tensors: dict[str, torch.Tensor], where: str) -> None:
+def check_tied(bundle: Bundle, tensors: dict[str, torch.Tensor], where: str,
+               aliases: list[tuple[str, ...]] | None = None) -> None:
     """``tensors`` (``model.*``) hold the same bytes under every name the task's own model ties; which
-    names those are comes from the model the registry builds for the run's recipe, never from the bundle."""
+    names those are comes from the model the registry builds for the run's recipe (or ``aliases``, a submitted
+    method's own description), never from the bundle."""
     from ..verify.cheap import task_of
 
-    check_aliases(alias_groups(task_of(bundle).build_model(bundle.manifest.run_seed)), tensors, where)
+    if aliases is None:
+        aliases = alias_groups(task_of(bundle).build_model(bundle.manifest.run_seed))
+    check_aliases(aliases, tensors, where)

@@ -30,6 +30,8 @@ from ..store import (
 from ..verify.kept import MAX_SAMPLES_JSON
 from ..web import MAX_JSON_BODY, BodyLimit, readable_validation_errors
 from . import board
+from .contest_app import METHODS_ROUTE, add_method_routes
+from .contests import method_json
 from .db import Account, Head, Track
 from .deps import DB, Acct, RunId
 from .online import online_progress
@@ -148,9 +150,10 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
     @app.post("/api/tickets", status_code=201, tags=["runs"])
     def ticket(body: TicketIn, s: DB, acct: Acct) -> dict:
         """Issue a run ticket: the r of the run seed H(data root || r), drawn by the server."""
-        run = lb.ticket(s, acct, body.track, body.title, body.description, body.code_url)
+        run = lb.ticket(s, acct, body.track, body.title, body.description, body.code_url, body.method)
         t = lb.track(s, run.track)
-        return {"run_id": run.id, "r": run.r, "ticket_ms": run.ticket_ms} | track_json(t)
+        method = method_json(lb.method(s, run.method_id), acct.name) if run.method_id else None
+        return {"run_id": run.id, "r": run.r, "ticket_ms": run.ticket_ms, "method": method} | track_json(t)
 
     @app.post("/api/runs/{run_id}/heads", status_code=201, tags=["runs"])
     def add_head(run_id: RunId, body: HeadIn, s: DB, acct: Acct) -> dict:
@@ -308,6 +311,7 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
         return history(s, run_id, offset, limit)
 
     add_pages(app, lb, html, pages)
+    add_method_routes(app, lb, paced)
 
     # the online-challenge beacon, the same code as `witness beacon serve`, signing with the server key
     app.include_router(beacon_router(lb.beacon, lb.Session))
@@ -317,7 +321,8 @@ def create_app(settings: Settings | None = None, lb: Leaderboard | None = None) 
             (body.run, body.checkpoint) if kind == "head" else None)))
     install_beacon_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_JSON_BODY,
-                       exempt=("/api/submissions", r"/api/runs/[0-9]+/online/(states|samples|chunks)/[0-9]+"))
+                       exempt=("/api/submissions", r"/api/runs/[0-9]+/online/(states|samples|chunks)/[0-9]+",
+                               METHODS_ROUTE))
     return app
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..cli.args import parsed
 from ..cli.operator import witness_at
 from ..store import DEFAULT_MAX_UPLOAD
+from .method_cli import add_method_parser
 
 DEFAULT_STORE = "leaderboard-data"
 DEFAULT_CACHE_GB = 50.0  # unpacked bundles a server's or worker's working folder keeps, with an s3:// store
@@ -248,9 +249,10 @@ def train_with_leaderboard(args: argparse.Namespace, key) -> int:  # noqa: ANN00
     with _client(args) as c:
         # online: the leaderboard's beacon selects steps while it trains
         how = TicketedRun(checkpoint_every=args.checkpoint_every, threads=args.threads, online=True)
-        run_id, head = train_ticketed(c, args.track, key, args.out, how, progress=not args.quiet, info=run_info(args))
+        info = run_info(args) | ({"method": args.method} if args.method is not None else {})
+        run_id, head = train_ticketed(c, args.track, key, args.out, how, progress=not args.quiet, info=info)
     print(f"wrote {args.out}: {head.size - 2} steps, run {run_id}; submit it with "
-          f"`witness submit {args.out} --leaderboard {args.leaderboard}`")
+          f"`witness submit {args.out} --leaderboard {args.leaderboard}" + (" --no-eval`" if args.method else "`"))
     return 0
 
 
@@ -261,7 +263,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     with _client(args) as c, tempfile.TemporaryDirectory() as tmp:
         cert = args.eval
-        if cert is None:
+        if args.no_eval:  # a contest track scores the run itself, blind
+            cert = None
+        elif cert is None:
             print("no --eval certificate given: evaluating the final model now", file=sys.stderr)
             cert = write_evaluation(args.bundle, load_or_create_key(Path(args.key)), Path(tmp) / "evaluation.json",
                                     progress=not args.quiet)
@@ -395,6 +399,8 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     sb.add_argument("--leaderboard", required=True, metavar="URL", help="the leaderboard's address")
     sb.add_argument("--eval", help="its evaluation certificate (default: evaluate now)")
     sb.add_argument("--key", default=key_default, help="key that signs the evaluation when there is no --eval")
+    sb.add_argument("--no-eval", action="store_true",
+                    help="send no evaluation: a contest track's server scores the run itself, its targets hidden")
     sb.add_argument("--token", help="API token (default: $WITNESS_LEADERBOARD_TOKEN or the saved one)")
     sb.add_argument("--wait", action="store_true", help="wait for the verdict (exit 0 certified, 1 rejected)")
     sb.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -417,6 +423,7 @@ def add_parsers(sub: argparse._SubParsersAction, key_default: str) -> None:
     vc.add_argument("--model", help="also check that the decision names this released model file")
     vc.add_argument("--json", action="store_true", help="print the decision as one JSON object")
     vc.set_defaults(func=cmd_verify_certification)
+    add_method_parser(lsub)
     cb = lsub.add_parser("check-board", help="check a leaderboard's own history: every decision an entry, none "
                                               "edited or removed since the checkpoint kept (0 holds, 1 not)")
     cb.add_argument("leaderboard", metavar="URL", help="the leaderboard's address")

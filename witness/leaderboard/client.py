@@ -114,12 +114,13 @@ def train_ticketed(client: httpx.Client, track: str, key, out: str | os.PathLike
     how = TicketedRun() if how is None else how
     checkpoint_every, threads, stream, lr_factor = how.checkpoint_every, how.threads, how.stream, how.lr_factor
     tk = ticket(client, track, info)
-    task = build_task(tk["task"], tk["config"])
+    method = tk.get("method")  # a contest track: the method the ticket names (its wheel installed here)
+    task = build_task(method["task"], method["recipe"]) if method else build_task(tk["task"], tk["config"])
     from ..record.online import OnlineSpec
 
     witnessed = tk.get("witnessed")  # a witnessed track: drand draws, through the server's operator log
     link = None
-    if how.online and stream:
+    if how.online and stream and not method:  # (a contest run is certified at submission)
         link = LeaderboardWitnessed(client, tk["run_id"], witnessed) if witnessed else \
             LeaderboardBeacon(client, tk["run_id"])
     spec = None
@@ -280,9 +281,9 @@ def online_leave_out(bundle_dir: str | os.PathLike) -> frozenset[str]:
     return frozenset(checkpoint_name(k) for k in b.checkpoint_steps() if k not in keep)
 
 
-def submit(client: httpx.Client, bundle_dir: str | os.PathLike, evaluation: str | os.PathLike) -> dict:
-    """Pack and upload a finished bundle with its evaluation certificate (streamed from a file); an
-    online run leaves out the checkpoints its audit does not need."""
+def submit(client: httpx.Client, bundle_dir: str | os.PathLike, evaluation: str | os.PathLike | None) -> dict:
+    """Pack and upload a finished bundle with its evaluation certificate (streamed from a file; None for a
+    contest run, which the server scores); an online run leaves out the checkpoints its audit does not need."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = pack(bundle_dir, Path(tmp) / "submission.tar", evaluation, online_leave_out(bundle_dir))
         with open(archive, "rb") as f:  # the ticket's r names the run: its track's upload limit applies

@@ -73,6 +73,8 @@ class Track(Base):
     witnessed_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     # the certified seeds a method needs to enter the ranking of methods (witness.leaderboard.ranking)
     min_seeds: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
+    # a contest track: its budget (``methods.contest.Budget``); its runs bring their own method
+    contest_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Run(Base):
@@ -109,6 +111,29 @@ class Run(Base):
     statement: Mapped[str | None] = mapped_column(Text, nullable=True)  # the server's latest signed decision
     # the run's online-challenge probability (its manifest's), when it takes them from this server's beacon
     online_p: Mapped[float | None] = mapped_column(Float, nullable=True)
+    method_id: Mapped[int | None] = mapped_column(ForeignKey("methods.id"), nullable=True, index=True)
+
+
+class Method(Base):
+    """A submitted method of a contest track: its wheel (in the store, by its SHA-256), the pin a run's
+    manifest must carry, and what the sandbox described of it when it was admitted."""
+
+    __tablename__ = "methods"
+    __table_args__ = (UniqueConstraint("account_id", "track", "files_sha256"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
+    track: Mapped[str] = mapped_column(ForeignKey("tracks.name"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    wheel_sha256: Mapped[str] = mapped_column(String(64))
+    files_sha256: Mapped[str] = mapped_column(String(64))
+    distribution: Mapped[str] = mapped_column(String(100))
+    version: Mapped[str] = mapped_column(String(64))
+    task: Mapped[str] = mapped_column(String(64))
+    config_json: Mapped[str] = mapped_column(Text)
+    steps: Mapped[int] = mapped_column(Integer)
+    batch_size: Mapped[int] = mapped_column(Integer)
+    params: Mapped[int] = mapped_column(BigInteger)
+    created_ms: Mapped[int] = mapped_column(BigInteger)
 
 
 class Head(Base):

@@ -44,6 +44,7 @@ class TicketIn(RunInfo):
     """A ticket request for a track, with what the submitter says of the run (optional)."""
 
     track: str = Field(max_length=64)
+    method: int | None = Field(default=None, ge=1, le=2**31 - 1)  # a contest track: one of the account's methods
 
 
 class HeadIn(StrictModel):

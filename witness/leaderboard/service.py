@@ -27,6 +27,7 @@ from ..errors import VerificationError
 from ..store import EVALUATION, Upload, open_store
 from . import queue
 from .common import ApiError, Settings, _describe, _hide, _lock_writes, _valid_id, token_hash
+from .contests import ContestRuns
 from .db import (
     Account,
     Head,
@@ -47,7 +48,7 @@ MAX_CERTIFICATE_BYTES = 256 * 1024 * 1024
 
 
 
-class Leaderboard(StreamedRuns, WitnessedRuns):
+class Leaderboard(StreamedRuns, WitnessedRuns, ContestRuns):
     """The server's state: database, store, settings."""
 
     def __init__(self, settings: Settings, *, sync_tracks: bool = True):
@@ -131,11 +132,12 @@ class Leaderboard(StreamedRuns, WitnessedRuns):
         return t
 
     def ticket(self, s: Session, acct: Account, track_name: str, title: str | None = None,
-               description: str | None = None, code_url: str | None = None) -> Run:
-        """Issue a run ticket: the server's r, so the run seed H(data root ‖ r) is fixed from now on."""
-        self.track(s, track_name)
+               description: str | None = None, code_url: str | None = None, method: int | None = None) -> Run:
+        """Issue a run ticket: the server's r, so the run seed H(data root ‖ r) is fixed from now on (and on a
+        contest track, the method the run must be trained with)."""
+        method_id = self.ticket_method(s, acct, self.track(s, track_name), method)
         run = Run(account_id=acct.id, track=track_name, r=self.randomness(32).hex(), status="ticketed",
-                  ticket_ms=now_ms(), challenges_passed=0)
+                  ticket_ms=now_ms(), challenges_passed=0, method_id=method_id)
         _describe(run, {"title", "description", "code_url"}, title, description, code_url)
         s.add(run)
         s.commit()
@@ -208,15 +210,18 @@ class Leaderboard(StreamedRuns, WitnessedRuns):
                                          f"streamed at {h.received_ms} ms: it was rewritten after that head "
                                          "was published")
             self._check_cadence(s, run, heads, bundle, sha256)
-            cert_path = staging / EVALUATION
-            if not cert_path.exists():
+            cert_path, cert = staging / EVALUATION, None
+            if run.method_id is not None:  # a contest run is scored by the server, blind: the trainer's scores are not kept
+                cert_path.unlink(missing_ok=True)
+            elif not cert_path.exists():
                 raise ApiError(400, f"the submission has no {EVALUATION} (run `witness eval` first)")
-            try:
-                cert = read_json_or_envelope(cert_path, MAX_CERTIFICATE_BYTES, "evaluation certificate")
-            except VerificationError as e:
-                raise ApiError(400, f"{EVALUATION}: {_hide(e, staging)}") from None
-            if not isinstance(cert, dict):
-                raise ApiError(400, f"{EVALUATION} is not a certificate")
+            else:
+                try:
+                    cert = read_json_or_envelope(cert_path, MAX_CERTIFICATE_BYTES, "evaluation certificate")
+                except VerificationError as e:
+                    raise ApiError(400, f"{EVALUATION}: {_hide(e, staging)}") from None
+                if not isinstance(cert, dict):
+                    raise ApiError(400, f"{EVALUATION} is not a certificate")
             # Claim the run first: of two concurrent submissions only one gets past this line.
             t = now_ms()
             claimed = s.execute(update(Run).where(Run.id == run.id, Run.status == "ticketed")
@@ -224,7 +229,8 @@ class Leaderboard(StreamedRuns, WitnessedRuns):
             if claimed != 1:
                 s.rollback()
                 raise ApiError(409, f"run {run.id} was submitted already")
-            (staging / EVALUATION).write_bytes(canonical_json(cert) + b"\n")
+            if cert is not None:
+                (staging / EVALUATION).write_bytes(canonical_json(cert) + b"\n")
             self.store.accept(run.id, upload)
             fh = bundle.final_head
             s.refresh(run)

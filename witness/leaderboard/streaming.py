@@ -326,7 +326,9 @@ class StreamedRuns:
             raise ApiError(400, f"the run's r is not the one ticket {run.id} issued")
         if m.get("public_key") != acct.public_key:
             raise ApiError(400, "the run is signed by another key than the account's registered key")
-        if m.get("task") != track.task or canonical_json(m.get("task_config")).decode() != track.config_json:
+        if run.method_id is not None:
+            self.check_method_manifest(s, run, m)  # type: ignore[attr-defined]
+        elif m.get("task") != track.task or canonical_json(m.get("task_config")).decode() != track.config_json:
             raise ApiError(400, f"the run's recipe is not track {track.name!r}'s ({track.task} {track.config_json})")
         if m.get("data_root") != track.data_root:
             raise ApiError(400, "the run's data root is not the track's")

@@ -9,6 +9,7 @@ from ..commit.beacon import p_needed
 from ..commit.drand import ChainInfo
 from ..commit.hashing import canonical_json
 from ..commit.note import NoteKey
+from ..methods.contest import Budget
 from ..task.registry import build_task
 
 
@@ -34,6 +35,9 @@ class TrackSpec:
     quorum: int | None = None
     # certified seeds a method needs to enter the ranking of methods (``ranking``)
     min_seeds: int = 3
+    # a contest track: the task fixes only the data, the evaluation split and the scoring; runs bring their
+    # own method (a wheel, admitted against this budget)
+    budget: Budget | None = None
 
     def resolve(self, witnessing: Witnessing | None = None) -> dict:
         """The row the database stores: exact recipe, dataset root, evaluation split, and a witnessed
@@ -53,6 +57,7 @@ class TrackSpec:
             "online_p": self.online_p,
             "witnessed_json": self._witnessed(witnessing),
             "min_seeds": self.min_seeds,
+            "contest_json": None if self.budget is None else canonical_json(self.budget.to_json()).decode(),
         }
 
     def _witnessed(self, witnessing: Witnessing | None) -> str | None:
@@ -108,8 +113,9 @@ def parse_track(text: str) -> TrackSpec:
     """``NAME=TASK[:KEY=VALUE,...][@METRIC[+|-]]``, e.g. ``quick=tiny:steps=20@accuracy+``; the fields
     ``online=P`` (online challenges required, with at least probability P), ``witnesses=A+B`` and
     ``quorum=K`` (those challenges drawn by drand and cosigned by K of the named witnesses),
-    ``max_upload=BYTES`` (the track's upload limit) and ``seeds=N`` (certified seeds a method needs to be
-    ranked) are not the recipe's."""
+    ``max_upload=BYTES`` (the track's upload limit), ``seeds=N`` (certified seeds a method needs to be
+    ranked) and ``max_steps``, ``max_samples``, ``max_params`` (a contest track: runs bring their own method
+    within that budget, on the task's data) are not the recipe's."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
         raise ValueError(f"a track is NAME=TASK[:KEY=VALUE,...][@METRIC+|-], not {text!r}")
@@ -143,8 +149,17 @@ def parse_track(text: str) -> TrackSpec:
     seeds = config.pop("seeds", 3)
     if type(seeds) is not int or not 1 <= seeds <= 100:
         raise ValueError(f"seeds=N takes 1 to 100 certified seeds, not {seeds!r}")
-    build_task(task, config)  # fails now, not at the first submission
+    caps = {k: config.pop(k) for k in ("max_steps", "max_samples", "max_params") if k in config}
+    budget = Budget(**caps) if caps else None
+    built = build_task(task, config)  # fails now, not at the first submission
+    if budget is not None and (online is not None or not getattr(built, "hides_targets", False)):
+        raise ValueError("a contest track (max_steps, max_samples, max_params) is certified at submission, on a task "
+                         "whose targets can be hidden from the method it scores; "
+                         + ("online audits of submitted methods are not built" if online is not None else
+                            f"task {task!r} cannot hide its targets"))
     about = f"{task} with {config or 'its default recipe'}" + (f", audited online (p >= {online:g})" if online else "") \
         + (f", drawn by drand and cosigned by {quorum or len(witnesses)} of {', '.join(witnesses)}" if witnesses else "")
+    if budget is not None:
+        about = f"contest on {task}'s data with {config or 'its default split'}: bring your own method, {budget.text()}"
     return TrackSpec(name, task, config, metric, higher, about, None if online is None else float(online), limit,
-                     witnesses or (), quorum, seeds)
+                     witnesses or (), quorum, seeds, budget)

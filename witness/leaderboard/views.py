@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..store import EVALUATION, archive_key, evaluation_key, model_key, plot_key
-from .db import Account, ChallengeRow, Head, Round, Run, Track
+from .db import Account, ChallengeRow, Head, Method, Round, Run, Track
 from .ranking import MethodEntry, Seed, rank_methods
 from .service import ApiError, Leaderboard
 
@@ -66,15 +66,22 @@ def methods(s: Session, track: Track) -> list[MethodEntry]:
     """The track's methods (on a track of one recipe, each account's runs), ranked by their certified seeds
     (``ranking``), with the runs each account started and never submitted."""
     entries: dict[str, MethodEntry] = {}
-    rows = s.execute(select(Account.name, Run.id, Run.metric_value, Run.decided_ms).select_from(Run)
-                     .join(Account, Run.account_id == Account.id).where(Run.track == track.name, Run.status == "certified", Run.metric_value.is_not(None))
+    contest = track.contest_json is not None
+    # on a contest track a method is its admitted wheel (named with its number and account); else an account
+    names = {m.id: f"{m.name} (#{m.id}, {a})" for m, a in s.execute(
+        select(Method, Account.name).join(Account, Method.account_id == Account.id).where(Method.track == track.name))} \
+        if contest else {}
+    key = Run.method_id if contest else Account.name
+    rows = s.execute(select(key, Run.id, Run.metric_value, Run.decided_ms).select_from(Run)
+                     .join(Account, Run.account_id == Account.id).where(
+                         Run.track == track.name, Run.status == "certified", Run.metric_value.is_not(None))
                      .order_by(Run.id)).all()
-    for name, run_id, value, decided in rows:
+    for k, run_id, value, decided in rows:
+        name = names.get(k, str(k)) if contest else k
         entries.setdefault(name, MethodEntry(name, [])).seeds.append(Seed(run_id, value, decided or 0))
-    for name, count in s.execute(select(Account.name, func.count()).select_from(Run)
-                                 .join(Account, Run.account_id == Account.id)
-                                 .where(Run.track == track.name, Run.submitted_ms.is_(None))
-                                 .group_by(Account.name)).all():
+    for k, count in s.execute(select(key, func.count()).select_from(Run).join(Account, Run.account_id == Account.id)
+                              .where(Run.track == track.name, Run.submitted_ms.is_(None)).group_by(key)).all():
+        name = names.get(k, str(k)) if contest else k
         if name in entries:
             entries[name].unsubmitted = count
     return rank_methods(list(entries.values()), track.higher_is_better, track.min_seeds)
@@ -138,7 +145,9 @@ def track_json(t: Track) -> dict:
             "eval_root": t.eval_root, "eval_size": t.eval_size, "metric": t.metric,
             "higher_is_better": t.higher_is_better, "description": t.description, "online_p": t.online_p,
             # a witnessed track: the witnesses and quorum, the operator log and the drand chain its runs pin
-            "witnessed": json.loads(t.witnessed_json) if t.witnessed_json else None}
+            "witnessed": json.loads(t.witnessed_json) if t.witnessed_json else None,
+            # a contest track: the budget its runs' methods keep (its task fixes only data, split and scoring)
+            "contest": json.loads(t.contest_json) if t.contest_json else None}
 
 
 def run_json(r: Run, a: Account, t: Track) -> dict:
@@ -152,7 +161,7 @@ def run_json(r: Run, a: Account, t: Track) -> dict:
             "final_state_hash": r.final_state_hash, "r": r.r if r.status != "ticketed" else None, "ticket_ms": r.ticket_ms,
             "submitted_ms": r.submitted_ms, "decided_ms": r.decided_ms, "reason": r.reason,
             "bundle_sha256": r.bundle_sha256, "bundle_bytes": r.bundle_bytes, "title": r.title,
-            "description": r.description, "code_url": r.code_url,
+            "description": r.description, "code_url": r.code_url, "method": r.method_id,
             "certification": f"/api/runs/{r.id}/certification" if r.statement else None}
 
 

@@ -2,8 +2,8 @@
 
 A worker draws every challenge from the server's own randomness (``lb.randomness``, which is
 ``os.urandom``) after the final head was received, so a trainer cannot know which steps will be
-replayed. It runs only the registered task the run's track names; nothing from a submission is
-executed.
+replayed. It runs the registered task the run's track names; on a contest track, the method the run's
+ticket named runs only in the sandbox (``witness.methods``), and its score is computed here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from types import SimpleNamespace
 
 from sqlalchemy import select, update
 
@@ -32,6 +33,7 @@ from ..verify.ledger import LedgerEntry
 from ..verify.policy import Policy, Trust
 from . import queue
 from .certification import record_decision
+from .contests import contest_trust, score_contest
 from .db import Account, ChallengeRow, Head, Job, OnlineStep, Round, Run, Track, now_ms
 from .service import Leaderboard
 
@@ -89,7 +91,8 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
                 raise VerificationError("the submission of an online run leaves out its initial checkpoint, "
                                         "which re-challenges replay from", check="checkpoint")
             trust = Trust(signer=acct.public_key, published_heads=heads, ticket=bytes.fromhex(run.r),
-                          data_root=bytes.fromhex(track.data_root), **(lb.online_trust(s, run) if online else {}))
+                          data_root=bytes.fromhex(track.data_root), **(lb.online_trust(s, run) if online else {}),
+                          **contest_trust(lb, s, run, track))
             policy = Policy(mode="online", bad_fraction=lb.settings.bad_fraction) if online else \
                 Policy(challenges=job.count, nonce=nonce, bad_fraction=lb.settings.bad_fraction)
             verdict = verify_round(Verifier(trust, policy), bundle, None, LiveRound(earlier=earlier))
@@ -147,7 +150,16 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
     """Training verdict, then the evaluation and contamination certificate, then plots."""
     run.verdict_json = json.dumps(verdict.to_json()) if verdict is not None else None
     eval_verdict = None
-    if not failures:
+    if not failures and run.method_id is not None:  # a contest: scored here, blind, never by the trainer
+        try:
+            aggregates, documents, aliases, within = score_contest(lb, s, run, track, bundle)
+            eval_verdict = SimpleNamespace(aggregates=aggregates, detection_probability=1.0, eval_documents=documents,
+                                           aliases=aliases)
+            verdict.checks.append(within)
+            run.verdict_json = json.dumps(verdict.to_json())
+        except VerificationError as e:
+            failures = [f"evaluation: {e}"]
+    elif not failures:
         try:
             local = lb.store.fetch(evaluation_key(run.id), lb.store.scratch(EVALUATION))
             try:
@@ -166,10 +178,11 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
         run.metric_value = float(value) if isinstance(value, (int, float)) else None
         run.eval_bound = eval_verdict.detection_probability
         run.contamination = (f"clean: all {eval_verdict.eval_documents} evaluation documents proven absent "
-                             "from the training data")
+                             "from the training data") + ("; scored by this server on every example, the targets "
+                                                          "hidden from the method" if run.method_id else "")
     if bundle is not None and bundle.end is not None and not failures:
         model = lb.store.scratch("model.safetensors")
-        export_model(bundle, model)  # the released file the signed decision names
+        export_model(bundle, model, getattr(eval_verdict, "aliases", None))  # the released file the decision names
         lb.store.put(model_key(run.id), model)
     if bundle is not None:  # a bundle the reader refused has no plots; its rejection says why
         steps = [(r.step, r.passed) for r in (verdict.results if verdict else [])]

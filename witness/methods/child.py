@@ -55,6 +55,7 @@ class Child:
         self.cls = cls
         self.task: Task | None = None
         self.sessions: dict[int, TrainingSession] = {}
+        self.scored: torch.nn.Module | None = None
 
     def describe(self, payload: bytes, config: dict) -> dict:
         """Build the recipe from ``config``; what the verifier asks of it."""
@@ -112,6 +113,24 @@ class Child:
         """The fingerprint of the session's model on the task's probes."""
         return {"fingerprint": self.sessions[session].fingerprint().to_json()}
 
+    def model(self, payload: bytes, run_seed: str) -> dict:
+        """A fresh model of the run, in eval mode, holding the model tensors sent (no optimizer: what is scored
+        is the released model alone)."""
+        assert self.task is not None
+        self.scored = self.task.build_model(bytes.fromhex(run_seed))
+        SCRATCH.write_bytes(payload)
+        load_state(self.scored, None, read_checkpoint(SCRATCH))
+        self.scored.eval()
+        return {}
+
+    def outputs(self, payload: bytes) -> tuple[dict, bytes]:
+        """The scored model's outputs (``probe_outputs``) on the samples sent, whose targets are hidden."""
+        assert self.task is not None and self.scored is not None
+        with torch.no_grad():
+            out = self.task.probe_outputs(self.scored, self.task.collate(read_samples(payload)))
+        write_state(SCRATCH, {"outputs": out.detach().to(torch.float32).contiguous()}, 0, sync=False)
+        return {}, SCRATCH.read_bytes()
+
     def state(self, payload: bytes, session: int) -> tuple[dict, bytes]:
         """The session's whole state, sent back in the checkpoint format."""
         s = self.sessions[session]
@@ -130,7 +149,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"{spec} is not a witness Task named {name!r}")
     child = Child(cls)
     ops = {"describe": child.describe, "probes": child.probes, "session": child.session_, "load": child.load,
-           "step": child.step, "fingerprint": child.fingerprint, "state": child.state}
+           "step": child.step, "fingerprint": child.fingerprint, "state": child.state, "model": child.model,
+           "outputs": child.outputs}
     requests = sys.stdin.buffer
     while (head := requests.read(16)) and len(head) == 16:
         h, n = struct.unpack(">QQ", head)

@@ -33,7 +33,7 @@ RULES = ("self", "prefix32")
 # what a description may say: a recipe a verifier can take in (the manifest must say the same)
 MAX_STEPS, MAX_BATCH, MAX_DIMS, MAX_PROBES = 1 << 24, 1 << 20, 4096, 4096
 
-__all__ = ["MethodFailed", "MethodSandbox", "RemoteSession", "RemoteTask", "open_session"]
+__all__ = ["MethodFailed", "MethodSandbox", "RemoteSession", "RemoteTask", "open_session", "pack_samples"]
 
 
 def _floats(obj: object, n: int | None, what: str) -> tuple[float, ...]:
@@ -173,6 +173,11 @@ class RemoteTask:
         raise NotImplementedError("a submitted method's code runs only in the sandbox")
 
 
+def pack_samples(samples: list[bytes]) -> bytes:
+    """Samples as the child reads them (``child.read_samples``): a count, then each one's length and bytes."""
+    return struct.pack(">I", len(samples)) + b"".join(struct.pack(">Q", len(s)) + s for s in samples)
+
+
 def _b64(text: str) -> bytes:
     return base64.b64decode(text, validate=True)
 
@@ -253,8 +258,7 @@ class RemoteSession:
 
     def step(self, step: int, samples: list[bytes]) -> StepOutput:
         """One step of the method on the samples given, in the sandbox."""
-        body = struct.pack(">I", len(samples)) + b"".join(struct.pack(">Q", len(s)) + s for s in samples)
-        d, _ = self._process().call("step", body, session=1, step=step)
+        d, _ = self._process().call("step", pack_samples(samples), session=1, step=step)
         self.loaded, self.stepped = None, True
         self._state = None
         self._fingerprint = self._parse_fingerprint(d)

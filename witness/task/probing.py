@@ -86,6 +86,16 @@ class TaskProbes:
         """The committed evaluation split (never in the training order)."""
         raise NotImplementedError
 
+    hides_targets = False  # whether ``hidden`` and ``score`` let a contest track score a method blind
+
+    def hidden(self, sample: bytes) -> bytes:
+        """An evaluation sample without its target (what a submitted method is shown when it is scored)."""
+        raise NotImplementedError(f"task {getattr(self, 'name', '?')!r} cannot hide its targets")
+
+    def score(self, outputs: torch.Tensor, sample: bytes) -> dict:
+        """A per-example result (as ``eval_example``'s) from a method's outputs on ``hidden(sample)``."""
+        raise NotImplementedError(f"task {getattr(self, 'name', '?')!r} cannot score outputs")
+
     def eval_example(self, model: nn.Module, sample: bytes) -> dict:
         """Per-example result: ``loss``, and for classifiers ``prediction`` and ``correct``."""
         raise NotImplementedError

@@ -107,6 +107,24 @@ class SyntheticClassifierTask(Task):
         """Per-probe cross-entropy."""
         return F.cross_entropy(outputs, probes[1], reduction="none")
 
+    # A contest track scores a submitted method here, with the targets kept from it: the method sees each
+    # evaluation sample with its label byte zeroed (``hidden``) and sends its logits back; ``score`` reads
+    # them against the true label, in the registered task's own code.
+    hides_targets = True
+
+    def hidden(self, sample: bytes) -> bytes:
+        """The sample as a method being scored sees it: its features, its label byte zeroed."""
+        return sample[: self.features] + b"\0"
+
+    def score(self, outputs: torch.Tensor, sample: bytes) -> dict:
+        """What ``eval_example`` gives, from the logits a method sent for ``hidden(sample)``."""
+        if outputs.shape != (self.config.classes,) or not outputs.is_floating_point() \
+                or not bool(torch.isfinite(outputs).all()):
+            raise ValueError(f"the outputs are not {self.config.classes} finite logits")
+        logits, y = outputs.to(torch.float32).unsqueeze(0), torch.tensor([sample[self.features]])
+        pred = int(logits.argmax(dim=-1))
+        return {"loss": float(F.cross_entropy(logits, y)), "prediction": pred, "correct": pred == int(y)}
+
     @torch.no_grad()
     def eval_example(self, model, sample: bytes) -> dict:
         """Loss, predicted class, correctness."""

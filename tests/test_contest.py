@@ -1,0 +1,196 @@
+"""Contest tracks (issue 51): a track fixes the data, the evaluation and a budget; two accounts bring two
+methods (wheels), three seeds each, every run replayed in the sandbox and scored blind by the server, and
+the page ranks the methods and says whether the difference is significant. Then what a dishonest
+submitter tries: a method over the budget, one changed after its ticket, a run that grows past the budget
+after its method was admitted, a method that reports its score instead of computing it, and one that
+reaches for the server's files from inside the sandbox."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from contest_helpers import TRACK, install, method, train_and_submit, witness
+from cryptography.hazmat.primitives import serialization
+from lbhelpers import QUICK, make_settings, register
+
+from witness.evals.certificate import check_certificate
+from witness.leaderboard import views
+from witness.leaderboard.app import create_app
+from witness.leaderboard.db import Track
+from witness.leaderboard.ranking import ALPHA, welch_p
+from witness.leaderboard.service import Leaderboard
+from witness.leaderboard.tracks import parse_track
+from witness.leaderboard.worker import work
+from witness.task.registry import build_task
+from witness.web import start_uvicorn, stop_uvicorn
+
+
+@pytest.fixture(scope="module")
+def board(tmp_path_factory):
+    """A live leaderboard with the contest track (and a track of one recipe), and a client of it."""
+    tmp = tmp_path_factory.mktemp("contest")
+    lb = Leaderboard(make_settings("sqlite", tmp, tracks=(parse_track(TRACK), parse_track(QUICK)),
+                                     registrations_per_hour=100))
+    server, thread, url = start_uvicorn(create_app(lb=lb))
+    with httpx.Client(base_url=url, timeout=300) as c:
+        yield lb, c, url, tmp
+    stop_uvicorn(server, thread)
+    lb.engine.dispose()
+
+
+class Entrant:
+    """A registered account, its key on disk, and where it trains."""
+
+    def __init__(self, board, name: str):
+        lb, self.client, self.url, tmp = board
+        self.lb, self.home = lb, tmp / name
+        self.home.mkdir()
+        t = register(self.client, name)
+        self.token, self.auth = t.token, {"Authorization": f"Bearer {t.token}"}
+        self.key = self.home / "key.pem"
+        self.key.write_bytes(t.key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                 serialization.NoEncryption()))
+
+    def admit(self, wheel: bytes, name: str | None = None, track: str = "golf") -> httpx.Response:
+        """Submit a method."""
+        return self.client.post(f"/api/tracks/{track}/methods", content=wheel, headers=self.auth,
+                                params={"name": name} if name else {})
+
+    def run(self, wheel: bytes, method_id: int, label: str) -> dict:
+        """Train one run of the method (its wheel installed only in the trainer's process), submit it, and
+        let a worker decide it; the run as the API shows it."""
+        env = install(wheel, self.home / f"site-{label}")
+        out = train_and_submit(env, self.url, self.token, self.key, method_id, self.home / label)
+        run_id = int(out.stdout.split("submitted run ")[1].split(":")[0])
+        assert work(self.lb, once=True) == 1
+        return self.client.get(f"/api/runs/{run_id}").json()
+
+
+def test_two_accounts_two_methods_three_seeds_each_certified_and_ranked(board):
+    lb, c, _, _ = board
+    alice, bob = Entrant(board, "alice"), Entrant(board, "bob")
+    wide, slow = method(hidden=16, lr=0.05), method(hidden=8, lr=0.0005)
+    a = alice.admit(wide, "wide-and-fast")
+    b = bob.admit(slow, "narrow-and-slow")
+    assert a.status_code == 201 and b.status_code == 201, (a.text, b.text)
+    assert alice.admit(wide).status_code == 200  # the same files again: the method admitted before
+    ma, mb = a.json(), b.json()
+    assert ma["steps"] == 12 and ma["params"] == 8 * 16 + 16 + 16 * 4 + 4 and mb["params"] == 8 * 8 + 8 + 8 * 4 + 4
+    runs = [bob.run(slow, mb["id"], f"b{i}") for i in range(3)] + [alice.run(wide, ma["id"], f"a{i}") for i in range(3)]
+    for r in runs:
+        assert r["status"] == "certified", r["reason"]
+        assert r["bound"] == 1.0 and r["verdict"]["challenges"] == 12  # every step replayed, in the sandbox
+        assert any("ran only in the sandbox" in line for line in r["verdict"]["checks"])
+        assert any(line.startswith("within the track's budget: 12 steps, 192 training samples")
+                   for line in r["verdict"]["checks"])
+        assert "targets hidden from the method" in r["contamination"]
+        # the evaluation is the server's own, signed by it, every aggregate recomputable from its examples
+        cert = json.loads(c.get(f"/runs/{r['id']}/download/evaluation.json").content)
+        checked = check_certificate(cert, build_task("tiny", {}).aggregates, evaluator=lb.public_key)
+        assert checked["aggregates"]["accuracy"] == r["metric_value"] and checked["eval_size"] == 256
+    with lb.Session() as s:
+        entries = {e.method: e for e in views.methods(s, s.get(Track, "golf"))}
+    wide_e, slow_e = entries[f"wide-and-fast (#{ma['id']}, alice)"], entries[f"narrow-and-slow (#{mb['id']}, bob)"]
+    assert wide_e.ranked and slow_e.ranked and len(wide_e.seeds) == len(slow_e.seeds) == 3
+    assert slow_e.verdict.startswith("baseline")  # ranked first: the track's baseline
+    p = welch_p([x.value for x in wide_e.seeds], [x.value for x in slow_e.seeds], higher_is_better=True)
+    assert wide_e.p_value == pytest.approx(p) and wide_e.record == (p < ALPHA)
+    assert wide_e.mean > slow_e.mean and p < ALPHA  # a wide margin (about 0.7 against chance)
+    page = c.get("/tracks/golf").text
+    for e in (wide_e, slow_e):
+        assert f"{e.mean:.4f}" in page and e.method in page
+    assert "improvement over narrow-and-slow" in page and "Welch" in page
+    assert "at most 12 steps, 2,000 parameters" in page  # the budget, not a recipe
+    # the board's own log holds every decision
+    decisions = [json.loads(x) for x in c.get("/api/board/entries").json()["entries"]]
+    assert sorted(d["run"] for d in decisions if d["decision"] == "certified") == sorted(r["id"] for r in runs)
+
+
+def test_a_method_over_the_budget_is_refused_before_it_trains(board):
+    carol = Entrant(board, "carol")
+    long = carol.admit(method(steps=20))
+    assert long.status_code == 400 and "20 steps, over the track's budget of 12" in long.json()["detail"]
+    big = carol.admit(method(hidden=256))
+    assert big.status_code == 400 and "3,332 parameters, over the track's budget of 2,000" in big.json()["detail"]
+    junk = carol.admit(b"PK\x03\x04 not a wheel")
+    assert junk.status_code == 400 and "the wheel" in junk.json()["detail"]
+    assert [m["account"] for m in carol.client.get("/api/tracks/golf/methods").json()].count("carol") == 0
+
+
+def test_a_ticket_names_ones_own_method_on_a_contest_track_only(board):
+    lb, c, _, _ = board
+    dave, erin = Entrant(board, "dave"), Entrant(board, "erin")
+    m = dave.admit(method(lr=0.04)).json()
+    assert c.post("/api/tickets", json={"track": "golf"}, headers=dave.auth).status_code == 400
+    assert c.post("/api/tickets", json={"track": "golf", "method": m["id"]}, headers=erin.auth).status_code == 403
+    assert c.post("/api/tickets", json={"track": "quick", "method": m["id"]}, headers=dave.auth).status_code == 400
+    assert dave.admit(method(), track="quick").status_code == 400  # a track of one recipe takes no method
+    tk = c.post("/api/tickets", json={"track": "golf", "method": m["id"]}, headers=dave.auth).json()
+    assert tk["method"]["task_source"] == m["task_source"] and tk["contest"]["max_steps"] == 12
+    wheel = c.get(m["wheel"])  # anyone can read the code of a method on the board
+    assert wheel.status_code == 200 and wheel.content[:2] == b"PK"
+
+
+def test_a_method_changed_after_its_ticket_is_refused(board):
+    frank = Entrant(board, "frank")
+    admitted = method(lr=0.03)
+    m = frank.admit(admitted).json()
+    changed = method(lr=0.03, extra="def train_step(self, *a, **kw):\n    return super().train_step(*a, **kw)\n")
+    env = {**install(changed, frank.home / "site"), "WITNESS_LEADERBOARD_TOKEN": frank.token}
+    done = witness(env, "train", "--leaderboard", frank.url, "--track", "golf", "--method", str(m["id"]), "--key",
+                   str(frank.key), "--out", str(frank.home / "run"), "--quiet", cwd=frank.home, check=False)
+    assert done.returncode != 0 and "a method changed after its ticket is not the one admitted" in done.stderr
+
+
+GROWS = '''
+def build_model(self, seed):
+    model = super().build_model(seed)
+    if seed != bytes(32):  # admitted with the zero seed; every real run is larger
+        model.extra = torch.nn.Parameter(torch.zeros(5000))
+    return model
+'''
+
+
+def test_a_run_that_grows_past_the_budget_after_admission_is_rejected(board):
+    gina = Entrant(board, "gina")
+    wheel = method(extra=GROWS)
+    m = gina.admit(wheel).json()
+    assert m["params"] == 212  # what the sandbox saw at admission
+    r = gina.run(wheel, m["id"], "run")
+    assert r["status"] == "rejected" and "5,212 parameters, over the track's budget of 2,000" in r["reason"]
+
+
+PEEKS = '''
+def probe_outputs(self, model, probes):
+    """Its 'logits': the label it was given, read back (a perfect score, if it were scored on its own word)."""
+    return torch.nn.functional.one_hot(probes[1], self.config.classes).float() * 100 + 0 * model(probes[0])
+'''
+
+
+def test_a_method_is_scored_blind_and_cannot_report_its_own_score(board):
+    hank = Entrant(board, "hank")
+    wheel = method(extra=PEEKS)
+    r = hank.run(wheel, hank.admit(wheel).json()["id"], "run")
+    assert r["status"] == "certified", r["reason"]  # it trained as it recorded: replay agrees
+    ev = build_task("tiny", {}).eval_dataset()
+    zeros = sum(ev.sample_bytes(i)[8] == 0 for i in range(len(ev))) / len(ev)
+    assert r["metric_value"] == zeros < 0.5  # every hidden label reads 0: its "perfect" outputs score chance
+
+
+def test_a_method_reaching_for_the_servers_files_is_rejected_and_the_server_goes_on(board):
+    lb, c, _, tmp = board
+    ivan = Entrant(board, "ivan")
+    db = Path(lb.settings.db_url.removeprefix("sqlite:///"))
+    evil = f'''
+def train_step(self, *a, **kw):
+    if in_sandbox():
+        open({str(db)!r}, "rb").read()  # the server's database: not there to read
+    return super().train_step(*a, **kw)
+'''
+    wheel = method(extra=evil)
+    r = ivan.run(wheel, ivan.admit(wheel).json()["id"], "run")
+    assert r["status"] == "rejected" and "FileNotFoundError" in r["reason"]
+    assert c.get("/api/tracks").status_code == 200 and db.stat().st_size > 0
