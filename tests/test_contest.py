@@ -24,6 +24,7 @@ from witness.leaderboard.ranking import ALPHA, welch_p
 from witness.leaderboard.service import Leaderboard
 from witness.leaderboard.tracks import parse_track
 from witness.leaderboard.worker import work
+from witness.methods.contest import Budget
 from witness.task.registry import build_task
 from witness.web import start_uvicorn, stop_uvicorn
 
@@ -39,6 +40,21 @@ def board(tmp_path_factory):
         yield lb, c, url, tmp
     stop_uvicorn(server, thread)
     lb.engine.dispose()
+
+
+def test_a_contest_track_states_a_budget_and_refuses_what_it_cannot_score():
+    t = parse_track("golf=tiny:max_steps=12,max_samples=100,seeds=3@accuracy+")
+    assert t.budget == Budget(max_steps=12, max_samples=100) and t.config == {}
+    assert json.loads(t.resolve()["contest_json"]) == {"max_steps": 12, "max_samples": 100, "max_params": None}
+    assert parse_track(QUICK).budget is None and parse_track(QUICK).resolve()["contest_json"] is None
+    assert Budget(max_steps=5).breaches(6, 1, 1) == ["6 steps, over the track's budget of 5"]
+    assert Budget(max_params=10).breaches(10**6, 10**9, 10) == []
+    for bad, why in (("g=tiny:max_steps=12,online=0.5@accuracy+", "online audits of submitted methods"),
+                     ("g=tinygpt:max_steps=12@bits_per_byte-", "cannot hide its targets"),
+                     ("g=tiny:max_steps=0@accuracy+", "positive whole number"),
+                     ("g=tiny:max_params=abc@accuracy+", "positive whole number")):
+        with pytest.raises(ValueError, match=why):
+            parse_track(bad)
 
 
 class Entrant:
@@ -137,7 +153,13 @@ def test_a_ticket_names_ones_own_method_on_a_contest_track_only(board):
 def test_a_method_changed_after_its_ticket_is_refused(board):
     frank = Entrant(board, "frank")
     admitted = method(lr=0.03)
-    m = frank.admit(admitted).json()
+    wheel = frank.home / "frank_mlp-1.0-py3-none-any.whl"
+    wheel.write_bytes(admitted)
+    env = {**install(admitted, frank.home / "admitted"), "WITNESS_LEADERBOARD_TOKEN": frank.token}
+    said = witness(env, "leaderboard", "method", str(wheel), "--leaderboard", frank.url, "--track", "golf", "--json",
+                   cwd=frank.home)
+    m = json.loads(said.stdout)
+    assert m["params"] == 212 and m["account"] == "frank"
     changed = method(lr=0.03, extra="def train_step(self, *a, **kw):\n    return super().train_step(*a, **kw)\n")
     env = {**install(changed, frank.home / "site"), "WITNESS_LEADERBOARD_TOKEN": frank.token}
     done = witness(env, "train", "--leaderboard", frank.url, "--track", "golf", "--method", str(m["id"]), "--key",
@@ -194,3 +216,27 @@ def train_step(self, *a, **kw):
     r = ivan.run(wheel, ivan.admit(wheel).json()["id"], "run")
     assert r["status"] == "rejected" and "FileNotFoundError" in r["reason"]
     assert c.get("/api/tracks").status_code == 200 and db.stat().st_size > 0
+
+
+def test_the_contest_page_in_chromium_shows_the_budget_and_links_each_methods_code(board):
+    from playwright.sync_api import sync_playwright
+    from test_leaderboard_browser import CHROMIUM, FLAGS, SCREEN
+
+    lb, c, url, _ = board
+    judy = Entrant(board, "judy")
+    m = judy.admit(method(lr=0.02), "judys-mlp").json()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport=SCREEN)
+        page.goto(f"{url}/tracks/golf")
+        assert "at most 12 steps, 2,000 parameters" in page.locator("#contest").inner_text()
+        row = page.locator("tr.submitted-method", has_text="judys-mlp")
+        assert row.count() == 1 and m["task_source"]["files_sha256"][:16] in row.inner_text()
+        assert "212" in row.inner_text()  # its parameters, as the sandbox counted them
+        with page.expect_download() as dl:
+            row.locator("a", has_text="wheel").click()
+        assert open(dl.value.path(), "rb").read() == c.get(m["wheel"]).content
+        assert page.locator("#methods").count() == 1 and "a method is a submitted wheel" in page.content()
+        page.goto(f"{url}/tracks/quick")  # a track of one recipe: no contest, no submitted methods
+        assert page.locator("#contest").count() == 0 and page.locator("#submitted").count() == 0
+        browser.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..cli.args import parsed
 from ..cli.operator import witness_at
 from ..store import DEFAULT_MAX_UPLOAD
+from .client_args import client_for
 from .method_cli import add_method_parser
 
 DEFAULT_STORE = "leaderboard-data"
@@ -217,23 +218,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace, need_token: bool = True):
-    from .client import connect, saved_token
-
-    token = getattr(args, "token", None) or saved_token(args.leaderboard)
-    if need_token and not token:
-        raise ValueError(f"no API token for {args.leaderboard}: run `witness leaderboard register` "
-                         "or set WITNESS_LEADERBOARD_TOKEN")
-    return connect(args.leaderboard, token)
-
-
 def cmd_register(args: argparse.Namespace) -> int:
     """Register this machine's signing key with a leaderboard and keep the API token."""
     from ..commit.signing import load_or_create_key, public_hex
     from .client import register, save_token
 
     key = load_or_create_key(Path(args.key))
-    with _client(args, need_token=False) as c:
+    with client_for(args, need_token=False) as c:
         acct = register(c, args.name, public_hex(key.public_key()))
     path = save_token(args.leaderboard, acct["token"])
     print(f"registered {acct['name']} (account {acct['id']}); API token saved in {path}")
@@ -246,7 +237,7 @@ def train_with_leaderboard(args: argparse.Namespace, key) -> int:  # noqa: ANN00
 
     if args.resume:
         raise ValueError("--resume with --leaderboard is not supported: the streamed heads pin the first try")
-    with _client(args) as c:
+    with client_for(args) as c:
         # online: the leaderboard's beacon selects steps while it trains
         how = TicketedRun(checkpoint_every=args.checkpoint_every, threads=args.threads, online=True)
         info = run_info(args) | ({"method": args.method} if args.method is not None else {})
@@ -261,7 +252,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from ..commit.signing import load_or_create_key
     from .client import describe, submit, wait, write_evaluation
 
-    with _client(args) as c, tempfile.TemporaryDirectory() as tmp:
+    with client_for(args) as c, tempfile.TemporaryDirectory() as tmp:
         cert = args.eval
         if args.no_eval:  # a contest track scores the run itself, blind
             cert = None
@@ -284,7 +275,7 @@ def cmd_challenge(args: argparse.Namespace) -> int:
     """Ask a leaderboard for more replay challenges on a run."""
     from .client import challenge, wait_round
 
-    with _client(args) as c:
+    with client_for(args) as c:
         out = challenge(c, args.run_id, args.count)
         print(f"queued {out['count']} challenge(s) on run {args.run_id} (job {out['job_id']})")
         if args.wait:

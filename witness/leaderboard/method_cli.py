@@ -10,12 +10,12 @@ from pathlib import Path
 def cmd_method(args: argparse.Namespace) -> int:
     """Submit a wheel to a contest track; print the method's number and how to train it."""
     from ..methods.wheel import MAX_WHEEL_BYTES
-    from .cli import _client
     from .client import _ok
+    from .client_args import client_for
 
     data = Path(args.wheel).read_bytes()[: MAX_WHEEL_BYTES + 1]
     params = {k: v for k, v in (("name", args.name), ("task", args.task)) if v is not None}
-    with _client(args) as c:
+    with client_for(args) as c:
         m = _ok(c.post(f"/api/tracks/{args.track}/methods", params=params, content=data,
                        headers={"Content-Type": "application/octet-stream"}))
     if args.json:

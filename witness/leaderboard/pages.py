@@ -15,7 +15,8 @@ from sqlalchemy import func, select
 from ..evals.evaluate import verify_eval
 from ..report import FINGERPRINT_CAPTION
 from . import board
-from .db import Account, Run, Track
+from .contests import budget_of
+from .db import Account, Method, Run, Track
 from .deps import DB, RunId
 from .online import online_progress
 from .ranking import ALPHA, TEST
@@ -94,7 +95,9 @@ def add_pages(app: FastAPI, lb: Leaderboard, html: Callable[..., HTMLResponse], 
                     rejected=[(r, a) for r, a in others if r.status in ("rejected", "revoked")],
                     waiting=[(r, a) for r, a in others if r.status not in ("rejected", "revoked")],
                     online={r.id: online_progress(s, r) for r, _ in others if r.online_p is not None},
-                    bad_fraction=lb.settings.bad_fraction, bound_text=bound_text)
+                    bad_fraction=lb.settings.bad_fraction, bound_text=bound_text, contest=budget_of(t),
+                    submitted=s.execute(select(Method, Account.name).join(Account, Method.account_id == Account.id)
+                                        .where(Method.track == t.name).order_by(Method.id)).all())
 
     @app.get("/tracks/{name}/history.svg", include_in_schema=False)
     def record_history(name: str, s: DB) -> Response:
