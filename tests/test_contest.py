@@ -21,6 +21,7 @@ from witness.leaderboard import views
 from witness.leaderboard.app import create_app
 from witness.leaderboard.db import Track
 from witness.leaderboard.ranking import ALPHA, welch_p
+from witness.leaderboard.recovery import recover
 from witness.leaderboard.service import Leaderboard
 from witness.leaderboard.tracks import parse_track
 from witness.leaderboard.worker import work
@@ -75,12 +76,15 @@ class Entrant:
         return self.client.post(f"/api/tracks/{track}/methods", content=wheel, headers=self.auth,
                                 params={"name": name} if name else {})
 
-    def run(self, wheel: bytes, method_id: int, label: str) -> dict:
-        """Train one run of the method (its wheel installed only in the trainer's process), submit it, and
-        let a worker decide it; the run as the API shows it."""
+    def submitted(self, wheel: bytes, method_id: int, label: str) -> int:
+        """Train one run of the method (its wheel installed only in the trainer's process) and submit it."""
         env = install(wheel, self.home / f"site-{label}")
         out = train_and_submit(env, self.url, self.token, self.key, method_id, self.home / label)
-        run_id = int(out.stdout.split("submitted run ")[1].split(":")[0])
+        return int(out.stdout.split("submitted run ")[1].split(":")[0])
+
+    def run(self, wheel: bytes, method_id: int, label: str) -> dict:
+        """A run of the method, submitted and decided by a worker; the run as the API shows it."""
+        run_id = self.submitted(wheel, method_id, label)
         assert work(self.lb, once=True) == 1
         return self.client.get(f"/api/runs/{run_id}").json()
 
@@ -192,10 +196,24 @@ def probe_outputs(self, model, probes):
 '''
 
 
-def test_a_method_is_scored_blind_and_cannot_report_its_own_score(board):
+def test_a_method_is_scored_blind_and_cannot_report_its_own_score(board, monkeypatch):
+    from witness import sandbox
+
     hank = Entrant(board, "hank")
     wheel = method(extra=PEEKS)
-    r = hank.run(wheel, hank.admit(wheel).json()["id"], "run")
+    run_id = hank.submitted(wheel, hank.admit(wheel).json()["id"], "run")
+
+    def no_bwrap(*a, **kw):
+        raise sandbox.SandboxError("bubblewrap (bwrap) is not installed")
+
+    with monkeypatch.context() as m:  # a worker that cannot make the sandbox decides nothing
+        m.setattr(sandbox.Conversation, "__init__", no_bwrap)
+        work(hank.lb, once=True)
+    r = hank.client.get(f"/api/runs/{run_id}").json()
+    assert r["status"] == "pending" and "cannot run the method" in r["reason"] and r["certification"] is None
+    assert recover(hank.lb).certifications_requeued == 1  # the server's next start certifies it again
+    assert work(hank.lb, once=True) == 1  # with a worker that can
+    r = hank.client.get(f"/api/runs/{run_id}").json()
     assert r["status"] == "certified", r["reason"]  # it trained as it recorded: replay agrees
     ev = build_task("tiny", {}).eval_dataset()
     zeros = sum(ev.sample_bytes(i)[8] == 0 for i in range(len(ev))) / len(ev)

@@ -15,13 +15,14 @@ import json
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..commit.hashing import canonical_json
 from ..errors import MalformedInput, VerificationError
 from ..methods.contest import Budget, admit
+from ..methods.process import NoSandbox
 from ..methods.wheel import MAX_WHEEL_BYTES, MethodWheel, read_wheel
-from ..sandbox import SandboxError
 from ..task.registry import build_task
 from .common import ApiError
 from .db import Account, Method, Run, Track, now_ms
@@ -81,10 +82,10 @@ class ContestRuns:
             raise ApiError(429, f"at most {METHODS_PER_HOUR} methods an hour per account")
         try:
             a = admit(wheel, budget, data_task(track), task)
+        except NoSandbox as e:  # the server's problem, never the method's
+            raise ApiError(503, f"this server cannot run the sandbox now: {e}") from None
         except (MalformedInput, VerificationError) as e:  # (MethodFailed: the method failed to describe itself)
             raise ApiError(400, f"method refused: {e}") from None
-        except SandboxError as e:
-            raise ApiError(503, f"this server cannot run the sandbox now: {e}") from None
         digest = hashlib.sha256(data).hexdigest()
         path = self.store.scratch("method.whl")  # type: ignore[attr-defined]
         path.write_bytes(data)
@@ -94,7 +95,12 @@ class ContestRuns:
                    version=wheel.version[:64], task=a.task, config_json=canonical_json(a.config).decode(),
                    steps=a.steps, batch_size=a.batch_size, params=a.params, created_ms=now_ms())
         s.add(m)
-        s.commit()
+        try:
+            s.commit()
+        except IntegrityError:  # the same files admitted a moment ago by a parallel request
+            s.rollback()
+            return s.scalars(select(Method).where(Method.account_id == acct.id, Method.track == track.name,
+                                                  Method.files_sha256 == wheel.files_sha256)).one(), False
         return m, True
 
     def method(self, s: Session, method_id: int) -> Method:

@@ -2,6 +2,7 @@
 everything the store holds that no committed row names is a leftover of a write that never got its
 commit (the order is always "write the objects, then commit the row that makes them visible").
 
+* A submitted run left pending by a certification the server could not run gets a new one.
 * Jobs held by workers that no longer exist go back to the queue: this host's workers whose
   process is gone at once, any other host's once their lease (a minute) has run out. A run is
   "verifying" only while a live worker holds its job.
@@ -38,6 +39,7 @@ class Recovered:
 
     jobs_released: int = 0
     runs_settled: int = 0
+    certifications_requeued: int = 0
     uploads_removed: int = 0
     run_folders_removed: int = 0
     online_removed: int = 0
@@ -77,6 +79,13 @@ def recover(lb: Leaderboard, orphan_after_s: float = ORPHAN_AFTER_S) -> Recovere
             done.jobs_released += queue.release_worker(s, w)
         done.jobs_released += queue.requeue_expired(s)
         done.runs_settled = queue.settle_runs(s)
+        # a submitted run whose certification failed for the server's reasons (a worker that could not replay
+        # it: no sandbox, another torch) is certified again by the workers of this start; nothing was decided
+        open_jobs = select(Job.run_id).where(Job.kind == "certify", Job.status.in_(("queued", "running")))
+        for run_id in s.scalars(select(Run.id).where(Run.status == "pending", Run.bundle_sha256.is_not(None),
+                                                     Run.id.not_in(open_jobs))).all():
+            queue.enqueue(s, run_id, "certify", lb.settings.certify_challenges)
+            done.certifications_requeued += 1
         s.commit()
         submitted = set(s.scalars(select(Run.id).where(Run.bundle_sha256.is_not(None))))
         rows = s.execute(select(OnlineStep.run_id, OnlineStep.step, OnlineStep.state_sha256,

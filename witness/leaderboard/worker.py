@@ -26,6 +26,7 @@ from ..commit.signing import SignedTreeHead
 from ..errors import MalformedInput, RunRejected, VerificationError
 from ..evals.evaluate import verify_eval
 from ..evals.release import export_model
+from ..methods.process import NoSandbox
 from ..report import plot_fingerprints, plot_loss, plot_optimizer
 from ..store import EVALUATION, evaluation_key, model_key, plot_key
 from ..verify.audit import LiveRound, Verifier, verify_round
@@ -98,6 +99,8 @@ def process(lb: Leaderboard, job: Job, worker: str) -> None:
             verdict = verify_round(Verifier(trust, policy), bundle, None, LiveRound(earlier=earlier))
         except RunRejected as e:
             verdict, failures = e.verdict, list(e.failures)
+        except NoSandbox as e:  # this machine's problem, never the run's: the job fails, the run is not decided
+            raise CannotCheckHere(f"this worker cannot run the method of run {run.id}: {e}") from None
         except MalformedInput as e:
             if job.kind != "certify":
                 # The certified bundle cannot have changed; this worker can no longer replay it (other
@@ -157,6 +160,8 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
                                            aliases=aliases)
             verdict.checks.append(within)
             run.verdict_json = json.dumps(verdict.to_json())
+        except NoSandbox as e:
+            raise CannotCheckHere(f"this worker cannot run the method of run {run.id}: {e}") from None
         except VerificationError as e:
             failures = [f"evaluation: {e}"]
     elif not failures:

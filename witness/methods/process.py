@@ -42,6 +42,10 @@ class MethodFailed(VerificationError):
     """The submitted method failed, hung or lied in the sandbox: its run is rejected."""
 
 
+class NoSandbox(MalformedInput):
+    """This machine cannot make the sandbox (bubblewrap or a cgroup missing): nothing is decided about the run."""
+
+
 def check_names(wheel: MethodWheel) -> None:
     """Refuse a method whose packages are named like a module the sandbox's Python already finds (the standard
     library's, witness's, torch's, any installed distribution's): that one, not the pinned code, would run."""
@@ -125,7 +129,7 @@ class Process:
                 argv, method.home / "scratch", [method.site, package], method.limits or LIMITS, env,
                 header_bytes=MAX_ANSWER_BYTES, payload_bytes=MAX_STATE_BYTES, scratch_bytes=SCRATCH_BYTES)
         except sandbox.SandboxError as e:
-            raise MalformedInput(f"no sandbox for the submitted method here: {e}") from None
+            raise NoSandbox(f"no sandbox for the submitted method here: {e}") from None
 
     def call(self, op: str, payload: bytes = b"", **args: Any) -> tuple[dict, bytes]:
         """One request; its answer's header (a JSON object) and payload, or ``MethodFailed``."""
