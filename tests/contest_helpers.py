@@ -13,12 +13,14 @@ from methods_helpers import wheel_bytes
 
 from witness.methods.wheel import read_wheel
 
-TRACK = "golf=tiny:max_steps=12,max_params=2000,seeds=3@accuracy+"
+TRACK = "golf=tiny:max_steps=12,max_tokens=2000,max_params=2000,seeds=3@accuracy+"
 
 
-def method(steps: int = 12, hidden: int = 16, lr: float = 0.05, extra: str = "", top: str = "") -> bytes:
-    """A method's wheel: the tiny MLP with its own recipe (steps, width, learning rate), and ``extra`` (the
-    class's body, more of it) and ``top`` (module-level code) for methods that do more than that."""
+def method(steps: int = 12, hidden: int = 16, lr: float = 0.05, extra: str = "", top: str = "",
+           fields: str = "") -> bytes:
+    """A method's wheel: the tiny MLP with its own recipe (steps, width, learning rate, and ``fields``: more
+    of its config's lines), and ``extra`` (the class's body, more of it) and ``top`` (module-level code) for
+    methods that do more than that."""
     source = f'''
 """A contest method: the tiny MLP with a recipe of its own."""
 
@@ -40,6 +42,7 @@ class Config(TinyConfig):
     steps: int = {steps}
     hidden: int = {hidden}
     lr: float = {lr}
+{textwrap.indent(textwrap.dedent(fields), "    ")}
 
 
 class Method(TinyTask):
@@ -66,10 +69,22 @@ def witness(env: dict, *args: str, cwd: Path, check: bool = True) -> subprocess.
     return done
 
 
+TRAIN_AND_SUBMIT = """
+import sys
+from witness.cli import main
+url, track, method, key, out = sys.argv[1:]
+assert main(["train", "--leaderboard", url, "--track", track, "--method", method, "--key", key, "--out", out,
+             "--quiet", "--checkpoint-every", "4"]) == 0
+sys.exit(main(["submit", out, "--leaderboard", url, "--no-eval", "--quiet"]))
+"""
+
+
 def train_and_submit(env: dict, url: str, token: str, key: Path, method_id: int, out: Path,
                      track: str = "golf") -> subprocess.CompletedProcess:
-    """Train one run of the method on a ticket and submit it, from the command line."""
-    env = {**env, "WITNESS_LEADERBOARD_TOKEN": token}
-    witness(env, "train", "--leaderboard", url, "--track", track, "--method", str(method_id), "--key", str(key),
-            "--out", str(out), "--quiet", "--checkpoint-every", "4", cwd=out.parent)
-    return witness(env, "submit", str(out), "--leaderboard", url, "--no-eval", "--quiet", cwd=out.parent)
+    """Train one run of the method on a ticket and submit it, as ``witness train`` and ``witness submit`` do
+    (in one process of its own: one start of Python and torch)."""
+    done = subprocess.run([sys.executable, "-c", TRAIN_AND_SUBMIT, url, track, str(method_id), str(key), str(out)],
+                          env={**env, "WITNESS_LEADERBOARD_TOKEN": token}, cwd=out.parent, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done

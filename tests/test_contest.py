@@ -46,10 +46,10 @@ def board(tmp_path_factory):
 def test_a_contest_track_states_a_budget_and_refuses_what_it_cannot_score():
     t = parse_track("golf=tiny:max_steps=12,max_samples=100,seeds=3@accuracy+")
     assert t.budget == Budget(max_steps=12, max_samples=100) and t.config == {}
-    assert json.loads(t.resolve()["contest_json"]) == {"max_steps": 12, "max_samples": 100, "max_params": None}
+    assert json.loads(t.resolve()["contest_json"]) == {"max_steps": 12, "max_samples": 100, "max_tokens": None, "max_params": None}
     assert parse_track(QUICK).budget is None and parse_track(QUICK).resolve()["contest_json"] is None
-    assert Budget(max_steps=5).breaches(6, 1, 1) == ["6 steps, over the track's budget of 5"]
-    assert Budget(max_params=10).breaches(10**6, 10**9, 10) == []
+    assert Budget(max_steps=5).breaches(6, 1, 1, 1) == ["6 steps, over the track's budget of 5"]
+    assert Budget(max_params=10).breaches(10**6, 10**9, 10**9, 10) == []
     for bad, why in (("g=tiny:max_steps=12,online=0.5@accuracy+", "online audits of submitted methods"),
                      ("g=tinygpt:max_steps=12@bits_per_byte-", "cannot hide its targets"),
                      ("g=tiny:max_steps=0@accuracy+", "positive whole number"),
@@ -104,7 +104,7 @@ def test_two_accounts_two_methods_three_seeds_each_certified_and_ranked(board):
         assert r["status"] == "certified", r["reason"]
         assert r["bound"] == 1.0 and r["verdict"]["challenges"] == 12  # every step replayed, in the sandbox
         assert any("ran only in the sandbox" in line for line in r["verdict"]["checks"])
-        assert any(line.startswith("within the track's budget: 12 steps, 192 training samples")
+        assert any(line.startswith("within the track's budget: 12 steps, 192 training samples, 1,728 tokens")
                    for line in r["verdict"]["checks"])
         assert "targets hidden from the method" in r["contamination"]
         # the evaluation is the server's own, signed by it, every aggregate recomputable from its examples
@@ -123,7 +123,7 @@ def test_two_accounts_two_methods_three_seeds_each_certified_and_ranked(board):
     for e in (wide_e, slow_e):
         assert f"{e.mean:.4f}" in page and e.method in page
     assert "improvement over narrow-and-slow" in page and "Welch" in page
-    assert "at most 12 steps, 2,000 parameters" in page  # the budget, not a recipe
+    assert "at most 12 steps, 2,000 tokens, 2,000 parameters" in page  # the budget, not a recipe
     # the board's own log holds every decision
     decisions = [json.loads(x) for x in c.get("/api/board/entries").json()["entries"]]
     assert sorted(d["run"] for d in decisions if d["decision"] == "certified") == sorted(r["id"] for r in runs)
@@ -135,6 +135,10 @@ def test_a_method_over_the_budget_is_refused_before_it_trains(board):
     assert long.status_code == 400 and "20 steps, over the track's budget of 12" in long.json()["detail"]
     big = carol.admit(method(hidden=256))
     assert big.status_code == 400 and "3,332 parameters, over the track's budget of 2,000" in big.json()["detail"]
+    fat = carol.admit(method(fields="batch_size: int = 32"))  # 384 samples of 9 bytes
+    assert fat.status_code == 400 and "3,456 tokens, over the track's budget of 2,000" in fat.json()["detail"]
+    elsewhere = carol.admit(method(fields="dataset_size: int = 512"))
+    assert elsewhere.status_code == 400 and "other data than the track's" in elsewhere.json()["detail"]
     junk = carol.admit(b"PK\x03\x04 not a wheel")
     assert junk.status_code == 400 and "the wheel" in junk.json()["detail"]
     assert [m["account"] for m in carol.client.get("/api/tracks/golf/methods").json()].count("carol") == 0
@@ -247,7 +251,7 @@ def test_the_contest_page_in_chromium_shows_the_budget_and_links_each_methods_co
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page(viewport=SCREEN)
         page.goto(f"{url}/tracks/golf")
-        assert "at most 12 steps, 2,000 parameters" in page.locator("#contest").inner_text()
+        assert "at most 12 steps, 2,000 tokens, 2,000 parameters" in page.locator("#contest").inner_text()
         row = page.locator("tr.submitted-method", has_text="judys-mlp")
         assert row.count() == 1 and m["task_source"]["files_sha256"][:16] in row.inner_text()
         assert "212" in row.inner_text()  # its parameters, as the sandbox counted them
@@ -258,3 +262,22 @@ def test_the_contest_page_in_chromium_shows_the_budget_and_links_each_methods_co
         page.goto(f"{url}/tracks/quick")  # a track of one recipe: no contest, no submitted methods
         assert page.locator("#contest").count() == 0 and page.locator("#submitted").count() == 0
         browser.close()
+
+
+@pytest.mark.parametrize("attack", ["sleeps forever", "forks without end"])  # (each attack: test_method_sandbox)
+def test_a_hostile_method_is_rejected_by_the_worker_and_the_board_goes_on(board, attack, monkeypatch):
+    import textwrap
+
+    from test_method_sandbox import ATTACKS
+
+    from witness.methods import process
+
+    monkeypatch.setattr(process, "STEP_SECONDS", 5.0)  # a hang costs one step's limit
+    lb, c, _, _ = board
+    who = Entrant(board, "mallory-" + attack.split()[0])
+    code, reason = ATTACKS[attack]
+    wheel = method(extra="def train_step(self, *a, **kw):\n    if in_sandbox():\n"
+                   + textwrap.indent(textwrap.dedent(code), "        ") + "    return super().train_step(*a, **kw)\n")
+    r = who.run(wheel, who.admit(wheel).json()["id"], "run")  # (it trains honestly on its own machine)
+    assert r["status"] == "rejected" and reason in r["reason"], r["reason"]
+    assert c.get("/api/tracks/golf").status_code == 200 and work(lb, once=True) == 0  # serving, nothing stuck

@@ -167,7 +167,7 @@ def score_contest(lb, s: Session, run: Run, track: Track, bundle, threads: int =
     from ..store import evaluation_key
 
     method, task = s.get(Method, run.method_id), data_task(track)
-    within = check_budget(bundle, budget_of(track))
+    within = check_budget(bundle, budget_of(track), task)
     absences, near = contamination(bundle, task)
     with MethodSandbox(lb.method_wheel(method), method.task, threads) as box:
         remote = RemoteTask(box, bundle.manifest.task_config)

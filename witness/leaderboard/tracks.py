@@ -9,7 +9,7 @@ from ..commit.beacon import p_needed
 from ..commit.drand import ChainInfo
 from ..commit.hashing import canonical_json
 from ..commit.note import NoteKey
-from ..methods.contest import Budget
+from ..methods.contest import CAPS, Budget
 from ..task.registry import build_task
 
 
@@ -114,7 +114,7 @@ def parse_track(text: str) -> TrackSpec:
     ``online=P`` (online challenges required, with at least probability P), ``witnesses=A+B`` and
     ``quorum=K`` (those challenges drawn by drand and cosigned by K of the named witnesses),
     ``max_upload=BYTES`` (the track's upload limit), ``seeds=N`` (certified seeds a method needs to be
-    ranked) and ``max_steps``, ``max_samples``, ``max_params`` (a contest track: runs bring their own method
+    ranked) and ``max_steps``, ``max_samples``, ``max_tokens``, ``max_params`` (a contest track: runs bring their own method
     within that budget, on the task's data) are not the recipe's."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
@@ -149,11 +149,11 @@ def parse_track(text: str) -> TrackSpec:
     seeds = config.pop("seeds", 3)
     if type(seeds) is not int or not 1 <= seeds <= 100:
         raise ValueError(f"seeds=N takes 1 to 100 certified seeds, not {seeds!r}")
-    caps = {k: config.pop(k) for k in ("max_steps", "max_samples", "max_params") if k in config}
+    caps = {k: config.pop(k) for k in CAPS if k in config}
     budget = Budget(**caps) if caps else None
     built = build_task(task, config)  # fails now, not at the first submission
     if budget is not None and (online is not None or not getattr(built, "hides_targets", False)):
-        raise ValueError("a contest track (max_steps, max_samples, max_params) is certified at submission, on a task "
+        raise ValueError("a contest track (max_steps, max_samples, max_tokens, max_params) is certified at submission, on a task "
                          "whose targets can be hidden from the method it scores; "
                          + ("online audits of submitted methods are not built" if online is not None else
                             f"task {task!r} cannot hide its targets"))

@@ -81,6 +81,10 @@ class Child:
                "parameters": [n for n, _ in model.named_parameters()],
                "aliases": [list(g) for g in alias_groups(model)], "fingerprint_spec": None, "probe_bytes": None,
                "probe_hash": None}
+        try:  # the root of the data it trains on, where it can build it here (synthetic data)
+            out["data_root"] = task.dataset().root.hex()
+        except Exception:  # noqa: BLE001 - its data is not in the sandbox: the manifest's root is checked instead
+            out["data_root"] = None
         try:  # a task whose probes are its samples knows them only once the bundle's are given
             out["probe_bytes"] = [base64.b64encode(p).decode() for p in task.probe_bytes()]
             out["probe_hash"] = task.probe_hash().hex()

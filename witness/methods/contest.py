@@ -31,6 +31,7 @@ from .remote import RemoteSession, RemoteTask, pack_samples
 from .wheel import MethodWheel
 
 EVAL_CHUNK = 256  # evaluation samples sent to the method in one request
+CAPS = ("max_steps", "max_samples", "max_tokens", "max_params")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Budget:
 
     max_steps: int | None = None
     max_samples: int | None = None  # training samples seen (a step's batch counts each sample)
+    max_tokens: int | None = None  # tokens of those samples, as the track's task counts them (``Task.sample_tokens``)
     max_params: int | None = None  # numbers in the released model (every tensor of its state)
 
     def __post_init__(self) -> None:
@@ -46,7 +48,8 @@ class Budget:
             if value is not None and (type(value) is not int or not 1 <= value <= 1 << 50):
                 raise ValueError(f"{name}={value!r}: a budget is a positive whole number")
         if not any(v is not None for v in asdict(self).values()):
-            raise ValueError("a contest track caps steps, samples or parameters (max_steps, max_samples, max_params)")
+            raise ValueError("a contest track caps steps, samples, tokens or parameters (max_steps, max_samples, "
+                             "max_tokens, max_params)")
 
     def to_json(self) -> dict:
         """The track's stored form."""
@@ -55,22 +58,21 @@ class Budget:
     @classmethod
     def from_json(cls, obj: dict) -> Budget:
         """Back from ``to_json``."""
-        return cls(**{k: obj.get(k) for k in ("max_steps", "max_samples", "max_params")})
+        return cls(**{k: obj.get(k) for k in CAPS})
 
-    def breaches(self, steps: int, samples: int, params: int) -> list[str]:
+    def _caps(self) -> tuple[tuple[str, int | None], ...]:
+        return (("steps", self.max_steps), ("training samples", self.max_samples), ("tokens", self.max_tokens),
+                ("parameters", self.max_params))
+
+    def breaches(self, steps: int, samples: int, tokens: int, params: int) -> list[str]:
         """Every cap the figures exceed, said plainly (none: within the budget)."""
-        out = []
-        for what, used, cap in (("steps", steps, self.max_steps), ("training samples", samples, self.max_samples),
-                                ("parameters", params, self.max_params)):
-            if cap is not None and used > cap:
-                out.append(f"{used:,} {what}, over the track's budget of {cap:,}")
-        return out
+        return [f"{used:,} {what}, over the track's budget of {cap:,}"
+                for (what, cap), used in zip(self._caps(), (steps, samples, tokens, params), strict=True)
+                if cap is not None and used > cap]
 
     def text(self) -> str:
         """One line for a page."""
-        parts = [f"{cap:,} {what}" for what, cap in (("steps", self.max_steps), ("training samples", self.max_samples),
-                                                    ("parameters", self.max_params)) if cap is not None]
-        return "at most " + ", ".join(parts)
+        return "at most " + ", ".join(f"{cap:,} {what}" for what, cap in self._caps() if cap is not None)
 
 
 @dataclass(frozen=True)
@@ -114,29 +116,41 @@ def admit(wheel: MethodWheel, budget: Budget, data_task: Any, name: str | None =
         c = task.config
         session = RemoteSession(task, b"\0" * 32, len(data_task.dataset()))
         params = count_params(session.state())
+        described_root = task.data_root
+    if described_root is not None and described_root != data_task.dataset().root.hex():
+        raise MalformedInput("the method trains on other data than the track's (its dataset's root is not the "
+                             "track's)")
     if task.document_rule != data_task.document_rule:
         raise MalformedInput(f"the method names documents by rule {task.document_rule!r}; the track's data does by "
                              f"{data_task.document_rule!r}, and the track decides it")
-    over = budget.breaches(c.steps, c.steps * c.batch_size, params)
+    # tokens: at least the fewest a sample of the track's data has, for every sample (the run's own count,
+    # at certification, is exact)
+    data = data_task.dataset()
+    fewest = min((data_task.sample_tokens(data.sample_bytes(i)) for i in range(len(data))), default=0) \
+        if budget.max_tokens is not None else 0
+    over = budget.breaches(c.steps, c.steps * c.batch_size, c.steps * c.batch_size * fewest, params)
     if over:
         raise MalformedInput("the method's recipe exceeds the track's budget: " + "; ".join(over))
     return Admission(name, task.config_json(), c.steps, c.batch_size, params, task.document_rule)
 
 
-def spent(bundle: Bundle) -> tuple[int, int, int]:
-    """What a finished run used, from its committed records: steps, training samples, and the numbers in
-    its final (committed) model."""
+def spent(bundle: Bundle, data_task: Any) -> tuple[int, int, int, int]:  # noqa: ANN401 - a Task
+    """What a finished run used, from its committed records: steps, training samples, their tokens (counted by
+    the track's task over its data), and the numbers in its final (committed) model."""
+    data = data_task.dataset()
     samples = sum(len(r.batch) for r in bundle.steps)
-    return len(bundle.steps), samples, count_params(final_model_tensors(bundle, "a model to hold to the budget"))
+    tokens = sum(data_task.sample_tokens(data.sample_bytes(int(i))) for r in bundle.steps for i in r.batch)
+    return len(bundle.steps), samples, tokens, count_params(final_model_tensors(bundle, "a model to hold to the budget"))
 
 
-def check_budget(bundle: Bundle, budget: Budget) -> str:
+def check_budget(bundle: Bundle, budget: Budget, data_task: Any) -> str:  # noqa: ANN401 - a Task
     """Hold a finished run to the budget (``VerificationError``); the line for its verdict."""
-    steps, samples, params = spent(bundle)
-    over = budget.breaches(steps, samples, params)
+    steps, samples, tokens, params = spent(bundle, data_task)
+    over = budget.breaches(steps, samples, tokens, params)
     if over:
         raise VerificationError("the run exceeds the track's budget: " + "; ".join(over), check="budget")
-    return f"within the track's budget: {steps:,} steps, {samples:,} training samples, {params:,} parameters"
+    return (f"within the track's budget: {steps:,} steps, {samples:,} training samples, {tokens:,} tokens, "
+            f"{params:,} parameters")
 
 
 def usage_of(bundle: Bundle, dataset: Any) -> UsageCommitment:  # noqa: ANN401 - a Dataset
@@ -157,7 +171,7 @@ def score_blind(box: MethodSandbox, task: RemoteTask, bundle: Bundle, data_task:
     path = Path(box.home) / "model.safetensors"
     write_state(path, tensors, 0, sync=False)
     box.show(len(bundle.steps))
-    p = task.open_process()
+    p = task.open_process()  # (the one that described it, where it is still fresh)
     try:
         p.call("model", path.read_bytes(), run_seed=bundle.manifest.run_seed.hex())
         examples: list[dict] = []

@@ -76,10 +76,11 @@ class RemoteTask:
     def __init__(self, method: MethodSandbox, config: dict, described: dict | None = None,
                  probes: list[str] | None = None):
         self.method, self.name, self.config_given, self.probes_given = method, method.task_name, config, probes
+        self._spare: Process | None = None
         if described is None:
-            p = method.process()
+            # the process that described the recipe has been shown nothing of the run: the first session takes it
+            p = self._spare = method.process()
             described = p.call("describe", config=config)[0]
-            p.close()
         self._read(described)
 
     def _read(self, d: dict) -> None:
@@ -103,6 +104,8 @@ class RemoteTask:
             self.schedule = RemoteSchedule(_floats(d["lrs"], steps, "learning-rate schedule"))
             self.parameters = [str(n) for n in d["parameters"]]
             self.aliases = [tuple(str(n) for n in g) for g in d["aliases"]]
+            root = d.get("data_root")  # the method's own word, only ever compared with the track's
+            self.data_root = root if isinstance(root, str) and len(root) == 64 else None
             self._probe_bytes, self._probe_hash, self._spec = None, None, None
             if d["probe_bytes"] is not None or d["probe_hash"] is not None or d["fingerprint_spec"] is not None:
                 self._probes_described(d)
@@ -127,14 +130,26 @@ class RemoteTask:
     def with_probes(self, probes: list[bytes]) -> RemoteTask:
         """The task with the bundle's probes (its first training samples) in place of its own."""
         given = [base64.b64encode(p).decode() for p in probes]
-        p = self.method.process()
-        p.call("describe", config=self.config_given)
+        p = self._take_spare()
+        if p is None:
+            p = self.method.process()
+            p.call("describe", config=self.config_given)
         d, _ = p.call("probes", probes=given)
-        p.close()
-        return RemoteTask(self.method, self.config_given, d, given)
+        task = RemoteTask(self.method, self.config_given, d, given)
+        task._spare = p  # built with exactly that task's recipe and probes, and shown nothing else
+        return task
+
+    def _take_spare(self) -> Process | None:
+        """The process this task was built in, where it is still the method's live one (shown nothing since)."""
+        spare, self._spare = self._spare, None
+        return spare if spare is not None and spare is self.method.live and not spare.closed else None
 
     def open_process(self) -> Process:
-        """A fresh process of the method with this task built in it (for a session)."""
+        """A fresh process of the method with this task built in it (for a session): the one that described it,
+        where it is still the method's live process and was given nothing since."""
+        spare = self._take_spare()
+        if spare is not None:
+            return spare
         p = self.method.process()
         p.call("describe", config=self.config_given)
         if self.probes_given is not None:

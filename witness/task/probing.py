@@ -88,6 +88,10 @@ class TaskProbes:
 
     hides_targets = False  # whether ``hidden`` and ``score`` let a contest track score a method blind
 
+    def sample_tokens(self, sample: bytes) -> int:
+        """The tokens a training sample counts for against a contest's budget (its bytes, unless the task says)."""
+        return len(sample)
+
     def hidden(self, sample: bytes) -> bytes:
         """An evaluation sample without its target (what a submitted method is shown when it is scored)."""
         raise NotImplementedError(f"task {getattr(self, 'name', '?')!r} cannot hide its targets")
