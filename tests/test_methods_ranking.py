@@ -11,8 +11,9 @@ import pytest
 from lbhelpers import make_settings
 from starlette.testclient import TestClient
 
+from witness.leaderboard import views
 from witness.leaderboard.app import create_app
-from witness.leaderboard.db import Account, Run
+from witness.leaderboard.db import Account, Run, Track
 from witness.leaderboard.ranking import ALPHA, MethodEntry, Seed, rank_methods, welch_p
 from witness.leaderboard.service import Leaderboard
 from witness.leaderboard.tracks import parse_track
@@ -99,3 +100,32 @@ def test_the_track_page_ranks_methods_and_counts_unsubmitted_runs(tmp_path):
     assert "improvement over alice" in rows[0] and 'class="num unsubmitted">2<' in rows[0]
     assert "baseline" in rows[1] and "1 of 3" in rows[2] and "not ranked yet" in rows[2]
     assert "Welch&#39;s t-test" in page or "Welch's t-test" in page
+
+
+def test_on_a_contest_track_seeds_tried_under_copies_of_a_method_show_beside_it(tmp_path):
+    from witness.leaderboard.db import Method
+
+    lb = Leaderboard(make_settings("sqlite", tmp_path, tracks=(parse_track("golf=tiny:max_steps=20,seeds=2@accuracy+"),)))
+    with lb.Session() as s:
+        a = Account(name="grinder", public_key="g".ljust(64, "0"), token_hash="g".ljust(64, "1"), created_ms=0)
+        s.add(a)
+        s.flush()
+        methods = []
+        for i in range(3):  # three copies of one method, files differing by a comment
+            m = Method(account_id=a.id, track="golf", name=f"copy{i}", wheel_sha256=f"{i}" * 64, files_sha256=f"{i}" * 64,
+                       distribution="m", version="1", task="m", config_json="{}", steps=20, batch_size=16, params=1,
+                       created_ms=i)
+            s.add(m)
+            s.flush()
+            methods.append(m)
+        for j, (m, value) in enumerate([(methods[0], None), (methods[1], None), (methods[1], None),
+                                        (methods[2], 0.9), (methods[2], 0.91)]):
+            s.add(Run(account_id=a.id, track="golf", r=f"{j}".ljust(64, "0"), status="certified" if value else "ticketed",
+                      ticket_ms=j, submitted_ms=j if value else None, decided_ms=j if value else None,
+                      metric_value=value, method_id=m.id))
+        s.commit()
+        (entry,) = views.methods(s, s.get(Track, "golf"))
+    assert entry.method == f"copy2 (#{methods[2].id}, grinder)" and entry.ranked
+    assert entry.unsubmitted == 0 and entry.account_unsubmitted == 3 and entry.account_methods == 3
+    with TestClient(create_app(lb=lb)) as tc:
+        assert "account: 3 run(s), 3 method(s)" in tc.get("/tracks/golf").text

@@ -39,6 +39,10 @@ class MethodEntry:
     method: str
     seeds: list[Seed]
     unsubmitted: int = 0  # runs its account started (ticketed) and never submitted
+    # on a contest track, what its account did with all its methods there: runs started and never submitted,
+    # and methods admitted (a copy of a method is another method, whose seeds are counted apart)
+    account_unsubmitted: int | None = None
+    account_methods: int | None = None
     ranked: bool = False
     mean: float = math.nan
     spread: float = math.nan  # the sample standard deviation (0 for one seed)

@@ -84,6 +84,15 @@ def methods(s: Session, track: Track) -> list[MethodEntry]:
         name = names.get(k, str(k)) if contest else k
         if name in entries:
             entries[name].unsubmitted = count
+    if contest:  # a method copied until its seeds were lucky: the account's other methods and runs show it
+        owner = {names[m]: a for m, a in s.execute(select(Method.id, Method.account_id).where(Method.track == track.name))}
+        admitted = dict(s.execute(select(Method.account_id, func.count()).where(Method.track == track.name)
+                                  .group_by(Method.account_id)).all())
+        unsent = dict(s.execute(select(Run.account_id, func.count()).where(
+            Run.track == track.name, Run.submitted_ms.is_(None)).group_by(Run.account_id)).all())
+        for e in entries.values():
+            a = owner.get(e.method)
+            e.account_unsubmitted, e.account_methods = unsent.get(a, 0), admitted.get(a, 0)
     return rank_methods(list(entries.values()), track.higher_is_better, track.min_seeds)
 
 
