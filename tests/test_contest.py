@@ -281,3 +281,136 @@ def test_a_hostile_method_is_rejected_by_the_worker_and_the_board_goes_on(board,
     r = who.run(wheel, who.admit(wheel).json()["id"], "run")  # (it trains honestly on its own machine)
     assert r["status"] == "rejected" and reason in r["reason"], r["reason"]
     assert c.get("/api/tracks/golf").status_code == 200 and work(lb, once=True) == 0  # serving, nothing stuck
+
+
+
+F8 = '''
+import sys as _sys
+_main = _sys.modules.get("__main__")
+if _main is not None and hasattr(_main, "Child"):  # only in the sandbox's child
+    def _outputs(self, payload):
+        n = len(_main.read_samples(payload))
+        _main.write_state(_main.SCRATCH, {"outputs": torch.zeros(n, 4).to(torch.float8_e4m3fn)}, 0, sync=False)
+        return {}, _main.SCRATCH.read_bytes()
+    _main.Child.outputs = _outputs
+'''
+
+SHADOW_TOP = '''
+import sys as _sys
+_main = _sys.modules.get("__main__")
+if _main is not None and hasattr(_main, "Child"):  # only in the sandbox's child: one more "tied" group
+    _orig = _main.alias_groups
+    _main.alias_groups = lambda model: [*_orig(model), ("model.fc2.bias", "optim.fc2.bias.shadow")]
+
+
+class Shadow(torch.optim.SGD):
+    """SGD that keeps a copy of every parameter in its state (so the lying group holds in every state)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self._shadow()
+
+    def _shadow(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p]["shadow"] = p.detach().clone()
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        self._shadow()
+        return out
+'''
+
+SHADOW = '''
+def build_optimizer(self, model):
+    return Shadow(model.parameters(), lr=self.config.lr)
+'''
+
+PACKED = '''
+def build_model(self, seed):
+    return Packed(super().build_model(seed))
+
+def train_step(self, model, optimizer, batch, lr, seed, clip=None):
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    w = model.packed.view(torch.float32).clone().requires_grad_(True)
+    model.live = w
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    model.live = None
+    gn = float(w.grad.norm())
+    with torch.no_grad():
+        model.packed.copy_((w - 20 * lr * w.grad).detach().view(torch.float64))
+    optimizer.step()
+    return StepOutput(float(loss.detach()), lr, gn)
+'''
+
+PACKED_TOP = '''
+from witness.task.base import StepOutput
+
+
+class Packed(torch.nn.Module):
+    """An MLP of 3,332 float32 weights kept two to a float64 "number": 1,666 of them, and one scale."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.shapes = [p.shape for p in mlp.parameters()]
+        flat = torch.cat([p.detach().reshape(-1) for p in mlp.parameters()])
+        self.register_buffer("packed", flat.view(torch.float64).clone())
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.live = None
+
+    def forward(self, x, generator=None):
+        flat = self.live if self.live is not None else self.packed.view(torch.float32)
+        ws, at = [], 0
+        for s in self.shapes:
+            n = s.numel()
+            ws.append(flat[at:at + n].reshape(s))
+            at += n
+        w1, b1, w2, b2 = ws
+        return torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1)), w2, b2) * self.scale
+'''
+
+
+def test_outputs_in_another_dtype_reject_the_run(board):
+    nia = Entrant(board, "nia")
+    wheel = method(top=F8)  # float8 logits: the scoring's own arithmetic would fail on them
+    r = nia.run(wheel, nia.admit(wheel).json()["id"], "run")
+    assert r["status"] == "rejected" and "float32, float64, float16 or bfloat16" in r["reason"], r["reason"]
+
+
+def test_tied_weights_the_model_does_not_have_reject_the_run_and_no_score_is_published(board):
+    ola = Entrant(board, "ola")
+    wheel = method(top=SHADOW_TOP, extra=SHADOW)  # "tied" to a copy it keeps in its optimizer's state
+    r = ola.run(wheel, ola.admit(wheel).json()["id"], "run")
+    assert r["status"] == "rejected" and "tied weights that are not its model's" in r["reason"], r["reason"]
+    assert ola.client.get(f"/runs/{r['id']}/download/evaluation.json").status_code == 404
+    assert recover(ola.lb).certifications_requeued == 0  # decided: nothing to certify again
+
+
+def test_numbers_packed_into_wider_elements_count_by_their_bytes(board):
+    pia = Entrant(board, "pia")
+    a = pia.admit(method(hidden=256, top=PACKED_TOP, extra=PACKED))  # 3,332 float32 weights in 1,666 float64
+    assert a.status_code == 400 and "3,333 parameters, over the track's budget of 2,000" in a.json()["detail"]
+
+
+def test_admissions_are_counted_refused_or_not_and_one_method_sandbox_runs_on_a_host(board, monkeypatch):
+    from methods_helpers import wheel_bytes
+
+    from witness.leaderboard import contests
+    from witness.methods.process import MethodSandbox
+    from witness.methods.wheel import read_wheel
+
+    rae = Entrant(board, "rae")
+    long = wheel_bytes("", version="1.0+" + "a" * 70)  # a valid version, longer than the pin's column
+    assert rae.admit(long).status_code == 400 and "version 64" in rae.admit(long).json()["detail"]
+    monkeypatch.setattr(contests, "METHODS_PER_HOUR", 2)
+    assert [rae.admit(method(steps=13 + i)).status_code for i in range(2)] == [400, 400]  # each ran the sandbox
+    assert rae.admit(method(lr=0.011)).status_code == 429  # refused ones count
+    sam = Entrant(board, "sam")
+    with MethodSandbox(read_wheel(method(lr=0.012)), "sandboxed-mlp", 1):  # an audit running on this host
+        busy = sam.admit(method(lr=0.013))
+    assert busy.status_code == 503 and "another submitted method's sandbox" in busy.json()["detail"]
+    assert sam.admit(method(lr=0.013)).status_code == 201  # once it is done

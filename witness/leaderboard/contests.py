@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
@@ -24,10 +25,10 @@ from ..methods.contest import Budget, admit
 from ..methods.process import NoSandbox
 from ..methods.wheel import MAX_WHEEL_BYTES, MethodWheel, read_wheel
 from ..task.registry import build_task
-from .common import ApiError
-from .db import Account, Method, Run, Track, now_ms
+from .common import ApiError, _lock_writes
+from .db import Account, Admission, Method, Run, Track, now_ms
 
-METHODS_PER_HOUR = 10  # admissions an account may ask for an hour: each runs the method in the sandbox
+METHODS_PER_HOUR = 10  # admissions an account may ask for an hour, refused ones too: each runs the method in the sandbox
 NAME_MAX = 100
 
 
@@ -72,14 +73,24 @@ class ContestRuns:
             wheel = read_wheel(data)
         except MalformedInput as e:
             raise ApiError(400, f"the wheel: {e}") from None
+        if len(wheel.distribution) > NAME_MAX or len(wheel.version) > 64:  # kept whole: the pin names them
+            raise ApiError(400, f"a method's distribution name is at most {NAME_MAX} characters and its version 64")
         old = s.scalar(select(Method).where(Method.account_id == acct.id, Method.track == track.name,
                                             Method.files_sha256 == wheel.files_sha256))
         if old is not None:
             return old, False
+        # every admission runs the method in the sandbox, refused or not: each counts, under a lock on the
+        # account's row (PostgreSQL; SQLite's write lock), so a parallel burst gets exactly the limit
+        if s.get_bind().dialect.name == "postgresql":
+            s.execute(select(Account.id).where(Account.id == acct.id).with_for_update())
+        else:
+            _lock_writes(s)
         hour_ago = now_ms() - 3_600_000
-        if (s.scalar(select(func.count()).select_from(Method).where(
-                Method.account_id == acct.id, Method.created_ms > hour_ago)) or 0) >= METHODS_PER_HOUR:
-            raise ApiError(429, f"at most {METHODS_PER_HOUR} methods an hour per account")
+        if (s.scalar(select(func.count()).select_from(Admission).where(
+                Admission.account_id == acct.id, Admission.made_ms > hour_ago)) or 0) >= METHODS_PER_HOUR:
+            raise ApiError(429, f"at most {METHODS_PER_HOUR} method admissions an hour per account")
+        s.add(Admission(account_id=acct.id, made_ms=now_ms()))
+        s.commit()
         try:
             a = admit(wheel, budget, data_task(track), task)
         except NoSandbox as e:  # the server's problem, never the method's
@@ -91,8 +102,8 @@ class ContestRuns:
         path.write_bytes(data)
         self.store.put(method_key(digest), path)  # type: ignore[attr-defined]
         m = Method(account_id=acct.id, track=track.name, name=name or f"{wheel.distribution} {wheel.version}",
-                   wheel_sha256=digest, files_sha256=wheel.files_sha256, distribution=wheel.distribution[:NAME_MAX],
-                   version=wheel.version[:64], task=a.task, config_json=canonical_json(a.config).decode(),
+                   wheel_sha256=digest, files_sha256=wheel.files_sha256, distribution=wheel.distribution,
+                   version=wheel.version, task=a.task, config_json=canonical_json(a.config).decode(),
                    steps=a.steps, batch_size=a.batch_size, params=a.params, created_ms=now_ms())
         s.add(m)
         try:
@@ -155,27 +166,30 @@ def contest_trust(lb, s: Session, run: Run, track: Track) -> dict:  # noqa: ANN0
     return {"method": lb.method_wheel(s.get(Method, run.method_id)), "dataset": data_task(track).dataset()}
 
 
-def score_contest(lb, s: Session, run: Run, track: Track, bundle, threads: int = 1) -> tuple[dict, int, list, str]:  # noqa: ANN001
+def score_contest(lb, s: Session, run: Run, track: Track, bundle, threads: int = 1) -> tuple[dict, int, list, str, Path]:  # noqa: ANN001
     """A verified contest run held to the budget, its evaluation documents proven absent from its training
     data, and its released model scored blind in the sandbox; the signed certificate (the server its
-    evaluator) is kept as the run's evaluation. (Aggregates, evaluation documents, the model's tied names as
-    the method describes them, the budget's line for the verdict); ``VerificationError`` saying what fails."""
+    evaluator) is written for the run's evaluation. (Aggregates, evaluation documents, the model's tied names as
+    the method describes them, the budget's line for the verdict, the certificate's file); ``VerificationError``
+    saying what fails."""
     from ..evals.certificate import build_body, sign_certificate
     from ..methods.contest import check_budget, contamination, score_blind
-    from ..methods.process import MethodSandbox
+    from ..methods.process import MethodFailed, MethodSandbox
     from ..methods.remote import RemoteTask
-    from ..store import evaluation_key
 
     method, task = s.get(Method, run.method_id), data_task(track)
     within = check_budget(bundle, budget_of(track), task)
     absences, near = contamination(bundle, task)
     with MethodSandbox(lb.method_wheel(method), method.task, threads) as box:
         remote = RemoteTask(box, bundle.manifest.task_config)
+        if any(not n.startswith("model.") for g in remote.aliases for n in g):  # (names of its model's state only)
+            raise MethodFailed("the method describes tied weights that are not its model's", check="method")
         examples, aggregates = score_blind(box, remote, bundle, task)
     ev = task.eval_dataset()
     body = build_body(method.task, bundle.final_head, bundle.manifest.public_key, (ev.root, len(ev)), examples,
                       aggregates, absences, near)
+    # kept by the worker only with the decision that certifies the run: a signed score of an undecided run is
+    # never served
     path = lb.store.scratch("evaluation.json")
     path.write_bytes(canonical_json(sign_certificate(body, lb.key)) + b"\n")
-    lb.store.put(evaluation_key(run.id), path)
-    return aggregates, len(absences), remote.aliases, within
+    return aggregates, len(absences), remote.aliases, within, path

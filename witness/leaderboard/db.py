@@ -136,6 +136,16 @@ class Method(Base):
     created_ms: Mapped[int] = mapped_column(BigInteger)
 
 
+class Admission(Base):
+    """One request to admit a method, admitted or not (each runs the method in the sandbox: the hourly limit
+    counts these)."""
+
+    __tablename__ = "method_admissions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
+    made_ms: Mapped[int] = mapped_column(BigInteger)
+
+
 class Head(Base):
     """A signed tree head streamed while training, with the server's own receipt time."""
 

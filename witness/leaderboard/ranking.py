@@ -38,7 +38,7 @@ class MethodEntry:
 
     method: str
     seeds: list[Seed]
-    unsubmitted: int = 0  # runs its account started (ticketed) and never submitted
+    unsubmitted: int = 0  # runs its account started and never submitted, or saw rejected or revoked
     # on a contest track, what its account did with all its methods there: runs started and never submitted,
     # and methods admitted (a copy of a method is another method, whose seeds are counted apart)
     account_unsubmitted: int | None = None

@@ -8,7 +8,7 @@ import json
 import re
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from ..store import EVALUATION, archive_key, evaluation_key, model_key, plot_key
@@ -62,6 +62,10 @@ def table(s: Session, track: Track, sort: str, order: str | None, status: str, s
     return [(r, a) for r, a in rows], total
 
 
+# a seed tried and not shown: a run never submitted, or submitted and then rejected or revoked
+_tried_not_shown = or_(Run.submitted_ms.is_(None), Run.status.in_(("rejected", "revoked")))
+
+
 def methods(s: Session, track: Track) -> list[MethodEntry]:
     """The track's methods (on a track of one recipe, each account's runs), ranked by their certified seeds
     (``ranking``), with the runs each account started and never submitted."""
@@ -80,7 +84,7 @@ def methods(s: Session, track: Track) -> list[MethodEntry]:
         name = names.get(k, str(k)) if contest else k
         entries.setdefault(name, MethodEntry(name, [])).seeds.append(Seed(run_id, value, decided or 0))
     for k, count in s.execute(select(key, func.count()).select_from(Run).join(Account, Run.account_id == Account.id)
-                              .where(Run.track == track.name, Run.submitted_ms.is_(None)).group_by(key)).all():
+                              .where(Run.track == track.name, _tried_not_shown).group_by(key)).all():
         name = names.get(k, str(k)) if contest else k
         if name in entries:
             entries[name].unsubmitted = count
@@ -89,7 +93,7 @@ def methods(s: Session, track: Track) -> list[MethodEntry]:
         admitted = dict(s.execute(select(Method.account_id, func.count()).where(Method.track == track.name)
                                   .group_by(Method.account_id)).all())
         unsent = dict(s.execute(select(Run.account_id, func.count()).where(
-            Run.track == track.name, Run.submitted_ms.is_(None)).group_by(Run.account_id)).all())
+            Run.track == track.name, _tried_not_shown).group_by(Run.account_id)).all())
         for e in entries.values():
             a = owner.get(e.method)
             e.account_unsubmitted, e.account_methods = unsent.get(a, 0), admitted.get(a, 0)

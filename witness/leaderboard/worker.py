@@ -155,9 +155,9 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
     eval_verdict = None
     if not failures and run.method_id is not None:  # a contest: scored here, blind, never by the trainer
         try:
-            aggregates, documents, aliases, within = score_contest(lb, s, run, track, bundle)
+            aggregates, documents, aliases, within, scored = score_contest(lb, s, run, track, bundle)
             eval_verdict = SimpleNamespace(aggregates=aggregates, detection_probability=1.0, eval_documents=documents,
-                                           aliases=aliases)
+                                           aliases=aliases, certificate=scored)
             verdict.checks.append(within)
             run.verdict_json = json.dumps(verdict.to_json())
         except NoSandbox as e:
@@ -187,8 +187,13 @@ def _certify(lb: Leaderboard, s, run: Run, track: Track, bundle: Bundle | None, 
                                                           "hidden from the method" if run.method_id else "")
     if bundle is not None and bundle.end is not None and not failures:
         model = lb.store.scratch("model.safetensors")
-        export_model(bundle, model, getattr(eval_verdict, "aliases", None))  # the released file the decision names
-        lb.store.put(model_key(run.id), model)
+        try:  # the released file the decision names
+            export_model(bundle, model, getattr(eval_verdict, "aliases", None))
+            lb.store.put(model_key(run.id), model)
+        except VerificationError as e:  # its final state does not hold its tied weights as one tensor
+            failures = [f"the final model: {e}"]
+    if getattr(eval_verdict, "certificate", None) is not None and not failures:  # the server's scoring, kept
+        lb.store.put(evaluation_key(run.id), eval_verdict.certificate)  # with the decision that certifies it
     if bundle is not None:  # a bundle the reader refused has no plots; its rejection says why
         steps = [(r.step, r.passed) for r in (verdict.results if verdict else [])]
         draws = {"loss": lambda p: plot_loss(bundle, p, steps), "optimizer": lambda p: plot_optimizer(bundle, p),

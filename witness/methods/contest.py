@@ -31,7 +31,9 @@ from .remote import RemoteSession, RemoteTask, pack_samples
 from .wheel import MethodWheel
 
 EVAL_CHUNK = 256  # evaluation samples sent to the method in one request
+ADMIT_SECONDS = 60.0  # each request of an admission (describe, the seeded state) answered within this
 CAPS = ("max_steps", "max_samples", "max_tokens", "max_params")
+OUTPUT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,11 @@ class Admission:
 
 
 def count_params(tensors: dict[str, torch.Tensor]) -> int:
-    """The numbers in a model: every ``model.*`` tensor of a state (parameters and buffers alike)."""
-    return sum(t.numel() for k, t in tensors.items() if k.startswith("model."))
+    """The numbers in a model: every ``model.*`` tensor of a state (parameters and buffers alike), counted by
+    their bytes in 4-byte words (a float32 is one, a bfloat16 half of one), so that no dtype packs more numbers
+    into fewer elements (two float32 in a float64, four in an int8 quadruple)."""
+    size = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.startswith("model."))
+    return -(-size // 4)
 
 
 def task_name(wheel: MethodWheel, name: str | None = None) -> str:
@@ -111,7 +116,9 @@ def admit(wheel: MethodWheel, budget: Budget, data_task: Any, name: str | None =
     if not getattr(data_task, "hides_targets", False):
         raise MalformedInput(f"task {data_task.name!r} cannot score a method with its targets hidden")
     name = task_name(wheel, name)
-    with MethodSandbox(wheel, name, threads) as box:
+    # an admission does not wait for the host's sandbox (``SandboxBusy``: the server answers "try later"), and
+    # holds it briefly: its requests are limited to ADMIT_SECONDS each
+    with MethodSandbox(wheel, name, threads, wait=0.0, step_seconds=ADMIT_SECONDS) as box:
         task = RemoteTask(box, {})
         c = task.config
         session = RemoteSession(task, b"\0" * 32, len(data_task.dataset()))
@@ -180,13 +187,15 @@ def score_blind(box: MethodSandbox, task: RemoteTask, bundle: Bundle, data_task:
             samples = [eval_set.sample_bytes(i) for i in idx]
             got = box.state(p.call("outputs", pack_samples([data_task.hidden(s) for s in samples]))[1])
             out = got.get("outputs")
-            if set(got) != {"outputs"} or out is None or out.ndim < 1 or out.shape[0] != len(samples):
-                raise MethodFailed(f"the method sent no outputs for {len(samples)} evaluation samples", check="method")
+            if set(got) != {"outputs"} or out is None or out.ndim < 1 or out.shape[0] != len(samples) \
+                    or out.dtype not in OUTPUT_DTYPES:
+                raise MethodFailed(f"the method sent no outputs for {len(samples)} evaluation samples (a tensor of "
+                                   "float32, float64, float16 or bfloat16, one row a sample)", check="method")
             for i, s, o in zip(idx, samples, out, strict=True):
                 try:
                     examples.append({"index": i, "sample": eval_set.hashes[i].hex(), **data_task.score(o, s)})
-                except ValueError as e:
-                    raise MethodFailed(f"evaluation example {i}: {e}", check="method") from None
+                except Exception as e:  # noqa: BLE001 - whatever its outputs make the scoring raise is its failure
+                    raise MethodFailed(f"evaluation example {i}: {type(e).__name__}: {e}", check="method") from None
     finally:
         p.close()
     aggregates = data_task.aggregates(examples)

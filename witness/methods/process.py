@@ -2,7 +2,8 @@
 
 Sandboxes are not isolated from each other as a security property: two alive at once can signal through
 the kernel (a byte-range lock on a file both read), and one can leave traces another reads later (which
-pages of a system file are cached). So the verifier never relies on a process being fresh. It relies on
+pages of a system file are cached). So on a host only one method's sandbox runs at a time (``HOST_LOCK``:
+admissions, audits and scoring alike), and the verifier never relies on a process being fresh. It relies on
 what no process is given: the committed states are shown to the method's processes in the order of their
 steps, never one before a step that is then replayed from an earlier state (``MethodSandbox.show``), so
 nothing a process learns helps a later one fake a step; and no two of a method's processes are alive at
@@ -12,12 +13,14 @@ same run on the same machine after this one could read what this one's processes
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,9 @@ STEP_SECONDS = 600.0  # one request (a step, a state) answered within this, or t
 MAX_STATE_BYTES = 1 << 30
 MAX_ANSWER_BYTES = 64 << 20  # an answer's JSON (a schedule of a million steps is about 20 MB)
 SCRATCH_BYTES = 2 * MAX_STATE_BYTES  # its tmpfs: the state it writes before sending it, and room to spare
+# one method's sandbox at a time on a host (outside every sandbox: none of them mounts it)
+HOST_LOCK = Path(tempfile.gettempdir()) / "witness-method-sandbox.lock"
+HOST_WAIT_SECONDS = 3600.0  # an audit waits this long for another's to end
 
 
 class MethodFailed(VerificationError):
@@ -55,20 +61,49 @@ def check_names(wheel: MethodWheel) -> None:
                                  "replayed, which would run instead of the method's own code: rename it")
 
 
-class MethodSandbox:
-    """A method's wheel, unpacked for its processes; at most one of them alive at a time."""
+class SandboxBusy(NoSandbox):
+    """Another method's sandbox runs on this host now: nothing is decided (retry later)."""
 
-    def __init__(self, wheel: MethodWheel, task: str, threads: int, limits: sandbox.Limits | None = None):
+
+def _host_lock(wait: float) -> int:
+    """Hold the host's one lock on methods' sandboxes (an open descriptor), waiting at most ``wait`` seconds."""
+    fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise SandboxBusy("another submitted method's sandbox is running on this host; try again later") \
+                    from None
+            time.sleep(0.2)
+
+
+class MethodSandbox:
+    """A method's wheel, unpacked for its processes; at most one of them alive at a time, and on a host, one
+    method's sandbox at a time (``HOST_LOCK``): two methods' processes alive at once could signal each other
+    through the kernel, and an attacker controls both when it submits two (a copy admitted while its run is
+    audited, or a second run whose committed states carry the first's answers).
+
+    ``wait``: seconds to wait for the host's lock (``SandboxBusy`` after); ``step_seconds``: each request's
+    limit (an admission's is short: it holds the host's lock)."""
+
+    def __init__(self, wheel: MethodWheel, task: str, threads: int, limits: sandbox.Limits | None = None,
+                 wait: float | None = None, step_seconds: float | None = None):
         if task not in wheel.tasks:
             raise MalformedInput(f"the method {wheel.distribution} {wheel.version} offers no task {task!r} (it offers "
                                  f"{', '.join(sorted(wheel.tasks))})")
         check_names(wheel)
         self.wheel, self.task_name, self.threads, self.limits = wheel, task, threads, limits
+        self.step_seconds = step_seconds
+        self.lock = _host_lock(HOST_WAIT_SECONDS if wait is None else wait)
         self.home = Path(tempfile.mkdtemp(prefix="witness-method-"))
         try:
             self.site = wheel.install(self.home / "site")
         except OSError as e:
-            shutil.rmtree(self.home, ignore_errors=True)
+            self._release()
             raise MalformedInput(f"the method's wheel cannot be unpacked: {e}") from None
         self.live: Process | None = None
         self.shown = -1  # the latest step of a committed state any of its processes was given
@@ -102,7 +137,17 @@ class MethodSandbox:
         if self.live is not None:
             self.live.close()
             self.live = None
+        self._release()
+
+    def _release(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)
+        if self.lock >= 0:  # only once no process of it is alive
+            os.close(self.lock)
+            self.lock = -1
+
+    def __del__(self) -> None:  # one left unclosed must not hold the host's lock for this process's life
+        if getattr(self, "lock", -1) >= 0:
+            self.close()
 
     def __enter__(self) -> MethodSandbox:
         return self
@@ -136,7 +181,8 @@ class Process:
         if self.closed:
             raise RuntimeError("a closed process of the method was asked")
         w = self.method.wheel
-        answer = self.conversation.ask(json.dumps({"op": op, **args}).encode(), payload, STEP_SECONDS)
+        answer = self.conversation.ask(json.dumps({"op": op, **args}).encode(), payload,
+                                       self.method.step_seconds or STEP_SECONDS)
         if answer is None:
             why = self.conversation.why()
             self.close()

@@ -14,7 +14,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    """Add tracks.contest_json, the methods table and runs.method_id."""
+    """Add tracks.contest_json, the methods and method_admissions tables and runs.method_id."""
     op.add_column("tracks", sa.Column("contest_json", sa.Text(), nullable=True))
     op.create_table(
         "methods",
@@ -34,6 +34,12 @@ def upgrade() -> None:
         sa.Column("created_ms", sa.BigInteger(), nullable=False),
         sa.UniqueConstraint("account_id", "track", "files_sha256"),
     )
+    op.create_table(
+        "method_admissions",
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column("account_id", sa.Integer(), sa.ForeignKey("accounts.id"), nullable=False, index=True),
+        sa.Column("made_ms", sa.BigInteger(), nullable=False),
+    )
     with op.batch_alter_table("runs") as batch:
         batch.add_column(sa.Column("method_id", sa.Integer(), sa.ForeignKey("methods.id", name="fk_runs_method"),
                                    nullable=True))
@@ -45,5 +51,6 @@ def downgrade() -> None:
     with op.batch_alter_table("runs") as batch:
         batch.drop_index("ix_runs_method_id")
         batch.drop_column("method_id")
+    op.drop_table("method_admissions")
     op.drop_table("methods")
     op.drop_column("tracks", "contest_json")
