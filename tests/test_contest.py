@@ -104,7 +104,8 @@ def test_two_accounts_two_methods_three_seeds_each_certified_and_ranked(board):
         assert r["status"] == "certified", r["reason"]
         assert r["bound"] == 1.0 and r["verdict"]["challenges"] == 12  # every step replayed, in the sandbox
         assert any("ran only in the sandbox" in line for line in r["verdict"]["checks"])
-        assert any(line.startswith("within the track's budget: 12 steps, 192 training samples, 1,728 tokens")
+        assert any(line.startswith("within the track's budget, by what the run committed: 12 steps, 192 training samples, "
+                               "1,728 tokens")
                    for line in r["verdict"]["checks"])
         assert "targets hidden from the method" in r["contamination"]
         # the evaluation is the server's own, signed by it, every aggregate recomputable from its examples

@@ -156,8 +156,8 @@ def check_budget(bundle: Bundle, budget: Budget, data_task: Any) -> str:  # noqa
     over = budget.breaches(steps, samples, tokens, params)
     if over:
         raise VerificationError("the run exceeds the track's budget: " + "; ".join(over), check="budget")
-    return (f"within the track's budget: {steps:,} steps, {samples:,} training samples, {tokens:,} tokens, "
-            f"{params:,} parameters")
+    return (f"within the track's budget, by what the run committed: {steps:,} steps, {samples:,} training samples, "
+            f"{tokens:,} tokens, {params:,} parameters (not what its code computes inside a step)")
 
 
 def usage_of(bundle: Bundle, dataset: Any) -> UsageCommitment:  # noqa: ANN401 - a Dataset
