@@ -5,6 +5,7 @@ within its stated patience or stops with one clear line, and its bundle continue
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -167,3 +168,22 @@ def test_a_refusal_cannot_write_control_characters_to_the_terminal():
 
     said = _detail(Answer(400, b'{"detail": "bad\\u001b[2J\\u0007 head"}'))
     assert "\x1b" not in said and "\x07" not in said and "bad" in said and "head" in said
+
+
+def test_a_beacon_outage_at_the_run_end_is_settled_by_resume(beacon, tmp_path, capsys):
+    """The beacon goes down for longer than the patience as the run ends: training completes and
+    exits 2 naming --resume, and --resume (the beacon back) sends the heads it never answered,
+    rebuilds the states their statements select and finishes the audit: nothing is lost."""
+    beacon.mode, beacon.after = "500", 13  # this run sends 14 heads: the final one finds the beacon down
+    assert main(_train(tmp_path, beacon.url, "--beacon-patience", "2")) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in _one_clear_line(err), err
+    assert (tmp_path / "run" / "log.jsonl").read_bytes().count(b"\n") == 40 + 2  # the end record is written
+    beacon.mode = None  # back
+    assert main([*_train(tmp_path, beacon.url), "--resume"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main([*_train(tmp_path, beacon.url), "--resume"]) == 2  # settled now: nothing left to resume
+    assert "already complete" in capsys.readouterr().err
+    assert main(["verify", "--allow-weak", str(tmp_path / "run"), "--challenges", "4", "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["accepted"] and verdict["complete"], verdict

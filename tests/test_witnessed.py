@@ -44,8 +44,9 @@ SEED = b"\x31" * 32  # the local chain's BLS key, fixed: its chain info is pinne
 class Loopback:
     """A local drand chain and ``witnesses`` witnesses (two by default), served on loopback for one module."""
 
-    def __init__(self, folder: Path, witnesses: int = 2, pq: tuple[int, ...] = ()):
-        """``pq``: the witnesses started with an ML-DSA-44 cosigner key (``--cosigner ml-dsa-44``)."""
+    def __init__(self, folder: Path, witnesses: int = 2, pq: tuple[int, ...] = (), wrap=None):  # noqa: ANN001
+        """``pq``: the witnesses started with an ML-DSA-44 cosigner key (``--cosigner ml-dsa-44``);
+        ``wrap``: ASGI middleware around each witness."""
         from cryptography.hazmat.primitives.asymmetric.mldsa import MLDSA44PrivateKey
 
         self.folder = folder
@@ -56,8 +57,9 @@ class Loopback:
         self.keys = [generate_key() for _ in range(witnesses)]
         self.names = [f"w{i + 1}.example" for i in range(witnesses)]
         for i, k in enumerate(self.keys):
-            self.servers.append(start_uvicorn(create_app(f"sqlite:///{folder / f'w{i}.db'}", k, name=self.names[i],
-                                                         cosigner_key=MLDSA44PrivateKey.generate() if i in pq else None)))
+            app = create_app(f"sqlite:///{folder / f'w{i}.db'}", k, name=self.names[i],
+                             cosigner_key=MLDSA44PrivateKey.generate() if i in pq else None)
+            self.servers.append(start_uvicorn(app if wrap is None else wrap(app)))
         self.drand_url = self.servers[0][2]
         self.urls = [s[2] for s in self.servers[1:]]
         self.clients = [WitnessClient(u) for u in self.urls]
@@ -426,6 +428,66 @@ def test_a_witnessed_run_killed_and_resumed_verifies(loop, tmp_path, capsys, kil
     assert not (out / "online" / "cosigned.jsonl").exists()
     code, v = verify(out, loop, capsys=capsys)
     assert code == 0 and v["accepted"] and v["complete"] and v["online"]["final"], v
+
+
+class FinalOutage:
+    """ASGI middleware around a witness: down (503) for the run's final checkpoint while ``down``."""
+
+    def __init__(self, app, final: int):  # noqa: ANN001
+        self.app, self.final, self.down, self.refused = app, final, True, 0
+
+    async def __call__(self, scope, receive, send):  # noqa: ANN001 - ASGI
+        if scope["type"] != "http" or not scope["path"].endswith("add-checkpoint"):
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body, more = body + msg.get("body", b""), msg.get("more_body", False)
+        if self.down and f"\n{self.final}\n".encode() in body:  # the checkpoint's size line
+            self.refused += 1
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-length", b"4")]})
+            return await send({"type": "http.response.body", "body": b"down"})
+        sent = False
+
+        async def again():  # noqa: ANN202
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, again, send)
+
+
+def test_a_witness_outage_at_the_run_end_is_settled_by_resume(tmp_path, capsys):
+    """The witnesses are down for longer than the patience when the run's final checkpoint goes out:
+    training completes and exits 2 naming --resume; --resume (the witnesses back) posts the final
+    checkpoint and settles its window, which comes too late for the round its end record named and so
+    counts for nothing: the verdict says so and claims only the windows before it."""
+    outages: list[FinalOutage] = []
+    (tmp_path / "lb").mkdir()
+    lb = Loopback(tmp_path / "lb", wrap=lambda app: outages.append(FinalOutage(app, STEPS + 2)) or outages[-1])
+    try:
+        key = tmp_path / "trainer.key"
+        save_key(generate_key(), key)
+        args = ["train", "--task", "tiny", "--steps", str(STEPS), "--out", str(tmp_path / "b"), "--key", str(key),
+                "--quiet", "--no-self-check", "--online-p", str(P), "--online-every", str(EVERY), "--drand",
+                lb.drand_url, "--drand-chain", str(lb.info), "--beacon-patience", "2"]
+        for u in lb.urls:
+            args += ["--witness", u]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "--resume" in err and "Traceback" not in err, err
+        assert outages[0].refused
+        for o in outages:
+            o.down = False
+        assert main([*args, "--resume"]) == 0, capsys.readouterr().err
+        capsys.readouterr()
+        code, v = verify(tmp_path / "b", lb, capsys=capsys)
+        assert code == 0 and v["accepted"] and v["complete"], v
+        assert "cosigned too" in json.dumps(v), v  # the late final window is named, and claims nothing
+    finally:
+        lb.close()
 
 
 def test_inspect_shows_a_witnessed_runs_windows(honest, capsys):

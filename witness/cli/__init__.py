@@ -10,7 +10,9 @@ import errno
 import functools
 import os
 import sys
+from pathlib import Path
 
+from ..bundle.layout import LOG
 from ..errors import VerificationError
 from . import audit, beacon, data, demo, drand, evals, operator, run
 from .args import DEFAULT_KEY, one_line, unusable_or_rejected
@@ -63,6 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         return _closed_pipe()
 
 
+def _resume_hint(args: argparse.Namespace) -> str:
+    """What a training run stopped by its beacon or witnesses keeps, and how it goes on."""
+    out = getattr(args, "out", None)
+    if args.command != "train" or not out or not (Path(out) / LOG).exists():
+        return ""
+    return ("; the bundle keeps every record and answer so far: the same command with --resume goes on from "
+            "them (and settles the audit of a run whose steps are all trained) once it answers again")
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -99,11 +110,11 @@ def _main(argv: list[str] | None) -> int:
             print(f"the leaderboard refused: {e}", file=sys.stderr)
             return 2
         if isinstance(e, BeaconError):
-            print(f"error: {one_line(str(e))}", file=sys.stderr)
+            print(f"error: {one_line(str(e))}{_resume_hint(args)}", file=sys.stderr)
             return 2
         if isinstance(e, httpx.TransportError):
             where = "the beacon" if getattr(args, "beacon", None) else "the leaderboard"
-            print(f"cannot reach {where}: {e}", file=sys.stderr)
+            print(f"cannot reach {where}: {e}{_resume_hint(args)}", file=sys.stderr)
             return 2
         # a crash is never a verdict: exit 1 is a rejection's, so an unforeseen error is 2, with its traceback
         import traceback

@@ -156,6 +156,12 @@ class OnlineChallenges(KeptFiles):
                 self._save(settle(pending, self.log))
         self.link.resume_at(max(self.statements, default=0))  # type: ignore[attr-defined]
 
+    def settled(self, final: int) -> bool:
+        """Whether the audit of a run whose end record is signed by its head of size ``final`` is whole
+        (after ``load``): that head answered, every selected state and window's openings written, and
+        no cosigned checkpoint left in the journal."""
+        return final in self.statements and not self.wanted and not self.reopen and not (self.out / COSIGNED).exists()
+
     def _needed(self, st: BeaconStatement) -> set[int]:
         """The states a statement asks for: before each selected step, and after it (what a verifier in
         tolerance mode compares with), unless that is a checkpoint the bundle holds anyway."""

@@ -17,7 +17,6 @@ from .. import __version__, replays
 from ..bundle.checkpoint import file_sha256, read_checkpoint, save_checkpoint
 from ..bundle.layout import (
     CHECKPOINTS,
-    COSIGNED,
     HEADS,
     LEAVES,
     LOG,
@@ -301,9 +300,10 @@ def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None, 
     torch.set_num_threads(bounded_threads(threads or manifest["threads"]))
     records = [parse_canonical_json(line) for line in lines[1:]]
     ended = bool(records) and records[-1]["type"] == "end"
-    # a witnessed run killed while its last windows waited for their rounds is finished by a resume:
-    # its journal of cosigned checkpoints stays until every window is kept
-    if ended and not (started.online is not None and (out / COSIGNED).exists()):
+    # an online run whose audit did not settle is finished by a resume: killed while its last windows
+    # waited for their rounds (its journal of cosigned checkpoints stays until every window is kept),
+    # or stopped by a beacon or witness outage longer than its patience as its last heads went out
+    if ended and started.online is None:
         raise ValueError(f"the run in {out} is already complete")
     intact = [0]
     steps = 0
@@ -331,6 +331,9 @@ def reopen(out: str | os.PathLike, key: Ed25519PrivateKey, threads: int | None, 
         spec = OnlineSpec(**{"chunks": 0, "tree": None} | started.online)  # (a run without chunks names none)
         online = challenges(out, session, manifest, spec, beacon, key, RunLog(lines[:signed]))
         online.load()
+        if ended and online.settled(len(lines)):
+            raise ValueError(f"the run in {out} is already complete: every head it signed is answered and every "
+                             "state its statements select is written")
     last = max(signed - 1, intact[-1])  # steps kept in the log
     limit = min(last, online.first_needed()) if online is not None else last
     resume_at = max(c for c in intact if c <= limit)
