@@ -30,7 +30,7 @@ def test_the_script_takes_at_most_10_witness_lines_and_the_plugin_at_most_40():
     plain = "\n".join(line for line in body.splitlines() if not re.search(r"#\s*witness\b", line))
     ast.parse(plain)  # without them it is the plain script: nothing of its own was replaced
     assert "Trainer(model=model, args=args, train_dataset=train_dataset)" in plain
-    assert len((EXAMPLE / "witness_clm.py").read_text().splitlines()) <= 40
+    assert len((EXAMPLE / "witness_clm" / "__init__.py").read_text().splitlines()) <= 40
 
 
 def run(work: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -84,8 +84,8 @@ def test_the_offline_audit_finds_the_text_and_the_tokenizer_by_their_content(wor
 
 
 def test_a_dataset_that_is_not_the_plugins_is_refused_before_a_step(work, tmp_path, monkeypatch):
-    import run_clm
     from transformers import Trainer, TrainingArguments
+    from witness_clm import run_clm
 
     from witness.integrations.hf import attach
     from witness.record import start_run
@@ -115,8 +115,8 @@ def test_online_mode_is_one_environment_variable(work, tmp_path, capsys):
     (dict(adam_beta2=0.95), "adam_beta1/adam_beta2/adam_epsilon"),
 ])
 def test_trainer_settings_the_recipe_does_not_have_are_refused(work, tmp_path, monkeypatch, setting, message):
-    import run_clm
     from transformers import Trainer, TrainingArguments
+    from witness_clm import run_clm
 
     from witness.integrations.hf import attach, trainer_recipe
     from witness.record import start_run
@@ -139,8 +139,8 @@ def test_trainer_settings_the_recipe_does_not_have_are_refused(work, tmp_path, m
 
 
 def test_an_environment_that_makes_accelerate_compile_is_refused_before_a_step(work, tmp_path, monkeypatch):
-    import run_clm
     from transformers import Trainer, TrainingArguments
+    from witness_clm import run_clm
 
     from witness.integrations.hf import attach
     from witness.record import start_run

@@ -26,7 +26,7 @@ def test_the_script_takes_at_most_10_witness_lines_and_the_plugin_at_most_40():
     marked = [line for line in body.splitlines() if re.search(r"#\s*witness\b", line)]
     assert 1 <= len(marked) <= 10
     ast.parse("\n".join(line for line in body.splitlines() if not re.search(r"#\s*witness\b", line)))
-    assert len((EXAMPLE / "witness_lit.py").read_text().splitlines()) <= 40
+    assert len((EXAMPLE / "witness_lit" / "__init__.py").read_text().splitlines()) <= 40
 
 
 def run(work: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -60,7 +60,7 @@ def test_the_run_replays_every_step_and_the_cheap_audit_needs_no_data(work, tmp_
 def test_a_loader_over_other_data_is_refused(work, tmp_path):
     import lightning as L
     import torch
-    import train_lit
+    from witness_lit import train_lit
 
     from witness.integrations.lightning import committed_loader
     from witness.record import start_run

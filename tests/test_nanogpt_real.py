@@ -43,7 +43,7 @@ def test_train_py_takes_at_most_10_changed_lines_and_the_plugin_at_most_40():
     assert sorted(line[:2] for line in ported) == ["+ "] * 3 + ["- "] * 3, ported
     assert all(CPU_RANKS in line and "cuda" in line for line in ported if line.startswith("+ "))
     assert all("cuda" in line or "ddp_local_rank" in line for line in ported if line.startswith("- "))
-    assert len((EXAMPLE / "witness_nanogpt.py").read_text().splitlines()) <= 40
+    assert len((EXAMPLE / "witness_nanogpt" / "__init__.py").read_text().splitlines()) <= 40
     assert (EXAMPLE / "model.py").read_text().startswith('"""\nFull definition of a GPT Language Model')
 
 

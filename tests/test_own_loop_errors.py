@@ -38,6 +38,26 @@ def test_a_plugin_that_does_not_import_is_named_not_a_traceback(broken_plugin, t
     assert code == 2 and "cannot be loaded" in err and "witness-broken-demo 0.1" in err and "Traceback" not in err
 
 
+def test_the_example_plugins_install_no_generic_top_level_name(tmp_path):
+    """`make setup` installs the examples' plugins; none may claim a name such as ``model``, ``run_clm``
+    or ``train_lit``, which would shadow a user's own module of that name."""
+    import subprocess
+    from importlib.metadata import entry_points
+
+    tops = {ep.dist.name: registry.top_level_names(ep.dist) for ep in entry_points(group="witness.tasks")
+            if ep.dist is not None and ep.dist.name != "witness"}
+    assert {"witness-nanogpt", "witness-example-clm", "witness-example-lightning"} <= set(tops), tops
+    assert all(name.startswith("witness_") for names in tops.values() for name in names), tops
+    (tmp_path / "model.py").write_text("WHOSE = 'mine'\n")  # a user's own model.py, imported from elsewhere
+    (tmp_path / "pkg").mkdir()
+    code = "import sys; sys.path.append(sys.argv[1]); import model, witness_nanogpt; print(model.WHOSE)"
+    for name in ("model", "run_clm", "train_lit"):
+        p = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path / "pkg", capture_output=True)
+        assert p.returncode == 1 and b"ModuleNotFoundError" in p.stderr, (name, p.stderr)
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path / "pkg", capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "mine", p.stderr
+
+
 def test_a_run_that_stopped_before_its_first_step_can_be_started_again(tmp_path):
     from witness.commit.signing import generate_key
     from witness.record import Recorder

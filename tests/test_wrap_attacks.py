@@ -132,8 +132,8 @@ def test_a_second_run_after_a_failed_one_takes_over_its_hooks_and_generators(dat
 
 
 def test_a_collator_of_the_scripts_own_is_refused_not_dropped(tmp_path, monkeypatch):
-    import run_clm
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+    from witness_clm import run_clm
 
     from witness.integrations.hf import attach
     from witness.record import start_run
@@ -160,7 +160,7 @@ def test_a_collator_of_the_scripts_own_is_refused_not_dropped(tmp_path, monkeypa
 
 def test_a_loader_with_a_collate_fn_of_its_own_is_refused(tmp_path):
     import lightning as L
-    import train_lit
+    from witness_lit import train_lit
 
     from witness.integrations.lightning import committed_loader
     from witness.record import start_run

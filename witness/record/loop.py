@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,22 +53,34 @@ def off_by_one_hint(steps: int) -> str:
 
 
 def same_class(a: type, b: type) -> bool:
-    """The same class, or the same class of the same file imported twice: a script run as
-    ``__main__`` defines the class its plugin imports from it as a module."""
+    """The same class, or the same class of the same code imported twice: a script run as
+    ``__main__`` defines the class its plugin imports from it as a module, and a script's own
+    ``model.py`` is the file its plugin's package links in (or a copy of it, byte for byte)."""
     if a is b:
         return True
     try:
-        return a.__qualname__ == b.__qualname__ and inspect.getfile(a) == inspect.getfile(b)
+        if a.__qualname__ != b.__qualname__:
+            return False
+        fa, fb = Path(inspect.getfile(a)), Path(inspect.getfile(b))
+        return fa == fb or fa.resolve() == fb.resolve() or fa.read_bytes() == fb.read_bytes()
     except (TypeError, OSError):
         return False
+
+
+def _where(cls: type) -> str:
+    """A class by name and file, for messages."""
+    try:
+        return f"{cls.__qualname__} ({inspect.getfile(cls)})"
+    except (TypeError, OSError):
+        return f"{cls.__qualname__} ({cls.__module__})"
 
 
 def adopt_model(model: torch.nn.Module, built: torch.nn.Module) -> None:
     """Give the loop's own ``model`` the initial state ``built`` (the task's, from the run seed), in
     place, so that the loop's references to its tensors (an optimizer built on them) stay valid."""
     if not same_class(type(model), type(built)):
-        raise ValueError(f"the loop's model is a {type(model).__qualname__}; the task's plugin builds a "
-                         f"{type(built).__qualname__}: a verifier would replay another model")
+        raise ValueError(f"the loop's model is a {_where(type(model))}; the task's plugin builds a "
+                         f"{_where(type(built))}: a verifier would replay another model")
     mine, theirs = model.state_dict(), built.state_dict()
     missing, extra = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
     if missing or extra:

@@ -1,8 +1,9 @@
-"""nanoGPT's train.py as a witness task: its own model.py (pinned with this file) and its token files."""
+"""nanoGPT's train.py as a witness task: its own model.py (linked into this package, which pins it) and token files."""
 from dataclasses import asdict, fields, make_dataclass
 
-from model import GPT, GPTConfig
 from witness.task.generic import GenericConfig, GenericTask, TokenWindows, nanogpt_lr
+
+from .model import GPT, GPTConfig
 
 # the recipe: witness's fields (steps, batch_size, grad_accum, lr, warmup, ...), GPTConfig's, get_lr's and the data's
 Config = make_dataclass("Config", [(f.name, f.type, f.default) for f in fields(GPTConfig)] + [
@@ -36,5 +37,4 @@ class NanoGPT(GenericTask):
         return model(*batch)[0]
 
     def lr_at(self, it):  # train.py's get_lr
-        return nanogpt_lr(it, *(getattr(self.config, k) for k in ("lr", "warmup", "lr_decay_iters", "min_lr"))) \
-            if self.config.decay_lr else self.config.lr
+        return nanogpt_lr(it, *(getattr(self.config, k) for k in ("lr", "warmup", "lr_decay_iters", "min_lr"))) if self.config.decay_lr else self.config.lr

@@ -1,15 +1,15 @@
-"""run_clm.py as a witness task: its own model, tokenizer and dataset (run_clm.py is pinned with this file)."""
+"""run_clm.py as a witness task: its own model, tokenizer and dataset (run_clm.py, linked into this package, which pins it)."""
 from dataclasses import make_dataclass
 
 import torch.nn.functional as F
-from run_clm import build_model, load_blocks
 from witness.data.locate import data_file
 from witness.integrations.hf import trainer_lr, trainer_recipe
 from witness.task.generic import GenericConfig, GenericTask
 
+from .run_clm import build_model, load_blocks
+
 # the recipe: witness's fields (steps, batch_size, grad_accum, lr, warmup, grad_clip, ...), and the model's
-Config = make_dataclass("Config", [("block", int, 32), ("vocab_size", int, 64), ("n_layer", int, 2), ("n_embd", int, 64),
-                                   ("dropout", float, 0.1)], bases=(GenericConfig,), frozen=True)
+Config = make_dataclass("Config", [("block", int, 32), ("vocab_size", int, 64), ("n_layer", int, 2), ("n_embd", int, 64), ("dropout", float, 0.1)], bases=(GenericConfig,), frozen=True)
 
 
 class CLM(GenericTask):

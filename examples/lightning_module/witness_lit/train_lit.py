@@ -1,0 +1,1 @@
+../train_lit.py
