@@ -233,7 +233,9 @@ def parse_data_files(obj: Any, where: str) -> dict:
             raise _fail(where, str(e)) from None
         if len(name) > 512:
             raise _fail(where, "a data name over 512 characters")
-        _keys(v, {"sha256", "size"}, set(), f"{where}[{name!r}]")
+        _keys(v, {"sha256", "size"}, {"folder"}, f"{where}[{name!r}]")
+        if "folder" in v and v["folder"] is not True:  # a folder (a tokenizer's) is pinned by its files
+            raise _fail(f"{where}[{name!r}].folder", "must be true where present")
         parse_hex(v["sha256"], f"{where}[{name!r}].sha256")
         _int(v["size"], f"{where}[{name!r}].size", 0, SIDE_FILE_MAX)
     return obj

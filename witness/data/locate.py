@@ -12,13 +12,14 @@ path that could be it (``candidates``) until one has the committed root.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from ..commit.hashing import file_sha256
+from ..commit.hashing import canonical_json, file_sha256
 
 SEARCH_ENV = "WITNESS_DATA"
 MAX_CANDIDATES = 10_000  # files looked at per name: a search path is folders of data, not a disk
@@ -32,7 +33,7 @@ _asked: ContextVar[tuple[list[str], ...]] = ContextVar("witness_data_asked", def
 # within ``no_data()``: every name is missing, whatever lies on this disk
 _no_data: ContextVar[bool] = ContextVar("witness_no_data", default=False)
 # name -> (sha256, size): the file a name stands for is the one with that content (a run's data_files)
-_by_content: ContextVar[dict[str, tuple[str, int]] | None] = ContextVar("witness_by_content", default=None)
+_by_content: ContextVar[dict[str, tuple[str, int, bool]] | None] = ContextVar("witness_by_content", default=None)
 _found: ContextVar[dict[str, Path] | None] = ContextVar("witness_found", default=None)
 
 
@@ -128,7 +129,8 @@ def by_content(files: dict[str, dict]) -> Iterator[dict[str, Path]]:
     for the file of the search path with that content, found when the task first asks for it (never
     for a name it does not read); the dict yielded fills with what was found where."""
     found: dict[str, Path] = {}
-    t1 = _by_content.set({**(_by_content.get() or {}), **{k: (v["sha256"], v["size"]) for k, v in files.items()}})
+    t1 = _by_content.set({**(_by_content.get() or {}),
+                          **{k: (v["sha256"], v["size"], bool(v.get("folder"))) for k, v in files.items()}})
     t2 = _found.set(found)
     try:
         yield found
@@ -137,14 +139,15 @@ def by_content(files: dict[str, dict]) -> Iterator[dict[str, Path]]:
         _by_content.reset(t1)
 
 
-def _content(name: str, sha256: str, size: int) -> Path:
+def _content(name: str, sha256: str, size: int, folder: bool) -> Path:
     found = _found.get()
     if found is not None and name in found:
         return found[name]
-    path = find_by_content(name, sha256, size)
+    path = find_by_content(name, sha256, size, folder)
     if path is None:
         where = ", ".join(str(d) for d in search_path())
-        raise FileNotFoundError(f"the run's data file {name!r} (sha256 {sha256[:16]}…, {size} bytes) is in none of "
+        what = "folder" if folder else "file"
+        raise FileNotFoundError(f"the run's data {what} {name!r} (sha256 {sha256[:16]}…, {size} bytes) is in none of "
                                 f"the data folders ({where}): pass the folder it lies in with --data DIR (or set "
                                 f"{SEARCH_ENV})")
     if found is not None:
@@ -173,9 +176,11 @@ def asked() -> Iterator[list[str]]:
         _asked.reset(token)
 
 
-def candidates(name: str) -> Iterator[Path]:
+def candidates(name: str, any_suffix: bool = False) -> Iterator[Path]:
     """Every entry of the search path that could hold the data ``name`` names: files with its suffix
-    (for a name without one, folders and files without one too), the one at the name itself first."""
+    (for a name without one, folders and files without one too), the one at the name itself first;
+    with ``any_suffix`` (a file found by its content, which a rename cannot hide), then every other
+    file and folder."""
     check_name(name)
     suffix = PurePosixPath(name.rstrip("/")).suffix
     seen: set[Path] = set()
@@ -185,20 +190,22 @@ def candidates(name: str) -> Iterator[Path]:
         if first is not None and first not in seen:
             seen.add(first)
             yield d / name
-        if not d.is_dir():
-            continue
-        for dirpath, dirnames, filenames in os.walk(d):
-            dirnames.sort()
-            entries = sorted(filenames) + (dirnames if not suffix else [])
-            for e in entries:
-                looked += 1
-                if looked > MAX_CANDIDATES:
-                    return
-                p = Path(dirpath) / e
-                real = _resolved(p) if p.suffix == suffix else None
-                if real is not None and real not in seen:
-                    seen.add(real)
-                    yield p
+    for same_suffix in (True, False) if any_suffix else (True,):
+        for d in search_path():
+            if not d.is_dir():
+                continue
+            for dirpath, dirnames, filenames in os.walk(d):
+                dirnames.sort()
+                entries = sorted(filenames) + (dirnames if not suffix or not same_suffix else [])
+                for e in entries:
+                    looked += 1
+                    if looked > MAX_CANDIDATES:
+                        return
+                    p = Path(dirpath) / e
+                    real = _resolved(p) if (p.suffix == suffix) == same_suffix else None
+                    if real is not None and real not in seen:
+                        seen.add(real)
+                        yield p
 
 
 def _resolved(p: Path) -> Path | None:
@@ -209,13 +216,15 @@ def _resolved(p: Path) -> Path | None:
         return None
 
 
-SIDE_FILE_MAX = 64 << 20  # a file a task reads up to this size is pinned by its hash in the manifest
+SIDE_FILE_MAX = 64 << 20  # a file (or folder) a task reads up to this size is pinned by its hash in the manifest
 SIDE_FILES_MAX = 64  # names a manifest pins so
+SIDE_FOLDER_FILES = 1024  # files a pinned folder (a tokenizer's) may hold
 
 
 def side_files(names: list[str]) -> dict[str, dict]:
     """What a run's manifest pins of the data files its task read (``asked``): each file up to
-    ``SIDE_FILE_MAX`` by its SHA-256 and size, so a verifier finds it by content wherever it lies
+    ``SIDE_FILE_MAX`` by its SHA-256 and size, and each folder (a tokenizer's) by the hash of its
+    files' names and contents, so a verifier finds it by content wherever it lies, under any name
     (a larger file, a corpus, is found by the dataset's committed root instead)."""
     out: dict[str, dict] = {}
     for name in names[:SIDE_FILES_MAX]:
@@ -225,14 +234,46 @@ def side_files(names: list[str]) -> dict[str, dict]:
             continue
         if p.is_file() and p.stat().st_size <= SIDE_FILE_MAX:
             out[name] = {"sha256": file_sha256(p).hex(), "size": p.stat().st_size}
+        elif p.is_dir():
+            digest = folder_digest(p)
+            if digest is not None:
+                out[name] = {"sha256": digest[0], "size": digest[1], "folder": True}
     return out
 
 
-def find_by_content(name: str, sha256: str, size: int) -> Path | None:
-    """The file of the search path with this content: the one the name points to, else any
-    candidate for the name (another file name, another folder) of that size and hash."""
-    for p in candidates(name):
+def folder_digest(folder: Path, size: int | None = None) -> tuple[str, int] | None:
+    """SHA-256 over a folder's files (their paths inside it, sizes and contents, in path order) and
+    their total size; None past ``SIDE_FOLDER_FILES`` files or ``SIDE_FILE_MAX`` bytes, or (``size``
+    given) as soon as its files are not that many bytes, before any is hashed."""
+    files: list[tuple[str, Path, int]] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for f in sorted(filenames):
+            p = Path(dirpath) / f
+            try:
+                n = p.stat().st_size
+            except OSError:
+                return None
+            total += n
+            files.append((p.relative_to(folder).as_posix(), p, n))
+            if len(files) > SIDE_FOLDER_FILES or total > SIDE_FILE_MAX or size is not None and total > size:
+                return None
+    if size is not None and total != size:
+        return None
+    listing = [[rel, n, _cached_sha256(str(p.resolve()), n, p.stat().st_mtime_ns)] for rel, p, n in files]
+    return hashlib.sha256(canonical_json(sorted(listing))).hexdigest(), total
+
+
+def find_by_content(name: str, sha256: str, size: int, folder: bool = False) -> Path | None:
+    """The file (or ``folder``) of the search path with this content: the one the name points to,
+    else any candidate of that size and hash, whatever its name, suffix or folder."""
+    for p in candidates(name, any_suffix=True):
         try:
+            if folder:
+                if p.is_dir() and folder_digest(p, size) == (sha256, size):
+                    return p
+                continue
             st = p.stat()
             if p.is_file() and st.st_size == size and _cached_sha256(str(p.resolve()), st.st_size, st.st_mtime_ns) == sha256:
                 return p
