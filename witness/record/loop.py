@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..task.base import mean_of_ranks, micro_seed, model_device, to_device
 
@@ -113,6 +114,7 @@ def adopt(session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     adopt_model(model, session.model)
     if optimizer is None:
         optimizer = task.build_optimizer(model)
+        optimizer.witness_built = True  # the loop's own, built inside its loop, may take its place (Hooked)
     else:
         check_optimizer(optimizer, model, session.optimizer, session.model)
     scaler = getattr(session.optimizer, "witness_scaler", None)
@@ -122,24 +124,30 @@ def adopt(session: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     session.step_model = task.step_model(model)
 
 
+BUILD_OPTIMIZER = ("; the plugin's build_optimizer(model) builds the recipe's: a loop whose optimizer has groups "
+                   "of its own has the plugin override build_optimizer to build the same groups (docs/recorder.md, "
+                   "'Optimizer groups of your own')")
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, want: torch.optim.Optimizer,
                     want_model: torch.nn.Module) -> None:
     """Refuse a loop's optimizer that would not step as the recipe's does (``want``, built on
     ``want_model``); a kernel flag left to torch (``None``) is set to the recipe's where they agree."""
     if type(optimizer) is not type(want):
-        raise ValueError(f"the loop's optimizer is {type(optimizer).__name__}; the recipe's is {type(want).__name__}")
+        raise ValueError(f"the loop's optimizer is {type(optimizer).__name__}; the recipe's is {type(want).__name__}"
+                         f"{BUILD_OPTIMIZER}")
     if optimizer.state:
         raise ValueError("the loop's optimizer has stepped already: adopt it before the first step")
     names = {id(p): n for n, p in model.named_parameters()}
     want_names = {id(p): n for n, p in want_model.named_parameters()}
     if len(optimizer.param_groups) != len(want.param_groups):
         raise ValueError(f"the loop's optimizer has {len(optimizer.param_groups)} parameter group(s); the recipe's "
-                         f"has {len(want.param_groups)} (weight decay on matrices, none on vectors)")
+                         f"has {len(want.param_groups)} (weight decay on matrices, none on vectors){BUILD_OPTIMIZER}")
     for i, (g, w) in enumerate(zip(optimizer.param_groups, want.param_groups, strict=True)):
         got, exp = [names.get(id(p), "?") for p in g["params"]], [want_names[id(p)] for p in w["params"]]
         if got != exp:
             raise ValueError(f"the loop's optimizer's group {i} holds {got[:3]}…; the recipe's holds {exp[:3]}… "
-                             "(a verifier would step other tensors with other settings)")
+                             f"(a verifier would step other tensors with other settings){BUILD_OPTIMIZER}")
         for key in sorted(set(g) | set(w)):
             if key in ("params", "lr", "initial_lr"):
                 continue  # the rate is the schedule's, set by the loop at every step and checked there
@@ -154,6 +162,28 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, wa
 
 def _norm(v: Any) -> Any:  # noqa: ANN401 - an optimizer setting
     return tuple(_norm(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _no_hook(*args: Any, **kwargs: Any) -> None:  # noqa: ANN401 - any hook's arguments
+    """What a recording hook is in a pickled copy of the model: nothing."""
+
+
+class _Hook:
+    """A recording hook that a pickle leaves out: ``torch.save(model)`` of a hooked model saves the
+    model, not the recorder (its key, its files, its threads), and the copy loaded records nothing."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - the hook's own
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return _no_hook_factory, ()
+
+
+def _no_hook_factory() -> Callable[..., None]:
+    return _no_hook
 
 
 class Hooked:
@@ -190,10 +220,12 @@ class Hooked:
         self.queued = False  # the gradient norm's callback, queued by the step's last backward
         unhook(model, optimizer)
         HOOKED[model] = HOOKED[optimizer] = self
+        self.params = {id(p) for p in model.parameters()}
         self.handles = [
-            model.register_forward_pre_hook(self._pre, with_kwargs=True),
-            model.register_forward_hook(self._post, with_kwargs=True),
-            optimizer.register_step_post_hook(self._stepped),
+            model.register_forward_pre_hook(_Hook(self._pre), with_kwargs=True),
+            model.register_forward_hook(_Hook(self._post), with_kwargs=True),
+            register_optimizer_step_pre_hook(_Hook(self._any_step)),
+            optimizer.register_step_post_hook(_Hook(self._stepped)),
         ]
 
     def close(self) -> None:
@@ -289,7 +321,32 @@ class Hooked:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         self.norm = float(torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)) if grads else 0.0
 
-    # --- the optimizer's hook ---------------------------------------------------------------------
+    # --- the optimizer's hooks --------------------------------------------------------------------
+    def _any_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Before any optimizer steps: one the recorder was not given that steps this model (a Trainer
+        that builds its own inside its loop, as minGPT's ``Trainer.run`` does) is adopted at its first
+        step where the loop gave none and it is the recipe's, and refused at once otherwise (it would
+        train steps that no record covers)."""
+        if optimizer is self.optimizer or not any(id(p) in self.params for g in optimizer.param_groups
+                                                  for p in g["params"]):
+            return
+        if not getattr(self.optimizer, "witness_built", False) or self.step != self.rec.start_step \
+                or self.optimizer.state:
+            raise ValueError(
+                f"the loop stepped an optimizer ({type(optimizer).__name__}) that the recorder was not given: a "
+                "Trainer that builds its own optimizer inside its loop (minGPT's Trainer.run) steps one that no "
+                "record covers. Give start_run no optimizer (the loop's own is then adopted at its first step), "
+                "or the very one the loop steps: docs/recorder.md, 'Loops built inside a Trainer'")
+        check_optimizer(optimizer, self.model, self.optimizer, self.model)
+        self.handles.pop().remove()  # the post hook of the recipe's own, which the loop never steps
+        HOOKED.pop(self.optimizer, None)
+        scaler = getattr(self.optimizer, "witness_scaler", None)
+        if scaler is not None:
+            optimizer.witness_scaler = scaler
+        self.optimizer = self.rec.session.optimizer = optimizer
+        HOOKED[optimizer] = self
+        self.handles.append(optimizer.register_step_post_hook(_Hook(self._stepped)))
+
     def _stepped(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         step = self.step
         if step >= self.steps:
