@@ -37,6 +37,17 @@ def own_get_batch(split):
     return x, torch.roll(x, -1, 1)
 
 
+def recorder(data, model, optimizer=None):
+    """The loop's objects adopted by a nanogpt-style run's recorder."""
+    return Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
+                           training=Training(model=model, optimizer=optimizer))
+
+
+def replays_every_step(data) -> None:
+    v = Verifier(policy=Policy(mode="offline")).verify(data / "run")
+    assert v.accepted and v.replayed_steps == RECIPE["steps"], v.reason
+
+
 def train(rec, model, optimizer, steps, get_batch):
     X, Y = get_batch("train")
     for it in range(steps):
@@ -154,26 +165,22 @@ class InnerTrainer:
 
 def test_an_optimizer_built_inside_a_trainer_is_adopted_at_its_first_step(data):
     model, _ = own_objects()
-    rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          training=Training(model=model))  # no optimizer: the Trainer builds its own
+    rec = recorder(data, model)  # no optimizer: the Trainer builds its own
     InnerTrainer(model, rec.batches(own_get_batch), RECIPE["steps"]).run()
     rec.finish()
-    v = Verifier(policy=Policy(mode="offline")).verify(data / "run")
-    assert v.accepted and v.replayed_steps == RECIPE["steps"], v.reason
+    replays_every_step(data)
 
 
 def test_an_optimizer_the_recorder_was_not_given_is_refused_at_its_first_step(data):
     model, optimizer = own_objects()
-    rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          training=Training(model=model, optimizer=optimizer))
+    rec = recorder(data, model, optimizer)
     with pytest.raises(ValueError, match="Loops built inside a Trainer"):  # it would train unrecorded steps
         InnerTrainer(model, rec.batches(own_get_batch), 1).run()
 
 
 def test_a_trainer_optimizer_unlike_the_recipes_names_build_optimizer(data):
     model, _ = own_objects()
-    rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          training=Training(model=model))
+    rec = recorder(data, model)
     get_batch = rec.batches(own_get_batch)
     one_group = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     with pytest.raises(ValueError, match="build_optimizer"):
@@ -184,8 +191,7 @@ def test_a_hooked_model_saves_with_torch_save_without_the_recorder(data, tmp_pat
     import io
 
     model, optimizer = own_objects()
-    rec = Recorder.create(build_task("nanogpt-style", RECIPE), data / "run", generate_key(), r=bytes(32),
-                          training=Training(model=model, optimizer=optimizer))
+    rec = recorder(data, model, optimizer)
     get_batch = rec.batches(own_get_batch)  # the hooks are on
     buf = io.BytesIO()
     torch.save(model, buf)  # the hooks hold the recorder (its key): a pickle leaves them out
@@ -199,4 +205,4 @@ def test_a_hooked_model_saves_with_torch_save_without_the_recorder(data, tmp_pat
     model.train()
     train(rec, model, optimizer, RECIPE["steps"], get_batch)  # the run goes on
     rec.finish()
-    assert Verifier(policy=Policy(mode="offline")).verify(data / "run").accepted
+    replays_every_step(data)
