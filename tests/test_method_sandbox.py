@@ -129,7 +129,7 @@ ATTACKS = {
         held = []
         while True:
             held.append(bytearray(1 << 26))
-    """, "MemoryError"),
+    """, ("MemoryError", "stopped answering")),  # its limit raises, or (the error's own report out of memory too) kills it
     "fills its disk": ("""
         for i in range(10 ** 6):
             open(f"fill{i}", "wb").write(b"x" * (8 << 20))
@@ -157,7 +157,8 @@ def test_a_method_that_attacks_the_verifier_is_rejected_and_the_verifier_goes_on
     with pytest.raises(RunRejected) as e:
         verify(evil, run)
     v = e.value.verdict
-    assert not v.accepted and any(reason in f for f in v.failures), v.failures
+    reasons = reason if isinstance(reason, tuple) else (reason,)
+    assert not v.accepted and any(r in f for f in v.failures for r in reasons), v.failures
     assert sum(not r.passed for r in v.results) == 1  # the first failure decides: no further challenge is waited for
     assert not any("PRIVATE KEY" in f for f in v.failures)
     assert not Path("/tmp/witness-test-escape").exists()
