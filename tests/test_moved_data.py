@@ -1,6 +1,8 @@
 """Data moved and renamed after training, found by its content by every command that reads it:
-``verify``, ``eval``, ``verify-eval`` and ``data``. The plugin reads a training text, an evaluation
-text and a tokenizer folder; after the run they lie elsewhere, under other names and suffixes."""
+``verify``, ``eval`` and ``data``. The plugin reads a training text, an evaluation text and a tokenizer
+folder; after the run the training text and the tokenizer lie elsewhere, under other names and
+suffixes. The evaluation split is the verifier's own, found by its name only: a split found by a
+run's pin or a certificate's root would be one the trainer chose."""
 
 from __future__ import annotations
 
@@ -102,7 +104,8 @@ def trained(plugin, tmp_path_factory):
     elsewhere = root / "elsewhere" / "any"
     elsewhere.mkdir(parents=True)
     shutil.copy(work / "data" / "train.txt", elsewhere / "corpus.data")  # another name, another suffix
-    shutil.copy(work / "data" / "eval.txt", elsewhere / "heldout")  # no suffix at all
+    (root / "elsewhere" / "data").mkdir()
+    shutil.copy(work / "data" / "eval.txt", root / "elsewhere" / "data" / "eval.txt")  # the verifier's own, by name
     shutil.copytree(work / "data" / "tokenizer", elsewhere / "tok-v1")  # the tokenizer folder, renamed
     shutil.rmtree(work / "data")
     return work, root / "elsewhere", manifest
@@ -117,10 +120,19 @@ def away(trained, tmp_path, monkeypatch):
     registry._built.cache_clear()
 
 
-def test_the_manifest_pins_every_file_and_the_tokenizer_folder(trained):
+def own_split(elsewhere: Path, tmp_path: Path) -> Path:
+    """The verifier's data folders: the moved training files, and its own evaluation split with the
+    tokenizer it reads, by their names (the split is never found by content)."""
+    mine = tmp_path / "mine"
+    shutil.copytree(elsewhere, mine)
+    shutil.copytree(elsewhere / "any" / "tok-v1", mine / "data" / "tokenizer")
+    return mine
+
+
+def test_the_manifest_pins_the_training_files_and_the_tokenizer_folder(trained):
     _, _, manifest = trained
     pins = manifest["data_files"]
-    assert set(pins) == {"data/train.txt", "data/eval.txt", "data/tokenizer"}, pins
+    assert set(pins) == {"data/train.txt", "data/tokenizer"}, pins  # not the evaluation split: the verifier's
     assert pins["data/tokenizer"].get("folder") is True and "folder" not in pins["data/train.txt"]
 
 
@@ -131,14 +143,18 @@ def test_verify_finds_renamed_data_whatever_its_suffix(away, capsys):
     assert "ACCEPTED" in out and "corpus.data (found by its content)" in out and "tok-v1 (found by its content)" in out
 
 
-def test_eval_and_verify_eval_find_renamed_data(away, tmp_path, capsys):
+def test_eval_finds_renamed_training_data_and_verify_eval_the_split_by_its_name(away, tmp_path, capsys):
     work, elsewhere, _ = away
     assert main(["eval", str(work / "run"), "--key", str(work / "k.pem"), "--out", str(tmp_path / "c.json"),
-                 "--quiet", "--data", str(elsewhere)]) == 0, capsys.readouterr().err
+                 "--quiet", "--data", str(elsewhere)]) == 2  # the split's tokenizer is not where its name points
+    assert "'data/tokenizer' is in none of the data folders" in capsys.readouterr().err
+    mine = own_split(elsewhere, tmp_path)
+    assert main(["eval", str(work / "run"), "--key", str(work / "k.pem"), "--out", str(tmp_path / "c.json"),
+                 "--quiet", "--data", str(mine)]) == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "c.json").read_text())["aggregates"] == \
         json.loads((work / "cert.json").read_text())["aggregates"]
     assert main(["verify-eval", str(work / "cert.json"), "--bundle", str(work / "run"), "--spot", "12", "--allow-weak",
-                 "--data", str(elsewhere)]) == 0, capsys.readouterr().err
+                 "--data", str(mine)]) == 0, capsys.readouterr().err
 
 
 def test_data_queries_find_renamed_data(away, tmp_path, capsys):
@@ -157,3 +173,69 @@ def test_a_changed_tokenizer_folder_is_not_the_runs(away, tmp_path, capsys):
     (other / "any" / "tok-v1" / "vocab.json").write_text(json.dumps({"chars": "zyxwvutsrqponmlkjihgfedcba "}))
     assert main(["verify", str(work / "run"), "--data", str(other), "--mode", "offline"]) == 2
     assert "'data/tokenizer' (sha256" in capsys.readouterr().err
+
+
+def test_an_extra_file_in_the_verifiers_tokenizer_folder_is_no_reason_to_fail(away, tmp_path, capsys):
+    """The verifier's tokenizer folder holds one file more than the trainer's (a .gitattributes): no
+    folder has the pinned digest, so the one the name points to is read, and the committed root decides."""
+    work, elsewhere, _ = away
+    mine = tmp_path / "mine"
+    (mine / "data").mkdir(parents=True)
+    shutil.copytree(elsewhere / "any" / "tok-v1", mine / "data" / "tokenizer")
+    (mine / "data" / "tokenizer" / ".gitattributes").write_text("*.json text\n")
+    shutil.copy(elsewhere / "any" / "corpus.data", mine / "data" / "train.txt")
+    assert main(["verify", str(work / "run"), "--data", str(mine), "--mode", "offline"]) == 0, capsys.readouterr()
+
+
+def test_a_fifo_or_a_device_in_a_candidate_folder_does_not_hang_the_verifier(away, tmp_path, capsys):
+    import os
+    import subprocess
+
+    work, elsewhere, _ = away
+    trap = tmp_path / "trap" / "any"
+    shutil.copytree(elsewhere / "any", trap)
+    os.mkfifo(trap / "tok-v1" / "pipe")  # size 0: the folder's total is still the pin's
+    (trap / "tok-v1" / "zero").symlink_to("/dev/zero")
+    p = subprocess.run([sys.executable, "-m", "witness.cli", "verify", str(work / "run"), "--data", str(tmp_path / "trap"),
+                        "--mode", "offline"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(sys.modules["witness_moved_demo"].__path__[0].rsplit("/", 1)[0]),
+                                                                       os.environ.get("PYTHONPATH", "")])})
+    assert p.returncode == 2 and "'data/tokenizer'" in p.stderr, p.stderr  # not the run's folder: named missing
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_certificate_over_a_split_the_trainer_planted_is_rejected(away, tmp_path, capsys, monkeypatch, pinned):
+    """The trainer certifies its model on lines of its own, ships them beside the bundle (in the
+    verifier's working folder) and, ``pinned``, pins them as ``data/eval.txt`` in its signed manifest.
+    The verifier's own split is found by its name; the certificate does not match it and is rejected."""
+    import os
+
+    from witness.record import start
+
+    work, elsewhere, _ = away
+    easy = "\n".join(f"line {i}" for i in range(12))
+    if pinned:  # the trainer's own code, writing the pin it likes into the manifest it signs
+        real = start.side_files
+        monkeypatch.setattr(start, "side_files", lambda names: real(names) | {"data/eval.txt": {
+            "sha256": __import__("hashlib").sha256(easy.encode()).hexdigest(), "size": len(easy)}})
+    trainer = tmp_path / "trainer"
+    (trainer / "data").mkdir(parents=True)
+    shutil.copytree(elsewhere / "any" / "tok-v1", trainer / "data" / "tokenizer")
+    shutil.copy(elsewhere / "any" / "corpus.data", trainer / "data" / "train.txt")
+    (trainer / "data" / "eval.txt").write_text(easy)
+    os.chdir(trainer)
+    assert main(["train", "--task", "moved-data", "--out", "run", "--key", "k.pem", "--quiet", "--no-self-check"]) == 0
+    assert ("data/eval.txt" in json.loads((trainer / "run" / "log.jsonl").read_text().splitlines()[0])["data_files"]) \
+        == pinned
+    assert main(["eval", "run", "--key", "k.pem", "--out", "cert.json", "--quiet"]) == 0
+    release = tmp_path / "release"
+    shutil.copytree(trainer / "run", release / "run")
+    shutil.copy(trainer / "cert.json", release / "cert.json")
+    (release / "docs").mkdir()
+    (release / "docs" / "CHANGES.txt").write_text(easy)  # the planted split, on the verifier's search path
+    os.chdir(release)
+    registry._built.cache_clear()
+    capsys.readouterr()
+    assert main(["verify-eval", "cert.json", "--bundle", "run", "--spot", "12", "--allow-weak",
+                 "--data", str(own_split(elsewhere, tmp_path))]) == 1
+    assert "not the task's evaluation split here" in capsys.readouterr().err

@@ -87,3 +87,21 @@ def test_a_zero_width_recipe_is_refused(tmp_path, capsys):
     code = main(["train", "--task", "tiny", "--config", "hidden=0", "--out", str(tmp_path / "r"),
                  "--key", str(tmp_path / "k.pem"), "--quiet"])
     assert code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+def test_a_plugin_package_with_a_linked_folder_is_not_pinned_but_refused(tmp_path, monkeypatch):
+    """Python imports through a linked folder inside a package, but the pin's walk does not descend
+    into it: code there would change without changing the pin. Such a package is refused."""
+    site = tmp_path / "site"
+    pkg = site / "witness_linked_demo"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "layers.py").write_text("WIDTH = 4\n")
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .sub import layers\n")
+    (pkg / "sub").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    monkeypatch.syspath_prepend(str(site))
+    try:
+        with pytest.raises(ValueError, match="linked folder"):
+            registry.package_files_sha256("witness_linked_demo")
+    finally:
+        sys.modules.pop("witness_linked_demo", None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -124,6 +125,18 @@ def no_data() -> Iterator[None]:
 
 
 @contextmanager
+def no_pins() -> Iterator[None]:
+    """Within the block, every name is looked up by itself on the search path: no run's pinned content
+    and no candidate stands in for it (the data a verifier brings of its own, an evaluation split)."""
+    tokens = (_pinned.set(None), _by_content.set(None), _found.set(None))
+    try:
+        yield
+    finally:
+        for var, token in zip((_pinned, _by_content, _found), tokens, strict=True):
+            var.reset(token)
+
+
+@contextmanager
 def by_content(files: dict[str, dict]) -> Iterator[dict[str, Path]]:
     """Within the block, a name of ``files`` (a manifest's ``data_files``: name -> sha256, size) stands
     for the file of the search path with that content, found when the task first asks for it (never
@@ -144,6 +157,13 @@ def _content(name: str, sha256: str, size: int, folder: bool) -> Path:
     if found is not None and name in found:
         return found[name]
     path = find_by_content(name, sha256, size, folder)
+    if path is None and folder:
+        # a folder here with a file the run's had not (a README, a .gitattributes): the one the name
+        # points to is read, and the data it builds is checked against the committed root as ever
+        named = on_search_path(name)
+        path = named if named is not None and named.is_dir() else None
+        if path is not None:
+            return path
     if path is None:
         where = ", ".join(str(d) for d in search_path())
         what = "folder" if folder else "file"
@@ -242,27 +262,40 @@ def side_files(names: list[str]) -> dict[str, dict]:
 
 
 def folder_digest(folder: Path, size: int | None = None) -> tuple[str, int] | None:
-    """SHA-256 over a folder's files (their paths inside it, sizes and contents, in path order) and
-    their total size; None past ``SIDE_FOLDER_FILES`` files or ``SIDE_FILE_MAX`` bytes, or (``size``
-    given) as soon as its files are not that many bytes, before any is hashed."""
-    files: list[tuple[str, Path, int]] = []
+    """SHA-256 over a folder's entries (each folder's path, each file's path, size and SHA-256, in path
+    order) and its files' total size; None for a folder that holds anything but regular files and
+    folders (a FIFO, a device, a linked folder), a name that is not UTF-8, more than
+    ``SIDE_FOLDER_FILES`` files or ``SIDE_FILE_MAX`` bytes, or (``size`` given) files that are not that
+    many bytes, found before any is hashed."""
+    entries: list[tuple[str, Path | None, int]] = []
     total = 0
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames.sort()
+        here = Path(dirpath)
+        for d in dirnames:
+            if (here / d).is_symlink():  # a linked folder is not walked: its files would go unhashed
+                return None
+            entries.append(((here / d).relative_to(folder).as_posix() + "/", None, 0))
         for f in sorted(filenames):
-            p = Path(dirpath) / f
+            p = here / f
             try:
-                n = p.stat().st_size
+                st = p.stat()  # (a link to a regular file is read as that file)
             except OSError:
                 return None
-            total += n
-            files.append((p.relative_to(folder).as_posix(), p, n))
-            if len(files) > SIDE_FOLDER_FILES or total > SIDE_FILE_MAX or size is not None and total > size:
+            if not stat.S_ISREG(st.st_mode):  # a FIFO would block, /dev/zero would never end
+                return None
+            total += st.st_size
+            entries.append((p.relative_to(folder).as_posix(), p, st.st_size))
+            if len(entries) > SIDE_FOLDER_FILES or total > SIDE_FILE_MAX or size is not None and total > size:
                 return None
     if size is not None and total != size:
         return None
-    listing = [[rel, n, _cached_sha256(str(p.resolve()), n, p.stat().st_mtime_ns)] for rel, p, n in files]
-    return hashlib.sha256(canonical_json(sorted(listing))).hexdigest(), total
+    listing = [[rel, n, "" if p is None else _cached_sha256(str(p.resolve()), n, p.stat().st_mtime_ns)]
+               for rel, p, n in entries]
+    try:
+        return hashlib.sha256(canonical_json(sorted(listing))).hexdigest(), total
+    except (UnicodeError, ValueError):  # a name that is not text: not a folder a manifest can pin
+        return None
 
 
 def find_by_content(name: str, sha256: str, size: int, folder: bool = False) -> Path | None:
@@ -277,7 +310,7 @@ def find_by_content(name: str, sha256: str, size: int, folder: bool = False) -> 
             st = p.stat()
             if p.is_file() and st.st_size == size and _cached_sha256(str(p.resolve()), st.st_size, st.st_mtime_ns) == sha256:
                 return p
-        except OSError:
+        except (OSError, UnicodeError):
             continue
     return None
 

@@ -12,14 +12,14 @@ from tqdm import tqdm
 
 from ..bundle.reader import Bundle, as_bundle, open_bundle
 from ..bundle.state import load_state
-from ..commit.hashing import canonical_json, tagged_hash
+from ..commit.hashing import canonical_json, same, tagged_hash
 from ..data.dataset import Dataset
-from ..errors import MalformedInput, RunRejected, VerificationError
+from ..data.locate import no_pins
+from ..errors import RunRejected, VerificationError
 from ..task.base import Task
 from ..verify.challenges import WEAK_BOUND, sample_indices, weak_bound_warning
 from ..verify.cheap import task_of
 from ..verify.data_queries import run_commitments
-from ..verify.finddata import committed_split, run_files
 from ..verify.usage import check_data_usage, check_document_rule, committed_leaves
 from ..verify.verdict import percent_down
 from .certificate import build_body, check_certificate, sign_certificate, spot_probability
@@ -38,13 +38,8 @@ def final_model(bundle: Bundle, task: Task) -> torch.nn.Module:
 def evaluate(bundle_dir: str | os.PathLike, key: Ed25519PrivateKey, progress: bool = True) -> dict:
     """Evaluate the final model on every example of the evaluation split; return a signed certificate."""
     bundle = open_bundle(bundle_dir)
-    with run_files(bundle.manifest):  # the files the run's task read, found by their content wherever they lie
-        return _evaluate(bundle, key, progress)
-
-
-def _evaluate(bundle: Bundle, key: Ed25519PrivateKey, progress: bool) -> dict:
-    run, task = run_commitments(bundle)
-    eval_set = task.eval_dataset()
+    run, task = run_commitments(bundle)  # the training data: found by its content or root, wherever it lies
+    eval_set = evaluation_split(task)
     if len(eval_set) == 0:
         raise ValueError(f"task {task.name!r} has no evaluation split (its make_eval_dataset or eval_dataset gives "
                          "0 examples): there is nothing to certify")
@@ -135,19 +130,21 @@ def name_signer(verdict: EvalVerdict, cert: dict, run_key: str, pinned: str | No
     return verdict.signer_pinned_by is not None
 
 
-def certified_split(task: Task, bundle: Bundle, root: bytes, size: int) -> Dataset:
-    """The task's evaluation split with the certificate's root and size: where the recipe's names
-    point, else found by its content or root in the data folders. Where none is, but the split here
-    has another root, the certificate is rejected; with no split here at all, nothing is decided."""
-    try:
-        return committed_split(task, bundle.manifest, "eval", root, size)[0]
-    except MalformedInput:
-        try:
-            task.eval_dataset()
-        except Exception:  # noqa: BLE001 - no split here to compare with: the error above says what to pass
-            raise
-        raise VerificationError("the certificate's evaluation set is not the task's committed split",
-                                check="eval set") from None
+def evaluation_split(task: Task) -> Dataset:
+    """The task's evaluation split, from this machine's own data, by the names the recipe reads: never
+    by a run's pinned content or a certificate's root, which the trainer chose (the split it would be
+    scored on). Its files are looked up in the --data folders, then WITNESS_DATA, then here."""
+    with no_pins():
+        return task.eval_dataset()
+
+
+def certified_split(task: Task, root: bytes, size: int) -> Dataset:
+    """The evaluation split here, which must be the one the certificate names."""
+    eval_set = evaluation_split(task)
+    if not same(root, eval_set.root) or size != len(eval_set):
+        raise VerificationError("the certificate's evaluation set is not the task's evaluation split here (the "
+                                "one the recipe's names find in the --data folders)", check="eval set")
+    return eval_set
 
 
 def draw_spots(signature: str, nonce: bytes, n: int, m: int) -> list[int]:
@@ -161,13 +158,6 @@ def verify_eval(cert: dict, bundle_dir: str | os.PathLike | Bundle, *, spots: in
     """Check a certificate in full against its bundle (and pinned ``evaluator``), then re-run M random examples."""
     started = time.perf_counter()
     bundle = as_bundle(bundle_dir)
-    with run_files(bundle.manifest):  # the files the run's task read, found by their content wherever they lie
-        return _verify_eval(cert, bundle, started, spots=spots, forged_fraction=forged_fraction, nonce=nonce,
-                            exact=exact, rtol=rtol, evaluator=evaluator)
-
-
-def _verify_eval(cert: dict, bundle: Bundle, started: float, *, spots: int, forged_fraction: float,
-                 nonce: bytes | None, exact: bool, rtol: float, evaluator: str | None) -> EvalVerdict:
     task = task_of(bundle)
     c = check_certificate(cert, task.aggregates, head=bundle.final_head, public_key=bundle.manifest.public_key,
                           evaluator=evaluator)
@@ -178,7 +168,7 @@ def _verify_eval(cert: dict, bundle: Bundle, started: float, *, spots: int, forg
     # bundle carries them) the one the run's batches give.
     check_document_rule(c["document_rule"], task, "the run's final head")
     check_data_usage(bundle, task, committed_leaves(bundle, task) if bundle.leaves is not None else None)
-    eval_set = certified_split(task, bundle, c["eval_root"], c["eval_size"])
+    eval_set = certified_split(task, c["eval_root"], c["eval_size"])
     if len(c["examples"]) != len(eval_set):
         raise VerificationError("the certificate leaves out evaluation examples", check="eval set")
     for e, h in zip(c["examples"], eval_set.hashes, strict=True):

@@ -79,15 +79,6 @@ def check_no_paths(recipe: Any, where: str = "recipe") -> None:  # noqa: ANN401 
                          "and pass the folder with --data DIR (or WITNESS_DATA)")
 
 
-def _eval_split(task: Task) -> None:
-    """Build the task's evaluation split where its files are here (its names go into ``asked``); a
-    split missing or broken now is no reason to stop training: ``witness eval`` says why later."""
-    try:
-        task.eval_dataset()
-    except Exception:  # noqa: BLE001 - the plugin's own loader, on files that may not be here yet
-        pass
-
-
 def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, commit: Commitments,
           training: Training, online: Online) -> tuple[Opened, dict, OnlineSpec | None]:
     """Start a new run in ``out``: derive the seed, build (or adopt) the initial state, write the
@@ -119,8 +110,6 @@ def begin(task: Task, out: str | os.PathLike, key: Ed25519PrivateKey, r: bytes, 
     with asked() as read:  # the data files the task reads: the small ones are pinned by content
         dataset = task.dataset()
         task.probe_bytes()
-        if read:  # a task of data files: its evaluation split's are pinned too (eval finds them by content)
-            _eval_split(task)
     # a task built before in this process (build_task's cache) read its files then: it noted them
     read += [n for n in getattr(task, "data_names", list)() if n not in read]
     if dataset.DOCUMENT_RULE != task.document_rule:

@@ -83,6 +83,11 @@ def package_files_sha256(module: str, also: tuple[str, ...] = ()) -> str:
         top = importlib.import_module(name)
         roots = [Path(p) for p in getattr(top, "__path__", [])] or [Path(top.__file__)]
         for root in roots:
+            if root.is_dir():
+                linked = [p for p in root.rglob("*") if p.is_symlink() and p.is_dir()]
+                if linked:  # imported through, but not walked: code in it would go unpinned
+                    raise ValueError(f"the plugin package {name} holds a linked folder ({linked[0]}): its code "
+                                     "would not be pinned; link files, not folders")
             paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
             for p in paths:
                 if "__pycache__" in p.parts or p.suffix in (".pyc", ".pyo"):

@@ -39,31 +39,26 @@ def committed_dataset(task: Task, m: Manifest) -> tuple[Dataset, str | None]:
     (a sample count unlike the committed one is passed over before anything is hashed). The small
     files the run's task read are each found by their content when the task asks for them."""
     with run_files(m) as found:
-        dataset, note = committed_split(task, m, "train", m.data_root, m.dataset_size)
+        dataset, note = _committed_dataset(task, m)
     return dataset, "; ".join([*found_notes(found), *([note] if note else [])]) or None
 
 
-def _split(task: Task, split: str) -> Dataset:
-    return task.dataset() if split == "train" else task.eval_dataset()
-
-
-def committed_split(task: Task, m: Manifest, split: str, root: bytes, size: int) -> tuple[Dataset, str | None]:
-    """The ``split`` ("train" or "eval") of the run's task whose root and size are these, where the
-    recipe's names point or in any file of the search path that could hold it (within ``run_files``
-    for the pinned ones): the dataset and, if it was not where the names point, where it was."""
+def _committed_dataset(task: Task, m: Manifest) -> tuple[Dataset, str | None]:
+    """The training split whose root the manifest commits (within ``run_files``), where the recipe's
+    names point or in any file of the search path that could hold it. (Only the training split is
+    found so: its root is what the run claims, and what the audit checks. An evaluation split is the
+    verifier's own, by name: ``witness.evals.evaluate.evaluation_split``.)"""
     pins = m.raw.get("data_files") or {}
 
     def matches(dataset: Dataset) -> bool:
-        if len(dataset) != size:
-            return False
-        return same(dataset.commitment_root(m.data_commitment) if split == "train" else dataset.root, root)
+        return len(dataset) == m.dataset_size and same(dataset.commitment_root(m.data_commitment), m.data_root)
 
-    what = "the committed dataset" if split == "train" else "the certified evaluation split"
+    what = "the committed dataset"
     problem = None
     with asked() as names:
         try:
             # the task as built may have read its files by name already: read them where they were found
-            dataset = _split(type(task).from_config(m.task_config) if pins else task, split)
+            dataset = (type(task).from_config(m.task_config) if pins else task).dataset()
             if matches(dataset):
                 return dataset, None
             problem = f"the one here holds {len(dataset)} samples with another root"
@@ -76,22 +71,21 @@ def committed_split(task: Task, m: Manifest, split: str, root: bytes, size: int)
     if not names:  # built already (a cached task): ask a fresh one which names it reads
         with asked() as names:
             try:
-                _split(type(task).from_config(m.task_config), split)
+                type(task).from_config(m.task_config).dataset()
             except Exception:  # noqa: BLE001 - asked only which names it reads; what it raised is said above
                 pass
     for name in [n for n in names if n not in pins]:  # a pinned one was looked for by its content
         for path in candidates(name):
             with pinned({name: path}):
                 try:
-                    dataset = _split(type(task).from_config(m.task_config), split)
+                    dataset = type(task).from_config(m.task_config).dataset()
                     if not matches(dataset):
                         continue
                 except Exception:  # noqa: BLE001 - a folder the task's own loader chokes on is just not the data
                     continue
             return dataset, f"{what} is {path} (found by its root; the recipe names {name!r})"
-    want = f"root {root.hex()[:16]}…, {size} samples"
-    interactive = ", or verify with --mode interactive and the trainer's response, which needs no data" \
-        if split == "train" else ""
+    want = f"root {m.data_root.hex()[:16]}…, {m.dataset_size} samples"
+    interactive = ", or verify with --mode interactive and the trainer's response, which needs no data"
     if not names:  # a dataset the task builds from no data file of its own (the standard library's)
         raise MalformedInput(f"{what} ({want}) is not the one here ({problem}){interactive}")
     where = ", ".join(str(d) for d in search_path())
