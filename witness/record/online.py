@@ -157,9 +157,8 @@ class OnlineChallenges(KeptFiles):
         self.link.resume_at(max(self.statements, default=0))  # type: ignore[attr-defined]
 
     def settled(self, final: int) -> bool:
-        """Whether the audit of a run whose end record is signed by its head of size ``final`` is whole
-        (after ``load``): that head answered, every selected state and window's openings written, and
-        no cosigned checkpoint left in the journal."""
+        """Whether the audit of a run whose end record its head of size ``final`` signs is whole (after ``load``):
+        that head answered, no selected state or window's openings owed, no cosigned checkpoint journaled."""
         return final in self.statements and not self.wanted and not self.reopen and not (self.out / COSIGNED).exists()
 
     def _needed(self, st: BeaconStatement) -> set[int]:
@@ -440,15 +439,10 @@ class OnlineChallenges(KeptFiles):
 
     def report(self) -> dict:
         """What answering cost the trainer."""
-        return {"statements": len(self.statements), "selected": len(self.selected), "written": self.written,
-                "bytes_written": self.bytes_written, "rebuilt": self.rebuilt, "waits": self.waits,
-                "wait_seconds": self.wait_seconds, "peak_ring": self.peak_ring, "copy_seconds": self.copy_seconds,
-                "write_seconds": self.write_seconds, "write_cpu_seconds": self.write_cpu_seconds,
-                "publish_seconds": self.publish_seconds,
-                "copies": self.copies, "shared_copies": self.shared,
-                "heads": self.heads, "body_seconds": self.body_seconds, "post_cpu_seconds": self.post_cpu_seconds,
-                "settle_cpu_seconds": self.settle_cpu_seconds,
-                "trees": self.trees_built, "tree_seconds": self.tree_seconds, "tree_cpu_seconds": self.tree_cpu_seconds,
-                "opened": self.opened, "opened_bytes": self.opened_bytes,
-                "request_cpu_seconds": float(getattr(self.link, "request_cpu_seconds", 0.0)),
-                "settle_latency_mean": self.settle_latency / self.heads if self.settle_latency else 0.0}
+        kept = ("written", "bytes_written", "rebuilt", "waits", "wait_seconds", "peak_ring", "copy_seconds", "write_seconds",
+                "write_cpu_seconds", "publish_seconds", "copies", "heads", "body_seconds", "post_cpu_seconds",
+                "settle_cpu_seconds", "tree_seconds", "tree_cpu_seconds", "opened", "opened_bytes")
+        return {k: getattr(self, k) for k in kept} | {
+            "statements": len(self.statements), "selected": len(self.selected), "shared_copies": self.shared,
+            "trees": self.trees_built, "request_cpu_seconds": float(getattr(self.link, "request_cpu_seconds", 0.0)),
+            "settle_latency_mean": self.settle_latency / self.heads if self.settle_latency else 0.0}
