@@ -122,7 +122,7 @@ def test_two_accounts_two_methods_three_seeds_each_certified_and_ranked(board):
     assert wide_e.mean > slow_e.mean and p < ALPHA  # a wide margin (about 0.7 against chance)
     page = c.get("/tracks/golf").text
     for e in (wide_e, slow_e):
-        assert f"{e.mean:.4f}" in page and e.method in page
+        assert f">{views.number(e.mean)}<" in page and e.method in page  # as the page writes figures: 4 digits
     assert "improvement over narrow-and-slow" in page and "Welch" in page
     assert "at most 12 steps, 2,000 tokens, 2,000 parameters" in page  # the budget, not a recipe
     # the board's own log holds every decision
