@@ -267,7 +267,7 @@ def folder_digest(folder: Path, size: int | None = None) -> tuple[str, int] | No
     folders (a FIFO, a device, a linked folder), a name that is not UTF-8, more than
     ``SIDE_FOLDER_FILES`` files or ``SIDE_FILE_MAX`` bytes, or (``size`` given) files that are not that
     many bytes, found before any is hashed."""
-    entries: list[tuple[str, Path | None, int]] = []
+    entries: list[tuple[str, Path | None, int, int]] = []  # (path inside, file, size, mtime)
     total = 0
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames.sort()
@@ -275,7 +275,7 @@ def folder_digest(folder: Path, size: int | None = None) -> tuple[str, int] | No
         for d in dirnames:
             if (here / d).is_symlink():  # a linked folder is not walked: its files would go unhashed
                 return None
-            entries.append(((here / d).relative_to(folder).as_posix() + "/", None, 0))
+            entries.append(((here / d).relative_to(folder).as_posix() + "/", None, 0, 0))
         for f in sorted(filenames):
             p = here / f
             try:
@@ -285,13 +285,13 @@ def folder_digest(folder: Path, size: int | None = None) -> tuple[str, int] | No
             if not stat.S_ISREG(st.st_mode):  # a FIFO would block, /dev/zero would never end
                 return None
             total += st.st_size
-            entries.append((p.relative_to(folder).as_posix(), p, st.st_size))
+            entries.append((p.relative_to(folder).as_posix(), p, st.st_size, st.st_mtime_ns))
             if len(entries) > SIDE_FOLDER_FILES or total > SIDE_FILE_MAX or size is not None and total > size:
                 return None
     if size is not None and total != size:
         return None
-    listing = [[rel, n, "" if p is None else _cached_sha256(str(p.resolve()), n, p.stat().st_mtime_ns)]
-               for rel, p, n in entries]
+    listing = [[rel, n, "" if p is None else _cached_sha256(str(p.resolve()), n, mtime)]
+               for rel, p, n, mtime in entries]
     try:
         return hashlib.sha256(canonical_json(sorted(listing))).hexdigest(), total
     except (UnicodeError, ValueError):  # a name that is not text: not a folder a manifest can pin

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 
 from ..commit.sorted_tree import SortedTree
+from ..errors import VerificationError
 
 NGRAM = 64
 
@@ -50,3 +51,17 @@ def near_duplicates(eval_docs: list[tuple[str, bytes]], train_docs: list[bytes],
 def contaminated(eval_docs: list[tuple[str, bytes]], used: SortedTree) -> list[str]:
     """Names of evaluation documents (name, hash) that the run trained on."""
     return [name for name, h in eval_docs if h in used]
+
+
+def absence_proofs(eval_docs: list[tuple[str, bytes, bytes]], used: SortedTree,
+                   train_docs: list[tuple[str, bytes, bytes]]) -> tuple[list, dict]:
+    """Every evaluation document (name, hash, bytes) proven absent from the run's used-document tree, and
+    the near duplicates among the training documents it used; ``VerificationError`` naming one it trained
+    on. (absences, near duplicates)."""
+    dirty = contaminated([(n, h) for n, h, _ in eval_docs], used)
+    if dirty:
+        raise VerificationError(f"the run trained on {len(dirty)} evaluation document(s), e.g. {dirty[0]!r}; "
+                                "no clean certificate exists", check="contamination")
+    trained = [data for _, h, data in train_docs if h in used]
+    return [(n, h, used.prove_absent(h)) for n, h, _ in eval_docs], \
+        near_duplicates([(n, data) for n, _, data in eval_docs], trained)

@@ -23,7 +23,7 @@ from ..verify.data_queries import run_commitments
 from ..verify.usage import check_data_usage, check_document_rule, committed_leaves
 from ..verify.verdict import percent_down
 from .certificate import build_body, check_certificate, sign_certificate, spot_probability
-from .contamination import contaminated, near_duplicates
+from .contamination import absence_proofs
 from .release import final_model_tensors
 
 
@@ -43,15 +43,8 @@ def evaluate(bundle_dir: str | os.PathLike, key: Ed25519PrivateKey, progress: bo
     if len(eval_set) == 0:
         raise ValueError(f"task {task.name!r} has no evaluation split (its make_eval_dataset or eval_dataset gives "
                          "0 examples): there is nothing to certify")
-    docs = eval_set.documents_list()
-    dirty = contaminated([(n, h) for n, h, _ in docs], run.usage.documents)
-    if dirty:
-        raise VerificationError(f"the run trained on {len(dirty)} evaluation document(s), e.g. {dirty[0]!r}; "
-                                "no clean certificate exists", check="contamination")
-    absences = [(n, h, run.usage.documents.prove_absent(h)) for n, h, _ in docs]
-    used = run.usage.documents
-    train_docs = [data for _, h, data in run.dataset.documents_list() if h in used]  # the committed one, found
-    near = near_duplicates([(n, data) for n, _, data in docs], train_docs)
+    # near duplicates from the committed training data, where it was found
+    absences, near = absence_proofs(eval_set.documents_list(), run.usage.documents, run.dataset.documents_list())
 
     model = final_model(bundle, task)
     examples = []

@@ -24,7 +24,7 @@ from ..bundle.checkpoint import write_state
 from ..bundle.reader import Bundle
 from ..data.usage import UsageCommitment
 from ..errors import MalformedInput, VerificationError
-from ..evals.contamination import contaminated, near_duplicates
+from ..evals.contamination import absence_proofs
 from ..evals.release import final_model_tensors
 from .process import MethodFailed, MethodSandbox
 from .remote import RemoteSession, RemoteTask, pack_samples
@@ -116,15 +116,16 @@ def admit(wheel: MethodWheel, budget: Budget, data_task: Any, name: str | None =
     if not getattr(data_task, "hides_targets", False):
         raise MalformedInput(f"task {data_task.name!r} cannot score a method with its targets hidden")
     name = task_name(wheel, name)
+    data = data_task.dataset()
     # an admission does not wait for the host's sandbox (``SandboxBusy``: the server answers "try later"), and
     # holds it briefly: its requests are limited to ADMIT_SECONDS each
     with MethodSandbox(wheel, name, threads, wait=0.0, step_seconds=ADMIT_SECONDS) as box:
         task = RemoteTask(box, {})
         c = task.config
-        session = RemoteSession(task, b"\0" * 32, len(data_task.dataset()))
+        session = RemoteSession(task, b"\0" * 32, len(data))
         params = count_params(session.state())
         described_root = task.data_root
-    if described_root is not None and described_root != data_task.dataset().root.hex():
+    if described_root is not None and described_root != data.root.hex():
         raise MalformedInput("the method trains on other data than the track's (its dataset's root is not the "
                              "track's)")
     if task.document_rule != data_task.document_rule:
@@ -132,7 +133,6 @@ def admit(wheel: MethodWheel, budget: Budget, data_task: Any, name: str | None =
                              f"{data_task.document_rule!r}, and the track decides it")
     # tokens: at least the fewest a sample of the track's data has, for every sample (the run's own count,
     # at certification, is exact)
-    data = data_task.dataset()
     fewest = min((data_task.sample_tokens(data.sample_bytes(i)) for i in range(len(data))), default=0) \
         if budget.max_tokens is not None else 0
     over = budget.breaches(c.steps, c.steps * c.batch_size, c.steps * c.batch_size * fewest, params)
@@ -207,12 +207,6 @@ def score_blind(box: MethodSandbox, task: RemoteTask, bundle: Bundle, data_task:
 def contamination(bundle: Bundle, data_task: Any) -> tuple[list, dict]:  # noqa: ANN401 - a Task
     """Every evaluation document proven absent from what the run trained on (``VerificationError`` naming
     one it trained on), and the near duplicates; (absences, near)."""
-    usage = usage_of(bundle, data_task.dataset())
-    docs = data_task.eval_dataset().documents_list()
-    dirty = contaminated([(n, h) for n, h, _ in docs], usage.documents)
-    if dirty:
-        raise VerificationError(f"the run trained on {len(dirty)} evaluation document(s), e.g. {dirty[0]!r}",
-                                check="contamination")
-    train = [data for _, h, data in data_task.dataset().documents_list() if h in usage.documents]
-    return [(n, h, usage.documents.prove_absent(h)) for n, h, _ in docs], \
-        near_duplicates([(n, data) for n, _, data in docs], train)
+    data = data_task.dataset()
+    return absence_proofs(data_task.eval_dataset().documents_list(), usage_of(bundle, data).documents,
+                          data.documents_list())

@@ -121,17 +121,19 @@ class SyntheticClassifierTask(Task):
         if outputs.shape != (self.config.classes,) or not outputs.is_floating_point() \
                 or not bool(torch.isfinite(outputs).all()):
             raise ValueError(f"the outputs are not {self.config.classes} finite logits")
-        logits, y = outputs.to(torch.float32).unsqueeze(0), torch.tensor([sample[self.features]])
-        pred = int(logits.argmax(dim=-1))
-        return {"loss": float(F.cross_entropy(logits, y)), "prediction": pred, "correct": pred == int(y)}
+        return _result(outputs.to(torch.float32).unsqueeze(0), torch.tensor([sample[self.features]]))
 
     @torch.no_grad()
     def eval_example(self, model, sample: bytes) -> dict:
         """Loss, predicted class, correctness."""
         x, y = self.collate([sample])
-        logits = model(x)
-        pred = int(logits.argmax(dim=-1))
-        return {"loss": float(F.cross_entropy(logits, y)), "prediction": pred, "correct": pred == int(y)}
+        return _result(model(x), y)
+
+
+def _result(logits: torch.Tensor, y: torch.Tensor) -> dict:
+    """One example's loss, predicted class and correctness, from its logits (a batch of one)."""
+    pred = int(logits.argmax(dim=-1))
+    return {"loss": float(F.cross_entropy(logits, y)), "prediction": pred, "correct": pred == int(y)}
 
 
 class TinyTask(SyntheticClassifierTask):
