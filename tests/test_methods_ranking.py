@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 
 import pytest
 from lbhelpers import make_settings
+from scipy import stats
 from starlette.testclient import TestClient
 
 from witness.leaderboard import views
@@ -34,6 +36,12 @@ def test_welchs_test_gives_the_textbook_figures():
     assert welch_p(A1, A2, higher_is_better=False) == pytest.approx(p)  # lower is better: A1 beats A2
     assert welch_p([1.0], A1, True) == 1.0  # one seed: no spread to test with
     assert welch_p([2.0, 2.0], [1.0, 1.0], True) == 0.0 and welch_p([1.0, 1.0], [1.0, 1.0], True) == 1.0
+    # one side with no spread (a method that scores the same on every seed): Welch's test is then the one-sample
+    # test against that score, and it is exact, with no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = welch_p([0.70, 0.75, 0.81], [0.2578125] * 3, True)
+    assert p == pytest.approx(stats.ttest_1samp([0.70, 0.75, 0.81], 0.2578125, alternative="greater").pvalue)
 
 
 def _entry(name: str, values: list[float], first_ms: int) -> MethodEntry:
