@@ -153,7 +153,8 @@ def test_each_rank_keeps_only_its_share(runs):
     assert sum(shares) < joined + 64 and all(s < 0.75 * joined for s in shares), (shares, joined)  # about half each
     costs = [json.loads(Path(f"{runs['dir'] / 'ddp.cost'}.{r}").read_text()) for r in (0, 1)]
     assert costs[0]["written"] == costs[1]["written"] == len(b.online_shards)
-    assert costs[1]["peak_ring"] <= costs[0]["peak_ring"] <= 9  # another rank never holds more than rank 0
+    # another rank never holds more than rank 0: rank 0 frees a state only once its note to the others is out
+    assert costs[1]["peak_ring"] <= costs[0]["peak_ring"] <= 9, costs
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])

@@ -391,9 +391,6 @@ class OnlineChallenges(KeptFiles):
                 elif not self.state_path(n).exists():
                     self.wanted.add(n)
             self.covered = covered
-            for n in [n for n in self.ring if n < covered]:
-                free.append(self.ring.pop(n))
-                self.trees.pop(n, None)
         window = None
         if opening is not None and self.on_opening is not None:
             window = self.on_opening(st, win.start, opening)  # type: ignore[arg-type]
@@ -402,6 +399,11 @@ class OnlineChallenges(KeptFiles):
             self._write_openings(st.size, win.start, chunks, self._window_pieces(opening, chunks))
         if self.on_answer is not None:
             self.on_answer(covered, sorted(needed), window)
+        # covered states leave the ring once the note is out: other ranks free theirs by rank 0's notes
+        with self._lock:
+            for n in [n for n in self.ring if n < covered]:
+                free.append(self.ring.pop(n))
+                self.trees.pop(n, None)
         for t in fresh:  # the samples need no state: written outside the lock, like the states
             self._write_samples(t)
         for n, slot in write:
