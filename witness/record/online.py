@@ -395,8 +395,7 @@ class OnlineChallenges(KeptFiles):
         if opening is not None and self.on_opening is not None:
             window = self.on_opening(st, win.start, opening)  # type: ignore[arg-type]
         elif opening is not None:
-            chunks = self._chunks_of(st)
-            self._write_openings(st.size, win.start, chunks, self._window_pieces(opening, chunks))
+            self._write_openings(st.size, win.start, c := self._chunks_of(st), self._window_pieces(opening, c))
         if self.on_answer is not None:
             self.on_answer(covered, sorted(needed), window)
         # covered states leave the ring once the note is out: other ranks free theirs by rank 0's notes
