@@ -209,6 +209,7 @@ def test_an_online_run_of_a_method_replays_its_selected_steps_in_the_sandbox(tmp
 
     wheel = wheel_bytes(method_source())
     beacon = Beacon(tmp_path)
+    beacon.steer(hit={2, 11}, steps=16)  # (a fair draw selects no step of 16 once in a hundred runs)
     site = read_wheel(wheel).install(tmp_path / "trainer-site")
     with monkeypatch.context() as m:  # the trainer's process has the method installed; the verifier's not
         m.syspath_prepend(str(site))
@@ -223,5 +224,5 @@ def test_an_online_run_of_a_method_replays_its_selected_steps_in_the_sandbox(tmp
     v = Verifier(Trust(beacon_key=beacon.public_key, method=read_wheel(wheel)), Policy(mode="online")).verify(
         tmp_path / "run")
     selected = v.online["selected"]
-    assert v.accepted and selected and v.distinct_steps == len(selected), (v.failures, selected)
+    assert v.accepted and {2, 11} <= set(selected) and v.distinct_steps == len(selected), (v.failures, selected)
     assert any("ran only in the sandbox" in c for c in v.checks)
